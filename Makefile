@@ -1,0 +1,25 @@
+# Two commands on a fresh machine: `make demo` and `make test`.
+# Each creates .venv if missing and installs what it needs, torch pinned by constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench clean
+
+$(STAMP): pyproject.toml constraints.txt
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) examples/plot_save_memory.py
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) -m benchmarks
+
+clean:
+	rm -rf $(VENV) build *.egg-info

@@ -1,0 +1,166 @@
+"""The registry: module type -> per-parameter derivatives, each with named strategies.
+
+A *quantity* is what the first-order extensions ask of one parameter ``p``:
+
+==================  ==========================================  ================
+quantity            meaning                                     shape
+==================  ==========================================  ================
+``batch_grad``      per-sample gradients g_n                    ``[N, *p.shape]``
+``batch_l2``        their squared norms ‖g_n‖²                  ``[N]``
+``sum_grad_squared``  Σ_n g_n ⊙ g_n                             ``p.shape``
+``grad``            Σ_n g_n (what autograd puts in ``.grad``)   ``p.shape``
+==================  ==========================================  ================
+
+Only ``batch_grad`` is required. The extensions derive the other three from it,
+chunked over the batch, unless a strategy computes them directly (the ghost norm,
+say). A *strategy* is one implementation of one quantity, registered by name:
+
+.. code-block:: python
+
+    @register(nn.Conv2d, "weight", "batch_grad", "unfold", cost=unfold_cost)
+    def conv_weight_unfold(x, g, *, stride, ...):
+        '''x: [N, C_in, *spatial_in], g: [N, C_out, *spatial_out] -> [N, *weight.shape]'''
+
+Each function takes ``(x, g, **hyperparams)``: what the layer's ``keep`` returns of
+its inputs (default: the first positional input), the gradient of the loss w.r.t. its
+output(s), both with the batch axis first, and the keyword hyper-parameters that the
+layer's ``hyperparams(module)`` reads off the module. The optional ``cost`` takes the
+same arguments' *shapes* and returns a :class:`Cost`, or ``None`` where the strategy
+does not apply; ``auto`` picks the cheapest. A strategy without ``cost`` counts as
+free, so it always wins ``auto``.
+
+This package imports torch, einops and opt_einsum, and no other jacmem code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, Optional, Tuple
+
+from torch import nn
+
+QUANTITIES = ("batch_grad", "batch_l2", "sum_grad_squared", "grad")
+
+
+@dataclass(frozen=True)
+class Cost:
+    """Estimated cost of one strategy on the whole batch.
+
+    ``flops``: floating-point operations. ``workspace``: bytes of temporary memory,
+    excluding the result; it scales with the batch, so chunking divides it.
+    """
+
+    flops: float
+    workspace: float
+
+
+@dataclass(frozen=True)
+class Strategy:
+    """One implementation of one quantity. ``fn(x, g, **hp)``; ``cost(xs, gs, **hp)``
+    with the shapes of ``x`` and ``g``."""
+
+    fn: Callable[..., Any]
+    cost: Optional[Callable[..., Optional[Cost]]] = None
+
+
+def _first_input(args: tuple, kwargs: dict) -> Any:
+    return args[0]
+
+
+def _identity(output: Any) -> Any:
+    return output
+
+
+@dataclass
+class LayerDerivatives:
+    """Everything jacmem knows about one module type.
+
+    hyperparams: ``module -> dict`` of keyword arguments for the derivative functions.
+    keep: ``(args, kwargs) -> x``, what to keep of the forward inputs, batch axis first.
+    outputs: ``output -> tensor or tuple of tensors`` whose gradients make ``g``.
+    input_free: parameters whose derivatives never read ``x`` (biases): when only
+        those are trainable, no input is kept.
+    strategies: ``(param, quantity) -> {name: Strategy}``.
+    """
+
+    hyperparams: Callable[[nn.Module], Dict[str, Any]] = lambda module: {}
+    keep: Callable[[tuple, dict], Any] = _first_input
+    outputs: Callable[[Any], Any] = _identity
+    input_free: set = field(default_factory=set)
+    strategies: Dict[Tuple[str, str], Dict[str, Strategy]] = field(default_factory=dict)
+
+    @property
+    def params(self) -> Tuple[str, ...]:
+        """Names of the parameters that have at least a ``batch_grad``."""
+        return tuple(p for p, q in self.strategies if q == "batch_grad")
+
+    def names(self) -> set:
+        """Every strategy name this layer offers, for any parameter and quantity."""
+        return {name for table in self.strategies.values() for name in table}
+
+
+REGISTRY: Dict[type, LayerDerivatives] = {}
+
+
+def layer(
+    module_type: type,
+    *,
+    hyperparams: Optional[Callable[[nn.Module], Dict[str, Any]]] = None,
+    keep: Optional[Callable[[tuple, dict], Any]] = None,
+    outputs: Optional[Callable[[Any], Any]] = None,
+    input_free: Tuple[str, ...] = (),
+) -> LayerDerivatives:
+    """Declare (or update) how jacmem reads a module type; returns its entry."""
+    entry = REGISTRY.setdefault(module_type, LayerDerivatives())
+    if hyperparams is not None:
+        entry.hyperparams = hyperparams
+    if keep is not None:
+        entry.keep = keep
+    if outputs is not None:
+        entry.outputs = outputs
+    entry.input_free |= set(input_free)
+    return entry
+
+
+def register(
+    module_type: type,
+    param: str,
+    quantity: str = "batch_grad",
+    strategy: str = "default",
+    *,
+    cost: Optional[Callable[..., Optional[Cost]]] = None,
+) -> Callable[[Callable], Callable]:
+    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
+    parameter ``param`` of ``module_type``.
+
+    This is also the public way to teach jacmem a module of your own, see
+    ``examples/custom_module.py``. Declare the module's hyper-parameters and what to
+    keep with :func:`layer` first, where the defaults do not fit.
+    """
+    if quantity not in QUANTITIES:
+        raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
+
+    def decorate(fn: Callable) -> Callable:
+        entry = REGISTRY.setdefault(module_type, LayerDerivatives())
+        entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost)
+        return fn
+
+    return decorate
+
+
+def lookup(module: nn.Module) -> Optional[LayerDerivatives]:
+    """The entry for ``type(module)``, or for its nearest registered base class when
+    the subclass keeps that class's ``forward`` (so its math is the same)."""
+    for cls in type(module).__mro__:
+        if cls in REGISTRY:
+            return REGISTRY[cls] if type(module).forward is cls.forward else None
+    return None
+
+
+def all_strategy_names() -> set:
+    """Every strategy name registered for any layer."""
+    return {name for entry in REGISTRY.values() for name in entry.names()}
+
+
+# The layer families register themselves on import.
+from jacmem.derivatives import conv, linear  # noqa: E402,F401

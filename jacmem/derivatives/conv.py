@@ -1,0 +1,174 @@
+"""nn.Conv1d, nn.Conv2d and nn.Conv3d: every padding, padding_mode, stride, dilation
+and group count.
+
+Shapes: ``x [N, C_in, *S_in]``, ``g [N, C_out, *S_out]``, ``weight [C_out, C_in/G, *K]``,
+``bias [C_out]``; ``G`` groups. The input is padded first (with the layer's own
+``padding_mode``), so the derivatives below only see ``padding=0``.
+
+Two strategies give the per-sample weight gradients:
+
+* ``unfold``: im2col as a strided view ``[N, C_in, *K, *S_out]``, then one contraction
+  with ``g``. The contraction copies the view (the im2col buffer), so the extensions
+  chunk it over the batch.
+* ``save_memory`` (Rochette et al., 2019): the per-sample gradient is a correlation of
+  each sample's input with its own output gradient. One grouped convolution computes
+  it for the whole batch, with the input's channels as the batch and the samples as
+  groups: no im2col buffer. BackPACK uses a convolution of one dimension higher and
+  so has no 3d version; this form has the same dimension and works for 1d, 2d and 3d.
+
+``ghost`` gives the squared norms alone, ``⟨A Aᵀ, G Gᵀ⟩`` per sample and group, where
+``A`` is the unfolded input; it pays off when ``S_out`` is small against the kernel.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Sequence, Tuple
+
+import torch
+from einops import rearrange
+from opt_einsum import contract
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from jacmem.derivatives import Cost, layer, register
+
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
+
+
+def conv_hyperparams(module: nn.modules.conv._ConvNd) -> dict:
+    """The keyword arguments of every conv derivative, read off the module."""
+    if isinstance(module.padding, str):
+        if module.padding == "valid":
+            padding = tuple((0, 0) for _ in module.kernel_size)
+        else:  # "same": as torch does it, the odd pixel goes right
+            totals = [d * (k - 1) for d, k in zip(module.dilation, module.kernel_size)]
+            padding = tuple((t // 2, t - t // 2) for t in totals)
+    else:
+        padding = tuple((p, p) for p in module.padding)
+    return dict(
+        kernel_size=tuple(module.kernel_size),
+        stride=tuple(module.stride),
+        dilation=tuple(module.dilation),
+        groups=module.groups,
+        padding=padding,
+        padding_mode=module.padding_mode,
+    )
+
+
+def pad(x: Tensor, padding: Sequence[Tuple[int, int]], padding_mode: str) -> Tensor:
+    """[N, C, *S] -> [N, C, *S_padded], as the layer pads before it convolves."""
+    flat = [side for pair in reversed(padding) for side in pair]
+    if not any(flat):
+        return x
+    return F.pad(x, flat, mode="constant" if padding_mode == "zeros" else padding_mode)
+
+
+def unfold(x: Tensor, kernel_size, stride, dilation) -> Tensor:
+    """im2col as a view, no copy: padded [N, C, *S] -> [N, C, *K, *S_out]."""
+    n, c, *space = x.shape
+    s_n, s_c, *s_space = x.stride()
+    out = [(s - d * (k - 1) - 1) // st + 1 for s, k, st, d in zip(space, kernel_size, stride, dilation)]
+    return x.as_strided(
+        (n, c, *kernel_size, *out),
+        (s_n, s_c, *[s * d for s, d in zip(s_space, dilation)], *[s * st for s, st in zip(s_space, stride)]),
+        x.storage_offset(),
+    )
+
+
+def _letters(d: int) -> Tuple[str, str]:
+    """Einsum letters for d kernel axes and d output axes."""
+    return "klm"[:d], "xyz"[:d]
+
+
+def _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """Padded, unfolded input [N, G, C_in/G, *K, *S_out] and g as [N, G, C_out/G, *S_out]."""
+    cols = unfold(pad(x, padding, padding_mode), kernel_size, stride, dilation)
+    cols = cols.unflatten(1, (groups, -1))
+    return cols, g.unflatten(1, (groups, -1))
+
+
+def _sizes(xs, gs, kernel_size, groups):
+    """(N, C_in/G, C_out, prod(K), prod(S_out)) from the shapes of x and g."""
+    return xs[0], xs[1] // groups, gs[1], prod(kernel_size), prod(gs[2:])
+
+
+def _unfold_cost(xs, gs, *, kernel_size, groups, **_):
+    n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
+    return Cost(flops=2 * n * o * c * k * p, workspace=n * c * groups * k * p)
+
+
+def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """Per-sample weight gradients by im2col: [N, C_in, *S_in], [N, C_out, *S_out]
+    -> [N, C_out, C_in/G, *K]"""
+    cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
+    k, s = _letters(len(kernel_size))
+    out = contract(f"ngo{s},ngc{k}{s}->ngoc{k}", g, cols)
+    return out.flatten(1, 2)
+
+
+def _save_memory_cost(xs, gs, *, kernel_size, groups, padding, **_):
+    n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
+    padded = prod(s + sum(lr) for s, lr in zip(xs[2:], padding))
+    return Cost(flops=2 * n * o * c * k * p, workspace=n * c * groups * padded)
+
+
+def weight_batch_grad_save_memory(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """Per-sample weight gradients by one grouped convolution (Rochette et al., 2019):
+    [N, C_in, *S_in], [N, C_out, *S_out] -> [N, C_out, C_in/G, *K]
+
+    With ``c`` the channel within a group, sample ``n`` and group ``q``:
+    ``grad[n, (q o), c, k] = Σ_t x[n, (q c), k·dilation + t·stride] g[n, (q o), t]``,
+    a convolution of ``x`` (batch ``c``, channels ``(n q)``) with ``g`` as the kernel,
+    in ``N·G`` groups, where stride and dilation trade places.
+    """
+    n = x.shape[0]
+    d = len(kernel_size)
+    x = rearrange(pad(x, padding, padding_mode), "n (q c) ... -> c (n q) ...", q=groups)
+    kernel = rearrange(g, "n (q o) ... -> (n q o) 1 ...", q=groups)
+    out = _CONV[d](x, kernel, stride=dilation, dilation=stride, groups=n * groups)
+    out = out[(..., *[slice(0, k) for k in kernel_size])]
+    return rearrange(out, "c (n o) ... -> n o c ...", n=n)
+
+
+def _grad_cost(xs, gs, *, kernel_size, groups, **_):
+    n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
+    return Cost(flops=2 * n * o * c * k * p, workspace=0)
+
+
+def weight_grad(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """The summed weight gradient, as autograd computes it: -> [C_out, C_in/G, *K]"""
+    x = pad(x, padding, padding_mode)
+    shape = (g.shape[1], x.shape[1] // groups, *kernel_size)
+    return _CONV_WEIGHT[len(kernel_size)](x, shape, g, stride=stride, dilation=dilation, groups=groups)
+
+
+def _ghost_cost(xs, gs, *, kernel_size, groups, **_):
+    n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
+    return Cost(flops=2 * n * groups * p * p * (c * k + o // groups), workspace=n * groups * (c * k * p + 2 * p * p))
+
+
+def weight_batch_l2_ghost(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """Squared norms of the per-sample weight gradients, Σ_q ⟨A_q A_qᵀ, G_q G_qᵀ⟩, without
+    forming them: [N, C_in, *S_in], [N, C_out, *S_out] -> [N]"""
+    cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
+    cols = cols.flatten(2, 2 + len(kernel_size)).flatten(3)  # [N, G, C_in/G·K, P]
+    g = g.flatten(3)  # [N, G, C_out/G, P]
+    aa = contract("nqcp,nqcr->nqpr", cols, cols)
+    gg = contract("nqop,nqor->nqpr", g, g)
+    return contract("nqpr,nqpr->n", aa, gg)
+
+
+def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
+    """Per-sample bias gradients: [N, C_out, *S_out] -> [N, C_out]"""
+    return g.flatten(2).sum(2)
+
+
+for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
+    layer(_module, hyperparams=conv_hyperparams, input_free=("bias",))
+    register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost)(weight_batch_grad_unfold)
+    register(_module, "weight", "batch_grad", "save_memory", cost=_save_memory_cost)(weight_batch_grad_save_memory)
+    register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
+    register(_module, "weight", "grad", "direct", cost=_grad_cost)(weight_grad)
+    register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)

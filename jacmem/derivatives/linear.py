@@ -1,0 +1,81 @@
+"""nn.Linear on inputs of any rank.
+
+Shapes: ``x [N, *, I]``, ``g [N, *, O]``, ``weight [O, I]``, ``bias [O]``. The middle
+axes ``*`` (a sequence, say) are flattened to one axis ``T``; each sample's gradient sums
+over them.
+"""
+
+from __future__ import annotations
+
+from math import prod
+
+from einops import rearrange
+from opt_einsum import contract
+from torch import Tensor, nn
+
+from jacmem.derivatives import Cost, layer, register
+
+layer(nn.Linear, input_free=("bias",))
+
+
+def _flat(t: Tensor) -> Tensor:
+    """[N, *, F] -> [N, T, F]"""
+    return rearrange(t, "n ... f -> n (...) f")
+
+
+def _dims(xs, gs):
+    """Shapes of x and g -> (N, T, I, O)."""
+    return xs[0], prod(xs[1:-1]), xs[-1], gs[-1]
+
+
+def _outer_cost(xs, gs) -> Cost:
+    N, T, I, O = _dims(xs, gs)
+    return Cost(flops=2 * N * T * I * O, workspace=0)
+
+
+@register(nn.Linear, "weight", "batch_grad", "outer", cost=_outer_cost)
+def weight_batch_grad(x: Tensor, g: Tensor) -> Tensor:
+    """Per-sample gradients Σ_t g_t x_tᵀ: [N, *, I], [N, *, O] -> [N, O, I]"""
+    return contract("nto,nti->noi", _flat(g), _flat(x))
+
+
+@register(nn.Linear, "weight", "grad", "outer", cost=_outer_cost)
+def weight_grad(x: Tensor, g: Tensor) -> Tensor:
+    """Summed gradient: [N, *, I], [N, *, O] -> [O, I]"""
+    return contract("nto,nti->oi", _flat(g), _flat(x))
+
+
+def _ghost_cost(xs, gs) -> Cost:
+    N, T, I, O = _dims(xs, gs)
+    if T == 1:
+        return Cost(flops=2 * N * (I + O), workspace=0)
+    return Cost(flops=2 * N * T * T * (I + O), workspace=2 * N * T * T)
+
+
+@register(nn.Linear, "weight", "batch_l2", "ghost", cost=_ghost_cost)
+def weight_batch_l2_ghost(x: Tensor, g: Tensor) -> Tensor:
+    """Ghost norm ‖Gᵀ X‖² = ⟨X Xᵀ, G Gᵀ⟩ per sample, without the gradient:
+    [N, *, I], [N, *, O] -> [N]"""
+    x, g = _flat(x), _flat(g)
+    if x.shape[1] == 1:
+        return x.square().sum((1, 2)) * g.square().sum((1, 2))
+    xx = contract("nti,nsi->nts", x, x)
+    gg = contract("nto,nso->nts", g, g)
+    return contract("nts,nts->n", xx, gg)
+
+
+def _squares_cost(xs, gs):
+    N, T, I, O = _dims(xs, gs)
+    return Cost(flops=N * (I + O) + 2 * N * I * O, workspace=N * (I + O)) if T == 1 else None
+
+
+@register(nn.Linear, "weight", "sum_grad_squared", "squares", cost=_squares_cost)
+def weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
+    """Σ_n (g_n x_nᵀ)² = (g²)ᵀ x², valid without middle axes: [N, I], [N, O] -> [O, I]"""
+    return contract("no,ni->oi", _flat(g).squeeze(1).square(), _flat(x).squeeze(1).square())
+
+
+@register(nn.Linear, "bias", "batch_grad", "sum")
+def bias_batch_grad(x, g: Tensor) -> Tensor:
+    """Per-sample bias gradients: [N, *, O] -> [N, O]"""
+    return _flat(g).sum(1)

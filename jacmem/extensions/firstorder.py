@@ -1,0 +1,203 @@
+"""First-order extensions: BatchGrad, BatchL2Grad, SumGradSquared, Variance.
+
+Names, shapes and scaling follow BackPACK 1.7.1: per-sample gradients are those of the
+loss as reduced, so with ``reduction="mean"`` they carry its ``1/N`` and
+``grad_batch.sum(0) == grad``.
+
+Each extension names the *quantities* (see :mod:`jacmem.derivatives`) it needs; the
+block computes the union once per parameter. :func:`compute` does that for one call
+of one module, choosing a strategy per quantity and chunking over the batch so that
+temporary memory stays under a budget.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Callable, Dict, Iterable, List, Optional, Tuple
+
+from torch import Tensor
+
+from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
+
+#: quantities that add up over the calls of a module (weight tying, loops)
+LINEAR_QUANTITIES = ("batch_grad", "grad")
+PER_SAMPLE = ("batch_grad", "batch_l2")
+
+
+class FirstOrderExtension:
+    """Base class: ``savefield`` is the parameter attribute the result goes to."""
+
+    savefield: str = ""
+    quantities: Tuple[str, ...] = ()
+
+    def finalize(self, q: Dict[str, Tensor], batch_size: int) -> Tensor:
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+class BatchGrad(FirstOrderExtension):
+    """Per-sample gradients, ``param.grad_batch``: ``[N, *param.shape]``."""
+
+    savefield, quantities = "grad_batch", ("batch_grad",)
+
+    def finalize(self, q, batch_size):
+        return q["batch_grad"]
+
+
+class BatchL2Grad(FirstOrderExtension):
+    """Squared norms of the per-sample gradients, ``param.batch_l2``: ``[N]``."""
+
+    savefield, quantities = "batch_l2", ("batch_l2",)
+
+    def finalize(self, q, batch_size):
+        return q["batch_l2"]
+
+
+class SumGradSquared(FirstOrderExtension):
+    """Sum of the squared per-sample gradients, ``param.sum_grad_squared``: ``param.shape``."""
+
+    savefield, quantities = "sum_grad_squared", ("sum_grad_squared",)
+
+    def finalize(self, q, batch_size):
+        return q["sum_grad_squared"]
+
+
+class Variance(FirstOrderExtension):
+    """Gradient variance as BackPACK defines it, ``param.variance``: ``param.shape``.
+
+    ``sum_grad_squared / N - (grad / N)²``, with ``grad`` the summed gradient.
+    """
+
+    savefield, quantities = "variance", ("sum_grad_squared", "grad")
+
+    def finalize(self, q, batch_size):
+        return q["sum_grad_squared"] / batch_size - (q["grad"] / batch_size) ** 2
+
+
+def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
+    """Every quantity from (a chunk of) per-sample gradients ``[n, *shape]``."""
+    out = {}
+    for q in quantities:
+        if q == "batch_grad":
+            out[q] = batch_grad
+        elif q == "batch_l2":
+            out[q] = batch_grad.square().flatten(1).sum(1)
+        elif q == "sum_grad_squared":
+            out[q] = batch_grad.square().sum(0)
+        elif q == "grad":
+            out[q] = batch_grad.sum(0)
+    return out
+
+
+def _take(obj, sl: slice):
+    """Slice the batch axis of a tensor, or of each tensor in a tuple (None passes)."""
+    if isinstance(obj, Tensor):
+        return obj[sl]
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_take(o, sl) for o in obj)
+    return obj
+
+
+def _shapes(obj):
+    if isinstance(obj, Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_shapes(o) for o in obj)
+    return obj
+
+
+def batch_size(g) -> int:
+    """N, from the output gradient(s)."""
+    return g.shape[0] if isinstance(g, Tensor) else batch_size(next(t for t in g if t is not None))
+
+
+class Chunked:
+    """Runs strategy functions over slices of the batch and assembles their results.
+
+    A slice holds as many samples as fit ``budget`` bytes of temporary memory.
+    """
+
+    def __init__(self, x, g, budget: float):
+        self.x, self.g, self.budget = x, g, budget
+        self.n = batch_size(g)
+        self.itemsize = (g if isinstance(g, Tensor) else next(t for t in g if t is not None)).element_size()
+
+    def slices(self, bytes_per_sample: float):
+        size = max(1, int(self.budget // max(bytes_per_sample, 1)))
+        for start in range(0, self.n, size):
+            yield slice(start, min(start + size, self.n))
+
+    def run(self, fn, per_sample_bytes: float, reduce: Dict[str, str]) -> Dict[str, Tensor]:
+        """Call ``fn(x_chunk, g_chunk)`` per slice. ``reduce`` maps each output
+        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them."""
+        if per_sample_bytes * self.n <= self.budget:
+            return fn(self.x, self.g)
+        out: Dict[str, Tensor] = {}
+        for sl in self.slices(per_sample_bytes):
+            part = fn(_take(self.x, sl), _take(self.g, sl))
+            for q, value in part.items():
+                if reduce[q] == "sum":
+                    out[q] = value if q not in out else out[q] + value
+                    continue
+                if q not in out:
+                    out[q] = value.new_empty((self.n, *value.shape[1:]))
+                out[q][sl] = value
+        return out
+
+
+def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Optional[Cost]:
+    """A strategy's cost on these shapes; one without a cost model counts as free."""
+    return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
+
+
+def compute(
+    entry: LayerDerivatives,
+    hp: dict,
+    x,
+    g,
+    param_name: str,
+    param: Tensor,
+    quantities: Iterable[str],
+    choose: Callable[[str, Dict[str, Optional[Cost]]], str],
+    budget: float,
+) -> Dict[str, Tensor]:
+    """The requested quantities of one parameter for one call of its module.
+
+    ``choose(quantity, options)`` picks a strategy name among ``options`` (name ->
+    Cost, or None where it does not apply). A quantity is computed either by a strategy
+    of its own, or derived from per-sample gradients; all quantities derived from one
+    ``batch_grad`` strategy share one chunked pass, and once such a pass is planned,
+    the remaining quantities ride along for free.
+    """
+    wanted = set(quantities)
+    chunked = Chunked(x, g, budget)
+    xs, gs = _shapes(x), _shapes(g)
+    bg_table = entry.strategies[(param_name, "batch_grad")]
+    bg_costs = {name: _estimate(s, xs, gs, hp) for name, s in bg_table.items()}
+
+    def per_sample_bytes(c: Cost) -> float:
+        return c.workspace * chunked.itemsize / max(chunked.n, 1)
+
+    passes: Dict[str, List[str]] = {}
+    results: Dict[str, Tensor] = {}
+    for q in [q for q in QUANTITIES if q in wanted]:
+        direct = {} if q == "batch_grad" or passes else entry.strategies.get((param_name, q), {})
+        if passes:
+            options = {name: Cost(0, 0) for name in passes}
+        else:
+            options = {**bg_costs, **{name: _estimate(s, xs, gs, hp) for name, s in direct.items()}}
+        name = choose(q, options)
+        if name not in direct:
+            passes.setdefault(name, []).append(q)
+            continue
+        fn, reduce = direct[name].fn, "cat" if q in PER_SAMPLE else "sum"
+        results.update(chunked.run(lambda xc, gc: {q: fn(xc, gc, **hp)}, per_sample_bytes(options[name]), {q: reduce}))
+
+    for name, qs in passes.items():
+        fn = bg_table[name].fn
+        per_sample = per_sample_bytes(bg_costs[name]) + prod(param.shape) * chunked.itemsize
+        reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
+        results.update(chunked.run(lambda xc, gc: derive(fn(xc, gc, **hp), qs), per_sample, reduce))
+    return results

@@ -1,0 +1,128 @@
+"""Forward hook: keep what the extensions will need; backward: hand it over, then free it.
+
+A forward hook turns one call of one module into a :class:`Record`: the module, what
+its derivatives need of the inputs, and its trainable parameters. It registers a hook
+on each output tensor; once every output's gradient has arrived, the record goes to
+``on_grad(record)``, and drops what it kept.
+
+The record lives in the hooks' closures, and so in the autograd graph: when the graph
+is freed, so is everything kept. Whoever installs the hooks keeps their handles, to
+take them off (and so free the records) when it is done.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import Counter
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+from torch.utils.hooks import RemovableHandle
+
+from jacmem.derivatives import LayerDerivatives, lookup
+
+#: id(parameter) -> number of records alive that will contribute to it. A parameter
+#: with more than one (a module called twice, tied weights) needs its per-sample
+#: gradients summed over calls before any norm or square is taken.
+_LIVE: Counter = Counter()
+
+
+def _release(keys: List[int]) -> None:
+    for key in keys:
+        _LIVE[key] -= 1
+        if _LIVE[key] <= 0:
+            del _LIVE[key]
+
+
+def trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
+    """The module's own parameters that require a gradient."""
+    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+
+
+class Record:
+    """One call of one module, from its forward to its backward."""
+
+    __slots__ = ("module", "name", "entry", "params", "x", "grads", "missing", "__weakref__")
+
+    def __init__(self, module, name, entry, params, x, n_outputs):
+        self.module: nn.Module = module
+        self.name: str = name
+        self.entry: Optional[LayerDerivatives] = entry
+        self.params: Dict[str, nn.Parameter] = params
+        self.x: Any = x
+        self.grads: List[Optional[Tensor]] = [None] * n_outputs
+        self.missing = n_outputs
+        keys = [id(p) for p in params.values()]
+        _LIVE.update(keys)
+        weakref.finalize(self, _release, keys)
+
+    def shared(self, param: nn.Parameter) -> bool:
+        """Whether another live record will also contribute to ``param``."""
+        return _LIVE[id(param)] > 1
+
+    @property
+    def g(self):
+        """The output gradient(s), as the derivatives take them."""
+        return self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
+
+
+def _output_tensors(entry: Optional[LayerDerivatives], output) -> List[Tensor]:
+    out = output if entry is None else entry.outputs(output)
+    if isinstance(out, Tensor):
+        return [out]
+    return [t for t in out if isinstance(t, Tensor)]
+
+
+def record(
+    module: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    output,
+    name: str,
+    on_grad: Callable[[Record], None],
+    handles: List[RemovableHandle],
+) -> None:
+    """The forward-hook body: record this call if it has trainable parameters."""
+    params = trainable(module)
+    if not params or not torch.is_grad_enabled():
+        return
+    entry = lookup(module)
+    outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
+    if not outputs:
+        return
+    needs_input = entry is None or any(p not in entry.input_free for p in params)
+    x = entry.keep(args, kwargs) if entry is not None and needs_input else None
+    x = _detach(x)
+    rec = Record(module, name, entry, params, x, len(outputs))
+
+    for i, out in enumerate(outputs):
+        handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
+
+
+def _detach(x):
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(t) for t in x)
+    return x
+
+
+def _make_hook(rec: Record, index: int, on_grad: Callable[[Record], None]):
+    def hook(grad: Tensor) -> None:
+        if rec.grads[index] is None:
+            rec.missing -= 1
+        rec.grads[index] = grad
+        if rec.missing == 0:
+            on_grad(rec)
+            rec.grads = [None] * len(rec.grads)
+            rec.missing = len(rec.grads)
+
+    return hook
+
+
+def remove(handles: List[RemovableHandle]) -> None:
+    """Take every hook off, freeing what their records kept."""
+    for handle in handles:
+        handle.remove()
+    handles.clear()

@@ -1,0 +1,117 @@
+"""Strategy names, validation, per-layer overrides and the ``auto`` cost model.
+
+``strategy`` in :func:`jacmem.extend` is either one name for every layer, or a dict
+from module type or qualified module name (as in ``model.named_modules()``) to a name.
+A name applies to every derivative that offers it; the others choose ``auto``. A name
+given for one module in particular must be offered by that module.
+
+``auto`` estimates each candidate's time as ``flops / FLOP_RATE + bytes / BYTE_RATE``,
+where ``bytes`` is the temporary memory it writes and reads, and takes the cheapest.
+The rates are a CPU's order of magnitude; only their ratio matters.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Dict, List, Mapping, Optional, Union
+
+from torch import nn
+
+from jacmem.derivatives import Cost, all_strategy_names
+
+AUTO = "auto"
+FLOP_RATE = 1e11
+BYTE_RATE = 1e10
+
+StrategySpec = Union[str, Mapping[Union[type, str], str]]
+
+
+def estimated_seconds(cost: Cost, itemsize: int) -> float:
+    """The cost model: one number to compare strategies by."""
+    return cost.flops / FLOP_RATE + cost.workspace * itemsize / BYTE_RATE
+
+
+@dataclass
+class Decision:
+    """What ``auto`` (or the user) chose for one quantity of one parameter."""
+
+    module: str
+    param: str
+    quantity: str
+    chosen: str
+    reason: str
+    estimates: Dict[str, Optional[float]]
+
+    def __str__(self) -> str:
+        options = ", ".join(
+            f"{name} {'n/a' if t is None else f'{t * 1e3:.3g} ms'}" for name, t in self.estimates.items()
+        )
+        return f"{self.module}.{self.param} {self.quantity}: {self.chosen} ({self.reason}; estimates: {options})"
+
+
+class StrategyPlan:
+    """Validates the user's ``strategy`` argument and resolves it per module."""
+
+    def __init__(self, strategy: StrategySpec = AUTO):
+        valid = sorted(all_strategy_names() | {AUTO})
+        if isinstance(strategy, str):
+            self.default, self.overrides = strategy, {}
+        elif isinstance(strategy, Mapping):
+            self.default, self.overrides = AUTO, dict(strategy)
+        else:
+            raise TypeError(f"strategy must be a name or a dict, not {type(strategy).__name__}")
+        for key, name in [(None, self.default), *self.overrides.items()]:
+            if name not in valid:
+                where = "" if key is None else f" (for {getattr(key, '__name__', key)!r})"
+                raise ValueError(f"unknown strategy {name!r}{where}; valid strategies: {', '.join(valid)}")
+            if key is not None and not isinstance(key, (str, type)):
+                raise TypeError(f"strategy keys are module types or module names, not {key!r}")
+        self.decisions: Dict[tuple, Decision] = {}
+
+    def requested(self, module: nn.Module, name: str) -> tuple:
+        """(strategy name, whether it was asked for this module in particular)."""
+        if name in self.overrides:
+            return self.overrides[name], True
+        for cls in type(module).__mro__:
+            if cls in self.overrides:
+                return self.overrides[cls], True
+        return self.default, False
+
+    def choose(
+        self,
+        module: nn.Module,
+        name: str,
+        offered: set,
+        param: str,
+        quantity: str,
+        options: Dict[str, Optional[Cost]],
+        itemsize: int,
+    ) -> str:
+        """Pick one of ``options`` (candidate name -> cost, ``None`` if it does not apply).
+
+        ``offered`` is every strategy name the module's type has; a name asked for this
+        module in particular must be among them.
+        """
+        wanted, specific = self.requested(module, name)
+        if specific and wanted != AUTO and wanted not in offered:
+            raise ValueError(
+                f"strategy {wanted!r} was asked for module {name!r} ({type(module).__name__}), "
+                f"which offers: {', '.join(sorted(offered | {AUTO}))}"
+            )
+        estimates = {k: None if c is None else estimated_seconds(c, itemsize) for k, c in options.items()}
+        applicable = {k: t for k, t in estimates.items() if t is not None}
+        if not applicable:
+            raise RuntimeError(f"no strategy applies to {quantity} of {name}.{param}: {sorted(options)}")
+        if wanted in applicable:
+            chosen, reason = wanted, "asked for"
+        else:
+            chosen = min(applicable, key=applicable.get)
+            reason = "auto: cheapest" if wanted == AUTO else f"auto: {wanted!r} does not apply here"
+        self.decisions[(name, param, quantity)] = Decision(name, param, quantity, chosen, reason, estimates)
+        return chosen
+
+    def explain(self) -> str:
+        """One line per module, parameter and quantity: what was chosen, and why."""
+        if not self.decisions:
+            return "no decisions yet: run a backward pass inside the block"
+        return "\n".join(str(d) for d in self.decisions.values())
