@@ -133,6 +133,7 @@ class extend:
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self._depth = 0
         self._staged: Dict[int, _Staged] = {}
+        self._partial: List[hooks.Record] = []
         self._queued_task: Optional[int] = None
         self._warned: set = set()
 
@@ -159,6 +160,7 @@ class extend:
         hooks.remove(self._module_handles)
         hooks.remove(self._tensor_handles)
         self._staged.clear()
+        self._partial.clear()
         self._names = weakref.WeakKeyDictionary()
         self._depth = 0
         self._queued_task = None
@@ -195,6 +197,15 @@ class extend:
         if task != self._queued_task:
             self._queued_task = task
             torch.autograd.Variable._execution_engine.queue_callback(self._commit)
+        if rec.missing:
+            self._partial.append(rec)
+            return
+        try:
+            self._process(rec)
+        finally:
+            rec.reset()
+
+    def _process(self, rec: hooks.Record) -> None:
         if rec.entry is None:
             return self._unsupported(rec, sorted(rec.params))
         missing = [p for p in rec.params if p not in rec.entry.params]
@@ -236,7 +247,12 @@ class extend:
             staged.add(compute(entry, hp, rec.x, g, pname, param, wanted, choose, self.chunk_bytes))
 
     def _commit(self) -> None:
-        """End of the backward pass: finish the summed parameters, write every result."""
+        """End of the backward pass: finish the partial records and the summed
+        parameters, then write every result."""
+        partial, self._partial = self._partial, []
+        for rec in dict.fromkeys(r for r in partial if any(g is not None for g in r.grads)):
+            rec.complete()
+            self._on_grad(rec)
         staged, self._staged = self._staged, {}
         for s in staged.values():
             q = s.quantities

@@ -43,16 +43,19 @@ def trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
 class Record:
     """One call of one module, from its forward to its backward."""
 
-    __slots__ = ("module", "name", "entry", "params", "x", "grads", "missing", "__weakref__")
+    __slots__ = ("module", "name", "entry", "params", "x", "outputs", "grads", "missing", "__weakref__")
 
-    def __init__(self, module, name, entry, params, x, n_outputs):
+    def __init__(self, module, name, entry, params, x, outputs: List[Tensor]):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: Optional[LayerDerivatives] = entry
         self.params: Dict[str, nn.Parameter] = params
         self.x: Any = x
-        self.grads: List[Optional[Tensor]] = [None] * n_outputs
-        self.missing = n_outputs
+        #: (shape, dtype, device) of each hooked output, to stand in zeros for a
+        #: gradient that never arrives (an RNN's unused final state, say)
+        self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        self.grads: List[Optional[Tensor]] = [None] * len(outputs)
+        self.missing = len(outputs)
         keys = [id(p) for p in params.values()]
         _LIVE.update(keys)
         weakref.finalize(self, _release, keys)
@@ -60,6 +63,18 @@ class Record:
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
         return _LIVE[id(param)] > 1
+
+    def complete(self) -> None:
+        """Zeros for the gradients that did not arrive."""
+        for i, (shape, dtype, device) in enumerate(self.outputs):
+            if self.grads[i] is None:
+                self.grads[i] = torch.zeros(shape, dtype=dtype, device=device)
+        self.missing = 0
+
+    def reset(self) -> None:
+        """Ready for the next backward pass through the same graph."""
+        self.grads = [None] * len(self.grads)
+        self.missing = len(self.grads)
 
     @property
     def g(self):
@@ -94,7 +109,7 @@ def record(
     needs_input = entry is None or any(p not in entry.input_free for p in params)
     x = entry.keep(args, kwargs) if entry is not None and needs_input else None
     x = _detach(x)
-    rec = Record(module, name, entry, params, x, len(outputs))
+    rec = Record(module, name, entry, params, x, outputs)
 
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
@@ -113,10 +128,7 @@ def _make_hook(rec: Record, index: int, on_grad: Callable[[Record], None]):
         if rec.grads[index] is None:
             rec.missing -= 1
         rec.grads[index] = grad
-        if rec.missing == 0:
-            on_grad(rec)
-            rec.grads = [None] * len(rec.grads)
-            rec.missing = len(rec.grads)
+        on_grad(rec)
 
     return hook
 
