@@ -220,8 +220,7 @@ class extend:
             ) from err
 
     def _compute(self, rec: hooks.Record) -> None:
-        entry, g = rec.entry, rec.g
-        hp = entry.hyperparams(rec.module)
+        entry, g, hp = rec.entry, rec.g, rec.hp
         n = batch_size(g)
         for pname, param in rec.params.items():
             if pname not in entry.params:

@@ -43,12 +43,14 @@ def trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
 class Record:
     """One call of one module, from its forward to its backward."""
 
-    __slots__ = ("module", "name", "entry", "params", "x", "outputs", "grads", "missing", "__weakref__")
+    __slots__ = ("module", "name", "entry", "hp", "params", "x", "outputs", "grads", "missing", "__weakref__")
 
     def __init__(self, module, name, entry, params, x, outputs: List[Tensor]):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: Optional[LayerDerivatives] = entry
+        #: the derivatives' keyword arguments, read off the module at forward time
+        self.hp: Dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: Dict[str, nn.Parameter] = params
         self.x: Any = x
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
@@ -78,8 +80,9 @@ class Record:
 
     @property
     def g(self):
-        """The output gradient(s), as the derivatives take them."""
-        return self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
+        """The output gradient(s), batch axis first, as the derivatives take them."""
+        g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
+        return g if self.entry is None else self.entry.arrange(g, **self.hp)
 
 
 def _output_tensors(entry: Optional[LayerDerivatives], output) -> List[Tensor]:

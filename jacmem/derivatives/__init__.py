@@ -75,9 +75,12 @@ def _identity(output: Any) -> Any:
 class LayerDerivatives:
     """Everything jacmem knows about one module type.
 
-    hyperparams: ``module -> dict`` of keyword arguments for the derivative functions.
+    hyperparams: ``module -> dict`` of keyword arguments for the derivative functions,
+        read at forward time (so a BatchNorm's mode and statistics are those it ran with).
     keep: ``(args, kwargs) -> x``, what to keep of the forward inputs, batch axis first.
     outputs: ``output -> tensor or tuple of tensors`` whose gradients make ``g``.
+    arrange: ``(g, **hyperparams) -> g``, puts the batch axis of the output gradient(s)
+        first (e.g. an RNN with ``batch_first=False``); chunking slices axis 0.
     input_free: parameters whose derivatives never read ``x`` (biases): when only
         those are trainable, no input is kept.
     strategies: ``(param, quantity) -> {name: Strategy}``.
@@ -86,6 +89,7 @@ class LayerDerivatives:
     hyperparams: Callable[[nn.Module], Dict[str, Any]] = lambda module: {}
     keep: Callable[[tuple, dict], Any] = _first_input
     outputs: Callable[[Any], Any] = _identity
+    arrange: Callable[..., Any] = lambda g, **hp: g
     input_free: set = field(default_factory=set)
     strategies: Dict[Tuple[str, str], Dict[str, Strategy]] = field(default_factory=dict)
 
@@ -108,6 +112,7 @@ def layer(
     hyperparams: Optional[Callable[[nn.Module], Dict[str, Any]]] = None,
     keep: Optional[Callable[[tuple, dict], Any]] = None,
     outputs: Optional[Callable[[Any], Any]] = None,
+    arrange: Optional[Callable[..., Any]] = None,
     input_free: Tuple[str, ...] = (),
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
@@ -118,6 +123,8 @@ def layer(
         entry.keep = keep
     if outputs is not None:
         entry.outputs = outputs
+    if arrange is not None:
+        entry.arrange = arrange
     entry.input_free |= set(input_free)
     return entry
 
