@@ -1,0 +1,255 @@
+"""Saving memory in convolutions: jacmem's strategies side by side.
+
+jacmem's version of BackPACK's example "Saving memory in convolutions". There are
+several ways to compute a convolution's per-sample weight gradients, and they trade
+run time against memory:
+
+* ``unfold``: im2col, then one contraction. Fast where the unfolded input is small;
+  the unfolded buffer grows with ``C_in · prod(kernel) · prod(S_out)`` per sample
+  (jacmem chunks it over the batch).
+* ``save_memory`` (Rochette et al., 2019): one grouped convolution, no unfolded buffer.
+* ``auto`` (the default): per layer, the cheapest by a cost model of bytes and FLOPs.
+
+The model is the example's CNN (Conv2d 1→128→256→64→32 with ReLUs and MaxPools, then
+Linear(32, 10)) with CrossEntropyLoss, on a seeded random MNIST-shaped batch
+``[64, 1, 28, 28]``. Every strategy that ``nn.Conv2d`` offers for the weight's
+``batch_grad``, plus ``auto``, plus a plain forward+backward without jacmem, runs in a
+process of its own, so that each peak RSS is its own. The script checks that all
+strategies give the same ``grad_batch`` (and that it sums to the plain ``.grad``),
+prints a table and saves a bar chart to ``out/plot_save_memory.png``.
+
+Run: ``python examples/plot_save_memory.py`` (or ``make demo``); ``--quick`` for a
+few-second smoke run (batch 8, one repeat).
+
+As in BackPACK's example, which strategy wins depends on the layer shapes and the
+machine; measure your own setting. ``ctx.explain()`` says what ``auto`` chose, and why.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List
+
+import psutil
+import torch
+from torch import nn
+
+import jacmem
+from jacmem.derivatives import REGISTRY, all_strategy_names
+
+PLAIN = "plain"
+ROOT = Path(__file__).resolve().parents[1]
+MB = 2**20
+
+
+def build_model() -> nn.Sequential:
+    """The CNN of BackPACK's example: [N, 1, 28, 28] -> [N, 10]."""
+    return nn.Sequential(
+        nn.Conv2d(1, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Conv2d(128, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, padding=1, stride=2),
+        nn.Conv2d(256, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Conv2d(64, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def setup(batch: int, seed: int = 0):
+    """Seeded model, loss and MNIST-shaped random batch: X [N, 1, 28, 28], y [N]."""
+    torch.manual_seed(seed)
+    model = build_model()
+    X = torch.rand(batch, 1, 28, 28)
+    y = torch.randint(0, 10, (batch,))
+    return X, y, model, nn.CrossEntropyLoss()
+
+
+def strategies() -> List[str]:
+    """Every strategy Conv2d offers for its weight's per-sample gradients, then auto."""
+    offered = REGISTRY[nn.Conv2d].strategies[("weight", "batch_grad")]
+    return [name for name in offered if name in all_strategy_names()] + ["auto"]
+
+
+# -- worker: one strategy, in a process of its own ------------------------------------
+
+
+def _peak_rss_bytes() -> int:
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
+
+
+def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
+    """Warm up, then time ``repeats`` forward+backward passes; save the result to ``dump``."""
+    X, y, model, lossfunc = setup(batch)
+    baseline = psutil.Process().memory_info().rss
+    explain = ""
+
+    def step() -> None:
+        nonlocal explain
+        for p in model.parameters():  # drop the previous pass's results first
+            p.grad = None
+            if hasattr(p, "grad_batch"):
+                del p.grad_batch
+        if strategy == PLAIN:
+            lossfunc(model(X), y).backward()
+            return
+        with jacmem.extend(jacmem.BatchGrad(), strategy=strategy) as ctx:
+            lossfunc(model(X), y).backward()
+        explain = ctx.explain()
+
+    step()  # warm-up
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    peak = _peak_rss_bytes()
+    field = "grad" if strategy == PLAIN else "grad_batch"
+    torch.save({name: getattr(p, field) for name, p in model.named_parameters()}, dump)
+    return dict(strategy=strategy, baseline=baseline, peak=peak, times=times, explain=explain)
+
+
+# -- parent: spawn, check, tabulate, plot ---------------------------------------------
+
+
+def run_worker(strategy: str, args, dump: str) -> dict:
+    cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(args.batch)]
+    cmd += ["--repeats", str(args.repeats), "--dump", dump]
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the worker for strategy {strategy!r} failed:\n{proc.stderr}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def close(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """float32 agreement, relative to the reference's scale."""
+    return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
+
+
+def check(dumps: Dict[str, str], batch: int) -> int:
+    """Raise unless every strategy gives the same grad_batch, and it sums to the plain
+    ``.grad``. Returns the size of the per-sample gradients in bytes."""
+    grads = torch.load(dumps[PLAIN])
+    names = [s for s in dumps if s != PLAIN]
+    reference = torch.load(dumps[names[0]])
+    same = {p: g.shape == (batch, *grads[p].shape) for p, g in reference.items()}
+    for other in names[1:]:
+        batches = torch.load(dumps[other])
+        for p in same:
+            same[p] = same[p] and close(batches[p], reference[p])
+        del batches
+    sums = {p: close(g.sum(0), grads[p]) for p, g in reference.items()}
+    print(f"\n{'parameter':<10} | same grad_batch under {', '.join(names)}? | sums to .grad?")
+    for p in reference:
+        print(f"{p:<10} | {str(same[p]):<{len(', '.join(names)) + 22}} | {sums[p]}")
+    bad = [p for p in reference if not (same[p] and sums[p])]
+    if bad:
+        raise ValueError(f"the strategies {names} disagree on grad_batch (or its sum) of {bad}")
+    return sum(g.numel() * g.element_size() for g in reference.values())
+
+
+def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
+    plain = results[PLAIN]
+    plain_time = statistics.median(plain["times"])
+    rows = []
+    for name, r in results.items():
+        t = statistics.median(r["times"])
+        extra = r["peak"] - plain["peak"]
+        rows.append(
+            dict(
+                strategy=name,
+                peak=r["peak"] / MB,
+                over_setup=(r["peak"] - r["baseline"]) / MB,
+                extra=extra / MB,
+                extra_ratio=extra / grad_batch_bytes,
+                time=t,
+                ratio=t / plain_time,
+            )
+        )
+    print(f"\nper-sample gradients (grad_batch): {grad_batch_bytes / MB:.1f} MB")
+    header = (
+        f"{'strategy':<12} {'peak MB':>8} {'over setup':>10} {'extra MB':>9} {'extra/grad_batch':>16}"
+        f" {'time s':>8} {'time/plain':>10}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(
+            f"{r['strategy']:<12} {r['peak']:>8.1f} {r['over_setup']:>10.1f} {r['extra']:>9.1f}"
+            f" {r['extra_ratio']:>16.2f} {r['time']:>8.3f} {r['ratio']:>10.2f}"
+        )
+    return rows
+
+
+def plot(rows: List[dict], grad_batch_bytes: int, batch: int, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from matplotlib import pyplot as plt
+
+    names = [r["strategy"] for r in rows]
+    colors = ["0.6" if n == PLAIN else f"C{i}" for i, n in enumerate(names)]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    left.bar(names, [r["over_setup"] for r in rows], color=colors)
+    plain = next(r["over_setup"] for r in rows if r["strategy"] == PLAIN)
+    left.axhline(plain + grad_batch_bytes / MB, color="k", ls="--", lw=1, label="plain + size of grad_batch")
+    left.set_ylabel("peak RSS above setup (MB)")
+    left.legend(loc="lower right")
+    right.bar(names, [r["ratio"] for r in rows], color=colors)
+    right.axhline(1, color="k", lw=0.5)
+    right.set_ylabel("time / plain forward+backward")
+    fig.suptitle(f"BatchGrad on the example CNN, batch {batch}, CPU, {torch.get_num_threads()} threads")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    print(f"\nsaved {path}")
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--repeats", type=int, default=5, help="timed passes after one warm-up")
+    parser.add_argument("--quick", action="store_true", help="batch 8, one repeat: a smoke test")
+    parser.add_argument("--out", type=Path, default=ROOT / "out", help="folder for the PNG")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--dump", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.batch, args.repeats = 8, 1
+    if args.worker:
+        print(json.dumps(worker(args.worker, args.batch, args.repeats, args.dump)))
+        return
+
+    names = [PLAIN, *strategies()]
+    print(f"BatchGrad on the example CNN, batch {args.batch}: {', '.join(names)}, each in its own process")
+    results: Dict[str, dict] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        dumps = {name: os.path.join(tmp, f"{name}.pt") for name in names}
+        for name in names:
+            results[name] = run_worker(name, args, dumps[name])
+            print(f"  {name}: done", flush=True)
+        grad_batch_bytes = check(dumps, args.batch)
+    rows = table(results, grad_batch_bytes)
+    print("\nauto's choices (ctx.explain()):\n" + results["auto"]["explain"])
+    plot(rows, grad_batch_bytes, args.batch, args.out / "plot_save_memory.png")
+
+
+if __name__ == "__main__":
+    main()
