@@ -169,7 +169,8 @@ def compute(
     Cost, or None where it does not apply). A quantity is computed either by a strategy
     of its own, or derived from per-sample gradients; all quantities derived from one
     ``batch_grad`` strategy share one chunked pass, and once such a pass is planned,
-    the remaining quantities ride along for free.
+    the remaining quantities ride along for free (``auto`` takes that ride; a direct
+    strategy asked for by name is still used).
     """
     wanted = set(quantities)
     chunked = Chunked(x, g, budget)
@@ -183,11 +184,10 @@ def compute(
     passes: Dict[str, List[str]] = {}
     results: Dict[str, Tensor] = {}
     for q in [q for q in QUANTITIES if q in wanted]:
-        direct = {} if q == "batch_grad" or passes else entry.strategies.get((param_name, q), {})
-        if passes:
-            options = {name: Cost(0, 0) for name in passes}
-        else:
-            options = {**bg_costs, **{name: _estimate(s, xs, gs, hp) for name, s in direct.items()}}
+        direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
+        direct = {name: s for name, s in direct.items() if name not in passes}
+        options = {name: Cost(0, 0) for name in passes} if passes else dict(bg_costs)
+        options.update({name: _estimate(s, xs, gs, hp) for name, s in direct.items()})
         name = choose(q, options)
         if name not in direct:
             passes.setdefault(name, []).append(q)

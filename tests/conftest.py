@@ -1,0 +1,30 @@
+"""Shared fixtures: a fixed seed, and a guard that no test leaves jacmem state behind."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.nn.modules import module as module_hooks
+
+# `from reference import ...` in the test files
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers():
+    """After every test: no active block, no global module hook left behind."""
+    import jacmem.context
+
+    before = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
+    yield
+    assert jacmem.context._ACTIVE is None, "a jacmem.extend block is still active after the test"
+    after = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
+    assert after == before, f"global forward (pre-)hooks went from {before} to {after}"

@@ -1,0 +1,201 @@
+"""Independent references for the first-order quantities, and a runner for jacmem.
+
+The reference is a per-sample autograd loop: sample ``n`` alone goes through the
+model, its loss term is scaled as the batch loss's reduction scales it (``1/numel`` of
+the unreduced loss for ``"mean"``), and ``torch.autograd.grad`` gives its gradient
+for every trainable parameter. From those per-sample gradients ``[N, *p.shape]``
+follow BackPACK 1.7.1's quantities:
+
+- ``grad_batch``: the per-sample gradients themselves; they sum to ``.grad``;
+- ``batch_l2``: ``‖g_n‖²``, ``[N]``;
+- ``sum_grad_squared``: ``Σ_n g_n²``, ``p.shape``;
+- ``variance``: ``sum_grad_squared / N - (grad / N)²``, ``p.shape``.
+
+A parameter used several times in one forward (a module called twice, tied weights)
+has one per-sample gradient per sample: the sum of its contributions. The norms and
+squares are those of that sum, and so they are here.
+
+Nothing here imports jacmem but :func:`run_jacmem`, which drives jacmem's two flows.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Callable, Dict, Iterable, List, Sequence
+
+import torch
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+#: (out, target, reduction) -> loss
+LossFn = Callable[[Tensor, Tensor, str], Tensor]
+
+SAVEFIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+FLOWS = ("inside", "track")
+
+
+def mse(out: Tensor, target: Tensor, reduction: str) -> Tensor:
+    """Mean squared error over every entry; any output shape."""
+    return F.mse_loss(out, target, reduction=reduction)
+
+
+def cross_entropy(out: Tensor, target: Tensor, reduction: str) -> Tensor:
+    """Cross-entropy: out [N, C, *], target [N, *] class indices."""
+    return F.cross_entropy(out, target, reduction=reduction)
+
+
+def trainable(model: nn.Module) -> List[nn.Parameter]:
+    """The model's trainable parameters, each once (tied weights appear once)."""
+    return [p for p in model.parameters() if p.requires_grad]
+
+
+def per_sample_grads(
+    model: nn.Module, X: Tensor, y: Tensor, loss: LossFn, reduction: str = "mean"
+) -> Dict[nn.Parameter, Tensor]:
+    """Per-sample gradients by a loop, one backward per sample:
+    X [N, *], y [N, *] -> {param: [N, *param.shape]}, for every trainable parameter.
+
+    The loss term of sample ``n`` is ``loss(model(X[n:n+1]), y[n:n+1], "sum")``, times
+    ``1 / numel`` of the unreduced batch loss when ``reduction == "mean"``, so the
+    per-sample gradients sum to the gradient of the batch loss.
+    """
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction must be 'mean' or 'sum', not {reduction!r}")
+    params = trainable(model)
+    with torch.no_grad():
+        numel = loss(model(X), y, "none").numel()
+    scale = 1.0 / numel if reduction == "mean" else 1.0
+    rows = []
+    for n in range(X.shape[0]):
+        term = loss(model(X[n : n + 1]), y[n : n + 1], "sum") * scale
+        grads = torch.autograd.grad(term, params, allow_unused=True)
+        rows.append([torch.zeros_like(p) if g is None else g for p, g in zip(params, grads)])
+    return {p: torch.stack([row[i] for row in rows]) for i, p in enumerate(params)}
+
+
+def batch_l2(grad_batch: Tensor) -> Tensor:
+    """[N, *shape] -> [N]: squared norm of each per-sample gradient."""
+    return grad_batch.flatten(1).square().sum(1)
+
+
+def sum_grad_squared(grad_batch: Tensor) -> Tensor:
+    """[N, *shape] -> shape: sum over samples of the squared per-sample gradients."""
+    return grad_batch.square().sum(0)
+
+
+def variance(grad_batch: Tensor) -> Tensor:
+    """[N, *shape] -> shape: BackPACK's variance, ``sgs / N - (grad / N)²``."""
+    n = grad_batch.shape[0]
+    return sum_grad_squared(grad_batch) / n - (grad_batch.sum(0) / n) ** 2
+
+
+REFERENCE: Dict[str, Callable[[Tensor], Tensor]] = {
+    "grad_batch": lambda grad_batch: grad_batch,
+    "batch_l2": batch_l2,
+    "sum_grad_squared": sum_grad_squared,
+    "variance": variance,
+}
+
+
+def assert_close(actual: Tensor, expected: Tensor, what: str = "") -> None:
+    """float64 comparison, with an absolute floor scaled by the expected magnitude
+    (variance is a difference of nearly equal terms)."""
+    scale = expected.abs().max().item() if expected.numel() else 0.0
+    torch.testing.assert_close(
+        actual, expected, rtol=1e-9, atol=1e-11 * max(scale, 1.0), msg=lambda m: f"{what}: {m}"
+    )
+
+
+def clear(model: nn.Module) -> None:
+    """Remove ``.grad`` and every first-order attribute from the model's parameters."""
+    for p in model.parameters():
+        p.grad = None
+        for field in SAVEFIELDS:
+            if hasattr(p, field):
+                delattr(p, field)
+
+
+def run_jacmem(
+    model: nn.Module,
+    X: Tensor,
+    y: Tensor,
+    loss: LossFn,
+    reduction: str,
+    extensions: Sequence,
+    flow: str = "inside",
+    **extend_kwargs,
+):
+    """One forward and backward with jacmem's extensions; returns the block (for explain()).
+
+    flow ``"inside"``: the forward runs inside ``with jacmem.extend(...)``.
+    flow ``"track"``: ``jacmem.track(model)``, the forward, then only the backward inside
+    the block, then ``jacmem.untrack(model)``.
+    """
+    import jacmem
+
+    clear(model)
+    if flow == "inside":
+        with jacmem.extend(*extensions, **extend_kwargs) as ctx:
+            loss(model(X), y, reduction).backward()
+        return ctx
+    if flow == "track":
+        jacmem.track(model)
+        try:
+            value = loss(model(X), y, reduction)
+            with jacmem.extend(*extensions, **extend_kwargs) as ctx:
+                value.backward()
+        finally:
+            jacmem.untrack(model)
+        return ctx
+    raise ValueError(f"flow must be one of {FLOWS}, not {flow!r}")
+
+
+def check_against(
+    model: nn.Module,
+    reference: Dict[nn.Parameter, Tensor],
+    savefields: Iterable[str],
+    what: str = "",
+    check_grad: bool = True,
+) -> None:
+    """Every trainable parameter of ``model`` carries exactly ``savefields``, each equal to
+    what the per-sample gradients ``reference`` give; ``.grad`` is their sum."""
+    savefields = list(savefields)
+    names = {p: n for n, p in model.named_parameters()}
+    for p, gb in reference.items():
+        where = f"{what} {names.get(p, '?')}"
+        if check_grad:
+            assert p.grad is not None, f"{where}: no .grad"
+            assert_close(p.grad, gb.sum(0), f"{where} .grad vs sum of reference per-sample grads")
+        for field in SAVEFIELDS:
+            if field not in savefields:
+                assert not hasattr(p, field), f"{where}: has {field}, which no extension asked for"
+                continue
+            assert hasattr(p, field), f"{where}: no {field}"
+            assert_close(getattr(p, field), REFERENCE[field](gb), f"{where} {field}")
+        if "grad_batch" in savefields:
+            assert_close(p.grad_batch.sum(0), p.grad, f"{where} grad_batch.sum(0) vs .grad")
+
+
+@contextmanager
+def recorded():
+    """Every :class:`jacmem.hooks.Record` created inside, as weak references:
+    ``with recorded() as records: ...``; ``records`` is a list of ``weakref.ref``."""
+    import weakref
+
+    from jacmem import hooks
+
+    records: list = []
+    original = hooks.Record
+
+    class Spy(original):
+        __slots__ = ()
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            records.append(weakref.ref(self))
+
+    hooks.Record = Spy
+    try:
+        yield records
+    finally:
+        hooks.Record = original
