@@ -1,0 +1,126 @@
+"""The support table, extensions × layers × strategies, generated from the registry.
+
+A row per parameter of each layer jacmem ships a derivative for; a column per
+extension, listing the strategy names that extension can use on that parameter (see
+:func:`strategy_names`). Layers whose rows are equal share one row.
+Modules registered by users (their functions live outside jacmem) are left out.
+
+.. code-block:: text
+
+    python -m jacmem.support                    # print the Markdown table
+    python -m jacmem.support --write README.md  # rewrite the block between the markers
+    python -m jacmem.support --check README.md  # exit 1 if that block is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Dict, List, Tuple
+
+import jacmem
+from jacmem.derivatives import QUANTITIES, REGISTRY, LayerDerivatives
+from jacmem.extensions.firstorder import FirstOrderExtension
+
+START = "<!-- support-table:start -->"
+END = "<!-- support-table:end -->"
+
+
+def extensions() -> List[type]:
+    """The public first-order extension classes, in ``jacmem.__all__`` order."""
+    found = (getattr(jacmem, name) for name in jacmem.__all__)
+    return [e for e in found if isinstance(e, type) and issubclass(e, FirstOrderExtension)]
+
+
+def builtin(entry: LayerDerivatives) -> bool:
+    """Whether jacmem itself ships a derivative for this layer."""
+    return any(s.fn.__module__.startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
+
+
+def layer_name(module_type: type) -> str:
+    if module_type.__module__.startswith("torch.nn"):
+        return f"nn.{module_type.__qualname__}"
+    return f"{module_type.__module__}.{module_type.__qualname__}"
+
+
+def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> Tuple[str, ...]:
+    """The strategies ``extension`` can use for ``param``: those of ``batch_grad``,
+    from which every quantity can be derived, then those of its own quantities, as
+    :func:`jacmem.extensions.firstorder.compute` offers them."""
+    names = dict.fromkeys(entry.strategies[(param, "batch_grad")])
+    for quantity in (q for q in QUANTITIES if q in extension.quantities):
+        names.update(dict.fromkeys(entry.strategies.get((param, quantity), {})))
+    return tuple(names)
+
+
+def rows() -> List[Tuple[List[str], List[Tuple[str, Tuple[Tuple[str, ...], ...]]]]]:
+    """``[(layer names, [(param, strategies per extension), ...]), ...]``, layers with
+    equal rows merged, in registration order."""
+    groups: Dict[tuple, List[str]] = {}
+    exts = extensions()
+    for module_type, entry in REGISTRY.items():
+        if not builtin(entry) or not entry.params:
+            continue
+        key = tuple((p, tuple(strategy_names(entry, p, e) for e in exts)) for p in entry.params)
+        groups.setdefault(key, []).append(layer_name(module_type))
+    return [(names, list(key)) for key, names in groups.items()]
+
+
+def table() -> str:
+    """The support table, as Markdown."""
+    exts = extensions()
+    lines = [
+        "| layer | parameter | " + " | ".join(f"`{e.__name__}`" for e in exts) + " |",
+        "|---|---|" + "---|" * len(exts),
+    ]
+    for names, params in rows():
+        for i, (param, cells) in enumerate(params):
+            layer = ", ".join(f"`{n}`" for n in names) if i == 0 else ""
+            strategies = [", ".join(f"`{s}`" for s in cell) for cell in cells]
+            lines.append(f"| {layer} | `{param}` | " + " | ".join(strategies) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _split(text: str, path: str) -> Tuple[str, str, str]:
+    """(before and START, the block, END and after)."""
+    if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
+        raise ValueError(f"{path} needs one {START!r} line, then one {END!r} line, for the support table")
+    head, rest = text.split(START)
+    block, tail = rest.split(END)
+    return head + START, block, END + tail
+
+
+def block(text: str, path: str = "README.md") -> str:
+    """The table between the markers of ``text``."""
+    return _split(text, path)[1].strip("\n") + "\n"
+
+
+def rewrite(text: str, path: str = "README.md") -> str:
+    """``text`` with the block between the markers replaced by the current table."""
+    head, _, tail = _split(text, path)
+    return f"{head}\n{table()}{tail}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Print, write or check jacmem's support table.")
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--write", metavar="README", help="rewrite the block between the markers of this file")
+    group.add_argument("--check", metavar="README", help="exit 1 if this file's block differs from the registry")
+    args = parser.parse_args(argv)
+    if args.write:
+        path = Path(args.write)
+        path.write_text(rewrite(path.read_text(), args.write))
+        print(f"wrote the support table to {path}")
+    elif args.check:
+        if block(Path(args.check).read_text(), args.check) != table():
+            print(f"{args.check}'s support table is stale: run python -m jacmem.support --write {args.check}")
+            return 1
+        print(f"{args.check}'s support table matches the registry")
+    else:
+        print(table(), end="")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
