@@ -13,6 +13,11 @@ from torch.nn.modules import module as module_hooks
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+# The tests use small tensors on a shared 2-core machine: one thread avoids
+# oversubscription, which slows them down many times over.
+torch.set_num_threads(1)
+
+
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
