@@ -170,4 +170,4 @@ def all_strategy_names() -> set:
 
 
 # The layer families register themselves on import.
-from jacmem.derivatives import conv, linear  # noqa: E402,F401
+from jacmem.derivatives import conv, conv_transpose, embedding, linear, normalization  # noqa: E402,F401
