@@ -1,0 +1,211 @@
+"""``lean(model)``: swap stock layers for subclasses that keep only what the current
+``requires_grad`` pattern needs for the backward pass; ``unlean(model)`` swaps back.
+
+The conversion changes each module's class in place (``module.__class__``): the
+parameters, buffers, hooks, ``state_dict`` keys and everything else stay as they were,
+so ``lean`` and ``unlean`` are free and round-trip exactly. Only modules of exactly a
+stock type convert; subclasses of your own keep their ``forward``.
+
+======================  ======================================================
+stock                   lean
+======================  ======================================================
+Conv1d/2d/3d            input only if the weight needs a gradient, weight only
+ConvTranspose1d/2d/3d   if the input does
+BatchNorm1d/2d/3d       in eval mode: input only if the weight needs a gradient
+                        (training mode runs stock: it needs the input anyway)
+ReLU                    a 1-bit mask instead of the float output
+Dropout                 the RNG seed instead of the mask
+MaxPool1d/2d/3d         the indices, not the input
+======================  ======================================================
+
+The lean conv layers share jacmem's derivatives of the stock ones, so
+``jacmem.extend`` computes per-sample quantities on them; a frozen lean layer keeps
+nothing at all.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Optional
+
+from torch import Tensor, nn
+from torch.nn import functional as F
+
+from jacmem import derivatives
+from jacmem.memory.functions import (
+    BatchNormEvalFunction,
+    ConvFunction,
+    DropoutFunction,
+    MaxPoolFunction,
+    ReLUFunction,
+)
+
+
+def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor):
+    """(x, padding as ints): pads x first where the stock layer does (non-zero
+    ``padding_mode``, or ``padding="same"`` with an odd total, the odd pixel right)."""
+    d = len(module.kernel_size)
+    if module.padding_mode != "zeros":
+        return F.pad(x, module._reversed_padding_repeated_twice, mode=module.padding_mode), (0,) * d
+    if not isinstance(module.padding, str):
+        return x, tuple(module.padding)
+    if module.padding == "valid":
+        return x, (0,) * d
+    totals = [dil * (k - 1) for dil, k in zip(module.dilation, module.kernel_size)]
+    odd = [side for t in reversed(totals) for side in (0, t % 2)]
+    if any(odd):
+        x = F.pad(x, odd)
+    return x, tuple(t // 2 for t in totals)
+
+
+class _LeanConvNd:
+    """Mixin for Conv1d/2d/3d: the stock forward, through :class:`ConvFunction`."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        d = len(self.kernel_size)
+        unbatched = input.dim() == d + 1
+        x, padding = _explicit_padding(self, input.unsqueeze(0) if unbatched else input)
+        out = ConvFunction.apply(
+            x, self.weight, self.bias, self.stride, padding, self.dilation, False, (0,) * d, self.groups
+        )
+        return out.squeeze(0) if unbatched else out
+
+
+class _LeanConvTransposeNd:
+    """Mixin for ConvTranspose1d/2d/3d: the stock forward, through :class:`ConvFunction`."""
+
+    def forward(self, input: Tensor, output_size: Optional[list] = None) -> Tensor:
+        if self.padding_mode != "zeros":
+            raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
+        d = len(self.kernel_size)
+        output_padding = self._output_padding(
+            input, output_size, self.stride, self.padding, self.kernel_size, d, self.dilation
+        )
+        unbatched = input.dim() == d + 1
+        out = ConvFunction.apply(
+            input.unsqueeze(0) if unbatched else input,
+            self.weight,
+            self.bias,
+            self.stride,
+            self.padding,
+            self.dilation,
+            True,
+            output_padding,
+            self.groups,
+        )
+        return out.squeeze(0) if unbatched else out
+
+
+class _LeanBatchNorm:
+    """Mixin for BatchNorm1d/2d/3d: eval mode with running statistics through
+    :class:`BatchNormEvalFunction`; otherwise the stock forward."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if self.training or self.running_mean is None:
+            return super().forward(input)
+        self._check_input_dim(input)
+        return BatchNormEvalFunction.apply(input, self.running_mean, self.running_var, self.weight, self.bias, self.eps)
+
+
+class LeanReLU(nn.ReLU):
+    """nn.ReLU keeping a 1-bit mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        return ReLUFunction.apply(input, self.inplace)
+
+
+class LeanDropout(nn.Dropout):
+    """nn.Dropout keeping the seed of its mask."""
+
+    def forward(self, input: Tensor) -> Tensor:
+        if not self.training:
+            return input
+        return DropoutFunction.apply(input, self.p, self.inplace)
+
+
+class _LeanMaxPoolNd:
+    """Mixin for MaxPool1d/2d/3d: keeps the indices only."""
+
+    _dims: int
+
+    def forward(self, input: Tensor):
+        out, idx = MaxPoolFunction.apply(
+            input, self._dims, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode
+        )
+        return (out, idx) if self.return_indices else out
+
+
+def _lean_type(base: type, mixin: type, **attrs) -> type:
+    name = "Lean" + base.__name__
+    doc = f"``nn.{base.__name__}`` that keeps only what the gradients asked for need; see :mod:`jacmem.memory.lean`."
+    return type(name, (mixin, base), {"__doc__": doc, "__module__": __name__, **attrs})
+
+
+LeanConv1d = _lean_type(nn.Conv1d, _LeanConvNd)
+LeanConv2d = _lean_type(nn.Conv2d, _LeanConvNd)
+LeanConv3d = _lean_type(nn.Conv3d, _LeanConvNd)
+LeanConvTranspose1d = _lean_type(nn.ConvTranspose1d, _LeanConvTransposeNd)
+LeanConvTranspose2d = _lean_type(nn.ConvTranspose2d, _LeanConvTransposeNd)
+LeanConvTranspose3d = _lean_type(nn.ConvTranspose3d, _LeanConvTransposeNd)
+LeanBatchNorm1d = _lean_type(nn.BatchNorm1d, _LeanBatchNorm)
+LeanBatchNorm2d = _lean_type(nn.BatchNorm2d, _LeanBatchNorm)
+LeanBatchNorm3d = _lean_type(nn.BatchNorm3d, _LeanBatchNorm)
+LeanMaxPool1d = _lean_type(nn.MaxPool1d, _LeanMaxPoolNd, _dims=1)
+LeanMaxPool2d = _lean_type(nn.MaxPool2d, _LeanMaxPoolNd, _dims=2)
+LeanMaxPool3d = _lean_type(nn.MaxPool3d, _LeanMaxPoolNd, _dims=3)
+
+#: stock type -> lean type
+LEAN: Dict[type, type] = {
+    nn.Conv1d: LeanConv1d,
+    nn.Conv2d: LeanConv2d,
+    nn.Conv3d: LeanConv3d,
+    nn.ConvTranspose1d: LeanConvTranspose1d,
+    nn.ConvTranspose2d: LeanConvTranspose2d,
+    nn.ConvTranspose3d: LeanConvTranspose3d,
+    nn.BatchNorm1d: LeanBatchNorm1d,
+    nn.BatchNorm2d: LeanBatchNorm2d,
+    nn.BatchNorm3d: LeanBatchNorm3d,
+    nn.ReLU: LeanReLU,
+    nn.Dropout: LeanDropout,
+    nn.MaxPool1d: LeanMaxPool1d,
+    nn.MaxPool2d: LeanMaxPool2d,
+    nn.MaxPool3d: LeanMaxPool3d,
+}
+STOCK: Dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
+
+
+def share_derivatives() -> None:
+    """Give each lean type the same jacmem derivatives entry as its stock type (the
+    math is the same; jacmem's ``lookup`` accepts a subclass only if it keeps the
+    base ``forward``, and these override it). Entries are shared, not copied, so a
+    strategy registered later for the stock type applies to the lean one too."""
+    for stock, lean_type in LEAN.items():
+        if stock in derivatives.REGISTRY:
+            derivatives.REGISTRY[lean_type] = derivatives.REGISTRY[stock]
+
+
+def lean(model: nn.Module) -> nn.Module:
+    """Convert, in place, every module of ``model`` (itself included) whose type is a
+    stock type in :data:`LEAN` to its lean version. Returns ``model``.
+
+    Outputs and gradients are those of the stock layers; what is kept for the
+    backward pass depends on ``requires_grad`` when the forward runs, so freezing
+    after ``lean`` works. Double backward through lean layers is not supported.
+    """
+    share_derivatives()
+    for module in model.modules():
+        lean_type = LEAN.get(type(module))
+        if lean_type is not None:
+            module.__class__ = lean_type
+    return model
+
+
+def unlean(model: nn.Module) -> nn.Module:
+    """Undo :func:`lean` in place. Returns ``model``."""
+    for module in model.modules():
+        stock = STOCK.get(type(module))
+        if stock is not None:
+            module.__class__ = stock
+    return model
+
+
+share_derivatives()

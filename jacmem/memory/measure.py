@@ -1,0 +1,76 @@
+"""Measured peak memory of one call, above what was in use when it started.
+
+* CUDA: ``torch.cuda.max_memory_allocated`` after ``reset_peak_memory_stats``: the
+  caching allocator's view, exact to the byte.
+* CPU (Linux): the process's peak resident set (``VmHWM`` in ``/proc/self/status``,
+  reset by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set before
+  the call. glibc is told once to serve every allocation over 64 KiB with its own
+  ``mmap`` (``mallopt``), so that freed tensors leave the resident set at once and
+  the figure is what the call needed, not what the allocator happened to keep.
+  Pages of earlier allocations that the call touches first also count, so measure
+  a warmed-up call.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import sys
+from typing import Callable, Optional
+
+import torch
+
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_TUNED = False
+
+
+def _tune_malloc() -> None:
+    global _TUNED
+    if _TUNED:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
+    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+    _TUNED = True
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"no {field} in /proc/self/status")
+
+
+def _cpu_peak(fn: Callable[[], object]) -> int:
+    if not sys.platform.startswith("linux"):
+        raise RuntimeError("jacmem.memory.peak_memory measures CPU memory on Linux only; pass device='cuda' for a GPU")
+    _tune_malloc()
+    gc.collect()
+    base = _status_kib("VmRSS")
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+    fn()
+    return max(_status_kib("VmHWM") - base, 0) * 1024
+
+
+def _cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    fn()
+    torch.cuda.synchronize(device)
+    return torch.cuda.max_memory_allocated(device) - base
+
+
+def peak_memory(fn: Callable[[], object], device: Optional[torch.device] = None) -> int:
+    """Bytes of peak memory that ``fn()`` used on ``device`` (default CPU) beyond what
+    was in use before it; ``fn``'s return value is dropped."""
+    device = torch.device("cpu" if device is None else device)
+    if device.type == "cuda":
+        return _cuda_peak(fn, device)
+    if device.type != "cpu":
+        raise ValueError(f"peak_memory measures 'cpu' or 'cuda', not {device.type!r}")
+    return _cpu_peak(fn)

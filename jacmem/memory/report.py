@@ -1,0 +1,506 @@
+"""``report(model, *inputs)``: what autograd keeps for the backward pass, and why.
+
+One forward pass runs under ``torch.autograd.graph.saved_tensors_hooks``; a global
+module pre/post forward hook keeps the stack of modules being run, so each saved
+tensor is charged to the innermost module (qualified name) that saved it. A walk of
+the graph afterwards reads every node's saved tensors once more, which names the op
+(``grad_fn``) and the slot each tensor was saved as.
+
+Memory is counted per storage (``untyped_storage``: device, address, bytes), once:
+views, in-place outputs and a tensor saved by two ops are one storage, charged to the
+module that saved it first. Storages that existed before the forward (parameters,
+buffers, the inputs) are kept by reference and cost nothing extra; they are listed
+apart. Storages that the caller gets back as outputs are kept anyway.
+
+For the ops whose derivative formulas are listed in :data:`NEEDS`, each saved tensor
+says which inputs' gradients read it; one that is read only for gradients nobody
+asked for (a conv's input, with the weight frozen) is *wasted*.
+"""
+
+from __future__ import annotations
+
+import weakref
+from math import prod
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.nn.modules import module as module_hooks
+
+from jacmem.memory.lean import LEAN, STOCK
+
+Key = Tuple[str, int, int]
+
+#: op -> saved slot -> positions in ``next_functions`` (the op's differentiable
+#: inputs) whose gradients read that tensor; a callable takes the node. Ops not
+#: listed count as needing everything they keep.
+NEEDS: Dict[str, Dict[str, Any]] = {
+    "ConvolutionBackward0": {"input": (1,), "weight": (0,)},
+    "MmBackward0": {"self": (1,), "mat2": (0,)},
+    "BmmBackward0": {"self": (1,), "mat2": (0,)},
+    "AddmmBackward0": {"mat1": (2,), "mat2": (1,)},
+    "MulBackward0": {"self": (1,), "other": (0,)},
+    "NativeBatchNormBackward0": {
+        "input": lambda node: (0, 1, 2) if getattr(node, "_saved_training", True) else (1,),
+        "weight": (0,),
+    },
+    "CudnnBatchNormBackward0": {"input": (0, 1, 2), "weight": (0,)},
+    "MaxPool1DWithIndicesBackward0": {"self": ()},
+    "MaxPool2DWithIndicesBackward0": {"self": ()},
+    "MaxPool3DWithIndicesBackward0": {"self": ()},
+}
+#: ops that read the named slot for its shape alone
+SHAPE_ONLY = {name for name in NEEDS if name.startswith("MaxPool")}
+
+#: nodes through which a parameter keeps its name (``weight.t()`` in a linear layer)
+_VIEWS = ("TBackward0", "ViewBackward0", "ExpandBackward0", "PermuteBackward0", "TransposeBackward0",
+          "UnsqueezeBackward0", "SqueezeBackward0", "ReshapeAliasBackward0", "AliasBackward0", "UnsafeViewBackward0")
+
+
+def _key(t: Tensor) -> Key:
+    s = t.untyped_storage()
+    return (str(t.device), s.data_ptr(), s.nbytes())
+
+
+def _tensors(obj) -> List[Tensor]:
+    if isinstance(obj, Tensor):
+        return [obj]
+    if isinstance(obj, (tuple, list)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def fmt_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB'."""
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if abs(n) < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+@dataclass
+class SavedTensor:
+    """One tensor that one op saved for the backward pass."""
+
+    module: str  #: qualified name of the innermost module running when it was saved
+    op: str  #: the grad_fn that keeps it ("?" if the walk from the outputs did not reach it)
+    slot: str  #: what the op saved it as ("input", "weight", "result", "saved_tensors[0]", ...)
+    shape: Tuple[int, ...]
+    dtype: str
+    device: str
+    nbytes: int  #: bytes of the whole storage it lives in
+    kind: str  #: "activation", "output", "parameter", "buffer" or "input"
+    needed_for: Tuple[str, ...] = ()  #: gradients that read it (for ops in NEEDS)
+    wasted: bool = False  #: read by no gradient that is computed
+    why: str = ""  #: for a wasted tensor, why it is kept
+    storage: Key = field(default=("", 0, 0), repr=False)
+
+
+@dataclass
+class ModuleRow:
+    """What one module's calls keep, storages counted once."""
+
+    name: str
+    type: str
+    calls: int = 0
+    tensors: int = 0  #: saved-tensor references
+    bytes: int = 0  #: storages this module saved first
+    exclusive: int = 0  #: storages no other module saved too: freed if this module kept nothing
+    wasted: int = 0  #: storages that every saver keeps for no computed gradient
+    input_bytes: int = 0  #: activation storages among the inputs of its calls
+    ops: Counter = field(default_factory=Counter)
+
+
+class MemoryReport:
+    """The result of :func:`report`. ``str(r)`` / ``r.table()`` for people,
+    ``r.to_dict()`` for programs.
+
+    Attributes: ``tensors`` (list of :class:`SavedTensor`), ``modules`` (list of
+    :class:`ModuleRow`, largest first), ``parameter_bytes``, ``trainable_bytes``,
+    ``output_bytes``, ``input_bytes``, ``suggestions`` (list of str).
+    """
+
+    def __init__(self, tensors, modules, parameter_bytes, trainable_bytes, output_bytes, input_bytes, suggestions):
+        self.tensors: List[SavedTensor] = tensors
+        self.modules: List[ModuleRow] = modules
+        self.parameter_bytes, self.trainable_bytes = parameter_bytes, trainable_bytes
+        self.output_bytes, self.input_bytes = output_bytes, input_bytes
+        self.suggestions: List[str] = suggestions
+
+    def _storages(self, kinds=("activation",)) -> Dict[Key, List[SavedTensor]]:
+        out: Dict[Key, List[SavedTensor]] = {}
+        for t in self.tensors:
+            if t.kind in kinds:
+                out.setdefault(t.storage, []).append(t)
+        return out
+
+    @property
+    def saved_bytes(self) -> int:
+        """Bytes that autograd keeps alive for the backward pass and nothing else does:
+        activation storages, each once."""
+        return sum(ts[0].nbytes for ts in self._storages().values())
+
+    @property
+    def wasted_bytes(self) -> int:
+        """Part of :attr:`saved_bytes` that no computed gradient reads."""
+        return sum(ts[0].nbytes for ts in self._storages().values() if all(t.wasted for t in ts))
+
+    def by_op(self) -> List[Tuple[str, int, int]]:
+        """(op, saved tensors, activation bytes charged to it), largest first."""
+        count: Counter = Counter(t.op for t in self.tensors)
+        size: Counter = Counter()
+        for ts in self._storages().values():
+            size[ts[0].op] += ts[0].nbytes
+        return sorted(((op, count[op], size[op]) for op in count), key=lambda r: -r[2])
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Everything, as plain Python values."""
+        return {
+            "totals": {
+                "saved_bytes": self.saved_bytes,
+                "wasted_bytes": self.wasted_bytes,
+                "parameter_bytes": self.parameter_bytes,
+                "trainable_parameter_bytes": self.trainable_bytes,
+                "output_bytes": self.output_bytes,
+                "input_bytes": self.input_bytes,
+                "saved_tensors": len(self.tensors),
+            },
+            "modules": [{**asdict(m), "ops": dict(m.ops)} for m in self.modules],
+            "ops": [{"op": op, "tensors": n, "bytes": b} for op, n, b in self.by_op()],
+            "tensors": [asdict(t) for t in self.tensors],
+            "suggestions": list(self.suggestions),
+        }
+
+    def table(self, top: int = 12) -> str:
+        """A plain-text summary: totals, the ``top`` modules and ops, wasted tensors,
+        suggestions."""
+        saved, out = self.saved_bytes, self.output_bytes
+        by_ref = self._storages(("parameter", "buffer", "input"))
+        lines = [
+            "What autograd keeps for the backward pass",
+            f"  activations kept:   {fmt_bytes(saved)} in {len(self._storages())} storages"
+            + (f"  ({saved / out:.1f}x the output, {fmt_bytes(out)})" if out else ""),
+            f"  of which wasted:    {fmt_bytes(self.wasted_bytes)} (read by no gradient that is computed)",
+            f"  parameters:         {fmt_bytes(self.parameter_bytes)} ({fmt_bytes(self.trainable_bytes)} trainable);"
+            f" {len(by_ref)} parameter/buffer/input storages saved by reference, no extra memory",
+            "",
+            f"  {'module':<28} {'type':<18} {'calls':>5} {'saved':>6} {'bytes':>10} {'wasted':>10}  ops",
+        ]
+        for m in self.modules[:top]:
+            ops = ", ".join(f"{op}x{n}" if n > 1 else op for op, n in m.ops.most_common(3))
+            more = f", +{len(m.ops) - 3} more" if len(m.ops) > 3 else ""
+            lines.append(
+                f"  {m.name[:28]:<28} {m.type[:18]:<18} {m.calls:>5} {m.tensors:>6} {fmt_bytes(m.bytes):>10} "
+                f"{fmt_bytes(m.wasted):>10}  {ops}{more}"
+            )
+        if len(self.modules) > top:
+            lines.append(f"  ... {len(self.modules) - top} more modules")
+        lines += ["", f"  {'op (grad_fn)':<36} {'saved':>6} {'bytes':>10}"]
+        lines += [f"  {op[:36]:<36} {n:>6} {fmt_bytes(b):>10}" for op, n, b in self.by_op()[:top]]
+        wasted = [t for t in self.tensors if t.wasted and t.kind == "activation"]
+        if wasted:
+            lines += ["", "Kept for no computed gradient:"]
+            for t in wasted[:top]:
+                lines.append(
+                    f"  {t.module}: {t.op}.{t.slot} {list(t.shape)} {t.dtype} {fmt_bytes(t.nbytes)}: {t.why}"
+                )
+            if len(wasted) > top:
+                lines.append(f"  ... {len(wasted) - top} more")
+        if self.suggestions:
+            lines += ["", "Suggestions:"]
+            lines += [f"  {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
+        return "\n".join(lines)
+
+    def __str__(self) -> str:
+        return self.table()
+
+    def __repr__(self) -> str:
+        return f"<MemoryReport: {fmt_bytes(self.saved_bytes)} kept, {fmt_bytes(self.wasted_bytes)} wasted>"
+
+
+class _Handle:
+    """What the graph holds instead of a saved tensor during the report."""
+
+    __slots__ = ("index", "tensor")
+
+    def __init__(self, index: int, tensor: Tensor):
+        self.index, self.tensor = index, tensor
+
+
+class _Recorder:
+    """The hooks of one report: module stack, saved tensors, graph walk."""
+
+    def __init__(self, root: Optional[nn.Module], root_label: str):
+        self.names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.root_label = root_label
+        if root is not None:
+            for name, sub in root.named_modules():
+                self.names[sub] = name or root_label
+        self.stack: List[str] = []
+        self.entries: List[SavedTensor] = []
+        self.rows: Dict[str, ModuleRow] = {}
+        self.call_order: List[str] = []
+        self.by_name: Dict[str, nn.Module] = {}
+        self.owned: Dict[Key, str] = {}  # storages that existed before: key -> kind
+        self.param_names: Dict[int, str] = {}
+        self.params: Dict[int, nn.Parameter] = {}
+        self.unpacked: List[int] = []
+        if root is not None:
+            self._own(root, "")
+
+    def _own(self, module: nn.Module, prefix: str) -> None:
+        for name, p in module.named_parameters(prefix=prefix):
+            self.params.setdefault(id(p), p)
+            self.param_names.setdefault(id(p), name)
+            self.owned[_key(p)] = "parameter"
+        for b in module.buffers():
+            self.owned.setdefault(_key(b), "buffer")
+
+    def name(self, module: nn.Module) -> str:
+        if module not in self.names:
+            self.names[module] = f"{type(module).__name__}@{len(self.names)}"
+            self._own(module, self.names[module])
+        return self.names[module]
+
+    # -- forward -------------------------------------------------------------
+
+    def pre(self, module, args):
+        name = self.name(module)
+        self.stack.append(name)
+        self.call_order.append(name)
+        self.by_name[name] = module
+        row = self.rows.setdefault(name, ModuleRow(name, type(module).__name__))
+        row.calls += 1
+        new = {_key(t): t.untyped_storage().nbytes() for t in _tensors(args) if _key(t) not in self.owned}
+        row.input_bytes += sum(new.values())
+
+    def post(self, module, args, output):
+        if self.stack:
+            self.stack.pop()
+
+    def pack(self, t: Tensor) -> _Handle:
+        module = self.stack[-1] if self.stack else self.root_label
+        key = _key(t)
+        kind = "parameter" if isinstance(t, nn.Parameter) else self.owned.get(key, "activation")
+        if kind == "parameter" and id(t) not in self.params and isinstance(t, nn.Parameter):
+            self.params[id(t)] = t
+        self.entries.append(
+            SavedTensor(module, "?", "?", tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
+                        key[2], kind, storage=key)
+        )
+        return _Handle(len(self.entries) - 1, t)
+
+    def unpack(self, handle: _Handle) -> Tensor:
+        self.unpacked.append(handle.index)
+        return handle.tensor
+
+    # -- after the forward -------------------------------------------------------
+
+    def _read(self, node, attr: str) -> List[Tuple[str, int]]:
+        self.unpacked.clear()
+        value = getattr(node, attr)
+        slot = attr[len("_saved_"):] if attr.startswith("_saved_") else attr
+        if isinstance(value, (tuple, list)) and len(self.unpacked) != 1:
+            return [(f"{slot}[{i}]", idx) for i, idx in enumerate(self.unpacked)]
+        return [(slot, idx) for idx in self.unpacked]
+
+    def walk(self, roots) -> None:
+        """Name the op and slot of every saved tensor reachable from ``roots``."""
+        seen, stack = set(), [r for r in roots if r is not None]
+        while stack:
+            node = stack.pop()
+            if node in seen:
+                continue
+            seen.add(node)
+            if isinstance(node, torch.autograd.function.BackwardCFunction):
+                slots = self._read(node, "saved_tensors")
+            else:
+                slots = [s for a in dir(node) if a.startswith("_saved_") for s in self._read(node, a)]
+            for slot, idx in slots:
+                entry = self.entries[idx]
+                entry.op, entry.slot = node.name(), slot
+                self._needs(node, entry)
+            stack.extend(n for n, _ in node.next_functions if n is not None)
+
+    def _describe(self, node) -> str:
+        """Whose gradient flows into ``node``: a parameter's name, or 'input'."""
+        while node is not None and node.name() in _VIEWS and len(node.next_functions) == 1:
+            node = node.next_functions[0][0]
+        if node is None:
+            return "?"
+        variable = getattr(node, "variable", None)
+        if variable is not None:
+            return self.param_names.get(id(variable), f"leaf {list(variable.shape)}")
+        return "input"
+
+    def _needs(self, node, entry: SavedTensor) -> None:
+        rule = NEEDS.get(node.name(), {}).get(entry.slot)
+        nexts = node.next_functions
+        if rule is None:
+            entry.needed_for = tuple(self._describe(n) for n, _ in nexts if n is not None)
+            return
+        positions = rule(node) if callable(rule) else rule
+        live = [i for i in positions if i < len(nexts) and nexts[i][0] is not None]
+        entry.needed_for = tuple(self._describe(nexts[i][0]) for i in live)
+        if live:
+            return
+        entry.wasted = True
+        if node.name() in SHAPE_ONLY:
+            entry.why = "read only for its shape"
+        else:
+            frozen = [f"{entry.module}.{_SLOT_PARAMS.get((node.name(), i), f'input {i}')}" for i in positions]
+            entry.why = f"read only for the gradient of {' and '.join(frozen)}, which is not computed"
+
+
+#: (op, position) -> the module parameter name that usually sits there
+_SLOT_PARAMS = {
+    ("ConvolutionBackward0", 1): "weight",
+    ("ConvolutionBackward0", 2): "bias",
+    ("NativeBatchNormBackward0", 1): "weight",
+    ("NativeBatchNormBackward0", 2): "bias",
+    ("CudnnBatchNormBackward0", 1): "weight",
+    ("AddmmBackward0", 2): "weight",
+    ("MmBackward0", 1): "weight",
+}
+
+
+def _rows(rec: _Recorder) -> List[ModuleRow]:
+    """Per-module totals, largest first; each activation storage is charged to its first saver."""
+    rows = rec.rows
+    storages: Dict[Key, List[SavedTensor]] = {}
+    for e in rec.entries:
+        row = rows.setdefault(e.module, ModuleRow(e.module, e.module))
+        row.tensors += 1
+        row.ops[e.op] += 1
+        if e.kind == "activation":
+            storages.setdefault(e.storage, []).append(e)
+    for ts in storages.values():
+        row, nbytes = rows[ts[0].module], ts[0].nbytes
+        row.bytes += nbytes
+        row.exclusive += nbytes if all(t.module == row.name for t in ts) else 0
+        row.wasted += nbytes if all(t.wasted for t in ts) else 0
+    return sorted((r for r in rows.values() if r.tensors), key=lambda r: -r.bytes)
+
+
+def _exclusive_numel(rec: _Recorder, name: str) -> int:
+    """Elements of the activation storages that only module ``name`` saved."""
+    savers: Dict[Key, set] = {}
+    numel: Dict[Key, int] = {}
+    for e in rec.entries:
+        if e.kind == "activation":
+            savers.setdefault(e.storage, set()).add(e.module)
+            numel[e.storage] = max(numel.get(e.storage, 0), prod(e.shape))
+    return sum(n for k, n in numel.items() if savers[k] == {name})
+
+
+_ACTIVATIONS = (nn.ReLU, nn.LeakyReLU)
+
+
+def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> List[str]:
+    """One or more suggestions for each module that keeps at least 5% of ``total``."""
+    out: List[str] = []
+    follower = {a: b for a, b in zip(rec.call_order, rec.call_order[1:])}
+    devices = {e.device for e in rec.entries if e.kind == "activation"}
+    needed_only = None
+    for row in [r for r in rows if total and r.bytes >= 0.05 * total][:top]:
+        module = rec.by_name.get(row.name)
+        kind = type(module)
+        here = f"{row.name} ({row.type}, {row.bytes / total:.0%} of the total)"
+        before = len(out)
+        if row.wasted:
+            fix = (
+                "jacmem.memory.lean(model) keeps none of it"
+                if kind in LEAN or kind in STOCK
+                else "a freeze-aware torch.autograd.Function that saves only what ctx.needs_input_grad asks for "
+                "would drop it"
+            )
+            out.append(f"{here}: {fmt_bytes(row.wasted)} is kept for gradients that are not computed; {fix}.")
+        if kind is nn.ReLU and row.exclusive:
+            packed = -(-_exclusive_numel(rec, row.name) // 8)
+            out.append(
+                f"{here}: keeps its float output ({fmt_bytes(row.exclusive)}); jacmem.memory.lean(model) keeps a "
+                f"1-bit mask instead ({fmt_bytes(packed)})."
+            )
+        if kind is nn.Dropout and row.exclusive:
+            out.append(
+                f"{here}: keeps its mask ({fmt_bytes(row.exclusive)}); jacmem.memory.lean(model) keeps the RNG "
+                "seed and draws the mask again in backward."
+            )
+        nxt = rec.by_name.get(follower.get(row.name, ""))
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and isinstance(nxt, _ACTIVATIONS) and module.training:
+            act = type(nxt).__name__
+            change = "" if isinstance(nxt, nn.LeakyReLU) else " (this swaps ReLU for LeakyReLU, which changes the model)"
+            out.append(
+                f"{here}: fuse it with the {act} that follows into jacmem.memory.BatchNormAct (InPlace-ABN), which "
+                f"keeps only its output and frees about {fmt_bytes(row.exclusive)}{change}."
+            )
+        per_call = row.tensors / max(row.calls, 1)
+        if per_call >= 3 and row.exclusive > 2 * row.input_bytes:
+            out.append(
+                f"{here}: {row.tensors} tensors from {len(row.ops)} ops; torch.utils.checkpoint.checkpoint on each call "
+                f"keeps only its inputs (about {fmt_bytes(row.input_bytes)} instead of {fmt_bytes(row.exclusive)}) and "
+                "runs its forward once more during backward."
+            )
+        if devices - {"cpu"}:
+            out.append(
+                f"{here}: torch.autograd.graph.save_on_cpu(pin_memory=True) around its forward moves its "
+                f"{fmt_bytes(row.bytes)} to host memory until backward (costs transfers, saves accelerator memory)."
+            )
+        if len(out) == before and needed_only is None:
+            needed_only = (
+                f"{here}: its {fmt_bytes(row.bytes)} is read by the gradients asked for; only recomputation "
+                "(torch.utils.checkpoint around the block that contains it) or offloading "
+                "(torch.autograd.graph.save_on_cpu, on an accelerator) can lower it."
+            )
+    if needed_only:
+        out.append(needed_only)
+    return out
+
+
+def report(fn_or_model: Callable, *inputs, top: int = 5, **kwargs) -> MemoryReport:
+    """Run ``fn_or_model(*inputs, **kwargs)`` once, with gradients enabled, and report what
+    autograd keeps for the backward pass.
+
+    ``fn_or_model``: an ``nn.Module`` (its submodules get qualified names), a bound
+    method of one (``model.propagate``), or any callable (modules that it runs are
+    named ``Type@i``). ``top``: how many hot spots get suggestions. Nothing of the
+    forward pass is kept: the graph is freed when the report returns.
+    """
+    root = fn_or_model if isinstance(fn_or_model, nn.Module) else getattr(fn_or_model, "__self__", None)
+    root = root if isinstance(root, nn.Module) else None
+    rec = _Recorder(root, f"({type(root).__name__})" if root is not None else "(function)")
+    for t in _tensors((inputs, kwargs)):
+        rec.owned.setdefault(_key(t), "input")
+    handles = [
+        module_hooks.register_module_forward_pre_hook(rec.pre),
+        module_hooks.register_module_forward_hook(rec.post, always_call=True),
+    ]
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
+            outputs = _tensors(fn_or_model(*inputs, **kwargs))
+        rec.walk([t.grad_fn for t in outputs])
+    finally:
+        for h in handles:
+            h.remove()
+    out_keys = {_key(t): t.untyped_storage().nbytes() for t in outputs}
+    for e in rec.entries:
+        if e.kind == "activation" and e.storage in out_keys:
+            e.kind = "output"
+    params = list(rec.params.values())
+    rows = _rows(rec)
+    result = MemoryReport(
+        rec.entries,
+        rows,
+        sum(p.numel() * p.element_size() for p in params),
+        sum(p.numel() * p.element_size() for p in params if p.requires_grad),
+        sum(out_keys.values()),
+        sum({_key(t): t.untyped_storage().nbytes() for t in _tensors((inputs, kwargs))}.values()),
+        [],
+    )
+    result.suggestions = _suggest(rec, rows, result.saved_bytes, top)
+    return result

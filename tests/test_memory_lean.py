@@ -1,0 +1,426 @@
+"""jacmem.memory.lean / unlean and BatchNormAct against the stock layers (float64).
+
+The reference for every lean layer is the stock PyTorch layer with the same
+parameters, differentiated by autograd: outputs and gradients must agree for every
+pattern of what requires a gradient. What a layer keeps is read with
+``saved_tensors_hooks`` (through jacmem.memory.report).
+"""
+
+import copy
+import itertools
+
+import pytest
+import torch
+from torch import nn
+
+import jacmem
+from jacmem.memory import BatchNormAct, lean, report, unlean
+from jacmem.memory.functions import pack_bits, unpack_bits
+
+torch.set_default_dtype(torch.float64)
+
+RTOL, ATOL = 1e-10, 1e-12
+
+
+def _patterns(layer):
+    """Every non-empty subset of {input, each parameter} that requires a gradient."""
+    names = ["input"] + [n for n, _ in layer.named_parameters()]
+    for r in range(1, len(names) + 1):
+        yield from itertools.combinations(names, r)
+
+
+def _run(layer, x, pattern, seed=0):
+    """Output and gradients (by name) of ``sum(out * w)`` for random w."""
+    for name, p in layer.named_parameters():
+        p.requires_grad_(name in pattern)
+        p.grad = None
+    x = x.clone().requires_grad_("input" in pattern)
+    out = layer(x)
+    out = out[0] if isinstance(out, tuple) else out
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    (out * w).sum().backward()
+    grads = {"input": x.grad} if "input" in pattern else {}
+    grads.update({n: p.grad for n, p in layer.named_parameters() if n in pattern})
+    return out.detach(), grads
+
+
+def _compare(stock, x):
+    """The lean copy of ``stock`` against ``stock`` for every requires_grad pattern."""
+    lean_layer = lean(copy.deepcopy(stock))
+    assert type(lean_layer) is not type(stock), f"{type(stock).__name__} was not converted"
+    for pattern in _patterns(stock):
+        out_s, grads_s = _run(stock, x, pattern)
+        out_l, grads_l = _run(lean_layer, x, pattern)
+        torch.testing.assert_close(out_l, out_s, rtol=0, atol=0)
+        assert grads_l.keys() == grads_s.keys()
+        for name in grads_s:
+            torch.testing.assert_close(grads_l[name], grads_s[name], rtol=RTOL, atol=ATOL, msg=f"{pattern}: {name}")
+
+
+CONVS = [
+    (nn.Conv1d(3, 4, 3, stride=2, padding=1), (2, 3, 11)),
+    (nn.Conv1d(4, 6, 3, padding="same", dilation=2, groups=2, bias=False), (2, 4, 9)),
+    (nn.Conv2d(3, 4, (3, 2), stride=(2, 1), padding=(1, 0), dilation=(1, 2)), (2, 3, 9, 8)),
+    (nn.Conv2d(4, 4, 4, padding="same"), (2, 4, 7, 6)),  # odd total padding: the odd pixel goes right
+    (nn.Conv2d(4, 6, 3, padding="valid", groups=2), (2, 4, 6, 6)),
+    (nn.Conv2d(3, 4, 3, padding=2, padding_mode="reflect"), (2, 3, 7, 7)),
+    (nn.Conv2d(3, 4, 3, padding=1, padding_mode="circular"), (3, 7, 7)),  # unbatched
+    (nn.Conv3d(2, 3, 2, stride=(1, 2, 1), padding=1), (2, 2, 4, 5, 4)),
+    (nn.ConvTranspose1d(3, 4, 3, stride=2, padding=1, output_padding=1), (2, 3, 6)),
+    (nn.ConvTranspose2d(4, 6, 3, stride=2, groups=2, dilation=2, bias=False), (2, 4, 5, 4)),
+    (nn.ConvTranspose2d(3, 2, 3, stride=1, padding=1), (3, 5, 5)),  # unbatched
+    (nn.ConvTranspose3d(2, 3, 2, stride=2), (2, 2, 3, 2, 3)),
+]
+
+
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
+@pytest.mark.parametrize("stock,shape", CONVS, ids=lambda v: str(v).split("(")[0] if isinstance(v, nn.Module) else None)
+def test_conv_matches_stock(stock, shape):
+    _compare(stock, torch.randn(shape))
+
+
+def test_conv_transpose_output_size():
+    stock = nn.ConvTranspose2d(3, 2, 3, stride=2, padding=1)
+    lean_layer = lean(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 4, 4)
+    torch.testing.assert_close(lean_layer(x, output_size=[8, 8]), stock(x, output_size=[8, 8]), rtol=0, atol=0)
+
+
+def _batchnorm(cls, c, affine=True):
+    bn = cls(c, affine=affine)
+    with torch.no_grad():
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+        if affine:
+            bn.weight.uniform_(0.5, 1.5)
+            bn.bias.uniform_(-1, 1)
+    return bn.eval()
+
+
+@pytest.mark.parametrize(
+    "cls,shape,affine",
+    [
+        (nn.BatchNorm1d, (5, 3), True),
+        (nn.BatchNorm1d, (4, 3, 6), False),
+        (nn.BatchNorm2d, (3, 4, 5, 5), True),
+        (nn.BatchNorm3d, (2, 2, 3, 4, 3), True),
+    ],
+)
+def test_batchnorm_eval_matches_stock(cls, shape, affine):
+    _compare(_batchnorm(cls, shape[1], affine), torch.randn(shape))
+
+
+def test_batchnorm_train_mode_runs_stock():
+    stock = _batchnorm(nn.BatchNorm2d, 3).train()
+    lean_layer = lean(copy.deepcopy(stock))
+    x = torch.randn(4, 3, 5, 5)
+    torch.testing.assert_close(lean_layer(x), stock(x), rtol=0, atol=0)
+    torch.testing.assert_close(lean_layer.running_mean, stock.running_mean, rtol=0, atol=0)
+    _compare(stock, x)
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("shape", [(4, 3, 5, 5), (13,)])  # 13: not a multiple of 8
+def test_relu_matches_stock(shape, inplace):
+    x = torch.randn(shape)
+    x.view(-1)[::4] = 0.0  # relu's gradient at 0 is 0 in both
+    stock, lean_layer = nn.ReLU(inplace), lean(nn.ReLU(inplace))
+    for layer in (stock, lean_layer):  # in place: on an activation, not on a leaf
+        assert not list(layer.parameters())
+    x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+    out1, out2 = stock(x1 * 1), lean_layer(x2 * 1)
+    torch.testing.assert_close(out2, out1, rtol=0, atol=0)
+    g = torch.randn(shape)
+    (out1 * g).sum().backward()
+    (out2 * g).sum().backward()
+    torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
+def test_pack_bits_roundtrip(n):
+    mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5
+    packed = pack_bits(mask)
+    assert packed.dtype == torch.uint8 and packed.numel() == -(-n // 8)
+    assert torch.equal(unpack_bits(packed, n), mask)
+    # element 8j + k sits in bit k of byte j
+    expected = [sum(int(mask[8 * j + k]) << k for k in range(8) if 8 * j + k < n) for j in range(packed.numel())]
+    assert packed.tolist() == expected
+
+
+@pytest.mark.parametrize(
+    "stock,shape",
+    [
+        (nn.MaxPool1d(3, stride=2, padding=1), (2, 3, 9)),
+        (nn.MaxPool2d(3, stride=1), (2, 3, 6, 6)),  # overlapping windows: gradients add up
+        (nn.MaxPool2d(2, dilation=2, ceil_mode=True), (3, 7, 7)),  # unbatched
+        (nn.MaxPool2d(2, return_indices=True), (2, 2, 4, 4)),
+        (nn.MaxPool3d(2, stride=(1, 2, 2), padding=1), (2, 2, 4, 5, 4)),
+    ],
+)
+def test_maxpool_matches_stock(stock, shape):
+    x = torch.randn(shape)
+    _compare(stock, x)
+    _compare(stock, torch.relu(x))  # ties at 0: same indices, same gradients
+    if stock.return_indices:
+        assert torch.equal(lean(copy.deepcopy(stock))(x)[1], stock(x)[1])
+
+
+def _saved(fn, *inputs):
+    """Activation bytes autograd keeps for ``fn(*inputs)``."""
+    return report(fn, *inputs).saved_bytes
+
+
+@pytest.mark.parametrize(
+    "stock,shape",
+    [
+        (nn.Conv2d(3, 4, 3), (2, 3, 8, 8)),
+        (nn.ConvTranspose2d(3, 4, 3), (2, 3, 8, 8)),
+        (nn.Conv1d(3, 4, 3), (2, 3, 8)),
+    ],
+)
+def test_conv_keeps_only_what_is_needed(stock, shape):
+    """The input is an activation (x * 1): stock keeps it whether or not the weight is
+    trainable; lean keeps it only for the weight's gradient."""
+    x = torch.randn(shape, requires_grad=True)
+    lean_layer = lean(copy.deepcopy(stock))
+    x_bytes = x.numel() * x.element_size()
+    stock.weight.requires_grad_(False)
+    lean_layer.weight.requires_grad_(False)
+    assert _saved(lambda t: stock(t * 1), x) == x_bytes
+    assert _saved(lambda t: lean_layer(t * 1), x) == 0
+    lean_layer.weight.requires_grad_(True)
+    assert _saved(lambda t: lean_layer(t * 1), x) == x_bytes
+
+
+def test_batchnorm_eval_keeps_input_only_for_weight():
+    stock = _batchnorm(nn.BatchNorm2d, 3)
+    lean_layer = lean(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 4, 4, requires_grad=True)
+    x_bytes = x.numel() * 8
+    for layer in (stock, lean_layer):
+        layer.weight.requires_grad_(False)
+    assert _saved(lambda t: stock(t * 1), x) == x_bytes
+    assert _saved(lambda t: lean_layer(t * 1), x) == 0
+    lean_layer.weight.requires_grad_(True)
+    assert _saved(lambda t: lean_layer(t * 1), x) == x_bytes
+
+
+def test_relu_dropout_maxpool_keep_bits_seed_indices():
+    x = torch.randn(4, 6, 8, 8, requires_grad=True)  # 1536 elements
+    n = x.numel()
+    # "+ 0" keeps nothing, and makes the layer's output an intermediate (an output is kept anyway)
+    assert _saved(lambda t: lean(nn.ReLU())(t) + 0, x) == n // 8
+    assert _saved(lambda t: nn.ReLU()(t) + 0, x) == n * 8
+    assert _saved(lambda t: lean(nn.Dropout(0.5))(t) + 0, x) == 0
+    # a float mask on CPU (x * bernoulli / (1 - p)), a bool mask from CUDA's fused kernel
+    assert _saved(lambda t: nn.Dropout(0.5)(t) + 0, x) == n * 8
+    pool = lean(nn.MaxPool2d(2))
+    assert _saved(lambda t: pool(t * 1), x) == (n // 4) * 4  # int32 indices, no input
+    assert _saved(lambda t: nn.MaxPool2d(2)(t * 1), x) == n * 8 + (n // 4) * 8
+
+
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+def test_dropout(p, inplace):
+    """Train mode: out = x * mask / (1 - p) and the gradient uses the same mask; with
+    x = 1 the output is the mask (scaled), so the gradient must be g * out."""
+    layer = lean(nn.Dropout(p, inplace=inplace))
+    x = torch.ones(64, 50, requires_grad=True)
+    out = layer(x * 1)
+    keep = (out != 0).double()
+    torch.testing.assert_close(out, keep / (1 - p) if p < 1 else keep, rtol=0, atol=1e-15)
+    if 0 < p < 1:
+        assert abs(keep.mean().item() - (1 - p)) < 0.05
+    g = torch.randn(64, 50)
+    (out * g).sum().backward()
+    torch.testing.assert_close(x.grad, g * out, rtol=0, atol=1e-15)
+
+
+def test_dropout_eval_and_reproducible():
+    layer = lean(nn.Dropout(0.5))
+    x = torch.randn(10, 10)
+    assert layer.eval()(x) is x
+    layer.train()
+    torch.manual_seed(3)
+    a = layer(x)
+    torch.manual_seed(3)
+    assert torch.equal(layer(x), a)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("p", [0.0, 0.2, 0.7, 1.0])
+def test_dropout_cuda(p):
+    layer = lean(nn.Dropout(p))
+    x = torch.ones(256, 257, device="cuda", requires_grad=True)
+    out = layer(x * 1)
+    g = torch.randn_like(out)
+    (out * g).sum().backward()
+    torch.testing.assert_close(x.grad, g * out, rtol=0, atol=1e-15)
+    if 0 < p < 1:
+        assert abs((out != 0).double().mean().item() - (1 - p)) < 0.02
+
+
+# -- BatchNormAct ----------------------------------------------------------------------
+
+
+def _pair(c, slope, affine=True, track=True, momentum=0.1):
+    bn = nn.BatchNorm2d(c, affine=affine, track_running_stats=track, momentum=momentum)
+    if affine:
+        with torch.no_grad():
+            bn.weight.copy_(torch.tensor([0.8, -1.3, 1.1]))  # a negative weight: the inversion must hold
+            bn.bias.copy_(torch.tensor([0.2, -0.4, 0.1]))
+    return nn.Sequential(bn, nn.LeakyReLU(slope)), BatchNormAct.from_batchnorm(bn, slope)
+
+
+@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("affine,track,momentum", [(True, True, 0.1), (False, True, None), (True, False, 0.1)])
+def test_batchnorm_act_matches_stock(training, affine, track, momentum):
+    stock, fused = _pair(3, 0.1, affine, track, momentum)
+    if track:
+        for bn in (stock[0], fused):
+            bn.running_mean.fill_(0.3)
+            bn.running_var.fill_(1.7)
+    stock.train(training)
+    fused.train(training)
+    x = torch.randn(4, 3, 5, 5)
+    names = ["input"] + ([] if not affine else ["weight", "bias"])
+    for r in range(1, len(names) + 1):
+        for pattern in itertools.combinations(names, r):
+            in_stock = {n: n if n == "input" else f"0.{n}" for n in pattern}
+            out_s, grads_s = _run(stock, x, tuple(in_stock.values()))
+            out_f, grads_f = _run(fused, x, pattern)
+            torch.testing.assert_close(out_f, out_s, rtol=1e-14, atol=1e-14)
+            assert grads_f.keys() == set(pattern)
+            for n in pattern:
+                torch.testing.assert_close(grads_f[n], grads_s[in_stock[n]], rtol=1e-9, atol=1e-11, msg=f"{pattern}")
+    stock_state = {k.removeprefix("0."): v for k, v in stock.state_dict().items()}
+    assert stock_state.keys() == fused.state_dict().keys()
+    for k, v in stock_state.items():
+        torch.testing.assert_close(fused.state_dict()[k], v)  # running stats updated alike
+
+
+def test_batchnorm_act_keeps_only_its_output():
+    stock, fused = _pair(3, 0.01)
+    x = torch.randn(4, 3, 6, 6, requires_grad=True)
+    n_bytes = x.numel() * 8
+    stats = 3 * 8  # [C] float64
+    # stock: BN's input and batch mean and invstd, LeakyReLU's input
+    assert _saved(lambda t: stock(t * 1) + 0, x) == 2 * n_bytes + 2 * stats
+    assert _saved(lambda t: fused(t * 1) + 0, x) == n_bytes + stats  # its output and invstd
+
+
+def test_batchnorm_act_errors():
+    with pytest.raises(ValueError, match="negative_slope > 0"):
+        BatchNormAct(3, negative_slope=0.0)
+    layer = BatchNormAct(3)
+    with torch.no_grad():
+        layer.weight[1] = 0
+    with pytest.raises(ValueError, match="zero weight"):
+        layer(torch.randn(2, 3, 4))
+    with torch.no_grad():
+        layer(torch.randn(2, 3, 4))  # no gradients recorded: fine
+
+
+# -- conversion ------------------------------------------------------------------------
+
+
+def _net():
+    return nn.Sequential(
+        nn.Conv2d(3, 6, 3, padding=1),
+        nn.BatchNorm2d(6),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(6, 8, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Dropout(0.0),
+        nn.Linear(8 * 3 * 3, 5),
+    )
+
+
+def test_lean_unlean_roundtrip():
+    class MyConv(nn.Conv2d):
+        pass
+
+    model = nn.Sequential(_net(), MyConv(3, 3, 1))
+    state = copy.deepcopy(model.state_dict())
+    types = [type(m) for m in model.modules()]
+    assert lean(model) is model
+    assert type(model[0][0]).__name__ == "LeanConv2d" and isinstance(model[0][0], nn.Conv2d)
+    assert type(model[1]) is MyConv  # subclasses keep their own forward
+    assert model.state_dict().keys() == state.keys()
+    assert unlean(model) is model
+    assert [type(m) for m in model.modules()] == types
+    for k, v in model.state_dict().items():
+        assert torch.equal(v, state[k])
+
+
+def test_lean_network_matches_stock_every_setting():
+    """A whole network, in memsave's settings: all trainable, input only, norm only."""
+    torch.manual_seed(0)
+    stock = _net().eval()
+    leaned = lean(copy.deepcopy(stock))
+    x = torch.randn(3, 3, 10, 10)
+    settings = {
+        "all": [n for n, _ in stock.named_parameters()],
+        "input": ["input"],
+        "norm": ["1.weight", "1.bias"],
+        "surgical": ["4.weight", "4.bias"],
+    }
+    for names in settings.values():
+        out_s, grads_s = _run(stock, x, names)
+        out_l, grads_l = _run(leaned, x, names)
+        torch.testing.assert_close(out_l, out_s, rtol=0, atol=0)
+        for n in grads_s:
+            torch.testing.assert_close(grads_l[n], grads_s[n], rtol=RTOL, atol=ATOL)
+
+
+def _per_sample_reference(model, x, y, names):
+    """Per-sample gradients by an autograd loop over the samples (mean reduction)."""
+    params = dict(model.named_parameters())
+    out = {n: [] for n in names}
+    for i in range(len(x)):
+        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]) / len(x)
+        grads = torch.autograd.grad(loss, [params[n] for n in names])
+        for n, g in zip(names, grads):
+            out[n].append(g)
+    return {n: torch.stack(g) for n, g in out.items()}
+
+
+def test_extend_batch_grad_on_lean_partly_frozen_model():
+    """jacmem.extend(BatchGrad()) through lean layers: per-sample gradients of the
+    trainable tail, against an autograd loop and BackPACK (on the stock model: BackPACK
+    does not know the lean types); the frozen head keeps nothing."""
+    backpack = pytest.importorskip("backpack")
+    torch.manual_seed(1)
+    stock = nn.Sequential(
+        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
+        nn.Conv2d(4, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3),
+    )
+    for p in stock[3].parameters():
+        p.requires_grad_(False)
+    leaned = lean(copy.deepcopy(stock))
+    x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 3, (6,))
+    names = [n for n, p in stock.named_parameters() if p.requires_grad]
+    reference = _per_sample_reference(stock, x, y, names)
+
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.functional.cross_entropy(leaned(x), y).backward()
+    params = dict(leaned.named_parameters())
+    for n in names:
+        torch.testing.assert_close(params[n].grad_batch, reference[n], rtol=1e-9, atol=1e-12, msg=n)
+    assert params["3.weight"].grad is None and not hasattr(params["3.weight"], "grad_batch")
+
+    bp_model = backpack.extend(copy.deepcopy(stock))
+    with backpack.backpack(backpack.extensions.BatchGrad()):
+        backpack.extend(nn.CrossEntropyLoss())(bp_model(x), y).backward()
+    for n, p in bp_model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(params[n].grad_batch, p.grad_batch, rtol=1e-9, atol=1e-12, msg=n)
+
+    # the frozen conv 3 keeps nothing; stock keeps its input for the gradient it does not compute
+    lean_rows = {m.name: m for m in report(leaned, x).modules}
+    stock_rows = {m.name: m for m in report(stock, x).modules}
+    assert lean_rows["3"].bytes == 0 and lean_rows["3"].wasted == 0
+    assert stock_rows["3"].wasted == 4 * 4 * 4 * 6 * 8  # its input [6, 4, 4, 4], float64
