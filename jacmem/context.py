@@ -211,6 +211,7 @@ class extend:
         missing = [p for p in rec.params if p not in rec.entry.params]
         if missing:
             self._unsupported(rec, missing)
+        self.plan.check(rec.module, rec.name, rec.entry.names())  # a ValueError as it is, not wrapped below
         try:
             self._compute(rec)
         except Exception as err:

@@ -77,6 +77,16 @@ class StrategyPlan:
                 return self.overrides[cls], True
         return self.default, False
 
+    def check(self, module: nn.Module, name: str, offered: set) -> None:
+        """A name asked for this module in particular must be one ``offered`` by it
+        (every strategy name its type has); ``ValueError`` naming the module otherwise."""
+        wanted, specific = self.requested(module, name)
+        if specific and wanted != AUTO and wanted not in offered:
+            raise ValueError(
+                f"strategy {wanted!r} was asked for module {name!r} ({type(module).__name__}), "
+                f"which offers: {', '.join(sorted(offered | {AUTO}))}"
+            )
+
     def choose(
         self,
         module: nn.Module,
@@ -92,12 +102,8 @@ class StrategyPlan:
         ``offered`` is every strategy name the module's type has; a name asked for this
         module in particular must be among them.
         """
-        wanted, specific = self.requested(module, name)
-        if specific and wanted != AUTO and wanted not in offered:
-            raise ValueError(
-                f"strategy {wanted!r} was asked for module {name!r} ({type(module).__name__}), "
-                f"which offers: {', '.join(sorted(offered | {AUTO}))}"
-            )
+        self.check(module, name, offered)
+        wanted = self.requested(module, name)[0]
         estimates = {k: None if c is None else estimated_seconds(c, itemsize) for k, c in options.items()}
         applicable = {k: t for k, t in estimates.items() if t is not None}
         if not applicable:
