@@ -1,0 +1,6 @@
+"""jacmem beside BackPACK, Opacus, torch.func and a plain backward: ``python -m benchmarks``.
+
+Each (model, method) runs in its own process (:mod:`benchmarks.child`); the results go
+to ``BENCHMARKS.md`` and ``benchmarks/results.png`` (:mod:`benchmarks.report`).
+See ``python -m benchmarks --help``.
+"""

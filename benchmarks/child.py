@@ -1,0 +1,105 @@
+"""One benchmark case in its own process: ``python -m benchmarks.child '<json>'``.
+
+Builds the model and batch, prepares the method, then measures. On CPU: the resident
+set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss``,
+its high-water mark reset after setup where Linux allows); on CUDA:
+``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
+median over up to ``repeats`` steps (fewer for slow steps: about
+``seconds`` in all, and at least 3) after ``warmup`` steps. Prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+import warnings
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _reset_peak() -> bool:
+    """Reset the peak-RSS high-water mark (Linux >= 4.0); False where we cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def run(case: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(case["threads"])
+    warnings.simplefilter("ignore")
+    from benchmarks.methods import prepare
+    from benchmarks.models import MODELS
+
+    device = torch.device(case["device"])
+    model, X, y = MODELS[case["model"]].build(case["quick"])
+    model, X, y = model.to(device), X.to(device), y.to(device)
+    log: dict = {}
+    step = prepare(case["method"], model, X, y, log)
+    cuda = device.type == "cuda"
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
+
+    gc.collect()
+    sync()
+    rss_setup = _rss_bytes()
+    reset = _reset_peak()
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+        allocated_setup = torch.cuda.memory_allocated()
+    def timed() -> float:
+        sync()
+        start = time.perf_counter()
+        step()
+        sync()
+        return time.perf_counter() - start
+
+    warm = [timed() for _ in range(case["warmup"])]
+    repeats = case["repeats"]
+    if warm and case["seconds"] > 0:  # fewer repeats for slow steps, never fewer than 3
+        repeats = max(min(3, repeats), min(repeats, int(case["seconds"] / warm[-1])))
+    times = [timed() for _ in range(repeats)]
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    out = dict(
+        case,
+        time_s=statistics.median(times),
+        times_s=times,
+        rss_setup=rss_setup,
+        rss_peak=peak,
+        extra_bytes=peak - rss_setup if reset or peak > rss_setup else None,
+        batch=X.shape[0],
+        n_params=n_params,
+        per_sample_bytes=X.shape[0] * n_params * 4,
+        explain=log.get("explain"),
+    )
+    if cuda:
+        out["extra_bytes"] = torch.cuda.max_memory_allocated() - allocated_setup
+    return out
+
+
+def main() -> None:
+    case = json.loads(sys.argv[1])
+    try:
+        result = run(case)
+    except Exception as err:  # reported as n/a in the table, with the reason
+        result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,174 @@
+"""The benchmark models, each with its data: ``MODELS[name].build(quick)``.
+
+Every builder is seeded, so each subprocess rebuilds the same model and batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Dict, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+def seed_cnn() -> nn.Module:
+    """The CNN of BackPACK's "saving memory in convolutions" example (and of
+    ``examples/plot_save_memory.py``): [N, 1, 28, 28] -> [N, 10], 462,762 parameters."""
+    return nn.Sequential(
+        nn.Conv2d(1, 128, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Conv2d(128, 256, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, padding=1, stride=2),
+        nn.Conv2d(256, 64, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Conv2d(64, 32, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(3, stride=2),
+        nn.Flatten(),
+        nn.Linear(32, 10),
+    )
+
+
+def mlp(width: int) -> nn.Module:
+    """[N, 784] -> [N, 10], two hidden layers of ``width``."""
+    return nn.Sequential(
+        nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
+    )
+
+
+class Block(nn.Module):
+    """conv-BN-ReLU-conv-BN plus a skip (a 1x1 conv where the shape changes):
+    [N, C_in, H, W] -> [N, C_out, H/stride, W/stride]"""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride=stride, padding=1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, padding=1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.skip = nn.Identity() if stride == 1 and c_in == c_out else nn.Conv2d(c_in, c_out, 1, stride=stride)
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.skip(x))
+
+
+def resnet(width: int) -> nn.Module:
+    """A small ResNet: [N, 3, 32, 32] -> [N, 10]; BatchNorm in eval mode."""
+    model = nn.Sequential(
+        nn.Conv2d(3, width, 3, padding=1),
+        nn.ReLU(),
+        Block(width, width, 1),
+        Block(width, 2 * width, 2),
+        Block(2 * width, 2 * width, 1),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(2 * width, 10),
+    )
+    for m in model.modules():  # BatchNorm uses its running statistics; the rest trains
+        if isinstance(m, nn.BatchNorm2d):
+            m.eval()
+    return model
+
+
+class TransformerBlock(nn.Module):
+    """Single-head self-attention and an MLP, each with a residual, all Linear on
+    [N, T, d] -> [N, T, d]. LayerNorm without affine parameters."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(d, elementwise_affine=False)
+        self.q, self.k, self.v, self.o = (nn.Linear(d, d) for _ in range(4))
+        self.up, self.down = nn.Linear(d, 4 * d), nn.Linear(4 * d, d)
+
+    def forward(self, x: Tensor) -> Tensor:
+        h = self.norm(x)
+        scores = self.q(h) @ self.k(h).transpose(1, 2) / h.shape[-1] ** 0.5  # [N, T, T]
+        x = x + self.o(scores.softmax(-1) @ self.v(h))
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class Transformer(nn.Module):
+    """[N, T, F] -> [N, 10]: an input projection, blocks, mean over T, a classifier."""
+
+    def __init__(self, features: int, d: int, depth: int):
+        super().__init__()
+        self.embed = nn.Linear(features, d)
+        self.blocks = nn.Sequential(*[TransformerBlock(d) for _ in range(depth)])
+        self.head = nn.Linear(d, 10)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.head(self.blocks(self.embed(x)).mean(1))
+
+
+@dataclass(frozen=True)
+class Bench:
+    """One benchmark problem: a model, a batch shape and a description."""
+
+    description: str
+    make: Callable[[bool], nn.Module]
+    input_shape: Callable[[bool], Tuple[int, ...]]  # quick -> [N, ...]
+    note: str = ""
+
+    def build(self, quick: bool) -> Tuple[nn.Module, Tensor, Tensor]:
+        """(model, X, y), the same in every process."""
+        torch.manual_seed(0)
+        model = self.make(quick)
+        X = torch.randn(self.input_shape(quick))
+        y = torch.randint(0, 10, (X.shape[0],))
+        return model, X, y
+
+
+def _freeze_batchnorm(model: nn.Module) -> nn.Module:
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.requires_grad_(False)
+    return model
+
+
+def _resnet(quick: bool) -> nn.Module:
+    model = resnet(4 if quick else 32)
+    if not _has_batchnorm_derivative():
+        _freeze_batchnorm(model)
+    return model
+
+
+def _has_batchnorm_derivative() -> bool:
+    from jacmem.derivatives import REGISTRY
+
+    return nn.BatchNorm2d in REGISTRY
+
+
+MODELS: Dict[str, Bench] = {
+    "seed-cnn-64": Bench(
+        "seed CNN (4 convs 1-128-256-64-32, MaxPool, Linear 32-10), [64, 1, 28, 28]",
+        lambda quick: seed_cnn(),
+        lambda quick: (4 if quick else 64, 1, 28, 28),
+    ),
+    "seed-cnn-256": Bench(
+        "seed CNN, [256, 1, 28, 28]",
+        lambda quick: seed_cnn(),
+        lambda quick: (8 if quick else 256, 1, 28, 28),
+    ),
+    "mlp": Bench(
+        "MLP 784-512-512-10 with ReLU, [128, 784]",
+        lambda quick: mlp(16 if quick else 512),
+        lambda quick: (4 if quick else 128, 784),
+    ),
+    "resnet": Bench(
+        "ResNet-style CNN: conv, 3 residual blocks (32-64-64 channels) with BatchNorm in eval mode, "
+        "[64, 3, 32, 32]",
+        _resnet,
+        lambda quick: (4 if quick else 64, 3, 32, 32),
+    ),
+    "transformer": Bench(
+        "transformer-style: Linear embed 32-128, 2 blocks (attention q/k/v/o and MLP 128-512-128, "
+        "residuals), [64, T=64, 32]",
+        lambda quick: Transformer(8, 16 if quick else 128, 1 if quick else 2),
+        lambda quick: (4 if quick else 64, 8 if quick else 64, 8 if quick else 32),
+    ),
+}

@@ -1,0 +1,209 @@
+"""BENCHMARKS.md, its raw results (``results.json`` beside the plot) and the PNG plot.
+
+The section between ``<!-- lean:start -->`` and ``<!-- lean:end -->`` of an existing
+BENCHMARKS.md belongs to the memory toolkit's benchmark; it is kept as it is.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Dict, List, Optional
+
+from benchmarks.methods import per_sample_quantity
+from benchmarks.models import MODELS
+
+LEAN = re.compile(r"<!-- lean:start -->.*?<!-- lean:end -->", re.S)
+
+#: issue 3's targets: extension -> (time vs plain, extra peak memory / per-sample grads)
+TARGETS = {
+    "BatchGrad": (1.2, 1.1),
+    "BatchL2Grad": (1.15, 0.15),
+    "SumGradSquared": (1.2, 0.3),
+    "Variance": (1.2, 0.3),
+}
+
+MiB = 2**20
+
+
+def ratios(results: List[dict]) -> None:
+    """Add ``time_ratio`` and ``mem_ratio`` (extra peak above plain's, in units of the
+    per-sample gradients' size) to each result, in place."""
+    plain = {r["model"]: r for r in results if r["method"] == "plain" and "error" not in r}
+    for r in results:
+        base = plain.get(r["model"])
+        if "error" in r or base is None:
+            continue
+        r["time_ratio"] = r["time_s"] / base["time_s"]
+        if r.get("extra_bytes") is not None and base.get("extra_bytes") is not None:
+            r["extra_over_plain"] = r["extra_bytes"] - base["extra_bytes"]
+            r["mem_ratio"] = r["extra_over_plain"] / r["per_sample_bytes"]
+
+
+def _fmt(x: Optional[float], spec: str) -> str:
+    return "n/a" if x is None else format(x, spec)
+
+
+def _label(method: str) -> str:
+    family, *args = method.split(":")
+    if family == "jacmem":
+        return f"jacmem {args[0]} ({args[1]})"
+    if family == "backpack":
+        return f"BackPACK {args[0]}" + (" (save_memory)" if args[1:] else " (default)" if args[0] == "BatchGrad" else "")
+    if family == "opacus":
+        return {"hooks": "Opacus hooks", "ew": "Opacus ew", "ghost": "Opacus ghost-clipping norms"}[args[0]]
+    return {"plain": "plain forward+backward", "torch.func": "torch.func vmap(grad)"}.get(method, method)
+
+
+def _auto_choices(explain: Optional[str]) -> str:
+    """The weight parameters' choices from ``ctx.explain()``, compactly."""
+    if not explain:
+        return ""
+    return "; ".join(line.strip() for line in explain.splitlines() if line.strip())
+
+
+def targets_table(results: List[dict]) -> List[str]:
+    lines = [
+        "| model | extension (auto) | time | target | extra peak | target | met |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        family, *args = r["method"].split(":")
+        if family != "jacmem" or args[1] != "auto" or "time_ratio" not in r:
+            continue
+        t_goal, m_goal = TARGETS[args[0]]
+        mem = r.get("mem_ratio")
+        met = [r["time_ratio"] <= t_goal, mem is not None and mem <= m_goal]
+        verdict = "yes" if all(met) else ", ".join(
+            f"{what} +{(val / goal - 1) * 100:.0f}%"
+            for what, ok, val, goal in (("time", met[0], r["time_ratio"], t_goal), ("memory", met[1], mem or 0, m_goal))
+            if not ok
+        )
+        lines.append(
+            f"| {r['model']} | {args[0]} | {r['time_ratio']:.2f}× | ≤ {t_goal}× | "
+            f"{_fmt(mem, '.2f')}× | ≤ {m_goal}× | {verdict} |"
+        )
+    return lines
+
+
+def model_section(name: str, rows: List[dict]) -> List[str]:
+    ok = [r for r in rows if "error" not in r]
+    head = ok[0] if ok else rows[0]
+    lines = [f"## {name}", "", MODELS[name].description + "."]
+    if ok:
+        lines[-1] += (
+            f" N = {head['batch']}, {head['n_params']:,} trainable parameters; per-sample gradients "
+            f"take {head['per_sample_bytes'] / MiB:.0f} MiB."
+        )
+    if name == "resnet" and not any("BatchNorm" in (r.get("explain") or "") for r in ok):
+        lines.append(
+            "jacmem has no BatchNorm derivative yet, so the BatchNorm parameters are frozen "
+            "(`requires_grad=False`) for every method here."
+        )
+    lines += [
+        "",
+        "| method | gives | time (ms) | × plain | extra peak (MiB) | × per-sample grads |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {_label(r['method'])} | {per_sample_quantity(r['method'])} | n/a: {r['error']} | | | |")
+            continue
+        lines.append(
+            f"| {_label(r['method'])} | {per_sample_quantity(r['method'])} | {r['time_s'] * 1e3:.0f} | "
+            f"{_fmt(r.get('time_ratio'), '.2f')} | {_fmt((r.get('extra_over_plain', r.get('extra_bytes')) or 0) / MiB, '.0f')} | "
+            f"{_fmt(r.get('mem_ratio'), '.2f')} |"
+        )
+    choices = [(r["method"], r["explain"]) for r in ok if r["method"].endswith(":auto") and r.get("explain")]
+    if choices:
+        lines += ["", "<details><summary>what <code>auto</code> chose (<code>ctx.explain()</code>)</summary>", ""]
+        for method, explain in choices:
+            lines += [f"`{method}`:", "```", explain.strip(), "```"]
+        lines += ["</details>"]
+    return lines + [""]
+
+
+def markdown(results: List[dict], meta: dict) -> str:
+    busy = float(meta["load_before"].split()[0]) > 0.5 * meta["cores"] or float(
+        meta["load_after"].split()[0]
+    ) > 0.5 * meta["cores"]
+    lines = [
+        "# Benchmarks",
+        "",
+        "Per-sample quantities with jacmem, BackPACK 1.7.1, Opacus and torch.func, each beside a plain "
+        "forward+backward of the same model. Written by `benchmarks/` (`make bench`); do not edit by hand.",
+        "",
+        f"- Command: `{meta['command']}`" + (" (quick: tiny sizes, 1 repeat; not figures to quote)" if meta["quick"] else ""),
+        f"- Date: {meta['date']}; the run took {meta['minutes']:.0f} min.",
+        f"- Machine: {meta['cpu']}, {meta['cores']} cores" + (f", {meta['gpu']}" if meta.get("gpu") else "")
+        + f"; Python {meta['python']}, torch {meta['torch']}, {meta['threads']} torch threads per case; "
+        f"device `{results[0]['device'] if results else 'cpu'}`.",
+        f"- Load average (1 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
+        + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
+        "",
+        "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "
+        "extension's work) over up to 7 repeats after one warm-up, divided by the plain forward+backward's. "
+        "**Extra peak**: the peak resident set size (`ru_maxrss`, reset after setup) above the process's RSS "
+        "after setup, minus the same for the plain run, in units of the per-sample gradients' own size "
+        "(N × parameters × 4 bytes); on CUDA, `torch.cuda.max_memory_allocated` likewise. A method that "
+        "keeps per-sample gradients therefore shows at least 1×. Results are dropped after each step.",
+        "",
+        "## Targets (issue 3), jacmem with `auto`",
+        "",
+        *targets_table(results),
+        "",
+    ]
+    for name in dict.fromkeys(r["model"] for r in results):
+        lines += model_section(name, [r for r in results if r["model"] == name])
+    lines.append("![time and extra peak memory per method](benchmarks/results.png)")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: List[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = list(dict.fromkeys(r["model"] for r in results))
+    colors = {"plain": "grey", "jacmem": "tab:blue", "backpack": "tab:orange", "opacus": "tab:green", "torch.func": "tab:red"}
+    heights = [max(1, len([r for r in results if r["model"] == m])) for m in models]
+    fig, axes = plt.subplots(
+        len(models), 2, figsize=(13, 0.28 * sum(heights) + 1.2 * len(models)), squeeze=False,
+        gridspec_kw=dict(height_ratios=heights),
+    )
+    for (ax_t, ax_m), name in zip(axes, models):
+        rows = [r for r in results if r["model"] == name]
+        labels = [_label(r["method"]) for r in rows]
+        ys = range(len(rows))
+        c = [colors[r["method"].split(":")[0]] for r in rows]
+        ax_t.barh(ys, [r.get("time_ratio", 0) for r in rows], color=c)
+        ax_m.barh(ys, [max(r.get("mem_ratio") or 0, 0) for r in rows], color=c)
+        ax_t.set_yticks(list(ys), labels, fontsize=7)
+        ax_m.set_yticks(list(ys), [""] * len(rows))
+        for ax in (ax_t, ax_m):
+            ax.invert_yaxis()
+            ax.set_xscale("log")
+            ax.grid(axis="x", alpha=0.3)
+        ax_t.axvline(1, color="black", lw=0.8)
+        ax_m.axvline(1, color="black", lw=0.8, ls=":")
+        ax_t.set_title(f"{name}: time / plain forward+backward", fontsize=9)
+        ax_m.set_title(f"{name}: extra peak memory / per-sample grads", fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def write(results: List[dict], meta: dict, md_path: Path, png_path: Path) -> None:
+    ratios(results)
+    text = markdown(results, meta)
+    if md_path.exists():
+        kept = LEAN.search(md_path.read_text())
+        if kept:
+            text += "\n" + kept.group(0) + "\n"
+    md_path.parent.mkdir(parents=True, exist_ok=True)
+    md_path.write_text(text)
+    plot(results, png_path)
+    png_path.with_name("results.json").write_text(json.dumps(dict(meta=meta, results=results), indent=1))

@@ -1,0 +1,139 @@
+"""The driver: builds the list of cases, runs each in a subprocess, shows progress on
+stderr, and writes the report. ``python -m benchmarks --help``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import List
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
+    p.add_argument("--quick", action="store_true", help="tiny models and batches, 1 repeat: checks the harness")
+    p.add_argument("--models", nargs="+", help="model names (default: all); see benchmarks/models.py")
+    p.add_argument("--only", help="regular expression: run only cases whose 'model method' matches")
+    p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
+    p.add_argument("--threads", type=int, default=2, help="torch threads in each case (default 2)")
+    p.add_argument("--warmup", type=int, help="steps before timing (default 1)")
+    p.add_argument("--repeats", type=int, help="most timed steps per case (default 7, quick 1)")
+    p.add_argument("--seconds", type=float, default=6.0, help="timing budget per case; at least 3 repeats")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
+    p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
+    p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")
+    args = p.parse_args(argv)
+    quick_dir = ROOT / "out" / "benchmarks-quick"
+    args.markdown = args.markdown or (quick_dir / "BENCHMARKS.md" if args.quick else ROOT / "BENCHMARKS.md")
+    args.plot = args.plot or (quick_dir / "results.png" if args.quick else ROOT / "benchmarks" / "results.png")
+    args.warmup = (0 if args.quick else 1) if args.warmup is None else args.warmup
+    args.repeats = (1 if args.quick else 7) if args.repeats is None else args.repeats
+    if args.quick:
+        args.seconds = 0.0
+    return args
+
+
+def cases(args) -> List[dict]:
+    import torch
+
+    from benchmarks.methods import methods_for
+    from benchmarks.models import MODELS
+
+    device = args.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    out = []
+    for name in args.models or list(MODELS):
+        if name not in MODELS:
+            raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
+        model, _, _ = MODELS[name].build(args.quick)
+        for method in methods_for(model):
+            if args.only and not re.search(args.only, f"{name} {method}"):
+                continue
+            case = dict(model=name, method=method, quick=args.quick, device=device, threads=args.threads)
+            case.update(warmup=args.warmup, repeats=args.repeats, seconds=args.seconds)
+            out.append(case)
+    return out
+
+
+def run_case(case: dict, timeout: float) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
+    cmd = [sys.executable, "-m", "benchmarks.child", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case, error=f"timed out after {timeout:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
+
+
+def progress(i: int, total: int, r: dict, plain: dict) -> str:
+    head = f"[{i}/{total}] {r['model']} {r['method']}"
+    if "error" in r:
+        return f"{head}: n/a ({r['error']})"
+    line = f"{head}: {r['time_s'] * 1e3:.0f} ms"
+    if plain and "time_s" in plain and r is not plain:
+        line += f" ({r['time_s'] / plain['time_s']:.2f}x plain)"
+    if r.get("extra_bytes") is not None:
+        line += f", peak +{r['extra_bytes'] / 2**20:.0f} MiB over setup"
+    return line
+
+
+def machine() -> dict:
+    import platform
+
+    import torch
+
+    cpu = next(
+        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    info = dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=platform.python_version())
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def load() -> str:
+    try:
+        return open("/proc/loadavg").read().split()[0:3]
+    except OSError:
+        return "unknown"
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    from benchmarks import report
+
+    todo = cases(args)
+    started, load_before = time.time(), load()
+    print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
+    results, plain = [], {}
+    for i, case in enumerate(todo, 1):
+        r = run_case(case, args.timeout)
+        if r["method"] == "plain":
+            plain[r["model"]] = r
+        results.append(r)
+        print(progress(i, len(todo), r, plain.get(r["model"], {})), file=sys.stderr, flush=True)
+    meta = dict(
+        command="python -m benchmarks" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
+        date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
+        minutes=(time.time() - started) / 60,
+        load_before=" ".join(load_before),
+        load_after=" ".join(load()),
+        threads=args.threads,
+        quick=args.quick,
+        **machine(),
+    )
+    report.write(results, meta, args.markdown, args.plot)
+    print(f"wrote {args.markdown} and {args.plot} in {meta['minutes']:.1f} min", file=sys.stderr)
