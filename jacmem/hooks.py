@@ -35,9 +35,16 @@ def _release(keys: List[int]) -> None:
             del _LIVE[key]
 
 
-def trainable(module: nn.Module) -> Dict[str, nn.Parameter]:
-    """The module's own parameters that require a gradient."""
-    return {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+def trainable(module: nn.Module, entry: Optional[LayerDerivatives] = None) -> Dict[str, nn.Parameter]:
+    """The module's own parameters that require a gradient, and the submodule parameters
+    that ``entry`` declares by dotted name (those its forward uses itself)."""
+    params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    for name in entry.params if entry is not None else ():
+        owner, _, leaf = name.rpartition(".")
+        p = getattr(module.get_submodule(owner), leaf, None) if owner else None
+        if isinstance(p, nn.Parameter) and p.requires_grad:
+            params[name] = p
+    return params
 
 
 class Record:
@@ -52,7 +59,7 @@ class Record:
         #: the derivatives' keyword arguments, read off the module at forward time
         self.hp: Dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: Dict[str, nn.Parameter] = params
-        self.x: Any = x
+        self.x: Any = x if entry is None or x is None else entry.arrange_input(x, **self.hp)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
         self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
@@ -101,11 +108,17 @@ def record(
     on_grad: Callable[[Record], None],
     handles: List[RemovableHandle],
 ) -> None:
-    """The forward-hook body: record this call if it has trainable parameters."""
-    params = trainable(module)
-    if not params or not torch.is_grad_enabled():
+    """The forward-hook body: record this call if it has trainable parameters.
+
+    Calls inside a torch.func transform are not recorded: they are a derivative's own
+    recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
+    """
+    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
         return
     entry = lookup(module)
+    params = trainable(module, entry)
+    if not params:
+        return
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
         return
@@ -123,6 +136,8 @@ def _detach(x):
         return x.detach()
     if isinstance(x, (tuple, list)):
         return type(x)(_detach(t) for t in x)
+    if isinstance(x, dict):
+        return {k: _detach(v) for k, v in x.items()}
     return x
 
 

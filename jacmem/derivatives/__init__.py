@@ -78,18 +78,33 @@ class LayerDerivatives:
     hyperparams: ``module -> dict`` of keyword arguments for the derivative functions,
         read at forward time (so a BatchNorm's mode and statistics are those it ran with).
     keep: ``(args, kwargs) -> x``, what to keep of the forward inputs, batch axis first.
+    arrange_input: ``(x, **hyperparams) -> x``, applied to what ``keep`` returned where
+        the layout depends on the module (an RNN's ``batch_first``): after it, every
+        tensor in ``x`` (or in its tuples and lists) has the batch on axis 0, since
+        chunking slices axis 0; a dict in ``x`` passes whole to every chunk (a mask that
+        all samples share, say).
     outputs: ``output -> tensor or tuple of tensors`` whose gradients make ``g``.
     arrange: ``(g, **hyperparams) -> g``, puts the batch axis of the output gradient(s)
         first (e.g. an RNN with ``batch_first=False``); chunking slices axis 0.
     input_free: parameters whose derivatives never read ``x`` (biases): when only
         those are trainable, no input is kept.
-    strategies: ``(param, quantity) -> {name: Strategy}``.
+    for_module: ``module -> LayerDerivatives``, for a layer whose parameter names depend on
+        the instance (an RNN's ``weight_ih_l{k}``): the entry registered for the type
+        shows the names of one instance (the support table's rows), and ``lookup``
+        asks this for the entry of each module.
+    strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
+        of the module's own parameters, or the dotted name of a submodule's parameter
+        that the module's forward uses itself (``MultiheadAttention`` calls its
+        ``out_proj`` functionally: ``"out_proj.weight"``), which the module's record
+        then covers.
     """
 
     hyperparams: Callable[[nn.Module], Dict[str, Any]] = lambda module: {}
     keep: Callable[[tuple, dict], Any] = _first_input
     outputs: Callable[[Any], Any] = _identity
     arrange: Callable[..., Any] = lambda g, **hp: g
+    arrange_input: Callable[..., Any] = lambda x, **hp: x
+    for_module: Optional[Callable[[nn.Module], "LayerDerivatives"]] = None
     input_free: set = field(default_factory=set)
     strategies: Dict[Tuple[str, str], Dict[str, Strategy]] = field(default_factory=dict)
 
@@ -113,6 +128,8 @@ def layer(
     keep: Optional[Callable[[tuple, dict], Any]] = None,
     outputs: Optional[Callable[[Any], Any]] = None,
     arrange: Optional[Callable[..., Any]] = None,
+    arrange_input: Optional[Callable[..., Any]] = None,
+    for_module: Optional[Callable[[nn.Module], LayerDerivatives]] = None,
     input_free: Tuple[str, ...] = (),
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
@@ -125,6 +142,10 @@ def layer(
         entry.outputs = outputs
     if arrange is not None:
         entry.arrange = arrange
+    if arrange_input is not None:
+        entry.arrange_input = arrange_input
+    if for_module is not None:
+        entry.for_module = for_module
     entry.input_free |= set(input_free)
     return entry
 
@@ -157,11 +178,16 @@ def register(
 
 def lookup(module: nn.Module) -> Optional[LayerDerivatives]:
     """The entry for ``type(module)``, or for its nearest registered base class when
-    the subclass keeps that class's ``forward`` (so its math is the same)."""
+    the subclass keeps that class's ``forward`` (so its math is the same); otherwise the
+    generic fallback for the module's own parameters (:func:`generic.fallback`), or
+    ``None`` where that does not apply either."""
     for cls in type(module).__mro__:
         if cls in REGISTRY:
-            return REGISTRY[cls] if type(module).forward is cls.forward else None
-    return None
+            if type(module).forward is cls.forward:
+                entry = REGISTRY[cls]
+                return entry if entry.for_module is None else entry.for_module(module)
+            break
+    return generic.fallback(module)
 
 
 def all_strategy_names() -> set:
@@ -170,4 +196,4 @@ def all_strategy_names() -> set:
 
 
 # The layer families register themselves on import.
-from jacmem.derivatives import conv, conv_transpose, embedding, linear, normalization  # noqa: E402,F401
+from jacmem.derivatives import attention, conv, conv_transpose, embedding, generic, linear, normalization, rnn  # noqa: E402,F401

@@ -1,0 +1,234 @@
+"""Per-sample gradients by recomputation with torch.func, and the generic fallback.
+
+For a module ``f(θ, x)`` whose samples do not interact, sample ``n``'s gradient of the
+loss w.r.t. ``θ`` is the vector-Jacobian product of its output gradient ``g_n`` with
+the module alone: ``g_nᵀ ∂f(θ, x_n)/∂θ``. :func:`per_sample_vjp` computes it for the
+whole batch as ``vmap`` over the samples of ``vjp`` of a ``functional_call`` (each
+sample goes through the module as a batch of one), from the kept inputs and the output
+gradient: exact by construction, for any module, at the price of recomputing its
+forward. The layer files use it as a strategy (``vmap``) where no closed form is
+registered (attention), and :func:`fallback` applies it to any trainable module with
+no registered derivative:
+
+* it covers the module's *own* parameters; its children are recorded separately, and
+  the recomputation holds their parameters fixed;
+* a container with no parameters of its own gets no fallback (and no record);
+* it applies only where recomputing one sample alone reproduces that sample's forward.
+  It refuses (``lookup`` gives ``None``, and the block warns, or raises with
+  ``strict=True``, naming the module) a module in which some submodule holds buffers
+  while in training mode, or is a BatchNorm in training mode: such a forward mutates
+  its buffers (running statistics) or mixes the samples (batch statistics). In eval
+  mode, or with constant buffers held by a module in eval mode, it applies. Random ops
+  (dropout in training mode) make the recomputation differ from the forward:
+  ``vmap`` detects them and the backward raises an error that names the fix.
+
+Inputs: every tensor argument (positional or keyword, in nested tuples/lists/dicts)
+whose leading size equals that of the first tensor argument is taken as batched on
+axis 0; every other argument is passed unchanged to each sample. The output may be a
+tensor or a (nested) tuple of them, each batched on axis 0.
+
+All parameters of one call share one recomputation: :class:`SharedPass` keeps the
+per-sample gradients of every trainable parameter of the current chunk until each
+parameter has taken its own.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from math import prod
+from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, vjp, vmap
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from jacmem.derivatives import Cost, LayerDerivatives, Strategy
+
+#: the strategy name of every recomputation through torch.func
+VMAP = "vmap"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether ``a`` and ``b`` are the same chunk: the same tensors, or views of the same
+    memory with the same layout (each chunk is a fresh slice of the record's tensors,
+    which stay alive while the chunks are compared, so equal addresses are equal data)."""
+    if isinstance(a, Tensor) and isinstance(b, Tensor):
+        return a is b or (
+            a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+        )
+    if isinstance(a, (tuple, list)) and isinstance(b, (tuple, list)):
+        return len(a) == len(b) and all(_same(u, v) for u, v in zip(a, b))
+    return a is b
+
+
+class SharedPass:
+    """One recomputation for all the parameters of one call of one module.
+
+    It lives in the call's hyper-parameters (so it goes when the record goes) and holds
+    at most one chunk's results: the first parameter asked computes every parameter's
+    per-sample gradients for that chunk, and each parameter then takes its own.
+    """
+
+    def __init__(self, names: Sequence[str]):
+        self.names = tuple(names)
+        self.key: Optional[Tuple[Any, Any]] = None
+        self.values: Dict[str, Tensor] = {}
+
+    def take(self, name: str, x, g, compute: Callable[[Any, Any, Tuple[str, ...]], Dict[str, Tensor]]) -> Tensor:
+        """``compute(x, g, names) -> {name: [n, *shape]}`` runs once per chunk."""
+        if self.key is None or name not in self.values or not (_same(self.key[0], x) and _same(self.key[1], g)):
+            self.key, self.values = (x, g), compute(x, g, self.names)
+        value = self.values.pop(name)
+        if not self.values:
+            self.key = None
+        return value
+
+
+def per_sample_vjp(
+    call: Callable[[Dict[str, Tensor], tuple], Any],
+    params: Dict[str, Tensor],
+    batched: tuple,
+    g: Any,
+) -> Dict[str, Tensor]:
+    """Per-sample vector-Jacobian products w.r.t. ``params``.
+
+    call: ``(params, samples) -> output``, with ``samples`` one sample of each tensor in
+        ``batched`` (``None`` stays ``None``), batch axis removed; its output (a tensor
+        or a tuple of them) matches ``g`` with the batch axis removed.
+    batched: tensors ``[N, ...]`` or ``None``. g: tensor or tuple of tensors ``[N, ...]``.
+    Returns ``{name: [N, *params[name].shape]}``.
+    """
+    in_dims = tuple(None if t is None else 0 for t in batched)
+
+    def one(samples: tuple, g_n):
+        _, pull = vjp(lambda p: call(p, samples), params)
+        return pull(g_n)[0]
+
+    params = {k: v.detach() for k, v in params.items()}
+    try:
+        with torch.no_grad():  # no graph outside the transform
+            return vmap(one, in_dims=(in_dims, 0))(batched, g)
+    except RuntimeError as err:
+        if "random" not in str(err):
+            raise
+        raise RuntimeError(
+            "its forward draws random numbers (dropout in training mode?), so the per-sample "
+            "recomputation cannot reproduce it; put the random submodules in eval mode (or set "
+            "their dropout to 0), or register a derivative with jacmem.register(...)"
+        ) from err
+
+
+def _module_params(module: nn.Module, names: Sequence[str]) -> Dict[str, Tensor]:
+    return {n: module.get_parameter(n) for n in names}
+
+
+# -- the fallback ---------------------------------------------------------------------
+
+
+def _mixes_samples(module: nn.Module) -> bool:
+    """Whether a recomputation one sample at a time could differ from the forward: some
+    submodule holds buffers in training mode, or normalises over the batch."""
+    return any(
+        sub.training and (next(sub.buffers(recurse=False), None) is not None or isinstance(sub, nn.modules.batchnorm._BatchNorm))
+        for sub in module.modules()
+    )
+
+
+#: marks, among the kept arguments, the slot of a batched tensor
+_BATCHED = object()
+
+
+def _is_batched(leaf: Any, n: Optional[int]) -> bool:
+    return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
+
+
+def _keep_call(args: tuple, kwargs: dict):
+    """Every argument: ``(batched tensors [N, ...], {"spec", "leaves"})``; the dict holds
+    the call's structure and the arguments that all samples share (batched slots
+    ``_BATCHED``)."""
+    leaves, spec = tree_flatten((args, kwargs))
+    n = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
+    batched = tuple(t for t in leaves if _is_batched(t, n))
+    shared = [_BATCHED if _is_batched(t, n) else t for t in leaves]
+    return batched, {"spec": spec, "leaves": shared}
+
+
+def _float_leaves(output: Any) -> list:
+    return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+
+
+def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedPass) -> Tensor:
+    """Per-sample gradients of one of ``module``'s own parameters, by recomputation:
+    x = (batched args [N, ...], call structure), g: output gradient(s) [N, ...]
+    -> [N, *param.shape]"""
+    return shared.take(param, x, g, partial(_fallback_all, module=module))
+
+
+def _fallback_all(x, g, names: Tuple[str, ...], *, module: nn.Module) -> Dict[str, Tensor]:
+    batched, call = x
+    gs = (g,) if isinstance(g, Tensor) else tuple(g)
+    if batched and batched[0].shape[0] != gs[0].shape[0]:
+        raise RuntimeError(
+            f"its input's batch axis (axis 0, size {batched[0].shape[0]}) and its output's "
+            f"(size {gs[0].shape[0]}) differ; the generic fallback needs the batch first in both. "
+            "Register a derivative with jacmem.layer(..., keep=..., arrange=...) and jacmem.register(...)"
+        )
+
+    def run(params, samples):
+        it = iter(samples)
+        leaves = [next(it).unsqueeze(0) if t is _BATCHED else t for t in call["leaves"]]
+        args, kwargs = tree_unflatten(leaves, call["spec"])
+        outs = _float_leaves(functional_call(module, params, args, kwargs))
+        if len(outs) != len(gs):
+            raise RuntimeError(
+                f"it returns {len(outs)} floating-point tensors, of which {len(gs)} depend on its "
+                "parameters; the generic fallback needs each to depend on them. Register a derivative "
+                "with jacmem.register(...)"
+            )
+        return tuple(o.squeeze(0) for o in outs)
+
+    return per_sample_vjp(run, _module_params(module, names), batched, gs)
+
+
+def numel(shapes: Any) -> int:
+    """Total number of elements, from a shape or a (nested) tuple of shapes."""
+    if isinstance(shapes, (tuple, list)):
+        if all(isinstance(s, int) for s in shapes):
+            return prod(shapes)
+        return sum(numel(s) for s in shapes)
+    return 0
+
+
+def recompute_cost(xs, gs, **_) -> Cost:
+    """Rough, for want of the module's arithmetic: a forward and a backward per sample,
+    over the inputs and outputs; the workspace (what chunking divides) is a few copies
+    of them."""
+    size = numel(xs) + numel(gs)
+    return Cost(flops=6 * size, workspace=4 * size)
+
+
+_FALLBACKS: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
+
+
+def fallback(module: nn.Module) -> Optional[LayerDerivatives]:
+    """The generic entry for ``module``'s own parameters, or ``None`` where it has none,
+    or where a recomputation one sample at a time could differ from its forward."""
+    names = tuple(n for n, _ in module.named_parameters(recurse=False))
+    if not names or _mixes_samples(module):
+        return None
+    key = (type(module), names)
+    if key not in _FALLBACKS:
+        strategies = {
+            (name, "batch_grad"): {VMAP: Strategy(partial(_fallback_batch_grad, param=name), recompute_cost)}
+            for name in names
+        }
+        _FALLBACKS[key] = LayerDerivatives(
+            hyperparams=lambda m: dict(
+                module=m, shared=SharedPass([n for n, p in m.named_parameters(recurse=False) if p.requires_grad])
+            ),
+            keep=_keep_call,
+            outputs=_float_leaves,
+            strategies=strategies,
+        )
+    return _FALLBACKS[key]

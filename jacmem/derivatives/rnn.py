@@ -1,0 +1,255 @@
+"""nn.RNN (tanh, relu), nn.GRU and nn.LSTM: several layers, bidirectional, ``batch_first``
+both ways, with or without bias, LSTM ``proj_size``, ``h_0``/``c_0`` given or not.
+
+Shapes, batch first (``arrange_input`` and ``arrange`` put it there): input ``[N, T, I]``,
+``h_0 [N, L·D, H_out]``, ``c_0 [N, L·D, H]``; output gradient ``[N, T, D·H_out]``, and
+those of ``h_n [N, L·D, H_out]`` and ``c_n [N, L·D, H]`` (zeros where the loss ignores
+them). ``L`` layers, ``D`` directions, ``G`` gates (1, 3 or 4), ``H_out`` is ``proj_size``
+or ``H``.
+
+Strategy ``unroll``: every weight is used as a linear map inside the recurrence, so its
+per-sample gradient is a sum of outer products, as for nn.Linear (BackPACK does the same
+for one-layer RNN/LSTM). For layer ``l`` and direction ``d``, with ``x_t`` the layer's
+input and ``h_{t-1}`` its previous (projected) state,
+
+* ``a_t = W_ih x_t + b_ih`` and ``b_t = W_hh h_{t-1} + b_hh`` (both ``[N, G·H]``):
+  ``∂W_ih = Σ_t δa_t x_tᵀ``, ``∂b_ih = Σ_t δa_t``, ``∂W_hh = Σ_t δb_t h_{t-1}ᵀ``,
+  ``∂b_hh = Σ_t δb_t`` (GRU's ``r ⊙ (W_hn h + b_hn)`` included, as ``b_t`` is the whole
+  linear map);
+* with ``proj_size``, ``h_t = W_hr r_t``, ``r_t = o_t ⊙ tanh(c_t)``: ``∂W_hr = Σ_t δh_t r_tᵀ``.
+
+The δ's are the gradients of the loss w.r.t. ``a_t``, ``b_t`` and ``h_t``: the
+recurrence is re-run (torch's fused kernels do not expose them, and ``vmap`` cannot
+batch them) and one autograd pass from the output gradients gives all of them, for
+every layer and direction at once. The recomputation cannot reproduce dropout between
+layers (``dropout > 0`` in training mode), and packed sequences are not supported: the
+backward raises an error naming the fix for both.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+from typing import Dict, List, Tuple
+
+import torch
+from opt_einsum import contract
+from torch import Tensor, nn
+from torch.nn import functional as F
+from torch.nn.utils.rnn import PackedSequence
+
+from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, register
+from jacmem.derivatives.generic import SharedPass
+
+UNROLL = "unroll"
+GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
+
+
+def _suffixes(num_layers: int, bidirectional: bool) -> List[str]:
+    """Parameter name suffixes in torch's order: layer-major, forward then reverse."""
+    return [f"_l{k}{s}" for k in range(num_layers) for s in (("", "_reverse") if bidirectional else ("",))]
+
+
+def _names(module: nn.RNNBase) -> List[str]:
+    return [n for n, _ in module.named_parameters()]
+
+
+def _hyperparams(module: nn.RNNBase) -> dict:
+    return dict(
+        mode=module.mode,
+        num_layers=module.num_layers,
+        bidirectional=module.bidirectional,
+        batch_first=module.batch_first,
+        proj_size=module.proj_size,
+        dropout=module.dropout if module.training and module.num_layers > 1 else 0.0,
+        weights={n: p.detach() for n, p in module.named_parameters()},
+        shared=SharedPass([n for n, p in module.named_parameters() if p.requires_grad]),
+    )
+
+
+def _keep(args: tuple, kwargs: dict) -> tuple:
+    """(input, hx): ``forward(input, hx=None)``."""
+    return args[0], args[1] if len(args) > 1 else kwargs.get("hx")
+
+
+def _arrange_input(x: tuple, *, batch_first: bool, **_) -> tuple:
+    """-> (input [N, T, I], h_0 [N, L·D, H_out] or None, c_0 [N, L·D, H] or None, {flags})"""
+    inp, hx = x
+    if isinstance(inp, PackedSequence):
+        return None, None, None, dict(packed=True, unbatched=False)
+    if inp.dim() == 2:
+        return None, None, None, dict(packed=False, unbatched=True)
+    h0, c0 = hx if isinstance(hx, (tuple, list)) else (hx, None)
+    inp = inp if batch_first else inp.transpose(0, 1)
+    h0, c0 = (None if h is None else h.transpose(0, 1) for h in (h0, c0))
+    return inp, h0, c0, dict(packed=False, unbatched=False)
+
+
+def _outputs(output) -> tuple:
+    """(output, h_n) or (output, h_n, c_n); a packed output's data."""
+    out, state = output
+    out = out.data if isinstance(out, PackedSequence) else out
+    return (out, *state) if isinstance(state, tuple) else (out, state)
+
+
+def _arrange(g, *, batch_first: bool, **_) -> tuple:
+    """Every gradient batch first (the states' always come batch second)."""
+    out, *states = g
+    out = out if batch_first or out.dim() != 3 else out.transpose(0, 1)
+    return (out, *(s.transpose(0, 1) if s.dim() == 3 else s for s in states))
+
+
+def _track(t: Tensor) -> Tensor:
+    """``t``, in the graph that the δ's are taken in."""
+    return t if t.requires_grad else t.requires_grad_()
+
+
+def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
+    """One step from the two linear maps ``a = W_ih x + b_ih`` and ``b = W_hh h + b_hh``:
+    [N, G·H] ×2, h [N, H_out], c [N, H] (LSTM) -> new (r, c), with r [N, H] the state
+    before any projection."""
+    if mode == "RNN_TANH":
+        return torch.tanh(a + b), c
+    if mode == "RNN_RELU":
+        return torch.relu(a + b), c
+    if mode == "GRU":
+        (ar, az, an), (br, bz, bn) = a.chunk(3, -1), b.chunk(3, -1)
+        r, z = torch.sigmoid(ar + br), torch.sigmoid(az + bz)
+        n = torch.tanh(an + r * bn)
+        return (1 - z) * n + z * h, c
+    i, f, gg, o = (a + b).chunk(4, -1)
+    c = torch.sigmoid(f) * c + torch.sigmoid(i) * torch.tanh(gg)
+    return torch.sigmoid(o) * torch.tanh(c), c
+
+
+def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
+    """Per-sample gradients of ``names`` (see the module docstring)."""
+    inp, h0, c0, flags = x
+    if flags["packed"]:
+        raise RuntimeError(
+            "its input is a PackedSequence, which jacmem's per-sample gradients do not support; "
+            "pass the padded batch instead (torch.nn.utils.rnn.pad_packed_sequence) and mask the loss"
+        )
+    if flags["unbatched"]:
+        raise RuntimeError(
+            "its input is unbatched ([T, I]): there is no batch axis to take per-sample gradients "
+            "over; pass [N, T, I] with batch_first=True, or [T, N, I]"
+        )
+    if dropout > 0:
+        raise RuntimeError(
+            f"it applies dropout={dropout} between layers in training mode, which the per-sample "
+            "recomputation cannot reproduce; set dropout=0.0 or call .eval() on it"
+        )
+    g_out, g_hn, *g_cn = g
+    n, steps, _ = inp.shape
+    directions = 2 if bidirectional else 1
+    hidden = weights["weight_hh_l0"].shape[1]  # H_out
+    cell = weights["weight_hh_l0"].shape[0] // GATES[mode]  # H
+    h0 = inp.new_zeros(n, num_layers * directions, hidden) if h0 is None else h0
+    c0 = inp.new_zeros(n, num_layers * directions, cell) if c0 is None else c0
+
+    tracked: Dict[str, Tuple[List[Tensor], List[Tensor]]] = {}  # name -> (maps' outputs, their inputs)
+    finals_h, finals_c = [], []
+    with torch.enable_grad():
+        layer_in = inp
+        for k, suffix in enumerate(_suffixes(num_layers, bidirectional)):
+            w = partial(_weight, weights, suffix)
+            a = _track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
+            h, c = h0[:, k], c0[:, k]
+            order = range(steps - 1, -1, -1) if suffix.endswith("_reverse") else range(steps)
+            bs, hs_prev, hs, rs = [], [], [], []
+            for t in order:
+                b = _track(F.linear(h, w("weight_hh"), w("bias_hh")))
+                r, c = _cell(mode, a[:, t], b, h, c)
+                bs.append(b), hs_prev.append(h), rs.append(r)
+                h = _track(F.linear(r, w("weight_hr"))) if proj_size else r
+                hs.append(h)
+            tracked["weight_ih" + suffix] = ([a], [layer_in.detach()])
+            tracked["weight_hh" + suffix] = (bs, [t.detach() for t in hs_prev])
+            if proj_size:
+                tracked["weight_hr" + suffix] = (hs, [t.detach() for t in rs])
+            finals_h.append(h), finals_c.append(c)
+            seq = torch.stack(hs[::-1] if suffix.endswith("_reverse") else hs, 1)  # [N, T, H_out]
+            if suffix.endswith("_reverse") or not bidirectional:
+                layer_in = seq if not bidirectional else torch.cat([forward_seq, seq], -1)
+            else:
+                forward_seq = seq
+        outputs = [layer_in, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if g_cn else [])
+        wanted = {_map(name): tracked[_map(name)][0] for name in names}
+        flat = [t for maps in wanted.values() for t in maps]
+        deltas = torch.autograd.grad(outputs, flat, [g_out, g_hn, *g_cn], allow_unused=True)
+    it = iter(deltas)
+    delta = {key: [torch.zeros_like(t) if (d := next(it)) is None else d for t in maps] for key, maps in wanted.items()}
+    return {name: _contract(name, delta[_map(name)], tracked[_map(name)][1]) for name in names}
+
+
+def _weight(weights: Dict[str, Tensor], suffix: str, kind: str):
+    return weights.get(kind + suffix)
+
+
+def _map(name: str) -> str:
+    """The linear map a parameter belongs to: its weight's name."""
+    return name.replace("bias_", "weight_")
+
+
+def _contract(name: str, deltas: List[Tensor], inputs: List[Tensor]) -> Tensor:
+    """Σ_t δ_t u_tᵀ (weights) or Σ_t δ_t (biases), from the maps' gradients and inputs,
+    either one [N, T, ·] tensor each, or one [N, ·] per step."""
+    delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas, 1)
+    if name.startswith("bias"):
+        return delta.sum(1)
+    u = inputs[0] if len(inputs) == 1 else torch.stack(inputs, 1)
+    return contract("ntg,nti->ngi", delta, u)
+
+
+def _unroll_batch_grad(x, g, *, param: str, shared: SharedPass, batch_first, **hp) -> Tensor:
+    """Per-sample gradients of ``param``: x as ``arrange_input`` gives it, g = (output
+    [N, T, D·H_out], h_n [N, L·D, H_out], (c_n [N, L·D, H])) -> [N, *param.shape]"""
+    return shared.take(param, x, g, partial(_unroll_all, **hp))
+
+
+def _unroll_cost(xs, gs, *, mode, num_layers, bidirectional, proj_size, weights, **_) -> Cost:
+    """Forward and backward of the recurrence, and the contractions: about 4× the
+    forward's FLOPs; the workspace holds each step's maps and states."""
+    if xs[0] is None:
+        return Cost(0, 0)  # packed or unbatched: the strategy raises the error that explains it
+    n, steps, _ = xs[0]
+    flops = sum(
+        2 * n * steps * w.numel() for name, w in weights.items() if name.startswith("weight")
+    )
+    cell = weights["weight_hh_l0"].shape[0]
+    layers = num_layers * (2 if bidirectional else 1)
+    return Cost(flops=4 * flops, workspace=6 * n * steps * layers * cell)
+
+
+def _strategy(name: str) -> Strategy:
+    return Strategy(partial(_unroll_batch_grad, param=name), _unroll_cost)
+
+
+_ENTRIES: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
+
+
+def _for_module(module: nn.RNNBase) -> LayerDerivatives:
+    """The entry for this module's parameter names (they depend on its depth)."""
+    base = next(REGISTRY[cls] for cls in type(module).__mro__ if cls in REGISTRY)
+    key = (type(module), tuple(_names(module)))
+    if key not in _ENTRIES:
+        strategies = {(name, "batch_grad"): {UNROLL: _strategy(name)} for name in key[1]}
+        _ENTRIES[key] = replace(base, for_module=None, strategies=strategies)
+    return _ENTRIES[key]
+
+
+for _module in (nn.RNN, nn.GRU, nn.LSTM):
+    layer(
+        _module,
+        hyperparams=_hyperparams,
+        keep=_keep,
+        arrange_input=_arrange_input,
+        outputs=_outputs,
+        arrange=_arrange,
+        for_module=_for_module,
+    )
+    # the names of a one-layer bidirectional instance (with a projection for the LSTM)
+    example = _module(1, 2, bidirectional=True, **(dict(proj_size=1) if _module is nn.LSTM else {}))
+    for _name in _names(example):
+        register(_module, _name, "batch_grad", UNROLL, cost=_unroll_cost)(_strategy(_name).fn)
