@@ -25,12 +25,14 @@ nothing at all.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Dict, Optional
 
 from torch import Tensor, nn
 from torch.nn import functional as F
 
 from jacmem import derivatives
+from jacmem.derivatives import jacobians
 from jacmem.memory.functions import (
     BatchNormEvalFunction,
     ConvFunction,
@@ -173,14 +175,34 @@ LEAN: Dict[type, type] = {
 STOCK: Dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
 
 
+def _stock_vjp(xs, out, S, *, stock_forward, **_):
+    """The generic vjp, of the stock ``forward`` (the lean Functions are not ``torch.func``-transformable)."""
+    return jacobians.vjp_generic(stock_forward, xs, S)
+
+
 def share_derivatives() -> None:
-    """Give each lean type the same jacmem derivatives entry as its stock type (the
-    math is the same; jacmem's ``lookup`` accepts a subclass only if it keeps the
-    base ``forward``, and these override it). Entries are shared, not copied, so a
-    strategy registered later for the stock type applies to the lean one too."""
+    """Give each lean type the jacmem derivatives of its stock type: the math is the
+    same, but jacmem's lookups accept a subclass only if it keeps the base
+    ``forward``, and these override it.
+
+    First-order entries are shared, not copied, so a strategy registered later for
+    the stock type applies to the lean one too. A second-order passthrough that
+    differentiates the module's ``forward`` gets the stock ``forward`` instead."""
     for stock, lean_type in LEAN.items():
         if stock in derivatives.REGISTRY:
             derivatives.REGISTRY[lean_type] = derivatives.REGISTRY[stock]
+        entry = jacobians.PASSTHROUGH.get(stock)
+        if entry is not None and entry.jac_t is None and entry.df is None:
+            entry = dataclasses.replace(
+                entry,
+                jac_t=_stock_vjp,
+                hyperparams=lambda m, base=entry.hyperparams, stock=stock: {
+                    **base(m),
+                    "stock_forward": stock.forward.__get__(m),
+                },
+            )
+        if entry is not None:
+            jacobians.PASSTHROUGH[lean_type] = entry
 
 
 def lean(model: nn.Module) -> nn.Module:
