@@ -44,7 +44,7 @@ import torch
 from torch import nn
 
 import jacmem
-from jacmem.derivatives import REGISTRY, all_strategy_names
+from jacmem.derivatives import REGISTRY
 
 PLAIN = "plain"
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,8 +82,7 @@ def setup(batch: int, seed: int = 0):
 
 def strategies() -> List[str]:
     """Every strategy Conv2d offers for its weight's per-sample gradients, then auto."""
-    offered = REGISTRY[nn.Conv2d].strategies[("weight", "batch_grad")]
-    return [name for name in offered if name in all_strategy_names()] + ["auto"]
+    return [*REGISTRY[nn.Conv2d].strategies[("weight", "batch_grad")], "auto"]
 
 
 # -- worker: one strategy, in a process of its own ------------------------------------
@@ -131,7 +130,7 @@ def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
 def run_worker(strategy: str, args, dump: str) -> dict:
     cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(args.batch)]
     cmd += ["--repeats", str(args.repeats), "--dump", dump]
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         raise RuntimeError(f"the worker for strategy {strategy!r} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
