@@ -68,14 +68,15 @@ def _hyperparams(module: nn.RNNBase) -> dict:
 
 
 def _keep(args: tuple, kwargs: dict) -> tuple:
-    """(input, hx): ``forward(input, hx=None)``."""
-    return args[0], args[1] if len(args) > 1 else kwargs.get("hx")
+    """(input, hx) of ``forward(input, hx=None)``; a packed input is only noted (None)."""
+    inp = args[0]
+    return None if isinstance(inp, PackedSequence) else inp, args[1] if len(args) > 1 else kwargs.get("hx")
 
 
 def _arrange_input(x: tuple, *, batch_first: bool, **_) -> tuple:
     """-> (input [N, T, I], h_0 [N, L·D, H_out] or None, c_0 [N, L·D, H] or None, {flags})"""
     inp, hx = x
-    if isinstance(inp, PackedSequence):
+    if inp is None:
         return None, None, None, dict(packed=True, unbatched=False)
     if inp.dim() == 2:
         return None, None, None, dict(packed=False, unbatched=True)
