@@ -240,3 +240,29 @@ def test_explain_names_layers_and_strategies():
         for param in ("weight", "bias"):
             assert any(line.startswith(f"{name}.{param} ") for line in lines), text
         assert all(any(s in line for s in strategies(type(module))) for line in lines), text
+
+
+@pytest.mark.heavy
+@pytest.mark.parametrize(
+    "module,shape",
+    [
+        (nn.Conv2d(6, 8, 3, stride=2, padding=1, dilation=(1, 2), groups=2), (6, 14, 13)),
+        (nn.Conv3d(4, 4, (3, 2, 3), padding="same", padding_mode="reflect", groups=4), (4, 6, 5, 7)),
+        (nn.Linear(12, 9), (5, 3, 12)),
+    ],
+    ids=["conv2d", "conv3d", "linear-rank4"],
+)
+def test_larger_layers_in_uneven_chunks(module, shape):
+    """Bigger layers, a batch of 7, under budgets from one sample per chunk, through several
+    samples per chunk with a shorter last one, to the whole batch at once."""
+    model = module.double()
+    X = torch.randn(7, *shape, dtype=torch.float64)
+    with torch.no_grad():
+        y = torch.randn_like(model(X))
+    reference = per_sample_grads(model, X, y, mse, "sum")
+    fields = [f for _, f in EXTENSIONS.values()]
+    for strategy in strategies(type(model)):
+        for chunk_bytes in (1, 3e3, 2e4, 6e4, 1.2e5):
+            ctx = run_jacmem(model, X, y, mse, "sum", [e() for e, _ in EXTENSIONS.values()], strategy=strategy, chunk_bytes=chunk_bytes)
+            check_against(model, reference, fields, f"[{type(model).__name__} {strategy} {chunk_bytes}]")
+            assert_used(ctx, strategy)
