@@ -2,7 +2,8 @@
 
 A row per parameter of each layer jacmem ships a derivative for; a column per
 extension, listing the strategy names that extension can use on that parameter (see
-:func:`strategy_names`). Layers whose rows are equal share one row.
+:func:`strategy_names`). Parameters with equal cells share a row, and so do layers
+with equal rows.
 Modules registered by users (their functions live outside jacmem) are left out.
 
 .. code-block:: text
@@ -16,14 +17,17 @@ from __future__ import annotations
 
 import argparse
 import sys
+from functools import partial
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Callable, Dict, List, Tuple
 
 import jacmem
 from jacmem.derivatives import QUANTITIES, REGISTRY, LayerDerivatives
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 START = "<!-- support-table:start -->"
+#: marks a layer whose parameter names depend on the instance (``for_module``)
+VARIES = "†"
 END = "<!-- support-table:end -->"
 
 
@@ -33,9 +37,16 @@ def extensions() -> List[type]:
     return [e for e in found if isinstance(e, type) and issubclass(e, FirstOrderExtension)]
 
 
+def _origin(fn: Callable) -> str:
+    """The module that defines ``fn``, through ``functools.partial``."""
+    while isinstance(fn, partial):
+        fn = fn.func
+    return getattr(fn, "__module__", None) or ""
+
+
 def builtin(entry: LayerDerivatives) -> bool:
     """Whether jacmem itself ships a derivative for this layer."""
-    return any(s.fn.__module__.startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
+    return any(_origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
 
 
 def layer_name(module_type: type) -> str:
@@ -54,31 +65,40 @@ def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> Tupl
     return tuple(names)
 
 
-def rows() -> List[Tuple[List[str], List[Tuple[str, Tuple[Tuple[str, ...], ...]]]]]:
-    """``[(layer names, [(param, strategies per extension), ...]), ...]``, layers with
-    equal rows merged, in registration order."""
+def rows() -> List[Tuple[List[str], List[Tuple[List[str], Tuple[Tuple[str, ...], ...]]]]]:
+    """``[(layer names, [(param names, strategies per extension), ...]), ...]``, in
+    registration order; layer names in Markdown, marked with ``VARIES`` where needed.
+    Parameters of a layer with equal cells share a row, and layers with equal rows too."""
     groups: Dict[tuple, List[str]] = {}
     exts = extensions()
     for module_type, entry in REGISTRY.items():
         if not builtin(entry) or not entry.params:
             continue
-        key = tuple((p, tuple(strategy_names(entry, p, e) for e in exts)) for p in entry.params)
-        groups.setdefault(key, []).append(layer_name(module_type))
-    return [(names, list(key)) for key, names in groups.items()]
+        params: Dict[tuple, List[str]] = {}
+        for p in entry.params:
+            params.setdefault(tuple(strategy_names(entry, p, e) for e in exts), []).append(p)
+        key = tuple((tuple(names), cells) for cells, names in params.items())
+        groups.setdefault(key, []).append(f"`{layer_name(module_type)}`" + (VARIES if entry.for_module else ""))
+    return [(names, [(list(ps), cells) for ps, cells in key]) for key, names in groups.items()]
 
 
 def table() -> str:
     """The support table, as Markdown."""
     exts = extensions()
     lines = [
-        "| layer | parameter | " + " | ".join(f"`{e.__name__}`" for e in exts) + " |",
+        "| layer | parameters | " + " | ".join(f"`{e.__name__}`" for e in exts) + " |",
         "|---|---|" + "---|" * len(exts),
     ]
+    varies = False
     for names, params in rows():
-        for i, (param, cells) in enumerate(params):
-            layer = ", ".join(f"`{n}`" for n in names) if i == 0 else ""
+        varies = varies or any(n.endswith(VARIES) for n in names)
+        for i, (pnames, cells) in enumerate(params):
+            layer = ", ".join(names) if i == 0 else ""
             strategies = [", ".join(f"`{s}`" for s in cell) for cell in cells]
-            lines.append(f"| {layer} | `{param}` | " + " | ".join(strategies) + " |")
+            lines.append(f"| {layer} | {', '.join(f'`{p}`' for p in pnames)} | " + " | ".join(strategies) + " |")
+    if varies:
+        note = "The parameter names depend on the instance (an RNN's depth, say); all get the same strategies."
+        lines += ["", f"{VARIES} {note}"]
     return "\n".join(lines) + "\n"
 
 
