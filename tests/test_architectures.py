@@ -192,6 +192,9 @@ def test_architecture(name, strategy):
             what = f"[{name} {strategy} {reduction} {[e.__name__ for e in extensions]} {flow}]"
             check_against(model, reference, [e.savefield for e in extensions], what)
             check_frozen(model)
+        for flow in FLOWS:  # every quantity in chunks of one sample
+            run_jacmem(model, X, y, loss, reduction, [e() for e in EXTENSIONS], flow, strategy=strategy, chunk_bytes=1)
+            check_against(model, reference, [e.savefield for e in EXTENSIONS], f"[{name} {strategy} {flow} chunked]")
 
 
 def test_tied_weights_norms_are_of_the_summed_gradient():
@@ -277,3 +280,18 @@ def test_training_loop(flow):
             check_against(model, reference, fields, f"[step {step} {flow}]")
     finally:
         jacmem.untrack(model)
+
+
+@pytest.mark.parametrize("name", ["tied", "residual"])
+def test_two_backward_passes_through_one_graph(name):
+    """backward(retain_graph=True) then backward() in one block: .grad accumulates, but
+    each pass writes its own quantities, so they are those of one pass."""
+    model, X, y, loss = make(name)
+    reference = per_sample_grads(model, X, y, loss, "mean")
+    with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance()):
+        value = loss(model(X), y, "mean")
+        value.backward(retain_graph=True)
+        value.backward()
+    for p in model.parameters():
+        p.grad = p.grad / 2
+    check_against(model, reference, ["grad_batch", "batch_l2", "variance"], f"[{name}]")
