@@ -127,7 +127,10 @@ def _vmap_all(x, g, names, *, module: nn.MultiheadAttention, batch_first: bool, 
             dict(
                 key_padding_mask=None if kpm_n is None else kpm_n.unsqueeze(0),
                 attn_mask=shared["attn_mask"] if mask_n is None else mask_n,
-                need_weights=shared["need_weights"],
+                # the weights' path batches under vmap; without weights, torch takes a fused
+                # kernel that vmap runs one sample at a time. Both compute the same output,
+                # except under the is_causal hint, where the fused path ignores attn_mask.
+                need_weights=shared["need_weights"] or not shared["is_causal"],
                 average_attn_weights=shared["average_attn_weights"],
                 is_causal=shared["is_causal"],
             ),
