@@ -12,6 +12,7 @@ take them off (and so free the records) when it is done.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections import Counter
 from typing import Any, Callable, Dict, List, Optional
@@ -50,7 +51,10 @@ def trainable(module: nn.Module, entry: Optional[LayerDerivatives] = None) -> Di
 class Record:
     """One call of one module, from its forward to its backward."""
 
-    __slots__ = ("module", "name", "entry", "hp", "params", "x", "outputs", "grads", "missing", "__weakref__")
+    __slots__ = (
+        "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
+        "release", "__weakref__",
+    )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: List[Tensor]):
         self.module: nn.Module = module
@@ -59,15 +63,24 @@ class Record:
         #: the derivatives' keyword arguments, read off the module at forward time
         self.hp: Dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: Dict[str, nn.Parameter] = params
+        #: each parameter's AccumulateGrad node: the backward pass tells, through it,
+        #: whether it computes that parameter's gradient (``backward(inputs=...)``)
+        self.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
         self.x: Any = x if entry is None or x is None else entry.arrange_input(x, **self.hp)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
         self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
         self.grads: List[Optional[Tensor]] = [None] * len(outputs)
         self.missing = len(outputs)
+        #: the backward pass (graph task id) that the gradients in ``grads`` come from
+        self.task: Optional[int] = None
+        #: the thread that ran the forward: a block extends only its own thread's graphs
+        self.thread = threading.get_ident()
         keys = [id(p) for p in params.values()]
         _LIVE.update(keys)
-        weakref.finalize(self, _release, keys)
+        #: take this record out of ``_LIVE`` now (it happens anyway when it is freed);
+        #: whoever removes the hooks calls it, in case something else still holds it
+        self.release = weakref.finalize(self, _release, keys)
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
@@ -107,21 +120,22 @@ def record(
     name: str,
     on_grad: Callable[[Record], None],
     handles: List[RemovableHandle],
-) -> None:
-    """The forward-hook body: record this call if it has trainable parameters.
+) -> Optional[Record]:
+    """The forward-hook body: record this call if it has trainable parameters; returns
+    the record, or None.
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
     if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
-        return
+        return None
     entry = lookup(module)
     params = trainable(module, entry)
     if not params:
-        return
+        return None
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
-        return
+        return None
     needs_input = entry is None or any(p not in entry.input_free for p in params)
     x = entry.keep(args, kwargs) if entry is not None and needs_input else None
     x = _detach(x)
@@ -129,6 +143,7 @@ def record(
 
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
+    return rec
 
 
 def _detach(x):
@@ -143,6 +158,10 @@ def _detach(x):
 
 def _make_hook(rec: Record, index: int, on_grad: Callable[[Record], None]):
     def hook(grad: Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        if rec.task != task:  # what an earlier, failed backward left is stale
+            rec.reset()
+            rec.task = task
         if rec.grads[index] is None:
             rec.missing -= 1
         rec.grads[index] = grad

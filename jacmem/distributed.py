@@ -1,0 +1,88 @@
+"""DistributedDataParallel: per-sample quantities of each rank's own samples, sums over
+the global batch.
+
+DDP averages the ranks' gradients: with ``W`` ranks, rank ``r`` holding ``n_r``
+samples and a loss reduced by ``"mean"`` on each rank,
+
+    .grad = (1/W) Σ_r (1/n_r) Σ_{i ∈ r} ∇ℓ_i
+
+which, for equal ``n_r = N/W``, is ``(1/N) Σ_i ∇ℓ_i``: the gradient of one process on
+the concatenated batch. jacmem scales as DDP does, so that the same holds for every
+quantity:
+
+- ``grad_batch`` and ``batch_l2`` describe the rank's own samples. ``grad_batch`` is the
+  rank's per-sample gradient divided by ``W`` (``batch_l2`` by ``W²``): summed over the
+  samples of *all* ranks it gives DDP's ``.grad``, and each rank's rows equal that
+  process's rows of a single-process run on the concatenated batch.
+- ``sum_grad_squared`` and ``variance`` describe the global batch: each rank's
+  ``sum_grad_squared`` (of the scaled per-sample gradients) and summed gradient are
+  summed over the ranks with one ``all_reduce`` per backward pass, and ``variance``
+  divides by the global batch size ``N = Σ_r n_r``.
+
+This assumes DDP's default communication (average). Every rank must run the same
+extensions on the same parameters, as DDP itself requires.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Optional
+
+import torch
+from torch import Tensor, nn
+
+#: the quantities that are summed over the ranks; the others stay local
+GLOBAL_QUANTITIES = ("sum_grad_squared", "grad")
+#: the power of 1/W each quantity carries
+_SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
+
+
+def process_group_of(module: nn.Module) -> Optional[Any]:
+    """The process group of a ``DistributedDataParallel`` module; None for any other
+    module, or when ``torch.distributed`` is not initialised."""
+    if not torch.distributed.is_available() or not torch.distributed.is_initialized():
+        return None
+    if isinstance(module, nn.parallel.DistributedDataParallel):
+        return module.process_group
+    return None
+
+
+def synchronize(
+    group: Any, params: List[nn.Parameter], quantities: Dict[int, Dict[str, Tensor]], sizes: Dict[int, int]
+) -> None:
+    """Scale the quantities of ``params`` (``id(param) -> {quantity: tensor}``, only the
+    parameters this rank computed) as DDP scales gradients, sum the global ones over
+    ``group``, and set ``sizes`` (``id(param) -> batch size``) to the global batch size.
+    In place.
+
+    ``params`` must be the same list, in the same order, on every rank: a parameter
+    that this rank did not compute contributes zeros.
+    """
+    world = torch.distributed.get_world_size(group)
+    for q in quantities.values():
+        for name, value in q.items():
+            q[name] = value / world ** _SCALE_POWER[name]
+    present = [q for q in quantities.values() if any(name in q for name in GLOBAL_QUANTITIES)]
+    if not present:
+        return
+    dtype = torch.float64 if any(v.dtype == torch.float64 for q in present for v in q.values()) else torch.float32
+    device = next(iter(present[0].values())).device
+    parts: List[Tensor] = []
+    for p in params:
+        q = quantities.get(id(p), {})
+        for name in GLOBAL_QUANTITIES:
+            value = q.get(name)
+            parts.append((torch.zeros(p.shape, dtype=dtype, device=device) if value is None else value).flatten())
+    counts = torch.tensor([sizes.get(id(p), 0) for p in params], dtype=dtype, device=device)
+    buffer = torch.cat([*[t.to(dtype=dtype, device=device) for t in parts], counts])
+    torch.distributed.all_reduce(buffer, group=group)
+    offset = 0
+    for p in params:
+        q = quantities.get(id(p))
+        for name in GLOBAL_QUANTITIES:
+            value = buffer[offset : offset + p.numel()].view(p.shape)
+            offset += p.numel()
+            if q is not None and name in q:
+                q[name] = value.to(q[name].dtype)
+    for p, count in zip(params, buffer[offset:].tolist()):
+        if id(p) in sizes:
+            sizes[id(p)] = int(round(count))
