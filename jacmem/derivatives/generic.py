@@ -16,9 +16,11 @@ no registered derivative:
 * it applies only where recomputing one sample alone reproduces that sample's forward.
   It refuses (``lookup`` gives ``None``, and the block warns, or raises with
   ``strict=True``, naming the module) a module in which some submodule holds buffers
-  while in training mode, or is a BatchNorm in training mode: such a forward mutates
-  its buffers (running statistics) or mixes the samples (batch statistics). In eval
-  mode, or with constant buffers held by a module in eval mode, it applies. Random ops
+  while in training mode, or is a BatchNorm that uses batch statistics (in training
+  mode, or without running statistics): such a forward mutates its buffers (running
+  statistics) or mixes the samples. A module whose buffers are constant must therefore
+  be in eval mode to get the fallback (its own buffers cannot be told apart from
+  running statistics after the fact). Random ops
   (dropout in training mode) make the recomputation differ from the forward:
   ``vmap`` detects them and the backward raises an error that names the fix.
 
@@ -128,11 +130,13 @@ def _module_params(module: nn.Module, names: Sequence[str]) -> Dict[str, Tensor]
 
 def _mixes_samples(module: nn.Module) -> bool:
     """Whether a recomputation one sample at a time could differ from the forward: some
-    submodule holds buffers in training mode, or normalises over the batch."""
-    return any(
-        sub.training and (next(sub.buffers(recurse=False), None) is not None or isinstance(sub, nn.modules.batchnorm._BatchNorm))
-        for sub in module.modules()
-    )
+    submodule holds buffers in training mode, or normalises with batch statistics."""
+    for sub in module.modules():
+        if sub.training and next(sub.buffers(recurse=False), None) is not None:
+            return True
+        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or sub.running_mean is None):
+            return True
+    return False
 
 
 #: marks, among the kept arguments, the slot of a batched tensor
