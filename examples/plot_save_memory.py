@@ -48,7 +48,7 @@ from jacmem.derivatives import REGISTRY
 
 PLAIN = "plain"
 ROOT = Path(__file__).resolve().parents[1]
-MB = 2**20
+MiB = 2**20
 
 
 def build_model() -> nn.Sequential:
@@ -128,6 +128,7 @@ def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
 
 
 def run_worker(strategy: str, args, dump: str) -> dict:
+    """Run :func:`worker` for ``strategy`` in a fresh interpreter; its JSON result."""
     cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(args.batch)]
     cmd += ["--repeats", str(args.repeats), "--dump", dump]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
@@ -164,6 +165,7 @@ def check(dumps: Dict[str, str], batch: int) -> int:
 
 
 def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
+    """Print peak memory and median time per strategy, against plain; returns the rows."""
     plain = results[PLAIN]
     plain_time = statistics.median(plain["times"])
     rows = []
@@ -173,30 +175,31 @@ def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
         rows.append(
             dict(
                 strategy=name,
-                peak=r["peak"] / MB,
-                over_setup=(r["peak"] - r["baseline"]) / MB,
-                extra=extra / MB,
+                peak=r["peak"] / MiB,
+                over_setup=(r["peak"] - r["baseline"]) / MiB,
+                extra=extra / MiB,
                 extra_ratio=extra / grad_batch_bytes,
                 time=t,
                 ratio=t / plain_time,
             )
         )
-    print(f"\nper-sample gradients (grad_batch): {grad_batch_bytes / MB:.1f} MB")
+    print(f"\nper-sample gradients (grad_batch): {grad_batch_bytes / MiB:.1f} MiB")
     header = (
-        f"{'strategy':<12} {'peak MB':>8} {'over setup':>10} {'extra MB':>9} {'extra/grad_batch':>16}"
+        f"{'strategy':<12} {'peak MiB':>8} {'over setup':>10} {'extra MiB':>10} {'extra/grad_batch':>16}"
         f" {'time s':>8} {'time/plain':>10}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
         print(
-            f"{r['strategy']:<12} {r['peak']:>8.1f} {r['over_setup']:>10.1f} {r['extra']:>9.1f}"
+            f"{r['strategy']:<12} {r['peak']:>8.1f} {r['over_setup']:>10.1f} {r['extra']:>10.1f}"
             f" {r['extra_ratio']:>16.2f} {r['time']:>8.3f} {r['ratio']:>10.2f}"
         )
     return rows
 
 
 def plot(rows: List[dict], grad_batch_bytes: int, batch: int, path: Path) -> None:
+    """Bar charts of peak memory above setup, and of time relative to plain, to ``path``."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -207,8 +210,8 @@ def plot(rows: List[dict], grad_batch_bytes: int, batch: int, path: Path) -> Non
     fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
     left.bar(names, [r["over_setup"] for r in rows], color=colors)
     plain = next(r["over_setup"] for r in rows if r["strategy"] == PLAIN)
-    left.axhline(plain + grad_batch_bytes / MB, color="k", ls="--", lw=1, label="plain + size of grad_batch")
-    left.set_ylabel("peak RSS above setup (MB)")
+    left.axhline(plain + grad_batch_bytes / MiB, color="k", ls="--", lw=1, label="plain + size of grad_batch")
+    left.set_ylabel("peak RSS above setup (MiB)")
     left.legend(loc="lower right")
     right.bar(names, [r["ratio"] for r in rows], color=colors)
     right.axhline(1, color="k", lw=0.5)
