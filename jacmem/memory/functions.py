@@ -65,16 +65,34 @@ class ConvFunction(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight = ctx.saved_tensors
         x_shape, w_shape, b_shape = ctx.shapes
+        stride, padding, dilation, transposed, output_padding, groups = ctx.conf
         mask = [bool(m) for m in ctx.needs_input_grad[:3]]
+        if x is None:  # no weight gradient: the input's is the adjoint convolution, which needs no x
+            gx = _conv_adjoint(grad, weight, x_shape, *ctx.conf) if mask[0] else None
+            gb = grad.sum([0, *range(2, grad.dim())]) if mask[2] else None
+            return gx, None, gb, None, None, None, None, None, None
         gx, gw, gb = torch.ops.aten.convolution_backward(
             grad,
-            x if x is not None else _stand_in(grad, x_shape),
+            x,
             weight if weight is not None else _stand_in(grad, w_shape),
             b_shape,
             *ctx.conf,
             mask,
         )
         return gx, gw, gb, None, None, None, None, None, None
+
+
+def _conv_adjoint(grad, weight, x_shape, stride, padding, dilation, transposed, output_padding, groups):
+    """The input gradient of a (transposed) convolution: grad [N, C_out, *S_out] -> [N, C_in, *S_in],
+    by the transposed (plain) convolution with the same weight."""
+    if transposed:
+        return torch.convolution(grad, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
+    # the transposed convolution's output size, less the rows that stride skipped
+    extra = [
+        x - ((g - 1) * s - 2 * p + d * (k - 1) + 1)
+        for x, g, s, p, d, k in zip(x_shape[2:], grad.shape[2:], stride, padding, dilation, weight.shape[2:])
+    ]
+    return torch.convolution(grad, weight, None, stride, padding, dilation, True, extra, groups)
 
 
 # -- batch norm in eval mode ---------------------------------------------------------
@@ -123,7 +141,8 @@ class BatchNormEvalFunction(torch.autograd.Function):
 
 #: the k-th byte of an int64 lands on bit 56 + k of the product; see pack_bits
 _GATHER = 0x0102040810204080
-_SHIFTS = {}
+#: (device, dtype) -> [256, 8]: the bits of each byte value
+_TABLES: dict = {}
 
 
 def pack_bits(mask: Tensor) -> Tensor:
@@ -141,13 +160,14 @@ def pack_bits(mask: Tensor) -> Tensor:
     return ((words * _GATHER) >> 56).to(torch.uint8)
 
 
-def unpack_bits(packed: Tensor, numel: int) -> Tensor:
-    """Inverse of :func:`pack_bits`: uint8 [ceil(n / 8)] -> bool [n]."""
-    shifts = _SHIFTS.get(packed.device)
-    if shifts is None:
-        shifts = _SHIFTS[packed.device] = torch.arange(8, dtype=torch.uint8, device=packed.device)
-    bits = (packed.unsqueeze(1) >> shifts) & 1
-    return bits.view(-1)[:numel].view(torch.bool)
+def unpack_bits(packed: Tensor, numel: int, dtype: torch.dtype = torch.bool) -> Tensor:
+    """Inverse of :func:`pack_bits`: uint8 [ceil(n / 8)] -> [n] of 0 and 1 in ``dtype``,
+    by a lookup in a [256, 8] table (one gather; faster than shifting bits)."""
+    table = _TABLES.get((packed.device, dtype))
+    if table is None:
+        bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+        table = _TABLES[(packed.device, dtype)] = bits.to(device=packed.device, dtype=dtype)
+    return torch.index_select(table, 0, packed.int()).view(-1)[:numel]
 
 
 class ReLUFunction(torch.autograd.Function):
@@ -161,27 +181,31 @@ class ReLUFunction(torch.autograd.Function):
         else:
             out = torch.relu(x)
         ctx.shape = x.shape
-        ctx.save_for_backward(pack_bits(out > 0) if ctx.needs_input_grad[0] else None)
+        # out != 0 is stock's "out > 0" (its backward passes the gradient where out is NaN, too)
+        ctx.save_for_backward(pack_bits(out.bool()) if ctx.needs_input_grad[0] else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
-        mask = unpack_bits(packed, grad.numel()).view(ctx.shape)
-        return grad * mask, None
+        mask = unpack_bits(packed, grad.numel(), grad.dtype).view(ctx.shape)
+        return torch.ops.aten.threshold_backward(grad, mask, 0), None
 
 
 # -- dropout: a seed -----------------------------------------------------------------
 
 
 def _dropout_mask(like: Tensor, p: float, seed: int) -> Tensor:
-    """The keep-mask (1 with probability 1 - p, else 0), in ``like``'s dtype and on its
-    device, drawn from a generator of that device seeded with ``seed``: the same seed
-    gives the same mask."""
+    """The scaled keep-mask, ``1 / (1 - p)`` with probability ``1 - p`` and 0 otherwise,
+    in ``like``'s dtype and on its device: uniform numbers from a generator of that
+    device seeded with ``seed`` (so the same seed gives the same mask), drawn in float32
+    or float64 (never in half precision, whose grid would distort ``p``)."""
     gen = torch.Generator(device=like.device)
     gen.manual_seed(seed)
-    return torch.empty_like(like, memory_format=torch.contiguous_format).bernoulli_(1 - p, generator=gen)
+    dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
+    uniform = torch.rand(like.shape, generator=gen, device=like.device, dtype=dtype)
+    return uniform.lt_(1 - p).mul_(1 / (1 - p)).to(like.dtype)
 
 
 class DropoutFunction(torch.autograd.Function):
@@ -203,7 +227,6 @@ class DropoutFunction(torch.autograd.Function):
             ctx.seed = int(torch.empty((), dtype=torch.int64).random_())
             mask = _dropout_mask(x, p, ctx.seed)
             out = x.mul_(mask) if inplace else x * mask
-            out.mul_(1 / (1 - p))
         if inplace:
             ctx.mark_dirty(x)
         return out
@@ -216,7 +239,7 @@ class DropoutFunction(torch.autograd.Function):
             return torch.zeros_like(grad), None, None
         if p == 0:
             return grad, None, None
-        return grad * _dropout_mask(grad, p, ctx.seed) * (1 / (1 - p)), None, None
+        return grad * _dropout_mask(grad, p, ctx.seed), None, None
 
 
 # -- max pooling: indices only -------------------------------------------------------

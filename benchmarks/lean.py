@@ -1,0 +1,339 @@
+"""Stock PyTorch layers vs ``jacmem.memory.lean``: peak memory and time of one
+forward + backward, in memsave's four settings of what requires a gradient.
+
+``python -m benchmarks.lean [--quick] [--repeats 5] [--threads 1] [--device cpu]``
+
+Settings (Bhatia & Dangel, memsave):
+
+* ``all``: every parameter trainable (training the whole network);
+* ``input``: only the input needs a gradient (style transfer, adversarial examples);
+* ``norm``: only the normalisation layers' parameters (norm fine-tuning);
+* ``surgical``: only one block (surgical fine-tuning: the first residual block of the
+  CNN, the first transformer block).
+
+Models: a ResNet-style CNN (BatchNorm in eval mode: frozen statistics, as when
+fine-tuning) and a small transformer-style model (pre-norm blocks with attention and
+ReLU MLP, dropout 0.1, in train mode).
+
+Each (model, setting, stock|lean) runs in its own process. On CPU, memory is the peak
+resident set above the resident set after setup and one warm-up step (see
+:func:`jacmem.memory.peak_memory`); on CUDA, ``max_memory_allocated`` above what was
+allocated after setup. Time: CPU time of the process on CPU (robust to other load on a
+shared machine; with one thread it is the step's compute time), wall time on CUDA.
+"graph" is what autograd keeps at the end of the forward pass
+(``jacmem.memory.report(...).saved_bytes``). Figures are medians over the repeats.
+The full run rewrites the block between ``<!-- lean:start -->`` and
+``<!-- lean:end -->`` in BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+SETTINGS = ("all", "input", "norm", "surgical")
+MODELS = ("cnn", "transformer")
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- lean:start -->", "<!-- lean:end -->"
+
+# -- models --------------------------------------------------------------------------
+
+
+class BasicBlock(nn.Module):
+    """ResNet's basic block: conv-bn-relu-conv-bn, plus the (projected) input, relu."""
+
+    def __init__(self, c_in: int, c_out: int, stride: int):
+        super().__init__()
+        self.conv1 = nn.Conv2d(c_in, c_out, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(c_out)
+        self.relu1 = nn.ReLU()
+        self.conv2 = nn.Conv2d(c_out, c_out, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(c_out)
+        self.relu2 = nn.ReLU()
+        self.down = None
+        if stride != 1 or c_in != c_out:
+            self.down = nn.Sequential(nn.Conv2d(c_in, c_out, 1, stride, bias=False), nn.BatchNorm2d(c_out))
+
+    def forward(self, x):
+        out = self.bn2(self.conv2(self.relu1(self.bn1(self.conv1(x)))))
+        return self.relu2(out + (x if self.down is None else self.down(x)))
+
+
+class ResNet(nn.Module):
+    """ResNet-style CNN: [N, 3, H, W] -> [N, classes]."""
+
+    def __init__(self, widths=(32, 64, 128, 256), blocks=(2, 2, 2, 2), classes: int = 10):
+        super().__init__()
+        self.stem = nn.Sequential(
+            nn.Conv2d(3, widths[0], 7, 2, 3, bias=False), nn.BatchNorm2d(widths[0]), nn.ReLU(), nn.MaxPool2d(3, 2, 1)
+        )
+        layers, c_in = [], widths[0]
+        for i, (w, n) in enumerate(zip(widths, blocks)):
+            stage = [BasicBlock(c_in if j == 0 else w, w, 2 if (i > 0 and j == 0) else 1) for j in range(n)]
+            layers.append(nn.Sequential(*stage))
+            c_in = w
+        self.layers = nn.Sequential(*layers)
+        self.head = nn.Linear(c_in, classes)
+
+    def forward(self, x):
+        return self.head(self.layers(self.stem(x)).mean((2, 3)))
+
+    def surgical_block(self) -> nn.Module:
+        return self.layers[0][0]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attention(LN(x)), then x + MLP(LN(x)); [N, T, D]."""
+
+    def __init__(self, dim: int, heads: int, p: float):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
+        self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.attn_drop, self.proj_drop = nn.Dropout(p), nn.Dropout(p)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Dropout(p), nn.Linear(4 * dim, dim), nn.Dropout(p))
+
+    def forward(self, x):
+        n, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(n, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        attn = self.attn_drop(torch.softmax(q @ k.transpose(-1, -2) * (d // self.heads) ** -0.5, dim=-1))
+        x = x + self.proj_drop(self.proj((attn @ v).transpose(1, 2).reshape(n, t, d)))
+        return x + self.mlp(self.norm2(x))
+
+
+class Transformer(nn.Module):
+    """Transformer-style model on token features: [N, T, D_in] -> [N, classes]."""
+
+    def __init__(self, d_in=32, dim=256, depth=4, heads=4, p=0.1, classes=10):
+        super().__init__()
+        self.embed = nn.Linear(d_in, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads, p) for _ in range(depth)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x):
+        return self.head(self.norm(self.blocks(self.embed(x))).mean(1))
+
+    def surgical_block(self) -> nn.Module:
+        return self.blocks[0]
+
+
+def build(model: str, quick: bool):
+    """(model in its mode, input batch, targets)."""
+    g = torch.Generator().manual_seed(0)
+    if model == "cnn":
+        net = ResNet((16, 32, 64, 128), (1, 1, 1, 1)) if quick else ResNet()
+        n, s = (4, 64) if quick else (16, 128)
+        return net.eval(), torch.randn(n, 3, s, s, generator=g), torch.randint(0, 10, (n,), generator=g)
+    net = Transformer(dim=64, depth=2) if quick else Transformer()
+    n, t = (4, 32) if quick else (16, 128)
+    return net.train(), torch.randn(n, t, 32, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def configure(net: nn.Module, x: torch.Tensor, setting: str) -> torch.Tensor:
+    """Set requires_grad for ``setting``; returns the input to use."""
+    if setting == "all":
+        return x
+    for p in net.parameters():
+        p.requires_grad_(False)
+    if setting == "input":
+        return x.requires_grad_(True)
+    if setting == "norm":
+        for m in net.modules():
+            if isinstance(m, (nn.modules.batchnorm._BatchNorm, nn.LayerNorm)):
+                for p in m.parameters():
+                    p.requires_grad_(True)
+    elif setting == "surgical":
+        for p in net.surgical_block().parameters():
+            p.requires_grad_(True)
+    else:
+        raise ValueError(f"unknown setting {setting!r}; valid: {', '.join(SETTINGS)}")
+    return x
+
+
+# -- one case, in a child process -------------------------------------------------------
+
+
+def run_case(model: str, setting: str, variant: str, quick: bool, repeats: int, device: str) -> Dict:
+    from jacmem.memory import lean, peak_memory, report
+
+    torch.manual_seed(0)
+    dev = torch.device(device)
+    net, x, y = build(model, quick)
+    net, x, y = net.to(dev), x.to(dev), y.to(dev)
+    x = configure(net, x, setting)
+    if variant == "lean":
+        lean(net)
+
+    def step():
+        for p in net.parameters():
+            p.grad = None
+        if x.grad is not None:
+            x.grad = None
+        F.cross_entropy(net(x), y).backward()
+
+    # CPU: the process's CPU time, which other processes on a shared machine do not inflate
+    clock = time.perf_counter if dev.type == "cuda" else time.process_time
+    step()  # warm-up
+    peaks, times = [], []
+    for _ in range(repeats):
+        peaks.append(peak_memory(step, dev))
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        start = clock()
+        step()
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        times.append(clock() - start)
+    graph = report(lambda t: F.cross_entropy(net(t), y), x).saved_bytes
+    return {"peak": statistics.median(peaks), "time": statistics.median(times), "graph": graph}
+
+
+# -- the parent ----------------------------------------------------------------------
+
+
+def _child(case: Dict, args) -> Dict:
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
+    env["OMP_NUM_THREADS"] = str(args.threads)
+    cmd = [sys.executable, "-m", "benchmarks.lean", "--case", json.dumps(case), "--repeats", str(args.repeats),
+           "--threads", str(args.threads), "--device", args.device] + (["--quick"] if args.quick else [])
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
+    if proc.returncode:
+        raise RuntimeError(f"benchmark case {case} failed:\n{proc.stderr[-3000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _mb(n: float) -> str:
+    return f"{n / 2**20:.1f}"
+
+
+def table(results: Dict) -> List[str]:
+    lines = []
+    for model in MODELS:
+        rows = [r for r in results if r[0] == model]
+        if not rows:
+            continue
+        lines += [
+            f"**{DESCRIPTIONS[model]}**",
+            "",
+            "| setting | peak stock (MiB) | peak lean (MiB) | peak ratio | graph stock (MiB) | graph lean (MiB) "
+            "| time stock (s) | time lean (s) | time lean/stock |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+        for setting in SETTINGS:
+            if (model, setting) not in {(r[0], r[1]) for r in rows}:
+                continue
+            s, l = results[(model, setting, "stock")], results[(model, setting, "lean")]
+            lines.append(
+                f"| {setting} | {_mb(s['peak'])} | {_mb(l['peak'])} | {s['peak'] / max(l['peak'], 1):.2f}x "
+                f"| {_mb(s['graph'])} | {_mb(l['graph'])} | {s['time']:.3f} | {l['time']:.3f} "
+                f"| {l['time'] / s['time']:.3f} |"
+            )
+        lines.append("")
+    return lines
+
+
+DESCRIPTIONS = {}
+
+
+def _describe(quick: bool) -> None:
+    if quick:
+        DESCRIPTIONS["cnn"] = "ResNet-style CNN (widths 16-128, 1 block per stage, BN eval), batch 4x3x64x64"
+        DESCRIPTIONS["transformer"] = "Transformer-style (dim 64, 2 blocks, dropout 0.1, train), batch 4x32 tokens"
+    else:
+        DESCRIPTIONS["cnn"] = ("ResNet-style CNN (ResNet-18 layout, widths 32-256, BatchNorm in eval mode), "
+                               "batch 16x3x128x128")
+        DESCRIPTIONS["transformer"] = ("Transformer-style (dim 256, 4 heads, 4 pre-norm blocks, ReLU MLP, "
+                                       "dropout 0.1, train mode), batch 16x128 tokens")
+
+
+def machine(args) -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    if args.device.startswith("cuda"):
+        cpu = torch.cuda.get_device_name(torch.device(args.device))
+    return (f"{cpu}, {os.cpu_count()} cores, {args.threads} torch thread(s), torch {torch.__version__}, "
+            f"Python {platform.python_version()}")
+
+
+def write_block(lines: List[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
+    """Replace (or append) the lean block of BENCHMARKS.md, leaving the rest as it is."""
+    text = path.read_text() if path.exists() else ""
+    block = "\n".join([START, *lines, END])
+    if START in text and END in text:
+        head, rest = text.split(START, 1)
+        text = head + block + rest.split(END, 1)[1]
+    else:
+        text = (text.rstrip() + "\n\n" if text.strip() else "") + block + "\n"
+    path.write_text(text)
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.lean", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="small models and batches, 2 repeats; no BENCHMARKS.md")
+    parser.add_argument("--repeats", type=int, default=None, help="steps measured per case (default 5, quick 2)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--settings", default=",".join(SETTINGS))
+    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
+                        help="rewrite the lean block of BENCHMARKS.md (default: on for full runs)")
+    parser.add_argument("--case", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.repeats = args.repeats or (2 if args.quick else 5)
+    torch.set_num_threads(args.threads)
+    if args.case:
+        case = json.loads(args.case)
+        print(json.dumps(run_case(case["model"], case["setting"], case["variant"], args.quick, args.repeats,
+                                  args.device)))
+        return {}
+
+    _describe(args.quick)
+    results = {}
+    for model in args.models.split(","):
+        for setting in args.settings.split(","):
+            for variant in ("stock", "lean"):
+                res = _child({"model": model, "setting": setting, "variant": variant}, args)
+                results[(model, setting, variant)] = res
+                print(f"{model:12} {setting:9} {variant:6} peak {_mb(res['peak']):>8} MiB  graph "
+                      f"{_mb(res['graph']):>8} MiB  time {res['time']:.3f} s", flush=True)
+    command = "python -m benchmarks.lean" + (" --quick" if args.quick else "")
+    lines = [
+        "## Lean layers: stock vs `jacmem.memory.lean`",
+        "",
+        f"`{command}` (each case in its own process, medians of {args.repeats} steps), "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine(args)}.",
+        "Peak: memory above the post-setup baseline during one forward + backward "
+        + ("(CUDA `max_memory_allocated`)." if args.device.startswith("cuda") else "(peak RSS, `VmHWM`).")
+        + " Graph: what autograd keeps at the end of the forward (`jacmem.memory.report`).",
+        "",
+        *table(results),
+    ]
+    print("\n".join(lines))
+    if args.write if args.write is not None else not args.quick:
+        write_block(lines + NOTES)
+    return results
+
+
+#: filled in by hand from the run below it; see the module docstring for the method
+NOTES: List[str] = []
+
+if __name__ == "__main__":
+    main()
