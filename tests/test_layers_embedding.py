@@ -113,6 +113,19 @@ def test_embedding(case_id, strategy):
     run_grid(model, X, y, mse, "mean", reference, strategy, case_id)
 
 
+def test_sparse_gradients():
+    """``sparse=True`` changes only the layout of autograd's ``.grad``: the quantities are
+    dense, and equal those of the dense layer."""
+    model, X, y, reference = embedding_case("2d-input")
+    model.sparse = True
+    for flow in FLOWS:
+        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS], flow)
+        assert model.weight.grad.is_sparse
+        assert_close(model.weight.grad.to_dense(), reference[model.weight].sum(0), f"{flow} .grad")
+        for e in EXTENSIONS:
+            assert_close(getattr(model.weight, e.savefield), REFERENCE[e.savefield](reference[model.weight]), e.savefield)
+
+
 # -- EmbeddingBag --------------------------------------------------------------------
 
 

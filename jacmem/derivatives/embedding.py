@@ -64,7 +64,8 @@ from jacmem.derivatives import Cost, layer, register
 
 class Batch:
     """The whole mini-batch's indices, for ``scale_grad_by_freq``'s counts. It is no
-    tensor, so chunking over the batch hands it whole to every chunk.
+    tensor, tuple or list, so chunking over the batch hands it whole to every chunk (as
+    it does a dict), and the counts are computed once, for the batch.
 
     idx: ``[N, T]`` (or ``[N, *]``); mask: ``[N, T]`` bool, the entries that are real
     (``None``: all).
@@ -82,14 +83,14 @@ class Batch:
         return self._counts
 
 
-def keep_embedding(args: tuple, kwargs: dict) -> tuple:
-    """``Embedding(input)``: input ``[N, *]`` -> ``(input, None, None, Batch)``."""
-    idx = args[0] if args else kwargs["input"]
-    return idx, None, None, Batch(idx, None)
-
-
 def _argument(args: tuple, kwargs: dict, position: int, name: str):
     return args[position] if len(args) > position else kwargs.get(name)
+
+
+def keep_embedding(args: tuple, kwargs: dict) -> tuple:
+    """``Embedding(input)``: input ``[N, *]`` -> ``(input, None, None, Batch)``."""
+    idx = _argument(args, kwargs, 0, "input")
+    return idx, None, None, Batch(idx, None)
 
 
 def keep_bag(args: tuple, kwargs: dict) -> tuple:
@@ -98,6 +99,7 @@ def keep_bag(args: tuple, kwargs: dict) -> tuple:
     idx = _argument(args, kwargs, 0, "input")
     offsets = _argument(args, kwargs, 1, "offsets")
     weights = _argument(args, kwargs, 2, "per_sample_weights")
+    weights = None if weights is None else weights.detach()  # an input: its own gradient is autograd's
     if idx.dim() == 2:
         return idx, None, weights, Batch(idx, None)
     total = idx.shape[0]
