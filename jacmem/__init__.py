@@ -3,6 +3,19 @@
 from jacmem.context import extend, track, untrack
 from jacmem.derivatives import Cost, layer, register
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from jacmem.extensions.secondorder import (
+    KFAC,
+    KFLR,
+    KFRA,
+    BatchDiagGGNExact,
+    BatchDiagGGNMC,
+    BatchDiagHessian,
+    DiagGGNExact,
+    DiagGGNMC,
+    DiagHessian,
+)
+from jacmem.extensions.secondorder.backprop import ChainError
+from jacmem import nn  # noqa: E402  (jacmem.nn.Sum, Parallel, Residual, Scale)
 
 __all__ = [
     "extend",
@@ -15,4 +28,15 @@ __all__ = [
     "BatchL2Grad",
     "SumGradSquared",
     "Variance",
+    "DiagGGNExact",
+    "DiagGGNMC",
+    "BatchDiagGGNExact",
+    "BatchDiagGGNMC",
+    "DiagHessian",
+    "BatchDiagHessian",
+    "KFAC",
+    "KFLR",
+    "KFRA",
+    "ChainError",
+    "nn",
 ]

@@ -172,3 +172,32 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
     register(_module, "weight", "grad", "direct", cost=_grad_cost)(weight_grad)
     register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)
+
+
+# -- Input Jacobian, for second-order extensions ---------------------------------------
+# (imported here, not at the top: the second-order registry imports the layer files)
+from jacmem.derivatives.jacobians import passthrough, vjp_generic  # noqa: E402
+
+_CONV_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
+
+
+def jac_t(xs, out, S: Tensor, *, weight, kernel_size, stride, dilation, groups, padding, padding_mode):
+    """Jᵀ S per vector, one transposed convolution for all ``V·N``, then the adjoint of
+    the padding: [V, N, C_out, *S_out] -> ([V, N, C_in, *S_in],)"""
+    x = xs[0]
+    v, n = S.shape[:2]
+    padded = pad(x[:1], padding, padding_mode).shape[1:]
+    g = _CONV_INPUT[len(kernel_size)](
+        (v * n, *padded), weight, S.flatten(0, 1), stride=stride, padding=0, dilation=dilation, groups=groups
+    ).unflatten(0, (v, n))
+    if padding_mode == "zeros":
+        crop = tuple(slice(left, left + size) for (left, _), size in zip(padding, x.shape[2:]))
+        return (g[(..., *crop)],)
+    return vjp_generic(lambda t: pad(t, padding, padding_mode), (x,), g)
+
+
+def _jac_hyperparams(module) -> dict:
+    return {**conv_hyperparams(module), "weight": module.weight.detach()}
+
+
+passthrough(nn.Conv1d, nn.Conv2d, nn.Conv3d, jac_t=jac_t, sample_independent=True, hyperparams=_jac_hyperparams)

@@ -79,3 +79,16 @@ def weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
 def bias_batch_grad(x, g: Tensor) -> Tensor:
     """Per-sample bias gradients: [N, *, O] -> [N, O]"""
     return _flat(g).sum(1)
+
+
+# -- Input Jacobian, for second-order extensions ---------------------------------------
+# (imported here, not at the top: the second-order registry imports the layer files)
+from jacmem.derivatives.jacobians import passthrough  # noqa: E402
+
+
+def jac_t(xs, out, S: Tensor, *, weight: Tensor):
+    """Jᵀ S = S W per vector: [V, N, *, O] -> ([V, N, *, I],)"""
+    return (contract("vn...o,oi->vn...i", S, weight),)
+
+
+passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})

@@ -1,0 +1,189 @@
+"""The second-order registry: how curvature flows backward through a module.
+
+Second-order extensions backpropagate *factors*: tensors ``S`` of shape
+``[V, N, *out]`` (a leading axis of ``V`` vectors per sample, BackPACK's convention)
+whose outer products sum to a curvature matrix w.r.t. a module's output. Each module
+maps them to its inputs, ``S_in[v] = J_nᵀ S[v]`` per sample ``n``.
+
+Two kinds of entries:
+
+* :class:`Passthrough`, for every module the chain may pass through (with or without
+  parameters). ``jac_t(xs, out, S, **hp) -> tuple of S_in``, one per input; by
+  default the vector-Jacobian product of the module's own ``forward``, vmapped over
+  ``V``, so any deterministic module works. Elementwise functions give ``df`` (and
+  ``d2f`` where the second derivative is not zero) instead.
+* :class:`LossHessian`, for losses: a symmetric factorisation of the Hessian of the
+  loss w.r.t. its input, exact (``[V, N, *x]`` with ``V`` the number of entries of one
+  sample's input) or sampled (``[M, N, *x]`` for ``M`` Monte-Carlo samples), scaled
+  as the reduction scales the loss.
+
+This module imports torch and einops, and no jacmem code but the layer files that
+register themselves at the bottom.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from math import prod
+from typing import Any, Callable, Dict, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+
+
+def _no_hyperparams(module: nn.Module) -> Dict[str, Any]:
+    return {}
+
+
+@dataclass
+class Passthrough:
+    """How factors cross one module type.
+
+    hyperparams: ``module -> dict`` of keyword arguments, read at forward time; the
+        generic path adds ``forward`` (the module's bound ``forward``).
+    jac_t: ``(xs, out, S, **hp) -> tuple`` of ``[V, N, *in_i]`` (``None`` where input
+        ``i`` needs nothing), from ``xs`` (the tensor inputs), ``out`` and
+        ``S [V, N, *out]``. ``None``: the generic vjp of ``forward``.
+    df, d2f: for elementwise functions, ``(x, out, **hp) -> [N, *]``, the first and
+        second derivative; ``d2f=None`` where it is zero (piecewise linear). Every
+        other module's second derivative w.r.t. its input is taken as zero (linear
+        maps, pooling, padding: DiagHessian adds no residual for them).
+    sample_independent: the input Jacobian is the same for every sample (KFRA then
+        needs it once, not per sample).
+    keep_output: the derivatives read ``out``.
+    """
+
+    hyperparams: Callable[[nn.Module], Dict[str, Any]] = _no_hyperparams
+    jac_t: Optional[Callable[..., Tuple[Optional[Tensor], ...]]] = None
+    df: Optional[Callable[..., Tensor]] = None
+    d2f: Optional[Callable[..., Tensor]] = None
+    sample_independent: bool = False
+    keep_output: bool = False
+
+    def params(self, module: nn.Module) -> Dict[str, Any]:
+        hp = self.hyperparams(module)
+        if self.jac_t is None and self.df is None:
+            hp["forward"] = module.forward
+        return hp
+
+    @property
+    def elementwise(self) -> bool:
+        return self.df is not None
+
+    def backprop(self, xs: Tuple[Tensor, ...], out: Optional[Tensor], S: Tensor, hp: dict):
+        """``S [V, N, *out]`` -> one ``[V, N, *in_i]`` (or ``None``) per input."""
+        if self.df is not None:
+            return (S * self.df(xs[0], out, **hp),)
+        if self.jac_t is not None:
+            return self.jac_t(xs, out, S, **hp)
+        return vjp_generic(hp["forward"], xs, S)
+
+
+def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[Optional[Tensor], ...]:
+    """``S [V, N, *out]`` -> ``J_iᵀ S`` per floating-point input, by ``torch.func.vjp``
+    on ``forward`` vmapped over ``V``; ``None`` for integer inputs."""
+    diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
+
+    def f(*free):
+        full = list(xs)
+        for i, t in zip(diff, free):
+            full[i] = t
+        return forward(*full)
+
+    with torch.enable_grad():
+        _, vjp = torch.func.vjp(f, *[xs[i] for i in diff])
+        grads = torch.vmap(vjp)(S)
+    out: list = [None] * len(xs)
+    for i, g in zip(diff, grads):
+        out[i] = g
+    return tuple(out)
+
+
+@dataclass
+class LossHessian:
+    """Factors of a loss's Hessian w.r.t. its input ``x [N, C, *D]``.
+
+    check: ``module -> None``; raises for settings whose Hessian is not implemented.
+    sqrt_hessian: ``(x, y, **hp) -> [V, N, *x.shape[1:]]`` with
+        ``Σ_v S[v] S[v]ᵀ`` the exact Hessian of each sample's loss, as reduced.
+    sampled: ``(x, y, mc_samples, **hp) -> [M, N, *x.shape[1:]]``,
+        whose outer products equal the Hessian in expectation (gradients of the loss at
+        targets drawn from the model's predictive distribution, over ``√M``).
+    """
+
+    check: Callable[[nn.Module], None]
+    sqrt_hessian: Callable[..., Tensor]
+    sampled: Callable[..., Tensor]
+    hyperparams: Callable[[nn.Module], Dict[str, Any]] = _no_hyperparams
+
+    def params(self, module: nn.Module) -> Dict[str, Any]:
+        self.check(module)
+        hp = self.hyperparams(module)
+        hp["forward"] = module.forward
+        return hp
+
+
+PASSTHROUGH: Dict[type, Passthrough] = {}
+LOSSES: Dict[type, LossHessian] = {}
+
+
+def passthrough(*module_types: type, **fields) -> Passthrough:
+    """Declare how factors cross ``module_types``; returns the (shared) entry.
+
+    Also the public way to let second-order extensions through a module of your own:
+    ``jacmem.derivatives.jacobians.passthrough(MyModule)`` uses the vjp of its
+    ``forward`` (it must be deterministic, with tensor inputs and one tensor output).
+    """
+    entry = Passthrough(**fields)
+    for t in module_types:
+        PASSTHROUGH[t] = entry
+    return entry
+
+
+def loss(module_type: type, entry: LossHessian) -> LossHessian:
+    LOSSES[module_type] = entry
+    return entry
+
+
+def _lookup(table: Dict[type, Any], module: nn.Module):
+    for cls in type(module).__mro__:
+        if cls in table:
+            return table[cls] if type(module).forward is cls.forward else None
+    return None
+
+
+def lookup_passthrough(module: nn.Module) -> Optional[Passthrough]:
+    return _lookup(PASSTHROUGH, module)
+
+
+def lookup_loss(module: nn.Module) -> Optional[LossHessian]:
+    return _lookup(LOSSES, module)
+
+
+def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Optional[Tensor], out_shape, H: Tensor, hp: dict) -> Tensor:
+    """KFRA's step ``1/N Σ_n J_nᵀ H J_n``: ``H [D_out, D_out] -> [D_in, D_in]``, with
+    ``D`` the number of entries of one sample's output (input), ``out_shape`` that of
+    the whole output; first input only."""
+    x = xs[0]
+    n, d_in = x.shape[0], prod(x.shape[1:])
+    out_shape = tuple(out_shape[1:])
+    if entry.elementwise:
+        df = entry.df(x, out, **hp).reshape(n, -1)
+        return torch.einsum("ni,nj,ij->ij", df, df, H) / n
+    samples = range(1 if entry.sample_independent else n)
+
+    def apply(M: Tensor, i: int) -> Tensor:
+        """[V, *out] -> [V, D_in]: Jᵀ of sample i applied to each row."""
+        S = M.reshape(M.shape[0], 1, *out_shape)
+        x_i = tuple(t[i : i + 1] for t in xs)
+        out_i = None if out is None else out[i : i + 1]
+        return entry.backprop(x_i, out_i, S, hp)[0].reshape(M.shape[0], d_in)
+
+    result = torch.zeros(d_in, d_in, dtype=H.dtype, device=H.device)
+    for i in samples:  # Jᵀ H Jᵀ = (Jᵀ (Jᵀ H)ᵀ)ᵀ
+        result += apply(apply(H, i).T, i).T
+    return result / len(samples)
+
+
+# The layer families register themselves on import.
+from jacmem.derivatives import activations, losses, pooling, shape  # noqa: E402,F401

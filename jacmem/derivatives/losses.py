@@ -1,0 +1,152 @@
+"""Hessian factors of MSELoss, CrossEntropyLoss and BCEWithLogitsLoss.
+
+For input ``x [N, C, *D]`` (``C`` classes or features, ``D`` any trailing axes) each
+returns ``S [V, N, C, *D]`` with ``Σ_v S[v, n] S[v, n]ᵀ`` the Hessian of the loss, as
+reduced, w.r.t. sample ``n``'s input (the loss is a sum over samples, so the Hessian
+is block-diagonal over ``n``):
+
+* exact: ``V = C·prod(D)``. BackPACK's factorisations: ``√2·I`` for MSE,
+  ``diag(√p) - p √pᵀ`` per position for cross-entropy (``p`` the softmax), and
+  ``√(σ(1-σ))`` per entry for BCE; the trailing positions are independent, so the
+  factor is block-diagonal over them.
+* sampled: ``V = M`` Monte-Carlo samples, ``∇ₓ loss(x, ỹ)/√M`` at targets ``ỹ``
+  drawn from the model's predictive distribution (Gaussian with variance 1/2, the
+  softmax categorical, the Bernoulli), whose outer products equal the Hessian in
+  expectation.
+
+``reduction="mean"`` divides the loss by the number of terms torch averages over,
+so the factors carry its square root.
+"""
+
+from __future__ import annotations
+
+from math import prod, sqrt
+
+import torch
+from einops import rearrange
+from torch import Tensor, nn
+
+from jacmem.derivatives.jacobians import LossHessian, loss
+
+
+def _reduction(module: nn.Module) -> dict:
+    return {"reduction": module.reduction}
+
+
+def _diagonal_factor(d: Tensor) -> Tensor:
+    """Per-entry factor ``d [N, *F] -> [prod(F), N, *F]``, zero off the diagonal."""
+    n, shape = d.shape[0], d.shape[1:]
+    eye = torch.eye(prod(shape), dtype=d.dtype, device=d.device).reshape(-1, 1, *shape)
+    return eye * d.unsqueeze(0)
+
+
+def _scale(S: Tensor, reduction: str, terms: float) -> Tensor:
+    return S / sqrt(terms) if reduction == "mean" else S
+
+
+# -- MSELoss ------------------------------------------------------------------------
+
+
+def _mse_check(module: nn.MSELoss) -> None:
+    if module.reduction not in ("mean", "sum"):
+        raise NotImplementedError(f"MSELoss(reduction={module.reduction!r}): use 'mean' or 'sum'")
+
+
+def mse_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
+    """√2·I per sample: [N, *F] -> [prod(F), N, *F]"""
+    return _scale(_diagonal_factor(torch.full_like(x, sqrt(2))), reduction, x.numel())
+
+
+def mse_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Tensor:
+    """2(ỹ - x) with ỹ ~ N(x, 1/2), i.e. √2·z: -> [M, N, *F]"""
+    z = torch.randn((mc_samples, *x.shape), dtype=x.dtype, device=x.device)
+    return _scale(sqrt(2) * z / sqrt(mc_samples), reduction, x.numel())
+
+
+loss(nn.MSELoss, LossHessian(_mse_check, mse_sqrt_hessian, mse_sampled, _reduction))
+
+
+# -- CrossEntropyLoss ---------------------------------------------------------------
+
+
+def _ce_check(module: nn.CrossEntropyLoss) -> None:
+    if module.weight is not None:
+        raise NotImplementedError(
+            "CrossEntropyLoss(weight=...) is not supported by second-order extensions; use weight=None"
+        )
+    if module.reduction not in ("mean", "sum"):
+        raise NotImplementedError(f"CrossEntropyLoss(reduction={module.reduction!r}): use 'mean' or 'sum'")
+
+
+def _ce_hyperparams(module: nn.CrossEntropyLoss) -> dict:
+    return {"reduction": module.reduction, "ignore_index": module.ignore_index}
+
+
+def _ce_weights(x: Tensor, y: Tensor, reduction: str, ignore_index: int):
+    """(per-position weight [N, *D] of each term's Hessian, number of terms averaged).
+    Class targets: 0 where ignored; probability targets: their sum over classes."""
+    if y.is_floating_point():
+        return y.sum(1), x.numel() // x.shape[1]
+    keep = (y != ignore_index).to(x.dtype)
+    return keep, keep.sum().clamp(min=1).item()
+
+
+def ce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int) -> Tensor:
+    """``S[(c', d'), n, c, d] = δ_dd' (δ_cc' √p_c - p_c √p_c')``: [N, C, *D] -> [C·prod(D), N, C, *D]"""
+    n, c, space = x.shape[0], x.shape[1], x.shape[2:]
+    w, terms = _ce_weights(x, y, reduction, ignore_index)
+    p = torch.softmax(x, dim=1)
+    p = rearrange(p, "n c ... -> n (...) c")  # [N, P, C]
+    tau = p.sqrt()
+    eye = torch.eye(c, dtype=x.dtype, device=x.device)
+    S = torch.einsum("vc,npc->vnpc", eye, tau) - torch.einsum("npc,npv->vnpc", p, tau)  # [C, N, P, C]
+    S = S * rearrange(w, "n ... -> n (...)").sqrt()[None, :, :, None]
+    S = _scale(S, reduction, terms)
+    P = S.shape[2]
+    if P > 1:  # block-diagonal over positions: V = (c', p')
+        S = torch.einsum("vnpc,pq->vqnpc", S, torch.eye(P, dtype=x.dtype, device=x.device)).flatten(0, 1)
+    return rearrange(S, "v n p c -> v n c p").reshape(-1, n, c, *space)
+
+
+def ce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str, ignore_index: int) -> Tensor:
+    """p - onehot(ỹ) with ỹ ~ softmax(x), at each position: [N, C, *D] -> [M, N, C, *D]"""
+    n, c = x.shape[:2]
+    w, terms = _ce_weights(x, y, reduction, ignore_index)
+    p = rearrange(torch.softmax(x, dim=1), "n c ... -> (n ...) c")
+    draws = torch.multinomial(p, mc_samples, replacement=True)  # [(N P), M]
+    onehot = torch.nn.functional.one_hot(draws.T, c).to(x.dtype)  # [M, (N P), C]
+    S = (p.unsqueeze(0) - onehot) * rearrange(w, "n ... -> (n ...)").sqrt()[None, :, None]
+    S = rearrange(S, "m (n q) c -> m n c q", n=n).reshape(mc_samples, *x.shape)
+    return _scale(S / sqrt(mc_samples), reduction, terms)
+
+
+loss(nn.CrossEntropyLoss, LossHessian(_ce_check, ce_sqrt_hessian, ce_sampled, _ce_hyperparams))
+
+
+# -- BCEWithLogitsLoss --------------------------------------------------------------
+
+
+def _bce_check(module: nn.BCEWithLogitsLoss) -> None:
+    if module.weight is not None or module.pos_weight is not None:
+        raise NotImplementedError(
+            "BCEWithLogitsLoss(weight=..., pos_weight=...) is not supported by second-order "
+            "extensions; use the defaults (None)"
+        )
+    if module.reduction not in ("mean", "sum"):
+        raise NotImplementedError(f"BCEWithLogitsLoss(reduction={module.reduction!r}): use 'mean' or 'sum'")
+
+
+def bce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
+    """√(σ(1-σ)) per entry: [N, *F] -> [prod(F), N, *F]"""
+    s = torch.sigmoid(x)
+    return _scale(_diagonal_factor((s * (1 - s)).sqrt()), reduction, x.numel())
+
+
+def bce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Tensor:
+    """σ - ỹ with ỹ ~ Bernoulli(σ): [N, *F] -> [M, N, *F]"""
+    s = torch.sigmoid(x)
+    draws = torch.bernoulli(s.unsqueeze(0).expand(mc_samples, *s.shape))
+    return _scale((s - draws) / sqrt(mc_samples), reduction, x.numel())
+
+
+loss(nn.BCEWithLogitsLoss, LossHessian(_bce_check, bce_sqrt_hessian, bce_sampled, _reduction))

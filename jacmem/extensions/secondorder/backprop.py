@@ -1,0 +1,470 @@
+"""The second-order engine: factors flow backward module by module, checked against autograd.
+
+In the forward pass (inside :func:`jacmem.extend`), every call of a module that
+:mod:`jacmem.derivatives.jacobians` knows (a layer it can pass factors through, or a
+loss) becomes a :class:`Node`: its inputs, its output where its derivatives read it,
+and, for each input, the node that produced it (if a tracked module did). A hook on
+the node's output runs when autograd has the gradient of that output, which is after
+every consumer of the output has run its own hook:
+
+1. A loss node makes the factors of its Hessian (exact, sampled, or KFRA's
+   batch-summed dense Hessian) and hands them to its input's producer.
+2. Any other node sums what its consumers handed it, lets the extensions compute its
+   parameters' quantities, and hands ``Jᵀ S`` (and, for DiagHessian, its own
+   residual factors) to its inputs' producers. Each factor is freed as soon as it has
+   crossed the module: memory holds the factors of one layer's input and output at a
+   time, and factors larger than the block's ``chunk_bytes`` cross in slices of ``V``.
+
+**The chain check.** With the factors, the ordinary gradient travels too, as one more
+row: each node compares the sum of what its consumers handed over with the gradient
+autograd delivers to its output. They differ (beyond rounding) exactly when some
+operation jacmem does not see sits between this module and the loss (``F.relu(x)``,
+``x * 2``, ``x + y`` on a branch); then, or when nothing was handed over at all, the
+backward raises :class:`ChainError`, naming the module and what lies downstream,
+rather than return a wrong curvature. (What the check cannot see: an operation
+applied *after* the loss. A loss scaled by ``c > 0`` or a sum of losses is fine; the
+Hessian of anything else is not the GGN's.)
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections import deque
+from math import prod, sqrt
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.utils.weak import WeakTensorKeyDictionary
+
+from jacmem.derivatives import lookup
+from jacmem.derivatives.jacobians import (
+    LossHessian,
+    Passthrough,
+    ea_jac_t_mat_jac,
+    lookup_loss,
+    lookup_passthrough,
+    vjp_generic,
+)
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
+
+#: how far up the autograd graph a forward looks for the tracked module that an
+#: untracked operation consumed (only to name it in the error)
+_SEARCH_NODES = 64
+
+
+class ChainError(RuntimeError):
+    """An operation that jacmem cannot backpropagate curvature through sits between
+    a module and the loss."""
+
+
+class Node:
+    """One call of one module, as the second-order engine sees it."""
+
+    __slots__ = (
+        "module",
+        "name",
+        "loss",
+        "entry",
+        "hp",
+        "inputs",
+        "out",
+        "out_shape",
+        "producers",
+        "params",
+        "fo_entry",
+        "fo_hp",
+        "fo_x",
+        "untracked_consumers",
+        "__weakref__",
+    )
+
+    def __init__(self, module: nn.Module, name: str, loss: Optional[LossHessian], entry: Optional[Passthrough]):
+        self.module, self.name, self.loss, self.entry = module, name, loss, entry
+        self.untracked_consumers: List[str] = []
+
+    def __repr__(self) -> str:
+        return f"{self.name!r} ({type(self.module).__name__})"
+
+
+class _Deposit:
+    """What a node's consumers handed over to it in one backward pass."""
+
+    __slots__ = ("factors", "grad", "norms", "dense", "sources")
+
+    def __init__(self):
+        self.factors: Dict[tuple, Factor] = {}
+        self.grad: Optional[Tensor] = None
+        self.norms = 0.0
+        #: origin -> [H, number of paths it came along]
+        self.dense: Dict[int, list] = {}
+        self.sources: List[str] = []
+
+
+class _Pass:
+    """One backward pass: deposits in flight, results staged until its end."""
+
+    __slots__ = ("engine", "deposits", "staged", "__weakref__")
+
+    def __init__(self, engine: "Engine"):
+        self.engine = engine
+        self.deposits: Dict[int, _Deposit] = {}
+        #: id(param) -> (param, owner node, {savefield: value})
+        self.staged: Dict[int, tuple] = {}
+
+    def __call__(self) -> None:
+        self.engine._commit(self)
+
+
+def _tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the chain check: rounding of two orders of summation."""
+    return 1e-8 if dtype == torch.float64 else 1e-3
+
+
+def _diagonal_factor(d: Tensor) -> Tensor:
+    """[N, *F] -> [prod(F), N, *F], ``d`` on the diagonal."""
+    eye = torch.eye(prod(d.shape[1:]), dtype=d.dtype, device=d.device).reshape(-1, 1, *d.shape[1:])
+    return eye * d.unsqueeze(0)
+
+
+class Engine:
+    """Second-order extensions for one :func:`jacmem.extend` block."""
+
+    def __init__(
+        self,
+        extensions: List[SecondOrderExtension],
+        name: Callable[[nn.Module], str],
+        choose: Callable[..., str],
+        budget: float,
+        strict: bool,
+    ):
+        self.extensions = extensions
+        self.kinds = {k for ext in extensions for k in ext.kinds}
+        self.name, self.choose, self.budget, self.strict = name, choose, budget, strict
+        self.handles: List = []
+        self.producer = WeakTensorKeyDictionary()
+        self.passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
+        self.warned: set = set()
+        #: the modules whose forward the engine saw
+        self.seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+
+    def close(self) -> None:
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.producer = WeakTensorKeyDictionary()
+        self.passes = weakref.WeakValueDictionary()
+
+    # -- forward -------------------------------------------------------------------
+
+    def on_forward(self, module: nn.Module, args: tuple, output) -> None:
+        if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+            return
+        loss = lookup_loss(module)
+        entry = None if loss is not None else lookup_passthrough(module)
+        if loss is None and entry is None:
+            self._untracked(module)
+            return
+        self.seen.add(module)
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        inputs = tuple(a for a in args if isinstance(a, Tensor))
+        if any(output is x for x in inputs):
+            if getattr(module, "inplace", False):
+                raise NotImplementedError(
+                    f"jacmem: module {self.name(module)!r} ({type(module).__name__}) works in place, which "
+                    "second-order extensions cannot follow; construct it with inplace=False"
+                )
+            return  # the identity: nothing to pass through
+        node = Node(module, self.name(module), loss, entry)
+        node.hp = (loss or entry).params(module)
+        node.inputs = tuple(x.detach() for x in inputs)
+        node.out = output.detach() if entry is not None and (entry.keep_output or entry.df is not None) else None
+        node.out_shape = tuple(output.shape)
+        node.producers = [self._producer_of(x) for x in inputs]
+        for x, p in zip(inputs, node.producers):
+            if p is None and x.grad_fn is not None:
+                self._mark_untracked_path(x.grad_fn, node.name)
+        node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if node.params:
+            fo = lookup(module)
+            if fo is None or any(n not in fo.params for n in node.params):
+                self._unsupported(node)
+                node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
+            if node.params:
+                node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
+                x = fo.keep(args, {})
+                node.fo_x = fo.arrange_input(_detach(x), **node.fo_hp)
+        self.producer[output] = node
+        if output.grad_fn is not None:
+            output.grad_fn.metadata["jacmem"] = weakref.ref(node)
+        # the hook (so the graph) holds the node: it goes when the graph goes
+        self.handles.append(output.register_hook(lambda grad: self._on_grad(node, grad)))
+
+    def _producer_of(self, x: Tensor) -> Optional[Node]:
+        """The node whose output ``x`` is, also through identities that full backward
+        hooks (``register_full_backward_hook``, BackPACK, Opacus) put around modules."""
+        node = self.producer.get(x)
+        fn, index = x.grad_fn, x.output_nr
+        while node is None and fn is not None and type(fn).__name__ == "BackwardHookFunctionBackward":
+            fn, index = fn.next_functions[index]
+            ref = fn.metadata.get("jacmem") if fn is not None else None
+            node = ref() if ref is not None else None
+        return node
+
+    def _mark_untracked_path(self, fn, consumer: str) -> None:
+        """Tell the tracked nodes above ``fn`` (through untracked operations) who
+        consumes their output, for the error message."""
+        seen, queue = set(), deque([fn])
+        while queue and len(seen) < _SEARCH_NODES:
+            fn = queue.popleft()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            ref = fn.metadata.get("jacmem")
+            node = ref() if ref is not None else None
+            if node is not None:
+                node.untracked_consumers.append(consumer)
+                continue
+            queue.extend(f for f, _ in fn.next_functions)
+
+    def _untracked(self, module: nn.Module) -> None:
+        """A leaf module with parameters that nothing here can pass through."""
+        if next(module.children(), None) is not None or module in self.warned:
+            return
+        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return
+        self.warned.add(module)
+        self._say(
+            f"jacmem: module {self.name(module)!r} ({type(module).__name__}) is not supported by "
+            f"{', '.join(map(repr, self.extensions))}: its parameters get nothing, and curvature cannot "
+            "pass through it (a backward through it raises)."
+        )
+
+    def _unsupported(self, node: Node) -> None:
+        if node.module in self.warned:
+            return
+        self.warned.add(node.module)
+        self._say(
+            f"jacmem: module {node} has trainable parameters that {', '.join(map(repr, self.extensions))} "
+            "cannot handle; they get nothing. Register their first-order derivatives (jacmem.register), "
+            "or freeze them (requires_grad=False)."
+        )
+
+    def _say(self, msg: str) -> None:
+        if self.strict:
+            raise RuntimeError(msg)
+        warnings.warn(msg, stacklevel=3)
+
+    # -- backward ------------------------------------------------------------------
+
+    def _on_grad(self, node: Node, grad: Tensor) -> None:
+        task = torch._C._current_graph_task_id()
+        run = self.passes.get(task)
+        if run is None:
+            run = self.passes[task] = _Pass(self)
+            torch.autograd.Variable._execution_engine.queue_callback(run)
+        with torch.no_grad():
+            if node.loss is not None:
+                self._loss(run, node, grad)
+            else:
+                self._layer(run, node, grad)
+
+    def _loss(self, run: _Pass, node: Node, grad: Tensor) -> None:
+        x, y = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
+        if len(node.producers) > 1 and node.producers[1] is not None:
+            raise NotImplementedError(
+                f"jacmem: the target of loss {node} comes from tracked modules; second-order "
+                "extensions need it constant (detach it)"
+            )
+        c = float(grad)
+        if not c >= 0:
+            raise ValueError(
+                f"jacmem: loss {node} enters the backward with weight {c}; the GGN needs a non-negative "
+                "one (call backward on the loss, a positive multiple of it, or a sum of losses)"
+            )
+        hp = {k: v for k, v in node.hp.items() if k != "forward"}
+        factors: Dict[tuple, Factor] = {}
+        dense = None
+        if "exact" in self.kinds or "residual" in self.kinds or "dense" in self.kinds:
+            S = node.loss.sqrt_hessian(x, y, **hp) * sqrt(c)
+            if "dense" in self.kinds:
+                flat = S.flatten(2)
+                dense = torch.einsum("vni,vnj->ij", flat, flat)
+            if "exact" in self.kinds or "residual" in self.kinds:
+                factors[("exact", id(node), 1)] = Factor("exact", 1.0, S)
+        for kind in sorted(k for k in self.kinds if k.startswith("mc")):
+            S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
+            factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
+        g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0]
+        self._handover(run, node, 0, factors, g, {id(node): dense} if dense is not None else {})
+
+    def _layer(self, run: _Pass, node: Node, grad: Tensor) -> None:
+        dep = run.deposits.pop(id(node), None)
+        self._check_chain(node, dep, grad)
+        factors, dense = dep.factors, {}
+        for origin, (H, paths) in dep.dense.items():
+            if paths > 1:
+                raise NotImplementedError(
+                    f"jacmem: KFRA through branches is not implemented: the output of module {node} reaches "
+                    "the loss along several paths. Use KFLR or KFAC there."
+                )
+            dense[origin] = H
+        if node.params:
+            self._compute(run, node, list(factors.values()), sum(dense.values()) if dense else None)
+        if not any(p is not None for p in node.producers):
+            return
+        entry, xs, hp = node.entry, node.inputs, node.hp
+        if dense and len(xs) > 1:
+            raise NotImplementedError(f"jacmem: KFRA through module {node}, which has several inputs, is not implemented")
+        try:
+            for key in list(factors):
+                f = factors.pop(key)  # freed once it has crossed
+                for i, S_in in enumerate(self._backprop(entry, xs, node.out, f.S, hp)):
+                    self._deposit(run, node, i, key, f.kind, f.sign, S_in)
+                del f
+            g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
+            residual = self._residual(node, grad) if "residual" in self.kinds else {}
+            dense_in = {o: ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, H, hp) for o, H in dense.items()}
+        except (ChainError, NotImplementedError):
+            raise
+        except Exception as err:
+            raise RuntimeError(f"jacmem: passing curvature through module {node} failed: {err}") from err
+        for i, p in enumerate(node.producers):
+            if p is not None:
+                self._handover(run, node, i, residual if i == 0 else {}, g_in[i][0], dense_in if i == 0 else {})
+
+    def _backprop(self, entry: Passthrough, xs, out, S: Tensor, hp: dict) -> Tuple[Optional[Tensor], ...]:
+        """``Jᵀ S`` per input, in slices of ``V`` where ``S`` is larger than the budget."""
+        v = S.shape[0]
+        step = max(1, int(self.budget // max(S[0].numel() * S.element_size() * 2, 1)))
+        if step >= v:
+            return entry.backprop(xs, out, S, hp)
+        outs: Optional[list] = None
+        for start in range(0, v, step):
+            part = entry.backprop(xs, out, S[start : start + step], hp)
+            if outs is None:
+                outs = [None if t is None else t.new_empty((v, *t.shape[1:])) for t in part]
+            for o, t in zip(outs, part):
+                if o is not None:
+                    o[start : start + step] = t
+        return tuple(outs)
+
+    def _residual(self, node: Node, grad: Tensor) -> Dict[tuple, Factor]:
+        """DiagHessian's residual of an elementwise activation at its input:
+        ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
+        entry = node.entry
+        if entry.d2f is None:
+            return {}
+        r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
+        out = {}
+        for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
+            if bool(part.any()):
+                out[("residual", id(node), sign)] = Factor("residual", sign, _diagonal_factor(part.sqrt()))
+        return out
+
+    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor, dense: dict) -> None:
+        p = node.producers[i]
+        if p is None:
+            return
+        d = self._deposit_grad(run, node, i, g)
+        for key, f in factors.items():
+            self._deposit(run, node, i, key, f.kind, f.sign, f.S)
+        for origin, H in dense.items():
+            have = d.dense.setdefault(origin, [0, 0])
+            have[0] = have[0] + H
+            have[1] += 1
+
+    def _deposit_grad(self, run: _Pass, node: Node, i: int, g: Tensor) -> _Deposit:
+        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
+        d.grad = g if d.grad is None else d.grad + g
+        d.norms += float(g.norm())
+        d.sources.append(node.name)
+        return d
+
+    def _deposit(self, run: _Pass, node: Node, i: int, key: tuple, kind: str, sign: float, S: Optional[Tensor]):
+        if S is None or node.producers[i] is None:
+            return
+        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
+        have = d.factors.get(key)
+        d.factors[key] = Factor(kind, sign, S if have is None else have.S + S)
+
+    def _check_chain(self, node: Node, dep: Optional[_Deposit], grad: Tensor) -> None:
+        fix = (
+            " Second-order extensions follow a chain of modules from the loss back: write such "
+            "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
+            "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
+            "(nn.CrossEntropyLoss(), ...) inside the block."
+        )
+        downstream = ""
+        if node.untracked_consumers:
+            names = ", ".join(map(repr, dict.fromkeys(node.untracked_consumers)))
+            downstream = f" on its way to {names}"
+        if dep is None or dep.grad is None:
+            raise ChainError(
+                f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
+                f"backpropagate curvature through{downstream}." + fix
+            )
+        diff = float((dep.grad - grad).norm())
+        scale = dep.norms + float(grad.norm())
+        if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
+            raise ChainError(
+                f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
+                f"backpropagate curvature through{downstream}, besides the tracked modules "
+                f"{', '.join(map(repr, dict.fromkeys(dep.sources)))} (the gradient they pass back differs "
+                f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
+            )
+
+    def _compute(self, run: _Pass, node: Node, factors: List[Factor], dense: Optional[Tensor]) -> None:
+        for pname, p in node.params.items():
+            if id(p) in run.staged:
+                raise NotImplementedError(
+                    f"jacmem: parameter {pname!r} of module {node} is used by more than one call in this "
+                    f"backward pass (also by {run.staged[id(p)][1]}); second-order extensions need each "
+                    "parameter used once"
+                )
+        module, offered = node.module, node.fo_entry.names()
+        call = Call(
+            module=module,
+            name=node.name,
+            params=node.params,
+            entry=node.fo_entry,
+            hp=node.fo_hp,
+            x=node.fo_x,
+            inputs=node.inputs,
+            out_shape=node.out_shape,
+            factors=factors,
+            dense=dense,
+            choose=lambda pname, quantity, options: self.choose(module, node.name, offered, pname, quantity, options),
+            budget=self.budget,
+        )
+        results: Dict[str, Dict[str, object]] = {pname: {} for pname in node.params}
+        for ext in self.extensions:
+            try:
+                out = ext.compute(call)
+            except NotImplementedError:
+                raise
+            except Exception as err:
+                raise RuntimeError(f"jacmem: computing {ext!r} for module {node} failed: {err}") from err
+            for pname, value in out.items():
+                results[pname][ext.savefield] = value
+        for pname, p in node.params.items():
+            run.staged[id(p)] = (p, node, results[pname])
+
+    def _commit(self, run: _Pass) -> None:
+        staged, run.staged = run.staged, {}
+        run.deposits.clear()
+        for p, _, values in staged.values():
+            for field, value in values.items():
+                setattr(p, field, value)
+
+
+def _detach(x):
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(_detach(t) for t in x)
+    if isinstance(x, dict):
+        return {k: _detach(v) for k, v in x.items()}
+    return x

@@ -1,0 +1,84 @@
+"""What a second-order extension asks of the backward pass, and what it gets.
+
+The engine (:mod:`jacmem.extensions.secondorder.backprop`) backpropagates *factors*,
+each a tensor ``S [V, N, *out]`` at a module's output with a sign, such that
+``Σ sign · Σ_v S[v] S[v]ᵀ`` is (per sample) a curvature matrix w.r.t. that output.
+Factors come in kinds:
+
+==============  ====================================================================
+kind            what its outer products sum to
+==============  ====================================================================
+``exact``       the GGN: the loss Hessian's exact factor, backpropagated
+``mc<M>``       the GGN in expectation: ``M`` Monte-Carlo samples of the loss Hessian
+``residual``    the rest of the Hessian: each activation's ``f''(x) ⊙ g_out``, as a
+                positive and a negative diagonal factor (BackPACK's DiagHessian)
+==============  ====================================================================
+
+KFRA backpropagates instead one dense ``[D, D]`` matrix per module output, the
+batch-averaged GGN (``dense``). An extension names the kinds it needs in ``kinds``
+and turns a :class:`Call` into its per-parameter results in ``compute``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+from torch import Tensor, nn
+
+
+@dataclass
+class Factor:
+    """A backpropagated factor: ``Σ_v S[v] S[v]ᵀ`` counted with ``sign``."""
+
+    kind: str
+    sign: float
+    S: Tensor  # [V, N, *out]
+
+
+@dataclass
+class Call:
+    """One call of a module with parameters, as the extensions see it in backward.
+
+    ``x``/``hp``/``entry``: what the first-order derivatives take (the module's first
+    order registry entry, its kept input and hyper-parameters); ``inputs``: the tensor
+    inputs; ``factors`` and ``dense``: what arrived at the output.
+    """
+
+    module: nn.Module
+    name: str
+    params: Dict[str, nn.Parameter]
+    entry: Any
+    hp: Dict[str, Any]
+    x: Any
+    inputs: Tuple[Tensor, ...]
+    out_shape: Tuple[int, ...]
+    factors: List[Factor] = field(default_factory=list)
+    dense: Optional[Tensor] = None
+    #: ``(param, quantity, options) -> strategy name``, the block's choice for this module
+    choose: Optional[Callable[..., str]] = None
+    budget: float = 64 * 2**20
+
+    def of_kind(self, *kinds: str) -> List[Factor]:
+        return [f for f in self.factors if f.kind in kinds]
+
+
+class SecondOrderExtension:
+    """Base class. ``savefield``: the parameter attribute; ``kinds``: the factor kinds
+    it needs (see the module docstring)."""
+
+    savefield: str = ""
+    kinds: Tuple[str, ...] = ()
+
+    def compute(self, call: Call) -> Dict[str, Any]:
+        """``{param name: result}`` for one call."""
+        raise NotImplementedError
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def mc_kind(mc_samples: int) -> str:
+    if not isinstance(mc_samples, int) or mc_samples < 1:
+        raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
+    return f"mc{mc_samples}"

@@ -1,0 +1,129 @@
+"""DiagGGNExact, DiagGGNMC, BatchDiagGGNExact, BatchDiagGGNMC.
+
+The GGN diagonal of a parameter ``θ`` of a module with output ``z`` is
+``Σ_n Σ_v (J_θ,nᵀ S[v, n])²``, with ``S`` the factor backpropagated to ``z``: each
+``J_θ,nᵀ S[v, n]`` is the per-sample gradient ``θ`` would get if ``S[v]`` were the
+output gradient. So the diagonal is the first-order ``sum_grad_squared`` over a batch
+of ``V·N`` "samples", and its per-sample version sums the squares over ``V`` only:
+every first-order derivative (and strategy) of :mod:`jacmem.derivatives` serves here.
+The inputs are repeated over ``V``, in chunks of ``V`` that keep this under the
+block's ``chunk_bytes``. Linear layers without middle axes take a shortcut,
+``Σ_v S² ⊗ x²``, with no repetition.
+
+Scaling follows BackPACK 1.7.1: with ``reduction="mean"`` the loss Hessian carries
+``1/N``, so ``diag_ggn_exact_batch.sum(0) == diag_ggn_exact``.
+"""
+
+from __future__ import annotations
+
+from math import prod
+from typing import Dict, Iterable
+
+from opt_einsum import contract
+from torch import Tensor, nn
+
+from jacmem.extensions.firstorder import compute
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
+
+
+def _repeat(obj, v: int):
+    """Each tensor's batch axis repeated ``v`` times, ``v``-major: [N, *] -> [(v N), *]."""
+    if isinstance(obj, Tensor):
+        return obj.unsqueeze(0).expand(v, *obj.shape).reshape(v * obj.shape[0], *obj.shape[1:])
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_repeat(o, v) for o in obj)
+    return obj
+
+
+def _numel(obj) -> int:
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    if isinstance(obj, (tuple, list)):
+        return sum(_numel(o) for o in obj)
+    return 0
+
+
+def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
+    """Linear on [N, I]: Σ_v (S[v] ⊗ x)² = (Σ_v S[v]²) ⊗ x², [V, N, O] -> [(N,) O, I]"""
+    s2 = S.square().sum(0)  # [N, O]
+    out = {}
+    for name in call.params:
+        if name == "weight":
+            out[name] = contract("no,ni->" + ("noi" if batch else "oi"), s2, call.x.square())
+        else:
+            out[name] = s2 if batch else s2.sum(0)
+    return out
+
+
+def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> Dict[str, Tensor]:
+    """``Σ_factors sign · Σ_v (J_θᵀ S[v])²`` per parameter: summed over the samples
+    (``p.shape``), or per sample (``[N, *p.shape]``) where ``batch``."""
+    totals: Dict[str, Tensor] = {}
+    for f in factors:
+        S = f.S
+        v, n = S.shape[:2]
+        if type(call.module) is nn.Linear and isinstance(call.x, Tensor) and call.x.dim() == 2:
+            parts = _linear_shortcut(call, S, batch)
+        else:
+            parts = {}
+            x_bytes = _numel(call.x) // max(n, 1)
+            for name, p in call.params.items():
+                per_v = n * (x_bytes + prod(S.shape[2:]) + (p.numel() if batch else 0)) * S.element_size()
+                step = max(1, int(call.budget // max(per_v, 1)))
+                q = "batch_grad" if batch else "sum_grad_squared"
+                acc = None
+                for start in range(0, v, step):
+                    c = min(step, v - start)
+                    g = S[start : start + c].flatten(0, 1)
+                    choose = lambda quantity, options, name=name: call.choose(name, quantity, options)  # noqa: E731
+                    res = compute(call.entry, call.hp, _repeat(call.x, c), g, name, p, {q}, choose, call.budget)[q]
+                    if batch:
+                        res = res.unflatten(0, (c, n)).square().sum(0)
+                    acc = res if acc is None else acc + res
+                parts[name] = acc
+        for name, value in parts.items():
+            value = value if f.sign == 1 else f.sign * value
+            totals[name] = value if name not in totals else totals[name] + value
+    return totals
+
+
+class _DiagGGN(SecondOrderExtension):
+    batch = False
+
+    def compute(self, call: Call):
+        return squared_vjps(call, call.of_kind(*self.kinds), self.batch)
+
+
+class DiagGGNExact(_DiagGGN):
+    """Diagonal of the generalized Gauss-Newton matrix, ``param.diag_ggn_exact``:
+    ``param.shape``. Uses the loss Hessian's exact factor (``V`` = number of outputs of
+    one sample)."""
+
+    savefield, kinds = "diag_ggn_exact", ("exact",)
+
+
+class BatchDiagGGNExact(DiagGGNExact):
+    """Per-sample GGN diagonals, ``param.diag_ggn_exact_batch``: ``[N, *param.shape]``."""
+
+    savefield, batch = "diag_ggn_exact_batch", True
+
+
+class DiagGGNMC(_DiagGGN):
+    """Monte-Carlo estimate of the GGN diagonal, ``param.diag_ggn_mc``: ``param.shape``,
+    from ``mc_samples`` targets drawn from the model's predictive distribution."""
+
+    savefield = "diag_ggn_mc"
+
+    def __init__(self, mc_samples: int = 1):
+        self.mc_samples = mc_samples
+        self.kinds = (mc_kind(mc_samples),)
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(mc_samples={self.mc_samples})"
+
+
+class BatchDiagGGNMC(DiagGGNMC):
+    """Per-sample Monte-Carlo GGN diagonals, ``param.diag_ggn_mc_batch``:
+    ``[N, *param.shape]``."""
+
+    savefield, batch = "diag_ggn_mc_batch", True

@@ -1,0 +1,76 @@
+"""Dense references for the second-order tests, built with torch.func (float64).
+
+For a model ``f(θ, X)`` and a loss module: the GGN ``Jᵀ H J`` and the Hessian of the
+loss w.r.t. all parameters, whole-batch and per sample (sample ``n``'s term of the
+loss as reduced: its ``reduction="sum"`` loss times the mean's normalisation), and
+their blocks per parameter.
+"""
+
+from __future__ import annotations
+
+from typing import Dict, Tuple
+
+import torch
+from torch import Tensor, nn
+from torch.func import functional_call, hessian, jacrev
+
+
+def _split(model: nn.Module):
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    params = dict(model.named_parameters())
+    shapes = [params[n].shape for n in names]
+    theta = torch.cat([params[n].detach().flatten() for n in names])
+    sizes = [s.numel() for s in shapes]
+
+    def unflat(t: Tensor) -> Dict[str, Tensor]:
+        return {n: c.reshape(s) for n, c, s in zip(names, t.split(sizes), shapes)}
+
+    return names, shapes, sizes, theta, unflat
+
+
+def _sum_loss(lossf: nn.Module) -> nn.Module:
+    kwargs = {k: getattr(lossf, k) for k in ("ignore_index",) if hasattr(lossf, k)}
+    return type(lossf)(reduction="sum", **kwargs)
+
+
+def dense(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, per_sample: bool = False):
+    """(GGN, Hessian), ``[P, P]`` each, or ``[N, P, P]`` per sample."""
+    names, shapes, sizes, theta, unflat = _split(model)
+    if not per_sample:
+        return _dense(model, lossf, X, y, theta, unflat)
+    out = model(X)
+    scale = float(lossf(out, y) / _sum_loss(lossf)(out, y))
+    summed = _sum_loss(lossf)
+    parts = [
+        _dense(model, lambda z, t: scale * summed(z, t), X[n : n + 1], y[n : n + 1], theta, unflat)
+        for n in range(X.shape[0])
+    ]
+    return torch.stack([g for g, _ in parts]), torch.stack([h for _, h in parts])
+
+
+def _dense(model, lossf, X, y, theta, unflat) -> Tuple[Tensor, Tensor]:
+    def f(t):
+        return functional_call(model, unflat(t), (X,))
+
+    z = f(theta)
+    J = jacrev(f)(theta).reshape(z.numel(), -1)
+    Hz = hessian(lambda z: lossf(z, y))(z).reshape(z.numel(), z.numel())
+    H = hessian(lambda t: lossf(f(t), y))(theta)
+    return J.T @ Hz @ J, H
+
+
+def diagonals(model: nn.Module, M: Tensor) -> Dict[str, Tensor]:
+    """The diagonal of ``M [(N,) P, P]`` split per parameter: name -> [(N,) *shape]."""
+    names, shapes, sizes, _, _ = _split(model)
+    d = torch.diagonal(M, dim1=-2, dim2=-1)
+    return {n: c.reshape(*d.shape[:-1], *s) for n, c, s in zip(names, d.split(sizes, -1), shapes)}
+
+
+def blocks(model: nn.Module, M: Tensor) -> Dict[str, Tensor]:
+    """The diagonal blocks of ``M [P, P]`` per parameter: name -> [p, p]."""
+    names, shapes, sizes, _, _ = _split(model)
+    out, start = {}, 0
+    for n, k in zip(names, sizes):
+        out[n] = M[start : start + k, start : start + k]
+        start += k
+    return out
