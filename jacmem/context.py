@@ -10,16 +10,17 @@ and everything kept is dropped.
 
 from __future__ import annotations
 
+import sys
 import threading
 import warnings
 import weakref
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
-from jacmem import hooks
+from jacmem import distributed, hooks
 from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, batch_size, compute, derive
 from jacmem.extensions.secondorder import SecondOrderExtension
 from jacmem.extensions.secondorder.backprop import Engine
@@ -46,8 +47,10 @@ class Tracker:
 
     def __init__(self, model: nn.Module):
         self.names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.model = weakref.ref(model)
         self.module_handles: List = []
         self.tensor_handles: List = []
+        self.records: "weakref.WeakSet[hooks.Record]" = weakref.WeakSet()
         for name, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
@@ -56,11 +59,15 @@ class Tracker:
 
     def _on_forward(self, module, args, kwargs, output):
         self.tensor_handles[:] = [h for h in self.tensor_handles if h.hooks_dict_ref() is not None]
-        hooks.record(module, args, kwargs, output, self.names[module], _dispatch, self.tensor_handles)
+        rec = hooks.record(module, args, kwargs, output, self.names[module], _dispatch, self.tensor_handles)
+        if rec is not None:
+            self.records.add(rec)
 
     def close(self):
         hooks.remove(self.module_handles)
         hooks.remove(self.tensor_handles)
+        for rec in list(self.records):
+            rec.release()
 
 
 def _dispatch(rec: hooks.Record) -> None:
@@ -100,6 +107,71 @@ class _Staged:
             self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
 
 
+class _Pass:
+    """One backward pass (one autograd graph task) through a block: what it has
+    computed so far, written to the parameters when it ends.
+
+    autograd holds it as the pass's final callback, and the block only a weak
+    reference: a pass that fails never calls it, and frees it with the rest of the
+    pass, so nothing it staged is ever written.
+    """
+
+    __slots__ = ("block", "staged", "partial", "flags", "__weakref__")
+
+    def __init__(self, block: "extend"):
+        self.block = block
+        self.staged: Dict[int, _Staged] = {}
+        #: records whose outputs got only some gradients so far
+        self.partial: List[hooks.Record] = []
+        #: (module name, [input non-finite, output gradient non-finite]) per record
+        self.flags: List[Tuple[str, Tensor]] = []
+
+    def __call__(self) -> None:
+        self.block._commit(self)
+
+
+def _gets_grad(node) -> bool:
+    """Whether the running backward pass computes the gradient of the parameter whose
+    AccumulateGrad ``node`` this is: every parameter's in ``loss.backward()``, those in
+    ``inputs`` in ``backward(inputs=...)`` and ``torch.autograd.grad(outputs, inputs)``."""
+    try:
+        return torch._C._will_engine_execute_node(node)
+    except RuntimeError:  # torch.autograd.grad captures this leaf's gradient: it asked for it
+        return True
+
+
+def _stable_dtype(params) -> torch.dtype:
+    """Where the quantities are computed: float32 at least (autocast runs the forward in
+    bf16 or fp16), float64 for a float64 parameter."""
+    dtype = torch.float32
+    for p in params:
+        dtype = torch.promote_types(dtype, p.dtype)
+    return dtype
+
+
+def _cast(obj, dtype: torch.dtype):
+    """Floating tensors, alone or in tuples and lists, to ``dtype``; the rest passes."""
+    if isinstance(obj, Tensor):
+        return obj.detach().to(dtype) if obj.is_floating_point() else obj.detach()
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_cast(o, dtype) for o in obj)
+    return obj
+
+
+def _nonfinite(obj) -> Optional[Tensor]:
+    """A 0-dim bool tensor: whether any floating tensor in ``obj`` holds NaN or Inf."""
+    if isinstance(obj, Tensor):
+        return obj.isfinite().all().logical_not() if obj.is_floating_point() else None
+    flags = [f for f in map(_nonfinite, obj) if f is not None] if isinstance(obj, (tuple, list)) else []
+    return torch.stack([f.cpu() for f in flags]).any() if flags else None
+
+
+def _device(obj) -> torch.device:
+    if isinstance(obj, Tensor):
+        return obj.device
+    return next(_device(o) for o in obj if isinstance(o, (Tensor, tuple, list)))
+
+
 class extend:
     """Switch extensions on for the backward passes inside the block.
 
@@ -111,8 +183,26 @@ class extend:
         strict: raise, rather than warn, on a trainable module no extension can handle.
         chunk_bytes: temporary memory a strategy may use at once; larger batches are
             processed in chunks.
+        process_group: a ``torch.distributed`` process group over which to sum
+            ``sum_grad_squared`` and the gradient of ``variance``, for every model
+            called in the block; by default, that of a ``DistributedDataParallel``
+            model, none for any other (see :mod:`jacmem.distributed`).
 
     ``as ctx`` gives the block; ``ctx.explain()`` says what each layer chose, and why.
+
+    Which parameters: those whose gradient the backward pass computes, in every call
+    of their module that the pass goes through (``backward(inputs=[...])`` and
+    ``torch.autograd.grad(loss, [...])`` get their ``inputs``' quantities only). Each
+    backward pass writes its own results at its end, replacing the last ones (they do
+    not accumulate as ``.grad`` does); a pass that fails writes nothing. The quantities
+    are computed in float32 at least (float64 for float64 parameters), without a graph
+    (``create_graph=True`` works; the quantities are constants), and returned in each
+    parameter's dtype.
+
+    Threads: one block is active at a time, in the whole process. It extends the
+    graphs built by the thread that entered it, inside the block or with
+    :func:`track`; the forward passes of other threads are not recorded, and their
+    backward passes get nothing.
     """
 
     def __init__(
@@ -121,6 +211,7 @@ class extend:
         strategy: StrategySpec = AUTO,
         strict: bool = False,
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
+        process_group: Any = None,
     ):
         for ext in extensions:
             if not isinstance(ext, (FirstOrderExtension, SecondOrderExtension)):
@@ -137,10 +228,14 @@ class extend:
         self._module_handles: List = []
         self._tensor_handles: List = []
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.process_group = process_group
         self._depth = 0
-        self._staged: Dict[int, _Staged] = {}
-        self._partial: List[hooks.Record] = []
-        self._queued_task: Optional[int] = None
+        #: graph task id -> the pass, while autograd holds it
+        self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
+        self._records: "weakref.WeakSet[hooks.Record]" = weakref.WeakSet()
+        #: the models called at depth 0 in the block, as weak references, in order
+        self._roots: List[weakref.ref] = []
+        self._owner: Optional[int] = None
         self._warned: set = set()
 
     # -- block -------------------------------------------------------------------
@@ -149,11 +244,14 @@ class extend:
         global _ACTIVE
         with _LOCK:
             if _ACTIVE is not None:
+                elsewhere = _ACTIVE._owner != threading.get_ident()
                 raise RuntimeError(
-                    "jacmem.extend blocks do not nest: one is active already. "
-                    "Pass all extensions to one block: jacmem.extend(BatchGrad(), Variance())."
+                    "jacmem.extend blocks do not nest: one is active already"
+                    + (" in another thread (one block at a time per process)" if elsewhere else "")
+                    + ". Pass all extensions to one block: jacmem.extend(BatchGrad(), Variance())."
                 )
             _ACTIVE = self
+            self._owner = threading.get_ident()
         self._module_handles = [
             module_hooks.register_module_forward_pre_hook(self._enter_module),
             module_hooks.register_module_forward_hook(self._leave_module, always_call=True),
@@ -173,11 +271,17 @@ class extend:
         if self._engine is not None:
             self._engine.close()
             self._engine = None
-        self._staged.clear()
-        self._partial.clear()
+        for rec in list(self._records):
+            rec.release()  # a traceback may still hold it; its hooks are off
+        for run in list(self._passes.values()):
+            run.staged.clear()
+            run.partial.clear()
+        self._passes = weakref.WeakValueDictionary()
+        self._records = weakref.WeakSet()
+        self._roots = []
         self._names = weakref.WeakKeyDictionary()
         self._depth = 0
-        self._queued_task = None
+        self._owner = None
         with _LOCK:
             _ACTIVE = None
 
@@ -188,45 +292,81 @@ class extend:
     # -- forward -----------------------------------------------------------------
 
     def _enter_module(self, module, args):
+        if threading.get_ident() != self._owner:
+            return
         if self._depth == 0 and module not in self._names:
             for name, sub in module.named_modules():
                 self._names.setdefault(sub, name or type(sub).__name__)
+            self._roots.append(weakref.ref(module))
         self._depth += 1
 
     def _leave_module(self, module, args, output):
+        if threading.get_ident() != self._owner:
+            return
         self._depth = max(self._depth - 1, 0)
+        err = sys.exc_info()[1]
+        if output is None and err is not None:  # the forward raised: say why, where we can
+            self._explain_dtype(module, args, err)
+
+    def _explain_dtype(self, module: nn.Module, args: tuple, err: BaseException) -> None:
+        """An integer or bool input where the module needs floats: name the module and
+        the fix, in a note on the forward's exception (a warning before Python 3.11)."""
+        floating = [p for p in hooks.trainable(module).values() if p.is_floating_point()]
+        wrong = [t for t in args if isinstance(t, Tensor) and not (t.is_floating_point() or t.is_complex())]
+        if not floating or not wrong or getattr(err, "_jacmem_explained", False):
+            return
+        msg = (
+            f"jacmem: module {self.name(module)!r} ({type(module).__name__}) got an input of dtype "
+            f"{wrong[0].dtype} where it needs a floating-point one, as its parameters are "
+            f"({floating[0].dtype}): convert the input first, e.g. X.to({floating[0].dtype})."
+        )
+        try:
+            err._jacmem_explained = True
+        except AttributeError:
+            pass
+        if hasattr(err, "add_note"):
+            err.add_note(msg)
+        else:
+            warnings.warn(msg, stacklevel=2)
 
     def name(self, module: nn.Module) -> str:
         return self._names.get(module) or _tracked_name(module) or type(module).__name__
 
     def _on_forward(self, module, args, kwargs, output):
+        if threading.get_ident() != self._owner:
+            return  # another thread's forward
         if self._engine is not None:
             self._engine.on_forward(module, args, output)
         if _tracked_name(module) is not None or not self.extensions:
             return  # a tracked module, whose tracker records it; or nothing first-order to do
-        hooks.record(module, args, kwargs, output, self.name(module), self._on_grad, self._tensor_handles)
+        rec = hooks.record(module, args, kwargs, output, self.name(module), self._on_grad, self._tensor_handles)
+        if rec is not None:
+            self._records.add(rec)
 
     # -- backward ----------------------------------------------------------------
 
     def _on_grad(self, rec: hooks.Record) -> None:
+        if rec.thread != self._owner:
+            return  # a graph another thread built: not this block's
         if self._engine is not None and rec.module not in self._engine.seen:
             raise RuntimeError(
                 f"jacmem: second-order extensions need the forward pass inside the block, but module "
                 f"{rec.name!r} ran it outside (with jacmem.track): run the forward inside jacmem.extend(...)"
             )
         task = torch._C._current_graph_task_id()
-        if task != self._queued_task:
-            self._queued_task = task
-            torch.autograd.Variable._execution_engine.queue_callback(self._commit)
+        run = self._passes.get(task)
+        if run is None:
+            run = self._passes[task] = _Pass(self)
+            torch.autograd.Variable._execution_engine.queue_callback(run)
         if rec.missing:
-            self._partial.append(rec)
+            run.partial.append(rec)
             return
         try:
-            self._process(rec)
+            self._process(run, rec)
         finally:
             rec.reset()
 
-    def _process(self, rec: hooks.Record) -> None:
+    def _process(self, run: _Pass, rec: hooks.Record) -> None:
         if rec.entry is None:
             return self._unsupported(rec, sorted(rec.params))
         missing = [p for p in rec.params if p not in rec.entry.params]
@@ -234,23 +374,28 @@ class extend:
             self._unsupported(rec, missing)
         self.plan.check(rec.module, rec.name, rec.entry.names())  # a ValueError as it is, not wrapped below
         try:
-            self._compute(rec)
+            with torch.no_grad(), torch.autocast(_device(rec.grads).type, enabled=False):
+                self._compute(run, rec)
         except Exception as err:
             raise RuntimeError(
                 f"jacmem: computing {', '.join(map(repr, self.extensions))} for module {rec.name!r} "
                 f"({type(rec.module).__name__}) failed: {err}"
             ) from err
 
-    def _compute(self, rec: hooks.Record) -> None:
-        entry, g, hp = rec.entry, rec.g, rec.hp
+    def _compute(self, run: _Pass, rec: hooks.Record) -> None:
+        entry, hp = rec.entry, rec.hp
+        params = {n: p for n, p in rec.params.items() if n in entry.params and _gets_grad(rec.nodes[n])}
+        if not params:
+            return
+        dtype = _stable_dtype(params.values())
+        x, g = _cast(rec.x, dtype), _cast(rec.g, dtype)
+        run.flags.append((rec.name, [_nonfinite(x), _nonfinite(g)]))
         n = batch_size(g)
-        for pname, param in rec.params.items():
-            if pname not in entry.params:
-                continue
-            staged = self._staged.get(id(param))
+        for pname, param in params.items():
+            staged = run.staged.get(id(param))
             summed = rec.shared(param) or (staged is not None and staged.summed)
             if staged is None:
-                staged = self._staged[id(param)] = _Staged(param, n, summed)
+                staged = run.staged[id(param)] = _Staged(param, n, summed)
             elif staged.batch_size != n:
                 raise ValueError(
                     f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
@@ -265,22 +410,80 @@ class extend:
                     rec.module, rec.name, entry.names(), pname, quantity, options, param.element_size()
                 )
 
-            staged.add(compute(entry, hp, rec.x, g, pname, param, wanted, choose, self.chunk_bytes))
+            staged.add(compute(entry, hp, x, g, pname, param, wanted, choose, self.chunk_bytes))
 
-    def _commit(self) -> None:
+    def _commit(self, run: _Pass) -> None:
         """End of the backward pass: finish the partial records and the summed
-        parameters, then write every result."""
-        partial, self._partial = self._partial, []
-        for rec in dict.fromkeys(r for r in partial if any(g is not None for g in r.grads)):
+        parameters, sum over the ranks what is global, then write every result, all
+        at once (a failure before writes nothing)."""
+        for rec in dict.fromkeys(r for r in run.partial if any(g is not None for g in r.grads)):
             rec.complete()
-            self._on_grad(rec)
-        staged, self._staged = self._staged, {}
-        for s in staged.values():
-            q = s.quantities
-            if s.summed:
-                q = derive(q["batch_grad"], self.quantities)
-            for ext in self.extensions:
-                setattr(s.param, ext.savefield, ext.finalize(q, s.batch_size))
+            try:
+                self._process(run, rec)
+            finally:
+                rec.reset()
+        run.partial.clear()
+        staged, run.staged = run.staged, {}
+        quantities = {
+            key: derive(s.quantities["batch_grad"], self.quantities) if s.summed else dict(s.quantities)
+            for key, s in staged.items()
+        }
+        sizes = {key: s.batch_size for key, s in staged.items()}
+        for group, params in self._groups():
+            distributed.synchronize(group, params, quantities, sizes)
+        results = [
+            (s.param, ext.savefield, ext.finalize(quantities[key], sizes[key]).to(s.param.dtype))
+            for key, s in staged.items()
+            for ext in self.extensions
+        ]
+        self._warn_nonfinite(run.flags)
+        for param, field, value in results:
+            setattr(param, field, value)
+
+    def _groups(self) -> List[Tuple[Any, List[nn.Parameter]]]:
+        """(process group, its parameters in model order) for the models called in the
+        block and the tracked ones: the ``process_group`` argument, or that of a
+        ``DistributedDataParallel`` model."""
+        models = [m for m in (ref() for ref in self._roots) if m is not None] + list(_TRACKED.keys())
+        groups: List[Tuple[Any, List[nn.Parameter]]] = []
+        seen = set()
+        for model in models:
+            group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
+            if group is None:
+                continue
+            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(map(id, params))
+            groups.append((group, params))
+        return groups
+
+    def _warn_nonfinite(self, flags: List[Tuple[str, list]]) -> None:
+        """One warning per backward pass, naming the modules whose input or output
+        gradient held NaN or Inf (their quantities do too)."""
+        inputs, grads = [], []
+        for name, (x, g) in flags:
+            if x is not None and bool(x):
+                inputs.append(name)
+            if g is not None and bool(g):
+                grads.append(name)
+        if not inputs and not grads:
+            return
+        parts = []
+        if inputs:
+            parts.append(
+                f"the input of module(s) {', '.join(map(repr, dict.fromkeys(inputs)))} holds NaN or Inf: "
+                "check the data (torch.isfinite(X).all()) and what feeds these modules"
+            )
+        if grads:
+            parts.append(
+                f"the gradient of the loss w.r.t. the output of module(s) "
+                f"{', '.join(map(repr, dict.fromkeys(grads)))} holds NaN or Inf: check the loss "
+                "(log of 0, division by 0) or lower the learning rate"
+            )
+        warnings.warn(
+            f"jacmem: {'; '.join(parts)}. Their {', '.join(e.savefield for e in self.extensions)} hold NaN or Inf.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _unsupported(self, rec: hooks.Record, params: List[str]) -> None:
         if rec.module in self._warned:
