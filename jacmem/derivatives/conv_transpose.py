@@ -68,6 +68,7 @@ def transposed(conv_fn: Callable) -> Callable:
     def fn(x, g, **hp):
         return conv_fn(g, x, **as_conv(x.shape, g.shape, **hp))
 
+    fn.__name__ = fn.__qualname__ = conv_fn.__name__
     fn.__doc__ = f"Transposed conv, roles of x and g swapped: {conv_fn.__doc__}"
     return fn
 
