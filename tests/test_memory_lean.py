@@ -352,6 +352,11 @@ def test_lean_unlean_roundtrip():
     assert model.state_dict().keys() == state.keys()
     assert unlean(model) is model
     assert [type(m) for m in model.modules()] == types
+    lean(model, types=[nn.Conv2d])
+    assert type(model[0][0]).__name__ == "LeanConv2d" and type(model[0][2]) is nn.ReLU
+    with pytest.raises(ValueError, match="no version of.*Linear"):
+        lean(model, types=[nn.Linear])
+    unlean(model)
     for k, v in model.state_dict().items():
         assert torch.equal(v, state[k])
 

@@ -110,31 +110,31 @@ def _all_but_channels(ndim: int) -> list:
 class BatchNormEvalFunction(torch.autograd.Function):
     """Batch norm with the running statistics, x [N, C, *S] -> [N, C, *S]:
     ``y = (x - mean) / sqrt(var + eps) · weight + bias``. Keeps x only for the weight's
-    gradient; the input's gradient is ``g · weight / sqrt(var + eps)``.
+    gradient; the input's gradient, ``g · weight / sqrt(var + eps)``, needs no x.
     """
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, eps):
         ctx.eps = eps
         keep_x = weight is not None and ctx.needs_input_grad[3]
-        ctx.save_for_backward(x if keep_x else None, running_mean if keep_x else None, running_var, weight)
+        ctx.save_for_backward(x if keep_x else None, running_mean, running_var, weight)
         return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         x, mean, var, weight = ctx.saved_tensors
-        nd, dims = grad.dim(), _all_but_channels(grad.dim())
+        mask = [ctx.needs_input_grad[i] for i in (0, 3, 4)]
+        if x is not None:  # stock's kernel, on what stock keeps
+            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
+                grad, x, weight, mean, var, None, None, False, ctx.eps, mask
+            )
+            return gx, None, None, gw, gb, None
+        nd = grad.dim()
         invstd = torch.rsqrt(var + ctx.eps)
-        gx = gw = gb = None
-        if ctx.needs_input_grad[0]:
-            gx = grad * _channel_view(invstd if weight is None else weight * invstd, nd)
-        if ctx.needs_input_grad[3]:
-            xhat = (x - _channel_view(mean, nd)) * _channel_view(invstd, nd)
-            gw = (grad * xhat).sum(dims)
-        if ctx.needs_input_grad[4]:
-            gb = grad.sum(dims)
-        return gx, None, None, gw, gb, None
+        gx = grad * _channel_view(invstd if weight is None else weight * invstd, nd) if mask[0] else None
+        gb = grad.sum(_all_but_channels(nd)) if mask[2] else None
+        return gx, None, None, None, gb, None
 
 
 # -- ReLU: a 1-bit mask ------------------------------------------------------------

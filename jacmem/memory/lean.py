@@ -26,7 +26,7 @@ nothing at all.
 from __future__ import annotations
 
 import dataclasses
-from typing import Dict, Optional
+from typing import Dict, Iterable, Optional
 
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -205,19 +205,31 @@ def share_derivatives() -> None:
             jacobians.PASSTHROUGH[lean_type] = entry
 
 
-def lean(model: nn.Module) -> nn.Module:
+def lean(model: nn.Module, types: Optional[Iterable[type]] = None) -> nn.Module:
     """Convert, in place, every module of ``model`` (itself included) whose type is a
-    stock type in :data:`LEAN` to its lean version. Returns ``model``.
+    stock type in :data:`LEAN` (or in ``types``, a subset of it) to its lean version.
+    Returns ``model``.
 
     Outputs and gradients are those of the stock layers; what is kept for the
     backward pass depends on ``requires_grad`` when the forward runs, so freezing
     after ``lean`` works. Double backward through lean layers is not supported.
+
+    The ReLU mask costs time (packing in forward, unpacking in backward) and saves
+    memory only where nothing else keeps the ReLU's output: when the next layer is a
+    trainable conv or linear layer, it keeps it anyway. ``report`` tells which case
+    you are in; ``types=`` leaves ReLU out where it does not pay.
     """
+    wanted = set(LEAN) if types is None else set(types)
+    unknown = wanted - set(LEAN)
+    if unknown:
+        raise ValueError(
+            f"lean has no version of {sorted(t.__name__ for t in unknown)}; it converts "
+            f"{', '.join(t.__name__ for t in LEAN)}"
+        )
     share_derivatives()
     for module in model.modules():
-        lean_type = LEAN.get(type(module))
-        if lean_type is not None:
-            module.__class__ = lean_type
+        if type(module) in wanted:
+            module.__class__ = LEAN[type(module)]
     return model
 
 

@@ -32,6 +32,7 @@ from torch.nn.modules import module as module_hooks
 from jacmem.memory.lean import LEAN, STOCK
 
 Key = Tuple[str, int, int]
+UNREACHED = "(off the graph)"
 
 #: op -> saved slot -> positions in ``next_functions`` (the op's differentiable
 #: inputs) whose gradients read that tensor; a callable takes the node. Ops not
@@ -64,6 +65,11 @@ def _key(t: Tensor) -> Key:
     return (str(t.device), s.data_ptr(), s.nbytes())
 
 
+def _ident(t: Tensor) -> tuple:
+    """Which memory a tensor views (autograd may hand back a new tensor object for it)."""
+    return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
+
+
 def _tensors(obj) -> List[Tensor]:
     if isinstance(obj, Tensor):
         return [obj]
@@ -88,7 +94,7 @@ class SavedTensor:
     """One tensor that one op saved for the backward pass."""
 
     module: str  #: qualified name of the innermost module running when it was saved
-    op: str  #: the grad_fn that keeps it ("?" if the walk from the outputs did not reach it)
+    op: str  #: the grad_fn that keeps it; UNREACHED if kept by something off the path from the outputs (checkpoint)
     slot: str  #: what the op saved it as ("input", "weight", "result", "saved_tensors[0]", ...)
     shape: Tuple[int, ...]
     dtype: str
@@ -226,7 +232,7 @@ class MemoryReport:
 class _Handle:
     """What the graph holds instead of a saved tensor during the report."""
 
-    __slots__ = ("index", "tensor")
+    __slots__ = ("index", "tensor", "__weakref__")
 
     def __init__(self, index: int, tensor: Tensor):
         self.index, self.tensor = index, tensor
@@ -249,7 +255,8 @@ class _Recorder:
         self.owned: Dict[Key, str] = {}  # storages that existed before: key -> kind
         self.param_names: Dict[int, str] = {}
         self.params: Dict[int, nn.Parameter] = {}
-        self.unpacked: List[int] = []
+        self.unpacked: List[Tuple[int, tuple]] = []  # (entry index, _ident of the tensor) per unpack
+        self.handles: List[weakref.ref] = []
         if root is not None:
             self._own(root, "")
 
@@ -290,24 +297,32 @@ class _Recorder:
         if kind == "parameter" and id(t) not in self.params and isinstance(t, nn.Parameter):
             self.params[id(t)] = t
         self.entries.append(
-            SavedTensor(module, "?", "?", tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
+            SavedTensor(module, UNREACHED, "?", tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
                         key[2], kind, storage=key)
         )
-        return _Handle(len(self.entries) - 1, t)
+        handle = _Handle(len(self.entries) - 1, t)
+        self.handles.append(weakref.ref(handle))
+        return handle
 
     def unpack(self, handle: _Handle) -> Tensor:
-        self.unpacked.append(handle.index)
+        self.unpacked.append((handle.index, _ident(handle.tensor)))
         return handle.tensor
 
     # -- after the forward -------------------------------------------------------
 
     def _read(self, node, attr: str) -> List[Tuple[str, int]]:
+        """(slot, entry index) of the tensors that ``node.attr`` holds. Reading may unpack
+        other tensors too (a checkpointed region recomputes its forward from its saved
+        inputs): only those handed back as the attribute's value count."""
         self.unpacked.clear()
         value = getattr(node, attr)
         slot = attr[len("_saved_"):] if attr.startswith("_saved_") else attr
-        if isinstance(value, (tuple, list)) and len(self.unpacked) != 1:
-            return [(f"{slot}[{i}]", idx) for i, idx in enumerate(self.unpacked)]
-        return [(slot, idx) for idx in self.unpacked]
+        got = {ident: idx for idx, ident in self.unpacked}
+        if isinstance(value, (tuple, list)):
+            found = [(i, got.get(_ident(v))) for i, v in enumerate(value) if isinstance(v, Tensor)]
+            return [(f"{slot}[{i}]", idx) for i, idx in found if idx is not None]
+        idx = got.get(_ident(value)) if isinstance(value, Tensor) else None
+        return [] if idx is None else [(slot, idx)]
 
     def walk(self, roots) -> None:
         """Name the op and slot of every saved tensor reachable from ``roots``."""
@@ -353,7 +368,11 @@ class _Recorder:
         if node.name() in SHAPE_ONLY:
             entry.why = "read only for its shape"
         else:
-            frozen = [f"{entry.module}.{_SLOT_PARAMS.get((node.name(), i), f'input {i}')}" for i in positions]
+            frozen = [
+                f"{entry.module}.{_SLOT_PARAMS[(node.name(), i)]}" if (node.name(), i) in _SLOT_PARAMS
+                else f"the input of {entry.module}" if i == 0 else f"input {i} of {entry.module}"
+                for i in positions
+            ]
             entry.why = f"read only for the gradient of {' and '.join(frozen)}, which is not computed"
 
 
@@ -412,7 +431,7 @@ def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> Lis
         kind = type(module)
         here = f"{row.name} ({row.type}, {row.bytes / total:.0%} of the total)"
         before = len(out)
-        if row.wasted:
+        if row.wasted >= 0.1 * row.bytes > 0:
             fix = (
                 "jacmem.memory.lean(model) keeps none of it"
                 if kind in LEAN or kind in STOCK
@@ -483,10 +502,13 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, **kwargs) -> MemoryRepo
     try:
         with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(rec.pack, rec.unpack):
             outputs = _tensors(fn_or_model(*inputs, **kwargs))
-        rec.walk([t.grad_fn for t in outputs])
     finally:
         for h in handles:
             h.remove()
+    # what the graph still holds now that the forward's temporaries are gone
+    kept = [ref() is not None for ref in rec.handles]
+    rec.walk([t.grad_fn for t in outputs])
+    rec.entries = [e for e, alive in zip(rec.entries, kept) if alive]
     out_keys = {_key(t): t.untyped_storage().nbytes() for t in outputs}
     for e in rec.entries:
         if e.kind == "activation" and e.storage in out_keys:
