@@ -379,7 +379,8 @@ class extend:
         except Exception as err:
             raise RuntimeError(
                 f"jacmem: computing {', '.join(map(repr, self.extensions))} for module {rec.name!r} "
-                f"({type(rec.module).__name__}) failed: {err}"
+                f"({type(rec.module).__name__}) failed: {err}. Another implementation may work: "
+                f"strategy={{{rec.name!r}: name}} with a name among {sorted(rec.entry.names())}"
             ) from err
 
     def _compute(self, run: _Pass, rec: hooks.Record) -> None:
@@ -404,6 +405,9 @@ class extend:
             elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
                 raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
             wanted = {"batch_grad"} if summed else self.quantities
+            if n == 0:  # an empty batch: empty per-sample quantities, zero sums
+                staged.add(derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted))
+                continue
 
             def choose(quantity, options, pname=pname):
                 return self.plan.choose(
@@ -460,10 +464,10 @@ class extend:
         """One warning per backward pass, naming the modules whose input or output
         gradient held NaN or Inf (their quantities do too)."""
         inputs, grads = [], []
-        for name, (x, g) in flags:
+        for name, (x, g) in reversed(flags):  # in the forward's order, about
             if x is not None and bool(x):
                 inputs.append(name)
-            if g is not None and bool(g):
+            elif g is not None and bool(g):  # not merely the consequence of a bad input
                 grads.append(name)
         if not inputs and not grads:
             return
