@@ -202,6 +202,39 @@ def test_every_registered_strategy_runs(mtype, param, quantity, name, chunk_byte
     assert via == name, f"asked for {name!r} for {param} {quantity}; decisions: {ctx.explain()}"
 
 
+QUANTITY_REFERENCE = {
+    "batch_grad": lambda gb: gb,
+    "batch_l2": lambda gb: gb.flatten(1).square().sum(1),
+    "sum_grad_squared": lambda gb: gb.square().sum(0),
+    "grad": lambda gb: gb.sum(0),
+}
+
+
+@pytest.mark.parametrize(
+    "mtype,param,quantity,name", REGISTERED, ids=[f"{m.__name__}-{p}-{q}-{s}" for m, p, q, s in REGISTERED]
+)
+def test_every_registered_strategy_directly(mtype, param, quantity, name):
+    """Each registered function, called as the registry documents it (``fn(x, g, **hp)``)
+    on every case of its layer type where its cost model says it applies, gives its
+    quantity of the reference per-sample gradients: no plan or extension in between."""
+    entry, strategy = REGISTRY[mtype], REGISTRY[mtype].strategies[(param, quantity)][name]
+    checked = 0
+    for case_id in [c for c in [*LINEAR_CASES, *CONV_CASES] if module_type(c) is mtype]:
+        model, X, y, loss, reduction, reference = case(case_id)
+        if param not in dict(model.named_parameters()):
+            continue
+        hp = entry.hyperparams(model)
+        out = model(X)
+        g = entry.arrange(torch.autograd.grad(loss(out, y, reduction), out)[0], **hp)
+        x = entry.arrange_input(entry.keep((X,), {}), **hp)
+        if strategy.cost is not None and strategy.cost(tuple(x.shape), tuple(g.shape), **hp) is None:
+            continue
+        expected = QUANTITY_REFERENCE[quantity](reference[getattr(model, param)])
+        assert_close(strategy.fn(x, g, **hp), expected, f"{case_id}: {param} {quantity} {name!r}")
+        checked += 1
+    assert checked, f"no case on which {mtype.__name__} {param} {quantity} {name!r} applies: add one"
+
+
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("case_id", ["rank3", "2d-groups2"])
 def test_reductions(case_id, reduction):
