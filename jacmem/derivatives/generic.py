@@ -29,16 +29,16 @@ whose leading size equals that of the first tensor argument is taken as batched 
 axis 0; every other argument is passed unchanged to each sample. The output may be a
 tensor or a (nested) tuple of them, each batched on axis 0.
 
-All parameters of one call share one recomputation: :class:`SharedPass` keeps the
-per-sample gradients of every trainable parameter of the current chunk until each
-parameter has taken its own.
+All parameters of one call share one recomputation per chunk: :class:`SharedPass`
+keeps the per-sample gradients of every trainable parameter until each parameter has
+taken its own.
 """
 
 from __future__ import annotations
 
 from functools import partial
 from math import prod
-from typing import Any, Callable, Dict, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -65,26 +65,61 @@ def _same(a: Any, b: Any) -> bool:
 
 
 class SharedPass:
-    """One recomputation for all the parameters of one call of one module.
+    """One recomputation per chunk for all the parameters of one call of one module.
 
-    It lives in the call's hyper-parameters (so it goes when the record goes) and holds
-    at most one chunk's results: the first parameter asked computes every parameter's
-    per-sample gradients for that chunk, and each parameter then takes its own.
+    The engine asks for one parameter at a time, chunk by chunk. The first parameter
+    asked for a chunk computes every parameter's per-sample gradients on it; the others
+    take theirs later. It lives in the call's hyper-parameters: it goes when the record
+    goes. :meth:`cost` makes the chunks of every parameter the same, so that each chunk
+    is computed once.
     """
 
-    def __init__(self, names: Sequence[str]):
-        self.names = tuple(names)
-        self.key: Optional[Tuple[Any, Any]] = None
-        self.values: Dict[str, Tensor] = {}
+    def __init__(self, sizes: Dict[str, int]):
+        #: number of elements of each trainable parameter
+        self.sizes = dict(sizes)
+        self.pending: List[Tuple[Any, Any, Dict[str, Tensor]]] = []
 
     def take(self, name: str, x, g, compute: Callable[[Any, Any, Tuple[str, ...]], Dict[str, Tensor]]) -> Tensor:
         """``compute(x, g, names) -> {name: [n, *shape]}`` runs once per chunk."""
-        if self.key is None or name not in self.values or not (_same(self.key[0], x) and _same(self.key[1], g)):
-            self.key, self.values = (x, g), compute(x, g, self.names)
-        value = self.values.pop(name)
-        if not self.values:
-            self.key = None
+        entry = next((e for e in self.pending if name in e[2] and _same(e[0], x) and _same(e[1], g)), None)
+        if entry is None:
+            entry = (x, g, compute(x, g, tuple(self.sizes)))
+            self.pending.append(entry)
+        value = entry[2].pop(name)
+        if not entry[2]:
+            self.pending = [e for e in self.pending if e is not entry]
         return value
+
+    def cost(self, name: str, cost: Optional[Cost], batch: int) -> Optional[Cost]:
+        """``cost`` of the whole pass, with the workspace of the other parameters'
+        per-sample gradients held meanwhile: the engine adds ``name``'s own, so every
+        parameter gets the same chunks."""
+        if cost is None:
+            return None
+        others = sum(self.sizes.values()) - self.sizes.get(name, 0)
+        return Cost(cost.flops, cost.workspace + batch * others)
+
+
+def shared_cost(cost: Callable[..., Optional[Cost]], param: str) -> Callable[..., Optional[Cost]]:
+    """The cost function of ``param``'s strategy whose work a :class:`SharedPass` shares:
+    ``cost(xs, gs, **hp)`` for the whole pass, adjusted by :meth:`SharedPass.cost`."""
+
+    def adjusted(xs, gs, *, shared: SharedPass, **hp) -> Optional[Cost]:
+        first = gs if isinstance(gs[0], int) else gs[0]
+        return shared.cost(param, cost(xs, gs, **hp), first[0])
+
+    return adjusted
+
+
+def trainable_sizes(module: nn.Module, names: Sequence[str]) -> Dict[str, int]:
+    """{name: numel} of those of ``names`` (dotted, or the module's own) that require a gradient."""
+    params = ((n, _param(module, n)) for n in names)
+    return {n: p.numel() for n, p in params if isinstance(p, nn.Parameter) and p.requires_grad}
+
+
+def _param(module: nn.Module, name: str):
+    owner, _, leaf = name.rpartition(".")
+    return getattr(module.get_submodule(owner), leaf, None)
 
 
 def per_sample_vjp(
@@ -121,8 +156,13 @@ def per_sample_vjp(
         ) from err
 
 
+def track(t: Tensor) -> Tensor:
+    """``t``, made part of the graph that a recomputation takes its gradients in."""
+    return t if t.requires_grad else t.requires_grad_()
+
+
 def _module_params(module: nn.Module, names: Sequence[str]) -> Dict[str, Tensor]:
-    return {n: module.get_parameter(n) for n in names}
+    return {n: _param(module, n) for n in names}
 
 
 # -- the fallback ---------------------------------------------------------------------
@@ -224,12 +264,14 @@ def fallback(module: nn.Module) -> Optional[LayerDerivatives]:
     key = (type(module), names)
     if key not in _FALLBACKS:
         strategies = {
-            (name, "batch_grad"): {VMAP: Strategy(partial(_fallback_batch_grad, param=name), recompute_cost)}
+            (name, "batch_grad"): {
+                VMAP: Strategy(partial(_fallback_batch_grad, param=name), shared_cost(recompute_cost, name))
+            }
             for name in names
         }
         _FALLBACKS[key] = LayerDerivatives(
             hyperparams=lambda m: dict(
-                module=m, shared=SharedPass([n for n, p in m.named_parameters(recurse=False) if p.requires_grad])
+                module=m, shared=SharedPass(trainable_sizes(m, [n for n, _ in m.named_parameters(recurse=False)]))
             ),
             keep=_keep_call,
             outputs=_float_leaves,

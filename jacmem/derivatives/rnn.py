@@ -33,13 +33,12 @@ from functools import partial
 from typing import Dict, List, Tuple
 
 import torch
-from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence
 
-from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, register
-from jacmem.derivatives.generic import SharedPass
+from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register
+from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
 
 UNROLL = "unroll"
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
@@ -63,7 +62,7 @@ def _hyperparams(module: nn.RNNBase) -> dict:
         proj_size=module.proj_size,
         dropout=module.dropout if module.training and module.num_layers > 1 else 0.0,
         weights={n: p.detach() for n, p in module.named_parameters()},
-        shared=SharedPass([n for n, p in module.named_parameters() if p.requires_grad]),
+        shared=SharedPass(trainable_sizes(module, _names(module))),
     )
 
 
@@ -98,11 +97,6 @@ def _arrange(g, *, batch_first: bool, **_) -> tuple:
     out, *states = g
     out = out if batch_first or out.dim() != 3 else out.transpose(0, 1)
     return (out, *(s.transpose(0, 1) if s.dim() == 3 else s for s in states))
-
-
-def _track(t: Tensor) -> Tensor:
-    """``t``, in the graph that the δ's are taken in."""
-    return t if t.requires_grad else t.requires_grad_()
 
 
 def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
@@ -155,15 +149,15 @@ def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, drop
         layer_in = inp
         for k, suffix in enumerate(_suffixes(num_layers, bidirectional)):
             w = partial(_weight, weights, suffix)
-            a = _track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
+            a = track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
             h, c = h0[:, k], c0[:, k]
             order = range(steps - 1, -1, -1) if suffix.endswith("_reverse") else range(steps)
             bs, hs_prev, hs, rs = [], [], [], []
             for t in order:
-                b = _track(F.linear(h, w("weight_hh"), w("bias_hh")))
+                b = track(F.linear(h, w("weight_hh"), w("bias_hh")))
                 r, c = _cell(mode, a[:, t], b, h, c)
                 bs.append(b), hs_prev.append(h), rs.append(r)
-                h = _track(F.linear(r, w("weight_hr"))) if proj_size else r
+                h = track(F.linear(r, w("weight_hr"))) if proj_size else r
                 hs.append(h)
             tracked["weight_ih" + suffix] = ([a], [layer_in.detach()])
             tracked["weight_hh" + suffix] = (bs, [t.detach() for t in hs_prev])
@@ -198,9 +192,9 @@ def _contract(name: str, deltas: List[Tensor], inputs: List[Tensor]) -> Tensor:
     either one [N, T, ·] tensor each, or one [N, ·] per step."""
     delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas, 1)
     if name.startswith("bias"):
-        return delta.sum(1)
+        return linear.bias_batch_grad(None, delta)
     u = inputs[0] if len(inputs) == 1 else torch.stack(inputs, 1)
-    return contract("ntg,nti->ngi", delta, u)
+    return linear.weight_batch_grad(u, delta)
 
 
 def _unroll_batch_grad(x, g, *, param: str, shared: SharedPass, batch_first, **hp) -> Tensor:
@@ -224,7 +218,7 @@ def _unroll_cost(xs, gs, *, mode, num_layers, bidirectional, proj_size, weights,
 
 
 def _strategy(name: str) -> Strategy:
-    return Strategy(partial(_unroll_batch_grad, param=name), _unroll_cost)
+    return Strategy(partial(_unroll_batch_grad, param=name), shared_cost(_unroll_cost, name))
 
 
 _ENTRIES: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
@@ -253,4 +247,5 @@ for _module in (nn.RNN, nn.GRU, nn.LSTM):
     # the names of a one-layer bidirectional instance (with a projection for the LSTM)
     example = _module(1, 2, bidirectional=True, **(dict(proj_size=1) if _module is nn.LSTM else {}))
     for _name in _names(example):
-        register(_module, _name, "batch_grad", UNROLL, cost=_unroll_cost)(_strategy(_name).fn)
+        strategy = _strategy(_name)
+        register(_module, _name, "batch_grad", UNROLL, cost=strategy.cost)(strategy.fn)
