@@ -20,8 +20,10 @@ from torch import nn
 from jacmem.derivatives import Cost, all_strategy_names
 
 AUTO = "auto"
-FLOP_RATE = 1e11
-BYTE_RATE = 1e10
+#: FLOP/s of a batched matrix product and byte/s of a strided copy, on a 2-thread Xeon
+#: (the benchmark machine): a matter of order, only their ratio steers ``auto``
+FLOP_RATE = 5e10
+BYTE_RATE = 5e9
 
 StrategySpec = Union[str, Mapping[Union[type, str], str]]
 
@@ -33,7 +35,12 @@ def estimated_seconds(cost: Cost, itemsize: int) -> float:
 
 @dataclass
 class Decision:
-    """What ``auto`` (or the user) chose for one quantity of one parameter."""
+    """What ``auto`` (or the user) chose for one quantity of one parameter.
+
+    ``kind`` says how the chosen strategy gives the quantity: ``"direct"`` (its own
+    strategy), ``"pass"`` (per-sample gradients by the chosen ``batch_grad`` strategy,
+    reduced) or ``"reuse"`` (from the pass already planned for ``reuses``).
+    """
 
     module: str
     param: str
@@ -41,12 +48,31 @@ class Decision:
     chosen: str
     reason: str
     estimates: Dict[str, Optional[float]]
+    kind: str = "direct"
+    reuses: tuple = ()
+
+    def describe(self) -> str:
+        """``quantity <- how (why)``, for :meth:`StrategyPlan.explain`."""
+        if self.kind == "reuse":
+            return f"{self.quantity} <- the same {self.chosen} pass as {', '.join(self.reuses)}"
+        how = f"per-sample gradients by {self.chosen}, reduced" if self.kind == "pass" else self.chosen
+        if self.quantity == "batch_grad":
+            how = self.chosen
+        applicable = sorted((t, name) for name, t in self.estimates.items() if t is not None)
+        if len(applicable) < 2:
+            why = self.reason if self.reason == "asked for" else "the only strategy that applies"
+        else:
+            ranked = ", ".join(f"{name} {_ms(t)}" for t, name in applicable)
+            skipped = [name for name, t in self.estimates.items() if t is None]
+            why = f"{self.reason}; estimates: {ranked}" + (f"; n/a: {', '.join(skipped)}" if skipped else "")
+        return f"{self.quantity} <- {how} ({why})"
 
     def __str__(self) -> str:
-        options = ", ".join(
-            f"{name} {'n/a' if t is None else f'{t * 1e3:.3g} ms'}" for name, t in self.estimates.items()
-        )
-        return f"{self.module}.{self.param} {self.quantity}: {self.chosen} ({self.reason}; estimates: {options})"
+        return f"{self.module}.{self.param} {self.describe()}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 class StrategyPlan:
@@ -112,12 +138,22 @@ class StrategyPlan:
             chosen, reason = wanted, "asked for"
         else:
             chosen = min(applicable, key=applicable.get)
-            reason = "auto: cheapest" if wanted == AUTO else f"auto: {wanted!r} does not apply here"
-        self.decisions[(name, param, quantity)] = Decision(name, param, quantity, chosen, reason, estimates)
+            reason = "auto: cheapest" if wanted == AUTO else f"auto, as {wanted!r} does not apply here"
+        cost = options[chosen]
+        self.decisions[(name, param, quantity)] = Decision(
+            name, param, quantity, chosen, reason, estimates,
+            kind=getattr(cost, "kind", "direct"), reuses=tuple(getattr(cost, "reuses", ())),
+        )
         return chosen
 
     def explain(self) -> str:
-        """One line per module, parameter and quantity: what was chosen, and why."""
+        """One line per module and parameter: for each quantity, what gives it and why,
+        e.g. ``3.weight sum_grad_squared <- per-sample gradients by unfold, reduced
+        (auto: cheapest; estimates: unfold 48 ms, save_memory 96 ms); grad <- the same
+        unfold pass as sum_grad_squared``."""
         if not self.decisions:
             return "no decisions yet: run a backward pass inside the block"
-        return "\n".join(str(d) for d in self.decisions.values())
+        lines: Dict[tuple, List[str]] = {}
+        for d in self.decisions.values():
+            lines.setdefault((d.module, d.param), []).append(d.describe())
+        return "\n".join(f"{module}.{param} {'; '.join(parts)}" for (module, param), parts in lines.items())

@@ -12,9 +12,11 @@ temporary memory stays under a budget.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from math import prod
 from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
+import torch
 from torch import Tensor
 
 from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
@@ -76,6 +78,27 @@ class Variance(FirstOrderExtension):
         return q["sum_grad_squared"] / batch_size - (q["grad"] / batch_size) ** 2
 
 
+#: elements of the temporary that :func:`sum_of_squares` squares at once
+SQUARE_BLOCK = 2**20
+
+
+def squared_norms(batch_grad: Tensor) -> Tensor:
+    """‖g_n‖² per sample, one batched dot product, no squared copy: [n, *shape] -> [n]"""
+    flat = batch_grad.flatten(1)
+    return torch.bmm(flat.unsqueeze(1), flat.unsqueeze(2)).flatten()
+
+
+def sum_of_squares(batch_grad: Tensor) -> Tensor:
+    """Σ_n g_n ⊙ g_n, squaring a few samples at a time, so the squares never take the
+    batch's size: [n, *shape] -> shape"""
+    flat = batch_grad.flatten(1)
+    rows = max(1, SQUARE_BLOCK // max(flat.shape[1], 1))
+    out = flat[:rows].square().sum(0)
+    for start in range(rows, flat.shape[0], rows):
+        out += flat[start : start + rows].square().sum(0)
+    return out.view(batch_grad.shape[1:])
+
+
 def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
     """Every quantity from (a chunk of) per-sample gradients ``[n, *shape]``."""
     out = {}
@@ -83,12 +106,26 @@ def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
         if q == "batch_grad":
             out[q] = batch_grad
         elif q == "batch_l2":
-            out[q] = batch_grad.square().flatten(1).sum(1)
+            out[q] = squared_norms(batch_grad)
         elif q == "sum_grad_squared":
-            out[q] = batch_grad.square().sum(0)
+            out[q] = sum_of_squares(batch_grad)
         elif q == "grad":
             out[q] = batch_grad.sum(0)
     return out
+
+
+@dataclass(frozen=True)
+class Option(Cost):
+    """One candidate for one quantity, as :func:`compute` offers it to ``choose``.
+
+    ``kind``: ``"direct"``, a strategy of the quantity's own (the ghost norm, say);
+    ``"pass"``, per-sample gradients by this ``batch_grad`` strategy, reduced, whose
+    cost includes writing and reading them; ``"reuse"``, a pass already planned for the
+    quantities ``reuses``, which costs nothing more.
+    """
+
+    kind: str = "direct"
+    reuses: Tuple[str, ...] = ()
 
 
 def _take(obj, sl: slice):
@@ -177,17 +214,34 @@ def compute(
     xs, gs = _shapes(x), _shapes(g)
     bg_table = entry.strategies[(param_name, "batch_grad")]
     bg_costs = {name: _estimate(s, xs, gs, hp) for name, s in bg_table.items()}
+    # a pass also writes the per-sample gradients and reads them back to reduce them
+    result = chunked.n * prod(param.shape)
+    pass_options = {
+        name: None if c is None else Option(c.flops + 2 * result, c.workspace + 2 * result, kind="pass")
+        for name, c in bg_costs.items()
+    }
 
     def per_sample_bytes(c: Cost) -> float:
         return c.workspace * chunked.itemsize / max(chunked.n, 1)
 
+    def applicable_direct(q: str) -> int:
+        table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
+        return sum(_estimate(s, xs, gs, hp) is not None for s in table.values())
+
+    # Quantities that need a pass plan it first, so the others can ride along.
+    order = sorted((q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", applicable_direct(q)))
     passes: Dict[str, List[str]] = {}
     results: Dict[str, Tensor] = {}
-    for q in [q for q in QUANTITIES if q in wanted]:
+    for q in order:
         direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
-        options = {name: Cost(0, 0) for name in passes} if passes else dict(bg_costs)
-        options.update({name: _estimate(s, xs, gs, hp) for name, s in direct.items()})
+        if passes:
+            options = {name: Option(0, 0, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
+        else:
+            options = dict(pass_options)
+        for name, s in direct.items():
+            c = _estimate(s, xs, gs, hp)
+            options[name] = None if c is None else Option(c.flops, c.workspace)
         name = choose(q, options)
         if name not in direct:
             passes.setdefault(name, []).append(q)
