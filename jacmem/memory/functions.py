@@ -145,9 +145,10 @@ _GATHER = 0x0102040810204080
 _TABLES: dict = {}
 
 
-def pack_bits(mask: Tensor) -> Tensor:
+def pack_bits(mask: Tensor, scratch: bool = False) -> Tensor:
     """A bool tensor of n elements -> uint8 [ceil(n / 8)], element ``8j + k`` in bit ``k``
-    of byte ``j``.
+    of byte ``j``. ``scratch=True``: the caller gives ``mask`` up, and it is packed in
+    place (no fresh n-byte buffers).
 
     Eight bools, read as one little-endian int64 ``v = Σ_k b_k 2^(8k)``, times
     ``Σ_i 2^(56 - 7i)`` put ``b_k`` on bit ``56 + k``; every other product term falls on
@@ -155,9 +156,9 @@ def pack_bits(mask: Tensor) -> Tensor:
     """
     flat = mask.reshape(-1)
     if flat.numel() % 8:
-        flat = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)])
-    words = flat.view(torch.int64)
-    return ((words * _GATHER) >> 56).to(torch.uint8)
+        flat, scratch = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)]), True
+    words = flat.view(torch.int64) if scratch else flat.view(torch.int64).clone()
+    return words.mul_(_GATHER).bitwise_right_shift_(56).to(torch.uint8)
 
 
 def unpack_bits(packed: Tensor, numel: int, dtype: torch.dtype = torch.bool) -> Tensor:
@@ -182,7 +183,7 @@ class ReLUFunction(torch.autograd.Function):
             out = torch.relu(x)
         ctx.shape = x.shape
         # out != 0 is stock's "out > 0" (its backward passes the gradient where out is NaN, too)
-        ctx.save_for_backward(pack_bits(out.bool()) if ctx.needs_input_grad[0] else None)
+        ctx.save_for_backward(pack_bits(out.bool(), scratch=True) if ctx.needs_input_grad[0] else None)
         return out
 
     @staticmethod
@@ -190,7 +191,8 @@ class ReLUFunction(torch.autograd.Function):
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
         mask = unpack_bits(packed, grad.numel(), grad.dtype).view(ctx.shape)
-        return torch.ops.aten.threshold_backward(grad, mask, 0), None
+        # stock's kernel (0 where the mask is 0, even for an infinite gradient), into the mask's buffer
+        return torch.ops.aten.threshold_backward.grad_input(grad, mask, 0, grad_input=mask), None
 
 
 # -- dropout: a seed -----------------------------------------------------------------

@@ -459,7 +459,7 @@ def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> Lis
                 f"keeps only its output and frees about {fmt_bytes(row.exclusive)}{change}."
             )
         per_call = row.tensors / max(row.calls, 1)
-        if per_call >= 3 and row.exclusive > 2 * row.input_bytes:
+        if per_call >= 3 and len(row.ops) >= 3 and row.exclusive > 2 * row.input_bytes:
             out.append(
                 f"{here}: {row.tensors} tensors from {len(row.ops)} ops; torch.utils.checkpoint.checkpoint on each call "
                 f"keeps only its inputs (about {fmt_bytes(row.input_bytes)} instead of {fmt_bytes(row.exclusive)}) and "
