@@ -7,10 +7,10 @@ those of ``h_n [N, L·D, H_out]`` and ``c_n [N, L·D, H]`` (zeros where the loss
 them). ``L`` layers, ``D`` directions, ``G`` gates (1, 3 or 4), ``H_out`` is ``proj_size``
 or ``H``.
 
-Strategy ``unroll``: every weight is used as a linear map inside the recurrence, so its
-per-sample gradient is a sum of outer products, as for nn.Linear (BackPACK does the same
-for one-layer RNN/LSTM). For layer ``l`` and direction ``d``, with ``x_t`` the layer's
-input and ``h_{t-1}`` its previous (projected) state,
+Every weight is used as a linear map inside the recurrence, so its per-sample gradient
+is a sum of outer products, as for nn.Linear (BackPACK does the same for one-layer
+RNN/LSTM). For layer ``l`` and direction ``d``, with ``x_t`` the layer's input and
+``h_{t-1}`` its previous (projected) state,
 
 * ``a_t = W_ih x_t + b_ih`` and ``b_t = W_hh h_{t-1} + b_hh`` (both ``[N, G·H]``):
   ``∂W_ih = Σ_t δa_t x_tᵀ``, ``∂b_ih = Σ_t δa_t``, ``∂W_hh = Σ_t δb_t h_{t-1}ᵀ``,
@@ -18,12 +18,20 @@ input and ``h_{t-1}`` its previous (projected) state,
   linear map);
 * with ``proj_size``, ``h_t = W_hr r_t``, ``r_t = o_t ⊙ tanh(c_t)``: ``∂W_hr = Σ_t δh_t r_tᵀ``.
 
-The δ's are the gradients of the loss w.r.t. ``a_t``, ``b_t`` and ``h_t``: the
-recurrence is re-run (torch's fused kernels do not expose them, and ``vmap`` cannot
-batch them) and one autograd pass from the output gradients gives all of them, for
-every layer and direction at once. The recomputation cannot reproduce dropout between
-layers (``dropout > 0`` in training mode), and packed sequences are not supported: the
-backward raises an error naming the fix for both.
+The δ's are the gradients of the loss w.r.t. ``a_t``, ``b_t`` and ``h_t``. torch's
+kernels do not expose them, and ``vmap`` cannot batch the fused RNN ops (it fails on
+them), so the recurrence is recomputed, and one autograd pass from the output gradients
+gives the δ's of every layer and direction at once. Two strategies recompute it:
+
+* ``fused``: torch's fused recurrence, one layer and direction at a time, fed ``a`` with
+  identity input weights, so that the gradient w.r.t. its input is the gates' δ (see
+  :func:`_fused_all`); faster;
+* ``unroll``: the recurrence step by step in plain tensor operations, with every
+  ``a_t``, ``b_t``, ``h_t`` a tensor of its own: the same δ's by the definition.
+
+The recomputation cannot reproduce dropout between layers (``dropout > 0`` in training
+mode), and packed sequences are not supported: the backward raises an error naming the
+fix for both.
 """
 
 from __future__ import annotations
@@ -40,7 +48,7 @@ from torch.nn.utils.rnn import PackedSequence
 from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register
 from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
 
-UNROLL = "unroll"
+UNROLL, FUSED = "unroll", "fused"
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
 
 
@@ -117,8 +125,9 @@ def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> Tuple[Tensor
     return torch.sigmoid(o) * torch.tanh(c), c
 
 
-def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
-    """Per-sample gradients of ``names`` (see the module docstring)."""
+def _prepare(x, g, *, mode: str, num_layers: int, bidirectional: bool, dropout: float, weights) -> tuple:
+    """What no recomputation can do raises; else (input [N, T, I], h_0 [N, L·D, H_out],
+    c_0 [N, L·D, H], output gradients), with zero initial states where none were given."""
     inp, h0, c0, flags = x
     if flags["packed"]:
         raise RuntimeError(
@@ -135,14 +144,20 @@ def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, drop
             f"it applies dropout={dropout} between layers in training mode, which the per-sample "
             "recomputation cannot reproduce; set dropout=0.0 or call .eval() on it"
         )
-    g_out, g_hn, *g_cn = g
-    n, steps, _ = inp.shape
-    directions = 2 if bidirectional else 1
+    n, states = inp.shape[0], num_layers * (2 if bidirectional else 1)
     hidden = weights["weight_hh_l0"].shape[1]  # H_out
     cell = weights["weight_hh_l0"].shape[0] // GATES[mode]  # H
-    h0 = inp.new_zeros(n, num_layers * directions, hidden) if h0 is None else h0
-    c0 = inp.new_zeros(n, num_layers * directions, cell) if c0 is None else c0
+    h0 = inp.new_zeros(n, states, hidden) if h0 is None else h0
+    c0 = inp.new_zeros(n, states, cell) if c0 is None else c0
+    return inp, h0, c0, g
 
+
+def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
+    """Per-sample gradients of ``names`` (see the module docstring)."""
+    inp, h0, c0, (g_out, g_hn, *g_cn) = _prepare(
+        x, g, mode=mode, num_layers=num_layers, bidirectional=bidirectional, dropout=dropout, weights=weights
+    )
+    steps = inp.shape[1]
     tracked: Dict[str, Tuple[List[Tensor], List[Tensor]]] = {}  # name -> (maps' outputs, their inputs)
     finals_h, finals_c = [], []
     with torch.enable_grad():
@@ -197,28 +212,154 @@ def _contract(name: str, deltas: List[Tensor], inputs: List[Tensor]) -> Tensor:
     return linear.weight_batch_grad(u, delta)
 
 
-def _unroll_batch_grad(x, g, *, param: str, shared: SharedPass, batch_first, **hp) -> Tensor:
+#: torch's fused recurrences: (input, hx, weights, has_biases, num_layers, dropout, train,
+#: bidirectional, batch_first) -> (output, h_n[, c_n])
+_FUSED = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru, "LSTM": torch._VF.lstm}
+
+
+def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
+    """Per-sample gradients of ``names``, with torch's fused recurrence computing the δ's.
+
+    Each layer and direction runs alone, on ``a = W_ih x + b_ih`` as its input, with the
+    identity as its input weights: so the gradient w.r.t. ``a`` is the gates' δ, from the
+    fused backward. In processing order (reversed for ``_reverse``), with ``h_{t-1}`` the
+    fused output shifted by one step behind ``h_0``:
+
+    * ``δb = δa`` for RNN and LSTM (the gates add both maps); for GRU
+      ``δb = [δa_r, δa_z, δa_n ⊙ r]`` with ``r = σ(a_r + b_r)``, ``b = W_hh h_{t-1} + b_hh``;
+    * with ``proj_size``: ``δh_t = ∂L/∂out_t + W_hhᵀ δa_{t+1}`` (``+ ∂L/∂h_n`` at the
+      last step), and ``r_t = o_t ⊙ tanh(c_t)`` from the gates and the cell recurrence.
+    """
+    inp, h0, c0, (g_out, g_hn, *g_cn) = _prepare(
+        x, g, mode=mode, num_layers=num_layers, bidirectional=bidirectional, dropout=dropout, weights=weights
+    )
+    lstm, has_bias = mode == "LSTM", "bias_ih_l0" in weights
+    runs = []  # per layer and direction: (suffix, input, a, output in processing order)
+    finals_h, finals_c = [], []
+    with torch.enable_grad():
+        layer_in = inp
+        for k, suffix in enumerate(_suffixes(num_layers, bidirectional)):
+            w = partial(_weight, weights, suffix)
+            a = track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
+            eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
+            params = [eye, w("weight_hh")] + ([torch.zeros_like(eye[0]), w("bias_hh")] if has_bias else [])
+            params += [w("weight_hr")] if proj_size else []
+            hx = (h0[:, k][None], c0[:, k][None]) if lstm else h0[:, k][None]
+            reverse = suffix.endswith("_reverse")
+            out, *state = _FUSED[mode](a.flip(1) if reverse else a, hx, params, has_bias, 1, 0.0, False, False, True)
+            runs.append((suffix, layer_in.detach(), a, out))
+            finals_h.append(state[0][0]), finals_c.extend(s[0] for s in state[1:])
+            seq = out.flip(1) if reverse else out
+            if reverse or not bidirectional:
+                layer_in = torch.cat([forward_seq, seq], -1) if bidirectional else seq
+            else:
+                forward_seq = seq
+        outputs = [layer_in, torch.stack(finals_h, 1)] + ([torch.stack(finals_c, 1)] if g_cn else [])
+        inputs = [a for _, _, a, _ in runs] + ([out for *_, out in runs] if proj_size else [])
+        deltas = torch.autograd.grad(outputs, inputs, [g_out, g_hn, *g_cn], allow_unused=True)
+    deltas = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, deltas)]
+    grads = {}
+    for k, (suffix, x_in, a, out) in enumerate(runs):
+        wanted = [name for name in names if _suffix_of(name) == suffix]
+        if not wanted:
+            continue
+        w = partial(_weight, weights, suffix)
+        reverse = suffix.endswith("_reverse")
+        delta_a = deltas[k]  # time order, as a
+        a_seq, d_seq = (a.detach().flip(1), delta_a.flip(1)) if reverse else (a.detach(), delta_a)
+        out = out.detach()
+        h_prev = torch.cat([h0[:, k, None], out[:, :-1]], 1)  # [N, T, H_out], processing order
+        b = F.linear(h_prev, w("weight_hh"), w("bias_hh"))  # [N, T, G·H]
+        delta_b = d_seq
+        if mode == "GRU":
+            (ar, _, _), (br, _, _) = a_seq.chunk(3, -1), b.chunk(3, -1)
+            dr, dz, dn = d_seq.chunk(3, -1)
+            delta_b = torch.cat([dr, dz, dn * torch.sigmoid(ar + br)], -1)
+        for name in wanted:
+            kind = name[: -len(suffix)]
+            if kind == "weight_ih":
+                grads[name] = linear.weight_batch_grad(x_in, delta_a)
+            elif kind == "bias_ih":
+                grads[name] = linear.bias_batch_grad(None, delta_a)
+            elif kind == "weight_hh":
+                grads[name] = linear.weight_batch_grad(h_prev, delta_b)
+            elif kind == "bias_hh":
+                grads[name] = linear.bias_batch_grad(None, delta_b)
+            else:  # weight_hr
+                delta_h = deltas[len(runs) + k] + F.pad(d_seq[:, 1:] @ w("weight_hh"), (0, 0, 0, 1))
+                delta_h[:, -1] += g_hn[:, k]
+                grads[name] = linear.weight_batch_grad(_lstm_cells(a_seq + b, c0[:, k]), delta_h)
+    return grads
+
+
+def _suffix_of(name: str) -> str:
+    """``weight_ih_l1_reverse`` -> ``_l1_reverse``"""
+    return name[name.index("_l") :]
+
+
+def _lstm_cells(gates: Tensor, c: Tensor) -> Tensor:
+    """``r_t = o_t ⊙ tanh(c_t)``, the states before the projection, from the gates'
+    pre-activations [N, T, 4H] and c_0 [N, H] -> [N, T, H]"""
+    i, f, gg, o = gates.chunk(4, -1)
+    i, f, gg, o = torch.sigmoid(i), torch.sigmoid(f), torch.tanh(gg), torch.sigmoid(o)
+    cells = []
+    for t in range(gates.shape[1]):
+        c = f[:, t] * c + i[:, t] * gg[:, t]
+        cells.append(c)
+    return o * torch.tanh(torch.stack(cells, 1))
+
+
+def _batch_grad(x, g, *, param: str, compute_all, shared: SharedPass, batch_first, **hp) -> Tensor:
     """Per-sample gradients of ``param``: x as ``arrange_input`` gives it, g = (output
     [N, T, D·H_out], h_n [N, L·D, H_out], (c_n [N, L·D, H])) -> [N, *param.shape]"""
-    return shared.take(param, x, g, partial(_unroll_all, **hp))
+    return shared.take(param, x, g, partial(compute_all, **hp))
 
 
-def _unroll_cost(xs, gs, *, mode, num_layers, bidirectional, proj_size, weights, **_) -> Cost:
-    """Forward and backward of the recurrence, and the contractions: about 4× the
-    forward's FLOPs; the workspace holds each step's maps and states."""
+def _forward_flops(xs, weights) -> float:
+    """The forward's multiply-adds, counted twice, over every weight matrix."""
+    n, steps, _ = xs[0]
+    return sum(2 * n * steps * w.numel() for name, w in weights.items() if name.startswith("weight"))
+
+
+#: FLOP-equivalent of the Python and autograd work of one step of one layer and direction,
+#: forward and backward, in the unrolled recurrence (about 0.3 ms at the cost model's rate)
+STEP_OVERHEAD = 3e7
+
+
+def _unroll_cost(xs, gs, *, num_layers, bidirectional, weights, **_) -> Cost:
+    """Forward and backward of the recurrence step by step, and the contractions; the
+    workspace holds each step's maps and states."""
     if xs[0] is None:
         return Cost(0, 0)  # packed or unbatched: the strategy raises the error that explains it
     n, steps, _ = xs[0]
-    flops = sum(
-        2 * n * steps * w.numel() for name, w in weights.items() if name.startswith("weight")
-    )
-    cell = weights["weight_hh_l0"].shape[0]
     layers = num_layers * (2 if bidirectional else 1)
-    return Cost(flops=4 * flops, workspace=6 * n * steps * layers * cell)
+    return Cost(
+        flops=4 * _forward_flops(xs, weights) + STEP_OVERHEAD * steps * layers,
+        workspace=6 * n * steps * layers * weights["weight_hh_l0"].shape[0],
+    )
 
 
-def _strategy(name: str) -> Strategy:
-    return Strategy(partial(_unroll_batch_grad, param=name), shared_cost(_unroll_cost, name))
+def _fused_cost(xs, gs, *, num_layers, bidirectional, weights, **_) -> Cost:
+    """Forward and backward of the fused recurrence, with its identity input weights,
+    and the contractions; the workspace holds the maps, δ's and states of every layer."""
+    if xs[0] is None:
+        return Cost(0, 0)
+    n, steps, _ = xs[0]
+    gates = weights["weight_hh_l0"].shape[0]
+    layers = num_layers * (2 if bidirectional else 1)
+    identities = 2 * n * steps * gates * gates * layers
+    return Cost(flops=4 * _forward_flops(xs, weights) + 2 * identities, workspace=5 * n * steps * layers * gates)
+
+
+#: strategy name -> (all parameters at once, cost)
+STRATEGIES = {UNROLL: (_unroll_all, _unroll_cost), FUSED: (_fused_all, _fused_cost)}
+
+
+def _strategies(name: str) -> Dict[str, Strategy]:
+    return {
+        strategy: Strategy(partial(_batch_grad, param=name, compute_all=fn), shared_cost(cost, name))
+        for strategy, (fn, cost) in STRATEGIES.items()
+    }
 
 
 _ENTRIES: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
@@ -229,7 +370,7 @@ def _for_module(module: nn.RNNBase) -> LayerDerivatives:
     base = next(REGISTRY[cls] for cls in type(module).__mro__ if cls in REGISTRY)
     key = (type(module), tuple(_names(module)))
     if key not in _ENTRIES:
-        strategies = {(name, "batch_grad"): {UNROLL: _strategy(name)} for name in key[1]}
+        strategies = {(name, "batch_grad"): _strategies(name) for name in key[1]}
         _ENTRIES[key] = replace(base, for_module=None, strategies=strategies)
     return _ENTRIES[key]
 
@@ -247,5 +388,5 @@ for _module in (nn.RNN, nn.GRU, nn.LSTM):
     # the names of a one-layer bidirectional instance (with a projection for the LSTM)
     example = _module(1, 2, bidirectional=True, **(dict(proj_size=1) if _module is nn.LSTM else {}))
     for _name in _names(example):
-        strategy = _strategy(_name)
-        register(_module, _name, "batch_grad", UNROLL, cost=strategy.cost)(strategy.fn)
+        for _strategy, _impl in _strategies(_name).items():
+            register(_module, _name, "batch_grad", _strategy, cost=_impl.cost)(_impl.fn)
