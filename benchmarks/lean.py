@@ -233,8 +233,9 @@ def _child(case: Dict, args) -> Dict:
     """Run one case: in its own process, or in this one for --quick."""
     if args.quick:
         return _run(case, args)
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
-    env["OMP_NUM_THREADS"] = str(args.threads)
+    env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
+    if case["kind"] == "memory":  # freed tensors leave the resident set at once (glibc)
+        env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
     cmd = [sys.executable, "-m", "benchmarks.lean", "--case", json.dumps(case), "--repeats", str(args.repeats),
            "--threads", str(args.threads), "--device", args.device]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)

@@ -99,8 +99,9 @@ def main(argv=None):
     tuning = compare("fine-tuning", model, leaned, x, y)
     gx = torch.autograd.grad(F.cross_entropy(model(x), y), x)[0]
     gx_lean = torch.autograd.grad(F.cross_entropy(leaned(x), y), x)[0]
-    print(f"  largest difference of the input gradients, stock vs lean: {(gx - gx_lean).abs().max().item():.2e}")
-    return training, tuning
+    diff = (gx - gx_lean).abs().max().item()
+    print(f"  largest difference of the input gradients, stock vs lean: {diff:.2e}")
+    return {"training": training, "tuning": tuning, "grad_diff": diff, "shape": (depth, width, n, size)}
 
 
 if __name__ == "__main__":

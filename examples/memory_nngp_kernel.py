@@ -144,7 +144,7 @@ def main(argv=None):
           f"  ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)")
     print(f"  forward + backward, peak RSS: before {fmt_bytes(peak_before)}, after {fmt_bytes(peak_after)}")
     print(f"  largest difference of the variances' gradients: {diff:.2e}")
-    return before, after
+    return {"before": before, "after": after, "grad_diff": diff, "shape": (n, size, depth)}
 
 
 if __name__ == "__main__":

@@ -37,7 +37,7 @@ def _run(layer, x, pattern, seed=0):
     x = x.clone().requires_grad_("input" in pattern)
     out = layer(x)
     out = out[0] if isinstance(out, tuple) else out
-    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed))
+    w = torch.randn(out.shape, generator=torch.Generator().manual_seed(seed)).to(out.device)
     (out * w).sum().backward()
     grads = {"input": x.grad} if "input" in pattern else {}
     grads.update({n: p.grad for n, p in layer.named_parameters() if n in pattern})
@@ -259,6 +259,21 @@ def test_dropout_cuda(p):
     torch.testing.assert_close(x.grad, g * out, rtol=0, atol=1e-15)
     if 0 < p < 1:
         assert abs((out != 0).double().mean().item() - (1 - p)) < 0.02
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_lean_network_cuda():
+    torch.manual_seed(0)
+    stock = nn.Sequential(_net(), BatchNormAct(5)).cuda().eval()
+    leaned = lean(copy.deepcopy(stock))
+    x = torch.randn(3, 3, 10, 10, device="cuda")
+    for names in (["input"], [n for n, _ in stock.named_parameters()]):
+        out_s, grads_s = _run(stock, x, names)
+        out_l, grads_l = _run(leaned, x, names)
+        torch.testing.assert_close(out_l, out_s, rtol=1e-12, atol=1e-12)
+        for n in grads_s:
+            torch.testing.assert_close(grads_l[n], grads_s[n], rtol=1e-9, atol=1e-11)
 
 
 # -- BatchNormAct ----------------------------------------------------------------------

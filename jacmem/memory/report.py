@@ -293,9 +293,10 @@ class _Recorder:
     def pack(self, t: Tensor) -> _Handle:
         module = self.stack[-1] if self.stack else self.root_label
         key = _key(t)
-        kind = "parameter" if isinstance(t, nn.Parameter) else self.owned.get(key, "activation")
-        if kind == "parameter" and id(t) not in self.params and isinstance(t, nn.Parameter):
-            self.params[id(t)] = t
+        leaf = isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)  # a trainable tensor, by reference
+        kind = "parameter" if leaf else self.owned.get(key, "activation")
+        if leaf:
+            self.params.setdefault(id(t), t)
         self.entries.append(
             SavedTensor(module, UNREACHED, "?", tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
                         key[2], kind, storage=key)
@@ -406,15 +407,18 @@ def _rows(rec: _Recorder) -> List[ModuleRow]:
     return sorted((r for r in rows.values() if r.tensors), key=lambda r: -r.bytes)
 
 
-def _exclusive_numel(rec: _Recorder, name: str) -> int:
-    """Elements of the activation storages that only module ``name`` saved."""
-    savers: Dict[Key, set] = {}
-    numel: Dict[Key, int] = {}
+def _freeable(rec: _Recorder, name: str) -> Tuple[int, int]:
+    """(bytes, elements) of the activation storages module ``name`` saves that ``lean``
+    would free: no other module saves them, or only for gradients that are not computed."""
+    storages: Dict[Key, List[SavedTensor]] = {}
     for e in rec.entries:
         if e.kind == "activation":
-            savers.setdefault(e.storage, set()).add(e.module)
-            numel[e.storage] = max(numel.get(e.storage, 0), prod(e.shape))
-    return sum(n for k, n in numel.items() if savers[k] == {name})
+            storages.setdefault(e.storage, []).append(e)
+    free = [
+        ts for ts in storages.values()
+        if any(t.module == name for t in ts) and all(t.module == name or t.wasted for t in ts)
+    ]
+    return sum(ts[0].nbytes for ts in free), sum(max(prod(t.shape) for t in ts) for ts in free)
 
 
 _ACTIVATIONS = (nn.ReLU, nn.LeakyReLU)
@@ -439,15 +443,15 @@ def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> Lis
                 "would drop it"
             )
             out.append(f"{here}: {fmt_bytes(row.wasted)} is kept for gradients that are not computed; {fix}.")
-        if kind is nn.ReLU and row.exclusive:
-            packed = -(-_exclusive_numel(rec, row.name) // 8)
+        freeable, numel = _freeable(rec, row.name)
+        if kind is nn.ReLU and freeable:
             out.append(
-                f"{here}: keeps its float output ({fmt_bytes(row.exclusive)}); jacmem.memory.lean(model) keeps a "
-                f"1-bit mask instead ({fmt_bytes(packed)})."
+                f"{here}: keeps its float output ({fmt_bytes(freeable)} that nothing else needs); "
+                f"jacmem.memory.lean(model) keeps a 1-bit mask instead ({fmt_bytes(-(-numel // 8))})."
             )
-        if kind is nn.Dropout and row.exclusive:
+        if kind is nn.Dropout and freeable:
             out.append(
-                f"{here}: keeps its mask ({fmt_bytes(row.exclusive)}); jacmem.memory.lean(model) keeps the RNG "
+                f"{here}: keeps its mask ({fmt_bytes(freeable)}); jacmem.memory.lean(model) keeps the RNG "
                 "seed and draws the mask again in backward."
             )
         nxt = rec.by_name.get(follower.get(row.name, ""))
