@@ -444,3 +444,45 @@ def test_extend_batch_grad_on_lean_partly_frozen_model():
     stock_rows = {m.name: m for m in report(stock, x).modules}
     assert lean_rows["3"].bytes == 0 and lean_rows["3"].wasted == 0
     assert stock_rows["3"].wasted == 4 * 4 * 4 * 6 * 8  # its input [6, 4, 4, 4], float64
+
+
+def test_extend_batch_grad_through_lean_batchnorm_and_conv_transpose():
+    """Lean eval-mode BatchNorm and ConvTranspose share jacmem's derivatives of the stock
+    layers too: per-sample gradients against an autograd loop on the stock model."""
+    torch.manual_seed(2)
+    stock = nn.Sequential(
+        nn.Conv2d(3, 4, 3), _batchnorm(nn.BatchNorm2d, 4), nn.ReLU(),
+        nn.ConvTranspose2d(4, 2, 3, stride=2), nn.Flatten(), nn.Linear(2 * 13 * 13, 3),
+    ).eval()
+    for p in stock[0].parameters():
+        p.requires_grad_(False)
+    leaned = lean(copy.deepcopy(stock))
+    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
+    names = [n for n, p in stock.named_parameters() if p.requires_grad]
+    reference = _per_sample_reference(stock, x, y, names)
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.functional.cross_entropy(leaned(x), y).backward()
+    params = dict(leaned.named_parameters())
+    for n in names:
+        torch.testing.assert_close(params[n].grad_batch, reference[n], rtol=1e-9, atol=1e-12, msg=n)
+
+
+def test_second_order_through_lean_layers_matches_backpack():
+    """jacmem's DiagGGNExact crosses lean ReLU and max pooling (the stock types'
+    passthroughs, with the stock forward for the generic vjp); reference: BackPACK's
+    DiagGGNExact on the stock model (BackPACK does not know the lean types)."""
+    backpack = pytest.importorskip("backpack")
+    torch.manual_seed(3)
+    stock = nn.Sequential(
+        nn.Conv2d(3, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Conv2d(4, 3, 2), nn.Flatten(), nn.Linear(12, 3)
+    )
+    leaned = lean(copy.deepcopy(stock))
+    x, y = torch.randn(5, 3, 8, 8), torch.randint(0, 3, (5,))
+    with jacmem.extend(jacmem.DiagGGNExact()):
+        nn.CrossEntropyLoss()(leaned(x), y).backward()
+    bp_model = backpack.extend(copy.deepcopy(stock))
+    with backpack.backpack(backpack.extensions.DiagGGNExact()):
+        backpack.extend(nn.CrossEntropyLoss())(bp_model(x), y).backward()
+    lean_params = dict(leaned.named_parameters())
+    for n, p in bp_model.named_parameters():
+        torch.testing.assert_close(lean_params[n].diag_ggn_exact, p.diag_ggn_exact, rtol=1e-9, atol=1e-12, msg=n)
