@@ -8,11 +8,15 @@ their blocks per parameter.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from typing import Dict, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
+
+import jacmem
+from jacmem import BatchDiagGGNExact, BatchDiagHessian, DiagGGNExact, DiagHessian
 
 
 def _split(model: nn.Module):
@@ -74,3 +78,38 @@ def blocks(model: nn.Module, M: Tensor) -> Dict[str, Tensor]:
         out[n] = M[start : start + k, start : start + k]
         start += k
     return out
+
+
+def run(model, lossf, X, y, *exts):
+    model.zero_grad()
+    with jacmem.extend(*exts):
+        lossf(model(X), y).backward()
+
+
+def check_exact(model, lossf, X, y, per_sample=True, atol=1e-10):
+    """DiagGGNExact, DiagHessian (and their batch versions) equal the dense diagonals."""
+    exts = [DiagGGNExact(), DiagHessian()] + ([BatchDiagGGNExact(), BatchDiagHessian()] if per_sample else [])
+    run(model, lossf, X, y, *exts)
+    ggn, hess = dense(model, lossf, X, y)
+    refs = {"diag_ggn_exact": diagonals(model, ggn), "diag_h": diagonals(model, hess)}
+    if per_sample:
+        ggn_n, hess_n = dense(model, lossf, X, y, per_sample=True)
+        refs["diag_ggn_exact_batch"] = diagonals(model, ggn_n)
+        refs["diag_h_batch"] = diagonals(model, hess_n)
+    for field, ref in refs.items():
+        for name, p in model.named_parameters():
+            got = getattr(p, field)
+            assert got.shape == ref[name].shape, (field, name)
+            torch.testing.assert_close(got, ref[name], atol=atol, rtol=1e-7, msg=f"{field} of {name}")
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype):
+    """BackPACK builds some buffers in the default dtype: make it the model's (other
+    test modules set float64 globally at import)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)

@@ -7,41 +7,13 @@ import copy
 
 import pytest
 import torch
-from secondorder_ref import dense, diagonals
+from secondorder_ref import check_exact, default_dtype, dense, diagonals, run
 from torch import nn
 
-import jacmem
 from jacmem import BatchDiagGGNExact, BatchDiagGGNMC, BatchDiagHessian, DiagGGNExact, DiagGGNMC, DiagHessian
 
 DT = torch.float64
 ACTIVATIONS = [nn.ReLU, nn.Sigmoid, nn.Tanh, nn.LeakyReLU, nn.ELU, nn.SELU, nn.LogSigmoid, nn.GELU, nn.SiLU]
-FIELDS = {
-    "diag_ggn_exact": lambda ggn, h: ggn,
-    "diag_h": lambda ggn, h: h,
-}
-
-
-def _run(model, lossf, X, y, *exts):
-    model.zero_grad()
-    with jacmem.extend(*exts):
-        lossf(model(X), y).backward()
-
-
-def check_exact(model, lossf, X, y, per_sample=True, atol=1e-10):
-    """DiagGGNExact, DiagHessian (and their batch versions) equal the dense diagonals."""
-    exts = [DiagGGNExact(), DiagHessian()] + ([BatchDiagGGNExact(), BatchDiagHessian()] if per_sample else [])
-    _run(model, lossf, X, y, *exts)
-    ggn, hess = dense(model, lossf, X, y)
-    refs = {"diag_ggn_exact": diagonals(model, ggn), "diag_h": diagonals(model, hess)}
-    if per_sample:
-        ggn_n, hess_n = dense(model, lossf, X, y, per_sample=True)
-        refs["diag_ggn_exact_batch"] = diagonals(model, ggn_n)
-        refs["diag_h_batch"] = diagonals(model, hess_n)
-    for field, ref in refs.items():
-        for name, p in model.named_parameters():
-            got = getattr(p, field)
-            assert got.shape == ref[name].shape, (field, name)
-            torch.testing.assert_close(got, ref[name], atol=atol, rtol=1e-7, msg=f"{field} of {name}")
 
 
 def mlp(act, d_in=4, d_out=3):
@@ -148,7 +120,7 @@ def test_dropout_in_training_mode_uses_the_forward_mask():
     X, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
     masks = []
     handle = model[2].register_forward_hook(lambda m, i, o: masks.append((o != 0) / 0.5))
-    _run(model, nn.CrossEntropyLoss(), X, y, DiagGGNExact(), DiagHessian())
+    run(model, nn.CrossEntropyLoss(), X, y, DiagGGNExact(), DiagHessian())
     handle.remove()
     got = {n: (p.diag_ggn_exact, p.diag_h) for n, p in model.named_parameters()}
 
@@ -172,7 +144,7 @@ def test_mc_matches_exact_in_expectation():
     X, y = torch.randn(4, 4, dtype=DT), torch.randint(0, 3, (4,))
     for lossf in (nn.CrossEntropyLoss(), nn.MSELoss(), nn.BCEWithLogitsLoss()):
         target = y if isinstance(lossf, nn.CrossEntropyLoss) else torch.rand(4, 3, dtype=DT).round()
-        _run(model, lossf, X, target, DiagGGNExact(), BatchDiagGGNExact(), DiagGGNMC(20000), BatchDiagGGNMC(20000))
+        run(model, lossf, X, target, DiagGGNExact(), BatchDiagGGNExact(), DiagGGNMC(20000), BatchDiagGGNMC(20000))
         for name, p in model.named_parameters():
             for mc, exact in ((p.diag_ggn_mc, p.diag_ggn_exact), (p.diag_ggn_mc_batch, p.diag_ggn_exact_batch)):
                 assert mc.shape == exact.shape
@@ -187,7 +159,7 @@ def test_mc_single_sample_is_a_rank_one_estimate():
     torch.manual_seed(8)
     model = mlp(nn.Tanh)
     X, y = torch.randn(1, 4, dtype=DT), torch.randint(0, 3, (1,))
-    _run(model, nn.CrossEntropyLoss(), X, y, DiagGGNMC(), DiagGGNExact())
+    run(model, nn.CrossEntropyLoss(), X, y, DiagGGNMC(), DiagGGNExact())
     b = model[4].bias
     assert (b.diag_ggn_mc >= 0).all() and not torch.allclose(b.diag_ggn_mc, b.diag_ggn_exact)
 
@@ -199,7 +171,7 @@ def _backpack(model, lossf, X, y, *exts):
     from backpack import backpack, extend
 
     model, lossf = extend(copy.deepcopy(model)), extend(copy.deepcopy(lossf))
-    with backpack(*exts):
+    with backpack(*exts), default_dtype(X.dtype):
         lossf(model(X), y).backward()
     return dict(model.named_parameters())
 
@@ -224,7 +196,7 @@ def test_equal_to_backpack(make, reduction):
     X = torch.randn(4, 4, dtype=DT) if isinstance(model[0], nn.Linear) else torch.randn(4, 2, 6, 6, dtype=DT)
     y = torch.randint(0, 3, (4,))
     lossf = nn.CrossEntropyLoss(reduction=reduction)
-    _run(model, lossf, X, y, DiagGGNExact(), BatchDiagGGNExact(), DiagHessian(), BatchDiagHessian())
+    run(model, lossf, X, y, DiagGGNExact(), BatchDiagGGNExact(), DiagHessian(), BatchDiagHessian())
     ref = _backpack(model, lossf, X, y, bpe.DiagGGNExact(), bpe.BatchDiagGGNExact(), bpe.DiagHessian(), bpe.BatchDiagHessian())
     for name, p in model.named_parameters():
         for field in ("diag_ggn_exact", "diag_ggn_exact_batch", "diag_h", "diag_h_batch"):

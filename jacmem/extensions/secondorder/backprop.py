@@ -164,7 +164,7 @@ class Engine:
         loss = lookup_loss(module)
         entry = None if loss is not None else lookup_passthrough(module)
         if loss is None and entry is None:
-            self._untracked(module)
+            self._untracked(module, output)
             return
         self.seen.add(module)
         if not isinstance(output, Tensor) or not output.requires_grad:
@@ -215,25 +215,30 @@ class Engine:
 
     def _mark_untracked_path(self, fn, consumer: str) -> None:
         """Tell the tracked nodes above ``fn`` (through untracked operations) who
-        consumes their output, for the error message."""
-        seen, queue = set(), deque([fn])
+        consumes their output, and through which unsupported module, for the error."""
+        seen, queue = set(), deque([(fn, None)])
         while queue and len(seen) < _SEARCH_NODES:
-            fn = queue.popleft()
+            fn, via = queue.popleft()
             if fn is None or fn in seen:
                 continue
             seen.add(fn)
             ref = fn.metadata.get("jacmem")
             node = ref() if ref is not None else None
             if node is not None:
-                node.untracked_consumers.append(consumer)
+                node.untracked_consumers.append(f"{consumer!r}" + (f" (through module {via})" if via else ""))
                 continue
-            queue.extend(f for f, _ in fn.next_functions)
+            via = via or fn.metadata.get("jacmem_unsupported")
+            queue.extend((f, via) for f, _ in fn.next_functions)
 
-    def _untracked(self, module: nn.Module) -> None:
-        """A leaf module with parameters that nothing here can pass through."""
-        if next(module.children(), None) is not None or module in self.warned:
+    def _untracked(self, module: nn.Module, output) -> None:
+        """A leaf module that nothing here can pass through: marked in the graph (for
+        the chain error), and a warning if it has trainable parameters."""
+        if next(module.children(), None) is not None:
             return
-        if not any(p.requires_grad for p in module.parameters(recurse=False)):
+        fn = getattr(output, "grad_fn", None)
+        if fn is not None:
+            fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
+        if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
             return
         self.warned.add(module)
         self._say(
@@ -317,7 +322,10 @@ class Engine:
             return
         entry, xs, hp = node.entry, node.inputs, node.hp
         if dense and len(xs) > 1:
-            raise NotImplementedError(f"jacmem: KFRA through module {node}, which has several inputs, is not implemented")
+            raise NotImplementedError(
+                f"jacmem: KFRA through branches is not implemented: module {node} merges several inputs. "
+                "Use KFLR or KFAC there."
+            )
         try:
             for key in list(factors):
                 f = factors.pop(key)  # freed once it has crossed
@@ -399,7 +407,7 @@ class Engine:
         )
         downstream = ""
         if node.untracked_consumers:
-            names = ", ".join(map(repr, dict.fromkeys(node.untracked_consumers)))
+            names = ", ".join(dict.fromkeys(node.untracked_consumers))
             downstream = f" on its way to {names}"
         if dep is None or dep.grad is None:
             raise ChainError(

@@ -93,10 +93,9 @@ class _KF(SecondOrderExtension):
         G = self.output_factor(call)
         if G is None:
             G = torch.zeros(call.out_shape[1], call.out_shape[1], dtype=call.x.dtype, device=call.x.device)
-        out = {}
-        for name in call.params:
-            out[name] = [G, input_factor(call)] if name == "weight" else [G]
-        return out
+        G = G.contiguous()
+        A = input_factor(call).contiguous() if "weight" in call.params else None
+        return {name: [G, A] if name == "weight" else [G] for name in call.params}
 
 
 class KFAC(_KF):
