@@ -201,3 +201,38 @@ def test_equal_to_backpack(make, reduction):
     for name, p in model.named_parameters():
         for field in ("diag_ggn_exact", "diag_ggn_exact_batch", "diag_h", "diag_h_batch"):
             torch.testing.assert_close(getattr(p, field), getattr(ref[name], field), msg=f"{field} {name}")
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_conv_transpose_batchnorm_embedding(reduction):
+    """ConvTranspose1d/2d/3d (output_padding, groups, dilation), BatchNorm in eval mode
+    (running statistics set to non-trivial values) and Embedding, through the generic
+    vjp of their forward and their first-order derivatives."""
+    torch.manual_seed(10)
+    bn2, bn1, bn3 = nn.BatchNorm2d(4), nn.BatchNorm1d(3), nn.BatchNorm3d(2)
+    for bn in (bn2, bn1, bn3):
+        bn.running_mean.uniform_(-1, 1)
+        bn.running_var.uniform_(0.5, 2)
+    model = nn.Sequential(
+        nn.ConvTranspose2d(2, 4, 3, stride=2, output_padding=1, groups=2),
+        bn2,
+        nn.Tanh(),
+        nn.ConvTranspose2d(4, 2, 2, dilation=2),
+        nn.AdaptiveAvgPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+        bn1,
+    ).to(DT).eval()
+    check_exact(model, nn.CrossEntropyLoss(reduction=reduction), torch.randn(3, 2, 3, 3, dtype=DT), torch.randint(0, 3, (3,)))
+    vol = nn.Sequential(nn.ConvTranspose3d(1, 2, 2), bn3, nn.Sigmoid(), nn.Flatten(), nn.Linear(2 * 27, 2)).to(DT).eval()
+    check_exact(vol, nn.MSELoss(reduction=reduction), torch.randn(2, 1, 2, 2, 2, dtype=DT), torch.randn(2, 2, dtype=DT))
+    seq = nn.Sequential(nn.ConvTranspose1d(3, 2, 2), nn.Flatten(), nn.Linear(8, 2)).to(DT)
+    check_exact(seq, nn.MSELoss(reduction=reduction), torch.randn(2, 3, 3, dtype=DT), torch.randn(2, 2, dtype=DT))
+    emb = nn.Sequential(nn.Embedding(7, 3), nn.Tanh(), nn.Flatten(), nn.Linear(6, 3)).to(DT)
+    check_exact(emb, nn.CrossEntropyLoss(reduction=reduction), torch.randint(0, 7, (4, 2)), torch.randint(0, 3, (4,)))
+
+
+def test_batchnorm_in_training_mode_raises():
+    model = nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4), nn.Linear(4, 2)).to(DT)
+    with pytest.raises(NotImplementedError, match="BatchNorm1d in eval mode"):
+        run(model, nn.MSELoss(), torch.randn(3, 3, dtype=DT), torch.randn(3, 2, dtype=DT), DiagGGNExact())

@@ -185,5 +185,21 @@ def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Optional[Tensor], out_shape, H
     return result / len(samples)
 
 
-# The layer families register themselves on import.
+def _eval_only(module: nn.Module) -> Dict[str, Any]:
+    if module.training:
+        raise NotImplementedError(
+            f"second-order extensions need {type(module).__name__} in eval mode: in training mode it mixes "
+            "the samples of the batch (batch statistics). Call model.eval() first"
+        )
+    return {}
+
+
+# Layers whose input Jacobian is that of their own forward (their parameters'
+# derivatives are in their first-order layer files): transposed convolutions,
+# BatchNorm in eval mode, Embedding (an integer input: nothing to pass on).
+passthrough(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, sample_independent=True)
+passthrough(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, sample_independent=True, hyperparams=_eval_only)
+passthrough(nn.Embedding)
+
+# The other layer families register themselves on import.
 from jacmem.derivatives import activations, losses, pooling, shape  # noqa: E402,F401
