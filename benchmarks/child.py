@@ -44,7 +44,7 @@ def run(case: dict) -> dict:
     from benchmarks.models import MODELS
 
     device = torch.device(case["device"])
-    model, X, y = MODELS[case["model"]].build(case["quick"])
+    model, X, y = MODELS[case["model"]].build(case["quick"], case.get("batch"))
     model, X, y = model.to(device), X.to(device), y.to(device)
     log: dict = {}
     step = prepare(case["method"], model, X, y, log)

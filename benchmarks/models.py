@@ -6,7 +6,7 @@ Every builder is seeded, so each subprocess rebuilds the same model and batch.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Dict, Tuple
+from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -114,11 +114,12 @@ class Bench:
     input_shape: Callable[[bool], Tuple[int, ...]]  # quick -> [N, ...]
     note: str = ""
 
-    def build(self, quick: bool) -> Tuple[nn.Module, Tensor, Tensor]:
-        """(model, X, y), the same in every process."""
+    def build(self, quick: bool, batch: Optional[int] = None) -> Tuple[nn.Module, Tensor, Tensor]:
+        """(model, X, y), the same in every process; ``batch`` overrides N."""
         torch.manual_seed(0)
         model = self.make(quick)
-        X = torch.randn(self.input_shape(quick))
+        shape = self.input_shape(quick)
+        X = torch.randn((batch or shape[0], *shape[1:]))
         y = torch.randint(0, 10, (X.shape[0],))
         return model, X, y
 

@@ -33,7 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     quick_dir = ROOT / "out" / "benchmarks-quick"
     args.markdown = args.markdown or (quick_dir / "BENCHMARKS.md" if args.quick else ROOT / "BENCHMARKS.md")
     args.plot = args.plot or (quick_dir / "results.png" if args.quick else ROOT / "benchmarks" / "results.png")
-    args.warmup = (0 if args.quick else 1) if args.warmup is None else args.warmup
+    args.warmup = 1 if args.warmup is None else args.warmup
     args.repeats = (1 if args.quick else 7) if args.repeats is None else args.repeats
     if args.quick:
         args.seconds = 0.0

@@ -1,0 +1,127 @@
+"""Where each conv strategy wins: time and memory versus batch size.
+
+jacmem has two ways to get a convolution's per-sample weight gradients, and a third
+for their norms alone:
+
+* ``unfold``: im2col, then one batched matrix product. Fast, but the unfolded input
+  (``C_in · prod(kernel) · prod(S_out)`` per sample) is a buffer that grows with N;
+  jacmem chunks it over the batch.
+* ``save_memory`` (Rochette et al., 2019): one grouped convolution, no unfolded buffer.
+* ``ghost`` (norms only): ``‖Gᵀ A‖² = ⟨A Aᵀ, G Gᵀ⟩`` per sample, never forming the
+  per-sample gradients.
+* ``auto``: per layer, the cheapest by jacmem's cost model.
+
+This script runs the seed CNN of ``plot_save_memory.py`` (Conv2d 1→128→256→64→32,
+MaxPools, Linear(32, 10)) at several batch sizes, with ``BatchGrad`` and
+``BatchL2Grad`` under each strategy and a plain forward+backward, every point in a
+process of its own (the benchmark suite's ``benchmarks.child``). It prints a table and
+saves ``out/plot_strategies_vs_batch.png``: step time, and peak memory above the plain
+run's, versus N.
+
+Run: ``python examples/plot_strategies_vs_batch.py``; ``--quick`` for a smoke run (small
+batches, one repeat).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.run import run_case  # noqa: E402
+
+MiB = 2**20
+METHODS = {
+    "BatchGrad": ["unfold", "save_memory", "auto"],
+    "BatchL2Grad": ["unfold", "save_memory", "ghost", "auto"],
+}
+
+
+def measure(batches, quick: bool, threads: int):
+    """{(extension, strategy or "plain", N): result dict of benchmarks.child}"""
+    results = {}
+    todo = [("plain", "plain", n) for n in batches]
+    todo += [(ext, s, n) for n in batches for ext, names in METHODS.items() for s in names]
+    for i, (ext, strategy, n) in enumerate(todo, 1):
+        method = "plain" if ext == "plain" else f"jacmem:{ext}:{strategy}"
+        case = dict(model="seed-cnn-256", method=method, quick=False, device="cpu", threads=threads, batch=n)
+        case.update(warmup=1, repeats=1 if quick else 5, seconds=0 if quick else 4.0)
+        r = run_case(case, timeout=300)
+        results[(ext, strategy, n)] = r
+        status = r.get("error") or f"{r['time_s'] * 1e3:.0f} ms, peak +{r['extra_bytes'] / MiB:.0f} MiB"
+        print(f"[{i}/{len(todo)}] N={n} {method}: {status}", file=sys.stderr, flush=True)
+    return results
+
+
+def table(results, batches) -> str:
+    lines = ["| extension | strategy | " + " | ".join(f"N={n}" for n in batches) + " |"]
+    lines.append("|---|---|" + "---|" * len(batches))
+    for ext, names in [("plain", ["plain"]), *METHODS.items()]:
+        for s in names:
+            cells = []
+            for n in batches:
+                r, base = results[(ext, s, n)], results[("plain", "plain", n)]
+                if "error" in r:
+                    cells.append("n/a")
+                    continue
+                extra = (r["extra_bytes"] - base["extra_bytes"]) / MiB
+                cells.append(f"{r['time_s'] * 1e3:.0f} ms, +{extra:.0f} MiB")
+            lines.append(f"| {ext} | {s} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, batches, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
+    for row, (ext, names) in enumerate(METHODS.items()):
+        ax_t, ax_m = axes[row]
+        ns = [n for n in batches if "error" not in results[("plain", "plain", n)]]
+        ax_t.plot(ns, [results[("plain", "plain", n)]["time_s"] * 1e3 for n in ns], "k--", label="plain")
+        grads = [results[("plain", "plain", n)]["per_sample_bytes"] / MiB for n in ns]
+        ax_m.plot(ns, grads, "k:", label="size of the per-sample grads")
+        for s in names:
+            ok = [n for n in ns if "error" not in results[(ext, s, n)]]
+            ax_t.plot(ok, [results[(ext, s, n)]["time_s"] * 1e3 for n in ok], "o-", label=s)
+            extra = [
+                max((results[(ext, s, n)]["extra_bytes"] - results[("plain", "plain", n)]["extra_bytes"]) / MiB, 0.1)
+                for n in ok
+            ]
+            ax_m.plot(ok, extra, "o-", label=s)
+        ax_t.set(title=f"{ext}: step time", ylabel="ms")
+        ax_m.set(title=f"{ext}: peak memory above plain", ylabel="MiB")
+        for ax in (ax_t, ax_m):
+            ax.set_xscale("log", base=2)
+            ax.set_yscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    for ax in axes[1]:
+        ax.set_xlabel("batch size N")
+    fig.suptitle("seed CNN: jacmem's conv strategies versus batch size (CPU)")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="batches 2 and 8, one repeat")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "plot_strategies_vs_batch.png")
+    args = parser.parse_args()
+    batches = [2, 8] if args.quick else [16, 32, 64, 128, 256]
+    results = measure(batches, args.quick, args.threads)
+    print(table(results, batches))
+    plot(results, batches, args.out)
+    print(f"saved {args.out}")
+
+
+if __name__ == "__main__":
+    main()
