@@ -158,7 +158,7 @@ def methods_for(model: nn.Module) -> List[str]:
         out += [f"jacmem:{ext}:{s}" for s in jacmem_strategies(model, ext)]
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     out += ["backpack:BatchGrad"] + (["backpack:BatchGrad:save_memory"] if has_conv else [])
-    out += ["backpack:BatchL2Grad", "backpack:SumGradSquared", "backpack:Variance"]
+    out += ["backpack:BatchL2Grad"]
     out += ["opacus:hooks", "opacus:ew", "opacus:ghost", "torch.func"]
     return out
 

@@ -133,12 +133,12 @@ def _freeze_batchnorm(model: nn.Module) -> nn.Module:
 
 def _resnet(quick: bool) -> nn.Module:
     model = resnet(4 if quick else 32)
-    if not _has_batchnorm_derivative():
+    if not has_batchnorm_derivative():
         _freeze_batchnorm(model)
     return model
 
 
-def _has_batchnorm_derivative() -> bool:
+def has_batchnorm_derivative() -> bool:
     from jacmem.derivatives import REGISTRY
 
     return nn.BatchNorm2d in REGISTRY
@@ -169,7 +169,7 @@ MODELS: Dict[str, Bench] = {
     "transformer": Bench(
         "transformer-style: Linear embed 32-128, 2 blocks (attention q/k/v/o and MLP 128-512-128, "
         "residuals), [64, T=64, 32]",
-        lambda quick: Transformer(8, 16 if quick else 128, 1 if quick else 2),
+        lambda quick: Transformer(8 if quick else 32, 16 if quick else 128, 1 if quick else 2),
         lambda quick: (4 if quick else 64, 8 if quick else 64, 8 if quick else 32),
     ),
 }

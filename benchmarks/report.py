@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Dict, List, Optional
 
 from benchmarks.methods import per_sample_quantity
-from benchmarks.models import MODELS
+from benchmarks.models import MODELS, has_batchnorm_derivative
 
 LEAN = re.compile(r"<!-- lean:start -->.*?<!-- lean:end -->", re.S)
 
@@ -96,9 +96,11 @@ def model_section(name: str, rows: List[dict]) -> List[str]:
             f" N = {head['batch']}, {head['n_params']:,} trainable parameters; per-sample gradients "
             f"take {head['per_sample_bytes'] / MiB:.0f} MiB."
         )
-    if name == "resnet" and not any("BatchNorm" in (r.get("explain") or "") for r in ok):
+    if name == "resnet":
         lines.append(
-            "jacmem has no BatchNorm derivative yet, so the BatchNorm parameters are frozen "
+            "BatchNorm's affine parameters train, with jacmem's BatchNorm derivative (eval mode)."
+            if has_batchnorm_derivative()
+            else "jacmem has no BatchNorm derivative yet, so the BatchNorm parameters are frozen "
             "(`requires_grad=False`) for every method here."
         )
     lines += [
@@ -143,7 +145,7 @@ def markdown(results: List[dict], meta: dict) -> str:
         + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
         "",
         "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "
-        "extension's work) over up to 7 repeats after one warm-up, divided by the plain forward+backward's. "
+        "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up, divided by the plain forward+backward's. "
         "**Extra peak**: the peak resident set size (`ru_maxrss`, reset after setup) above the process's RSS "
         "after setup, minus the same for the plain run, in units of the per-sample gradients' own size "
         "(N × parameters × 4 bytes); on CUDA, `torch.cuda.max_memory_allocated` likewise. A method that "

@@ -25,7 +25,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=2, help="torch threads in each case (default 2)")
     p.add_argument("--warmup", type=int, help="steps before timing (default 1)")
     p.add_argument("--repeats", type=int, help="most timed steps per case (default 7, quick 1)")
-    p.add_argument("--seconds", type=float, default=6.0, help="timing budget per case; at least 3 repeats")
+    p.add_argument("--seconds", type=float, default=4.0, help="timing budget per case; at least 3 repeats")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
     p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
     p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")

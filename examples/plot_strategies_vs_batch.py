@@ -34,6 +34,7 @@ sys.path.insert(0, str(ROOT))
 from benchmarks.run import run_case  # noqa: E402
 
 MiB = 2**20
+COLORS = {"unfold": "tab:blue", "save_memory": "tab:orange", "ghost": "tab:green", "auto": "tab:red"}
 METHODS = {
     "BatchGrad": ["unfold", "save_memory", "auto"],
     "BatchL2Grad": ["unfold", "save_memory", "ghost", "auto"],
@@ -78,6 +79,7 @@ def plot(results, batches, path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import ScalarFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
     for row, (ext, names) in enumerate(METHODS.items()):
@@ -88,17 +90,19 @@ def plot(results, batches, path: Path) -> None:
         ax_m.plot(ns, grads, "k:", label="size of the per-sample grads")
         for s in names:
             ok = [n for n in ns if "error" not in results[(ext, s, n)]]
-            ax_t.plot(ok, [results[(ext, s, n)]["time_s"] * 1e3 for n in ok], "o-", label=s)
+            ax_t.plot(ok, [results[(ext, s, n)]["time_s"] * 1e3 for n in ok], "o-", color=COLORS[s], label=s)
             extra = [
                 max((results[(ext, s, n)]["extra_bytes"] - results[("plain", "plain", n)]["extra_bytes"]) / MiB, 0.1)
                 for n in ok
             ]
-            ax_m.plot(ok, extra, "o-", label=s)
+            ax_m.plot(ok, extra, "o-", color=COLORS[s], label=s)
         ax_t.set(title=f"{ext}: step time", ylabel="ms")
         ax_m.set(title=f"{ext}: peak memory above plain", ylabel="MiB")
         for ax in (ax_t, ax_m):
             ax.set_xscale("log", base=2)
             ax.set_yscale("log")
+            ax.xaxis.set_major_formatter(ScalarFormatter())
+            ax.yaxis.set_major_formatter(ScalarFormatter())
             ax.grid(alpha=0.3)
             ax.legend(fontsize=8)
     for ax in axes[1]:

@@ -1,0 +1,231 @@
+"""Second-order extensions, jacmem beside BackPACK 1.7.1: time and peak memory.
+
+``python -m benchmarks.second_order`` runs every (model, extension, library) case in
+its own process (plus a plain forward/backward per model), then writes the table to
+BENCHMARKS.md between ``<!-- secondorder:start -->`` and ``<!-- secondorder:end -->``
+(the rest of the file is left alone). ``--quick``: tiny sizes, one repeat, the table
+printed and written to ``out/second-order-quick.md`` only; it checks the harness.
+
+Memory: the peak resident set size during the timed steps above that after setup
+(``/proc/self/clear_refs`` resets the high-water mark), as ``benchmarks.child``
+measures it. Time: the median over the repeats, after one warm-up step. Both
+libraries get the same seeded model and batch, and 2 threads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import re
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Dict, List, Optional
+
+ROOT = Path(__file__).resolve().parent.parent
+START, END = "<!-- secondorder:start -->", "<!-- secondorder:end -->"
+
+#: model -> extensions run on it (KFRA's dense [D, D] matrices do not fit for the CNN's
+#: 100,352-entry conv outputs, in either library)
+EXTENSIONS: Dict[str, List[str]] = {
+    "mlp": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR", "KFRA"],
+    "cnn": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR"],
+}
+DESCRIPTION = {
+    "mlp": "MLP 784-512-512-10, ReLU, cross-entropy, batch 128",
+    "cnn": "seed CNN (4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), cross-entropy, batch 8",
+}
+
+
+def build(model: str, quick: bool):
+    import torch
+    from torch import nn
+
+    from benchmarks.models import mlp, seed_cnn
+
+    torch.manual_seed(0)
+    if model == "mlp":
+        net, X = mlp(16 if quick else 512), torch.randn(4 if quick else 128, 784)
+    else:
+        net, X = seed_cnn(), torch.randn(2 if quick else 8, 1, 28, 28)
+    return net, X, torch.randint(0, 10, (X.shape[0],)), nn.CrossEntropyLoss()
+
+
+def prepare(case: dict):
+    """The step function of one case."""
+    import torch
+
+    model, X, y, lossf = build(case["model"], case["quick"])
+    lib, name = case["lib"], case["ext"]
+    if lib == "plain":
+
+        def step():
+            lossf(model(X), y).backward()
+
+    elif lib == "jacmem":
+        import jacmem
+
+        ext = getattr(jacmem, name)()
+
+        def step():
+            with jacmem.extend(ext):
+                lossf(model(X), y).backward()
+
+    else:
+        import backpack.extensions as bpe
+        from backpack import backpack, extend
+
+        model, lossf = extend(model), extend(lossf)
+        ext = getattr(bpe, name)()
+
+        def step():
+            with backpack(ext):
+                lossf(model(X), y).backward()
+
+    def clean_step():
+        step()
+        for p in model.parameters():
+            p.grad = None
+            for field in ("diag_ggn_exact", "diag_ggn_mc", "diag_ggn_exact_batch", "diag_h", "kfac", "kflr", "kfra"):
+                if hasattr(p, field):
+                    delattr(p, field)
+
+    torch.set_num_threads(case["threads"])
+    return clean_step
+
+
+def child(case: dict) -> dict:
+    from benchmarks.child import _reset_peak, _rss_bytes
+
+    warnings.simplefilter("ignore")
+    step = prepare(case)
+    gc.collect()
+    setup = _rss_bytes()
+    reset = _reset_peak()
+    times = []
+    for i in range(case["warmup"] + case["repeats"]):
+        start = time.perf_counter()
+        step()
+        if i >= case["warmup"]:
+            times.append(time.perf_counter() - start)
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return dict(case, time_s=statistics.median(times), extra_bytes=peak - setup if reset or peak > setup else None)
+
+
+def run_case(case: dict, timeout: float) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
+    cmd = [sys.executable, "-m", "benchmarks.second_order", "--child", json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case, error=f"timed out after {timeout:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(case, error=f"exit {proc.returncode}: {tail}"[:160])
+
+
+def _mb(b: Optional[float]) -> str:
+    return "n/a" if b is None else f"{b / 2**20:.0f}"
+
+
+def table(results: List[dict], args) -> str:
+    by = {(r["model"], r["lib"], r["ext"]): r for r in results}
+    lines = [
+        START,
+        "## Second-order extensions: jacmem beside BackPACK",
+        "",
+        f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}`: each case in its own process, "
+        f"{args.threads} threads, median of {args.repeats} steps after {args.warmup} warm-up; memory is the peak RSS "
+        "above that after setup (MB). A step is forward, loss and backward inside the extension's block. "
+        "Ratios are jacmem / BackPACK: below 1 is better.",
+        "",
+    ]
+    for model in args.models:
+        plain = by.get((model, "plain", "-"), {})
+        lines += [
+            f"**{DESCRIPTION[model]}** (plain forward+backward: {plain.get('time_s', float('nan')):.3f} s, "
+            f"{_mb(plain.get('extra_bytes'))} MB)",
+            "",
+            "| extension | jacmem s | BackPACK s | time ratio | jacmem MB | BackPACK MB | memory ratio |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for ext in EXTENSIONS[model]:
+            j, b = by.get((model, "jacmem", ext), {}), by.get((model, "backpack", ext), {})
+
+            def cell(r, key):
+                if "error" in r:
+                    return "error: " + r["error"].replace("|", "/")
+                return f"{r[key]:.3f}" if key == "time_s" else _mb(r.get(key))
+
+            def ratio(key):
+                if "error" in j or "error" in b or j.get(key) is None or not b.get(key):
+                    return "n/a"
+                return f"{j[key] / b[key]:.2f}"
+
+            lines.append(
+                f"| {ext} | {cell(j, 'time_s')} | {cell(b, 'time_s')} | {ratio('time_s')} | "
+                f"{cell(j, 'extra_bytes')} | {cell(b, 'extra_bytes')} | {ratio('extra_bytes')} |"
+            )
+        lines.append("")
+    lines.append(END)
+    return "\n".join(lines)
+
+
+def write_block(path: Path, block: str) -> None:
+    """Replace our block in ``path`` (read right before writing), or append it."""
+    text = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text.lstrip("\n"))
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.second_order", description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: checks the harness")
+    p.add_argument("--models", nargs="+", default=list(EXTENSIONS), choices=list(EXTENSIONS))
+    p.add_argument("--only", help="regular expression on 'model lib extension'")
+    p.add_argument("--repeats", type=int)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600.0)
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.child:
+        case = json.loads(args.child)
+        try:
+            result = child(case)
+        except Exception as err:
+            result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160])
+        print("RESULT " + json.dumps(result), flush=True)
+        return
+    args.repeats = args.repeats or (1 if args.quick else 5)
+    args.warmup = 0 if args.quick else 1
+    markdown = args.markdown or (ROOT / "out" / "second-order-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
+    cases = []
+    for model in args.models:
+        cases.append(dict(model=model, lib="plain", ext="-"))
+        cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("jacmem", "backpack")]
+    cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
+    results = []
+    for i, case in enumerate(cases, 1):
+        case.update(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
+        r = run_case(case, args.timeout)
+        results.append(r)
+        shown = r.get("error") or f"{r['time_s']:.3f} s, {_mb(r.get('extra_bytes'))} MB"
+        print(f"[{i}/{len(cases)}] {case['model']} {case['lib']} {case['ext']}: {shown}", file=sys.stderr, flush=True)
+    block = table(results, args)
+    print(block)
+    markdown.parent.mkdir(parents=True, exist_ok=True)
+    write_block(markdown, block)
+
+
+if __name__ == "__main__":
+    main()
