@@ -174,6 +174,33 @@ def test_model_with_conv_linear_and_residual():
         check_against(model, reference, EXTENSIONS, f"[block {flow}]")
 
 
+class Encoder(nn.Module):
+    """Two stock TransformerEncoderLayers (batch first: jacmem's Linear and LayerNorm take
+    axis 0 as the batch), a causal mask, a float key padding mask: x [N, T, E] -> [N, 2]."""
+
+    def __init__(self):
+        super().__init__()
+        layer = nn.TransformerEncoderLayer(E, HEADS, dim_feedforward=8, dropout=0.0, batch_first=True)
+        self.encoder = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(E, 2)
+
+    def forward(self, x):
+        causal = nn.Transformer.generate_square_subsequent_mask(x.shape[1], dtype=x.dtype)
+        padding = (x[..., 0] > 1.0).to(x.dtype) * -1e9
+        padding[:, 0] = 0.0
+        return self.head(self.encoder(x, mask=causal, src_key_padding_mask=padding, is_causal=True).mean(1))
+
+
+def test_transformer_encoder():
+    torch.manual_seed(7)
+    model = Encoder().double()
+    X, y = torch.randn(4, 5, E, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    for flow in FLOWS:
+        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
+        check_against(model, reference, EXTENSIONS, f"[encoder {flow}]")
+
+
 def test_unbatched_input_raises():
     mha = nn.MultiheadAttention(E, HEADS).double()
     q = torch.randn(L, E, dtype=torch.float64)

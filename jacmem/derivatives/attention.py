@@ -227,15 +227,22 @@ def _sizes(xs):
     return n, tq, s, e, ek + ev
 
 
+def _workspace(n, tq, s, e, num_heads) -> float:
+    """What a recomputation holds: the H attention maps (scores, weights, their
+    gradient) and q, k, v, the output and their gradients."""
+    return n * (3 * num_heads * tq * s + 6 * (tq + s) * e)
+
+
 def _vmap_cost(xs, gs, *, num_heads, **_) -> Cost:
     """A forward and its backward per sample: the projections and the H attention maps,
-    counted 6× the forward's arithmetic (3× plus vmap's work on batches of one, which
-    measured at par with ``outer`` or slower)."""
+    counted 8× the forward's arithmetic (3× plus vmap's work on batches of one, which
+    measured at par with ``outer`` or slower; without weights under ``is_causal`` it runs
+    torch's fused kernel one sample at a time)."""
     if len(xs[0]) != 3:
         return Cost(0, 0)  # unbatched: the strategy raises the error that explains it
     n, tq, s, e, ekv = _sizes(xs)
     flops = 2 * n * (2 * tq * e * e + s * e * ekv + 2 * tq * s * e)
-    return Cost(flops=6 * flops, workspace=n * (3 * num_heads * tq * s + 4 * (tq + s) * e))
+    return Cost(flops=8 * flops, workspace=_workspace(n, tq, s, e, num_heads))
 
 
 def _outer_cost(xs, gs, *, num_heads, **_) -> Cost:
@@ -247,8 +254,7 @@ def _outer_cost(xs, gs, *, num_heads, **_) -> Cost:
     projections = 2 * n * (2 * tq * e * e + s * e * ekv)
     identities = 2 * n * (2 * tq + 2 * s) * e * e
     return Cost(
-        flops=2 * projections + 2 * identities + 3 * 4 * n * tq * s * e,
-        workspace=n * (3 * num_heads * tq * s + 6 * (tq + s) * e),
+        flops=2 * projections + 2 * identities + 3 * 4 * n * tq * s * e, workspace=_workspace(n, tq, s, e, num_heads)
     )
 
 
