@@ -155,6 +155,8 @@ def _cast(obj, dtype: torch.dtype):
         return obj.detach().to(dtype) if obj.is_floating_point() else obj.detach()
     if isinstance(obj, (tuple, list)):
         return type(obj)(_cast(o, dtype) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _cast(v, dtype) for k, v in obj.items()}
     return obj
 
 
@@ -227,6 +229,8 @@ class extend:
         self.chunk_bytes = chunk_bytes
         self._module_handles: List = []
         self._tensor_handles: List = []
+        #: when to drop the handles of freed graphs from ``_tensor_handles``
+        self._prune_at = 64
         self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
         self.process_group = process_group
         self._depth = 0
@@ -236,7 +240,8 @@ class extend:
         #: the models called at depth 0 in the block, as weak references, in order
         self._roots: List[weakref.ref] = []
         self._owner: Optional[int] = None
-        self._warned: set = set()
+        #: modules already warned about (weakly: a long block sees re-created modules)
+        self._warned: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
 
     # -- block -------------------------------------------------------------------
 
@@ -342,6 +347,9 @@ class extend:
         rec = hooks.record(module, args, kwargs, output, self.name(module), self._on_grad, self._tensor_handles)
         if rec is not None:
             self._records.add(rec)
+            if len(self._tensor_handles) > self._prune_at:  # a block open for many steps
+                self._tensor_handles[:] = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
+                self._prune_at = 2 * len(self._tensor_handles) + 64
 
     # -- backward ----------------------------------------------------------------
 
