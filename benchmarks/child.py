@@ -5,11 +5,14 @@ set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss
 its high-water mark reset after setup where Linux allows); on CUDA:
 ``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
 median over up to ``repeats`` steps (fewer for slow steps: about
-``seconds`` in all, and at least 3) after ``warmup`` steps. Prints one JSON line.
+``seconds`` in all, and at least 3) after ``warmup`` steps; and, against a plain
+forward+backward of an unhooked copy of the model timed just before each step, the
+median of the ratios. Prints one JSON line.
 """
 
 from __future__ import annotations
 
+import copy
 import gc
 import json
 import os
@@ -47,6 +50,10 @@ def run(case: dict) -> dict:
     model, X, y = MODELS[case["model"]].build(case["quick"], case.get("batch"))
     model, X, y = model.to(device), X.to(device), y.to(device)
     log: dict = {}
+    # an unhooked twin, for plain steps timed alternately with the method's, so that
+    # the ratio holds even while other work slows the machine down
+    paired = case["method"] != "plain"
+    plain_step = prepare("plain", copy.deepcopy(model), X, y, {}) if paired else None
     step = prepare(case["method"], model, X, y, log)
     cuda = device.type == "cuda"
 
@@ -61,24 +68,33 @@ def run(case: dict) -> dict:
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         allocated_setup = torch.cuda.memory_allocated()
-    def timed() -> float:
+
+    def timed(fn) -> float:
         sync()
         start = time.perf_counter()
-        step()
+        fn()
         sync()
         return time.perf_counter() - start
 
-    warm = [timed() for _ in range(case["warmup"])]
+    warm = [timed(step) for _ in range(case["warmup"])]
+    if paired:
+        timed(plain_step)
     repeats = case["repeats"]
     if warm and case["seconds"] > 0:  # fewer repeats for slow steps, never fewer than 3
         repeats = max(min(3, repeats), min(repeats, int(case["seconds"] / warm[-1])))
-    times = [timed() for _ in range(repeats)]
+    times, ratios = [], []
+    for _ in range(repeats):
+        reference = timed(plain_step) if paired else None
+        times.append(timed(step))
+        if paired:
+            ratios.append(times[-1] / reference)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out = dict(
         case,
         time_s=statistics.median(times),
         times_s=times,
+        paired_ratio=statistics.median(ratios) if ratios else None,
         rss_setup=rss_setup,
         rss_peak=peak,
         extra_bytes=peak - rss_setup if reset or peak > rss_setup else None,

@@ -35,7 +35,7 @@ def ratios(results: List[dict]) -> None:
         base = plain.get(r["model"])
         if "error" in r or base is None:
             continue
-        r["time_ratio"] = r["time_s"] / base["time_s"]
+        r["time_ratio"] = r["paired_ratio"] or r["time_s"] / base["time_s"] if r["method"] != "plain" else 1.0
         if r.get("extra_bytes") is not None and base.get("extra_bytes") is not None:
             r["extra_over_plain"] = r["extra_bytes"] - base["extra_bytes"]
             r["mem_ratio"] = r["extra_over_plain"] / r["per_sample_bytes"]
@@ -145,7 +145,9 @@ def markdown(results: List[dict], meta: dict) -> str:
         + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
         "",
         "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "
-        "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up, divided by the plain forward+backward's. "
+        "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up; **× plain** is the median "
+        "of its ratios to a plain forward+backward of an unhooked copy of the model, timed in the same process just "
+        "before each step, so that the ratio holds while other work slows the machine. "
         "**Extra peak**: the peak resident set size (`ru_maxrss`, reset after setup) above the process's RSS "
         "after setup, minus the same for the plain run, in units of the per-sample gradients' own size "
         "(N × parameters × 4 bytes); on CUDA, `torch.cuda.max_memory_allocated` likewise. A method that "

@@ -77,13 +77,13 @@ def run_case(case: dict, timeout: float) -> dict:
     return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
 
 
-def progress(i: int, total: int, r: dict, plain: dict) -> str:
+def progress(i: int, total: int, r: dict) -> str:
     head = f"[{i}/{total}] {r['model']} {r['method']}"
     if "error" in r:
         return f"{head}: n/a ({r['error']})"
     line = f"{head}: {r['time_s'] * 1e3:.0f} ms"
-    if plain and "time_s" in plain and r is not plain:
-        line += f" ({r['time_s'] / plain['time_s']:.2f}x plain)"
+    if r.get("paired_ratio"):
+        line += f" ({r['paired_ratio']:.2f}x plain)"
     if r.get("extra_bytes") is not None:
         line += f", peak +{r['extra_bytes'] / 2**20:.0f} MiB over setup"
     return line
@@ -118,13 +118,10 @@ def main(argv=None) -> None:
     todo = cases(args)
     started, load_before = time.time(), load()
     print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
-    results, plain = [], {}
+    results = []
     for i, case in enumerate(todo, 1):
-        r = run_case(case, args.timeout)
-        if r["method"] == "plain":
-            plain[r["model"]] = r
-        results.append(r)
-        print(progress(i, len(todo), r, plain.get(r["model"], {})), file=sys.stderr, flush=True)
+        results.append(run_case(case, args.timeout))
+        print(progress(i, len(todo), results[-1]), file=sys.stderr, flush=True)
     meta = dict(
         command="python -m benchmarks" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
