@@ -1,14 +1,15 @@
 """nn.RNN (tanh, relu), nn.GRU and nn.LSTM against a per-sample autograd loop, float64.
 
 Every case runs every strategy the registry offers for its module type (enumerated) and
-``"auto"``, each of BatchGrad, BatchL2Grad, SumGradSquared and Variance alone and all
-four together, in both flows (forward inside ``jacmem.extend``; ``jacmem.track`` before
-the block), and with ``chunk_bytes=1`` (one sample per chunk).
+``"auto"``: each of BatchGrad, BatchL2Grad, SumGradSquared and Variance alone, then all
+four together in both flows (forward inside ``jacmem.extend``; ``jacmem.track`` before
+the block) and with ``chunk_bytes=1`` (one sample per chunk).
 
 The cases cover: several layers, bidirectional, ``batch_first`` both ways, bias on and
 off, LSTM ``proj_size``, ``h_0``/``c_0`` given (computed by a Linear, so they are inputs
-that require a gradient) or not, and gradients arriving through the output alone, the
-final states alone, or all of them (the others are completed with zeros).
+that require a gradient) or not, gradients arriving through the output alone, the
+final states alone, or all of them (the others are completed with zeros), and packed
+sequences of different lengths in no sorted order.
 
 BackPACK 1.7.1 answers only for one layer, ``batch_first=True``, with bias, no dropout,
 unidirectional, RNN with tanh and LSTM without projection (its ``_check_parameters``
@@ -26,7 +27,7 @@ from typing import Dict
 import pytest
 import torch
 from torch import nn
-from torch.nn.utils.rnn import pack_padded_sequence
+from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
@@ -38,7 +39,6 @@ EXTENSIONS = {
     "sum_grad_squared": jacmem.SumGradSquared,
     "variance": jacmem.Variance,
 }
-EXTENSION_SETS = [(f,) for f in EXTENSIONS] + [tuple(EXTENSIONS)]
 N, T, I, H = 3, 4, 3, 3
 
 
@@ -119,8 +119,8 @@ GRID = [(c, s) for c in CASES for s in strategies(CASES[c][0])]
 @pytest.mark.parametrize("case_id,strategy", GRID, ids=[f"{c}-{s}" for c, s in GRID])
 def test_rnn_layers(case_id, strategy):
     model, X, y, reduction, reference = case(case_id)
-    runs = [(e, f, {}) for e, f in itertools.product(EXTENSION_SETS, FLOWS)]
-    runs += [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
+    runs = [((f,), "inside", {}) for f in EXTENSIONS]  # each alone, then all four: both flows, and chunked
+    runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
         ctx = run_jacmem(
             model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True, **kwargs
@@ -180,13 +180,55 @@ def test_dropout_between_layers():
     check_against(model, reference, ["grad_batch"], "[eval dropout]")
 
 
-def test_packed_sequence_raises_naming_the_module_and_the_fix():
-    rnn = nn.GRU(I, H, batch_first=True).double()
-    X = torch.randn(N, T, I, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"GRU.*PackedSequence.*pad"):
-        with jacmem.extend(jacmem.BatchGrad()):
-            out, h = rnn(pack_padded_sequence(X, [4, 3, 2], batch_first=True))
-            h.sum().backward()
+class Packed(nn.Module):
+    """Packed sequences of lengths read off the data (so that each sample alone has its
+    own), in no sorted order: x [N, T, I] -> [N, 2], through the padded output and h_n."""
+
+    def __init__(self, rnn: nn.RNNBase, h0: bool = False):
+        super().__init__()
+        self.rnn = rnn
+        d = 2 if rnn.bidirectional else 1
+        h_out = rnn.proj_size or rnn.hidden_size
+        self.states = rnn.num_layers * d
+        self.h0 = nn.Linear(I, self.states * h_out) if h0 else None
+        self.out = nn.Linear(d * h_out + self.states * h_out, 2)
+
+    def forward(self, x):
+        lengths = 1 + (x[:, 0, 0].abs() * 10).long() % T
+        seq = x if self.rnn.batch_first else x.transpose(0, 1)
+        seq = pack_padded_sequence(seq, lengths, batch_first=self.rnn.batch_first, enforce_sorted=False)
+        hx = None
+        if self.h0 is not None:  # [L·D, N, H_out], from a Linear
+            hx = self.h0(x.mean(1)).unflatten(1, (self.states, -1)).transpose(0, 1).contiguous()
+            if isinstance(self.rnn, nn.LSTM):
+                hx = (hx, torch.zeros(self.states, x.shape[0], self.rnn.hidden_size, dtype=x.dtype))
+        out, state = self.rnn(seq, hx)
+        padded, _ = pad_packed_sequence(out, batch_first=True, total_length=T)
+        h_n = (state[0] if isinstance(state, tuple) else state).transpose(0, 1).flatten(1)
+        return self.out(torch.tanh(torch.cat([padded.sum(1) / lengths[:, None], h_n], 1)))
+
+
+PACKED = {
+    "gru-2layers-bidir": lambda: Packed(nn.GRU(I, H, num_layers=2, bidirectional=True, batch_first=True)),
+    "lstm-bidir-proj-h0-sf": lambda: Packed(nn.LSTM(I, H, bidirectional=True, proj_size=2), h0=True),
+    "rnn-relu-nobias": lambda: Packed(nn.RNN(I, H, nonlinearity="relu", bias=False, batch_first=True)),
+}
+
+
+@pytest.mark.parametrize("case_id", PACKED)
+def test_packed_sequences(case_id):
+    """Every strategy name; those that cannot take packed sequences say so in their cost,
+    and auto takes one that can."""
+    torch.manual_seed(sum(map(ord, case_id)))
+    model = PACKED[case_id]().double()
+    X, y = torch.randn(5, T, I, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    assert len(set((1 + (X[:, 0, 0].abs() * 10).long() % T).tolist())) > 1, "want lengths that differ"
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    for strategy, flow in itertools.product(strategies(type(model.rnn)), FLOWS):
+        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strategy=strategy, strict=True)
+        check_against(model, reference, EXTENSIONS, f"[packed {case_id} {strategy} {flow}]")
+    run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], chunk_bytes=1, strict=True)
+    check_against(model, reference, EXTENSIONS, f"[packed {case_id} chunked]")
 
 
 def test_unbatched_input_raises():

@@ -1,7 +1,8 @@
 """nn.RNN (tanh, relu), nn.GRU and nn.LSTM: several layers, bidirectional, ``batch_first``
 both ways, with or without bias, LSTM ``proj_size``, ``h_0``/``c_0`` given or not.
 
-Shapes, batch first (``arrange_input`` and ``arrange`` put it there): input ``[N, T, I]``,
+Shapes, batch first (``arrange_input`` and ``arrange`` put it there): input ``[N, T, I]``
+(padded, with ``lengths [N]``, where it came packed),
 ``h_0 [N, L·D, H_out]``, ``c_0 [N, L·D, H]``; output gradient ``[N, T, D·H_out]``, and
 those of ``h_n [N, L·D, H_out]`` and ``c_n [N, L·D, H]`` (zeros where the loss ignores
 them). ``L`` layers, ``D`` directions, ``G`` gates (1, 3 or 4), ``H_out`` is ``proj_size``
@@ -29,21 +30,27 @@ gives the δ's of every layer and direction at once. Two strategies recompute it
 * ``unroll``: the recurrence step by step in plain tensor operations, with every
   ``a_t``, ``b_t``, ``h_t`` a tensor of its own: the same δ's by the definition.
 
+Packed sequences (``PackedSequence`` input): ``arrange_input`` pads the input (and
+notes how it was sorted in the call's :class:`Packing`, for ``arrange`` to pad the
+output gradient alike); ``fused`` packs each chunk again for torch's packed kernels,
+reverses each sequence within its own length for ``_reverse``, and adds ``∂L/∂h_n`` at
+each sample's last step. ``unroll`` does not take them (its cost says so, and ``auto``
+passes it by).
+
 The recomputation cannot reproduce dropout between layers (``dropout > 0`` in training
-mode), and packed sequences are not supported: the backward raises an error naming the
-fix for both.
+mode): the backward raises an error that says so.
 """
 
 from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
-from torch.nn.utils.rnn import PackedSequence
+from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register
 from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
@@ -71,26 +78,43 @@ def _hyperparams(module: nn.RNNBase) -> dict:
         dropout=module.dropout if module.training and module.num_layers > 1 else 0.0,
         weights={n: p.detach() for n, p in module.named_parameters()},
         shared=SharedPass(trainable_sizes(module, _names(module))),
+        packing=Packing(),
     )
 
 
+class Packing:
+    """How a call's packed input was sorted, for ``arrange`` to pad the output gradient
+    as ``arrange_input`` padded the input: one per call, in its hyper-parameters (the
+    gradient arrives without the input's ``batch_sizes``)."""
+
+    def __init__(self):
+        self.layout: Optional[tuple] = None  # (batch_sizes, sorted_indices, unsorted_indices)
+
+    def pad(self, data: Tensor) -> Tensor:
+        """Packed [ΣT_n, F] -> padded [N, T, F], in the samples' original order, zeros past each end."""
+        return pad_packed_sequence(PackedSequence(data, *self.layout), batch_first=True)[0]
+
+
 def _keep(args: tuple, kwargs: dict) -> tuple:
-    """(input, hx) of ``forward(input, hx=None)``; a packed input is only noted (None)."""
+    """(input, hx) of ``forward(input, hx=None)``; a packed input as its four fields."""
     inp = args[0]
-    return None if isinstance(inp, PackedSequence) else inp, args[1] if len(args) > 1 else kwargs.get("hx")
+    inp = tuple(inp) if isinstance(inp, PackedSequence) else inp
+    return inp, args[1] if len(args) > 1 else kwargs.get("hx")
 
 
-def _arrange_input(x: tuple, *, batch_first: bool, **_) -> tuple:
-    """-> (input [N, T, I], h_0 [N, L·D, H_out] or None, c_0 [N, L·D, H] or None, {flags})"""
+def _arrange_input(x: tuple, *, batch_first: bool, packing: Packing, **_) -> tuple:
+    """-> (input [N, T, I], h_0 [N, L·D, H_out] or None, c_0 [N, L·D, H] or None,
+    lengths [N] for a packed input or None, {flags}); a packed input is padded."""
     inp, hx = x
-    if inp is None:
-        return None, None, None, dict(packed=True, unbatched=False)
-    if inp.dim() == 2:
-        return None, None, None, dict(packed=False, unbatched=True)
     h0, c0 = hx if isinstance(hx, (tuple, list)) else (hx, None)
-    inp = inp if batch_first else inp.transpose(0, 1)
-    h0, c0 = (None if h is None else h.transpose(0, 1) for h in (h0, c0))
-    return inp, h0, c0, dict(packed=False, unbatched=False)
+    h0, c0 = (None if h is None or h.dim() != 3 else h.transpose(0, 1) for h in (h0, c0))
+    if isinstance(inp, tuple):
+        data, *packing.layout = inp
+        padded, lengths = pad_packed_sequence(PackedSequence(data, *packing.layout), batch_first=True)
+        return padded, h0, c0, lengths, dict(unbatched=False)
+    if inp.dim() == 2:
+        return None, None, None, None, dict(unbatched=True)
+    return inp if batch_first else inp.transpose(0, 1), h0, c0, None, dict(unbatched=False)
 
 
 def _outputs(output) -> tuple:
@@ -100,10 +124,14 @@ def _outputs(output) -> tuple:
     return (out, *state) if isinstance(state, tuple) else (out, state)
 
 
-def _arrange(g, *, batch_first: bool, **_) -> tuple:
-    """Every gradient batch first (the states' always come batch second)."""
+def _arrange(g, *, batch_first: bool, packing: Packing, **_) -> tuple:
+    """Every gradient batch first (the states' always come batch second); a packed
+    output's padded."""
     out, *states = g
-    out = out if batch_first or out.dim() != 3 else out.transpose(0, 1)
+    if packing.layout is not None:
+        out = packing.pad(out)
+    elif not batch_first and out.dim() == 3:
+        out = out.transpose(0, 1)
     return (out, *(s.transpose(0, 1) if s.dim() == 3 else s for s in states))
 
 
@@ -127,13 +155,9 @@ def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> Tuple[Tensor
 
 def _prepare(x, g, *, mode: str, num_layers: int, bidirectional: bool, dropout: float, weights) -> tuple:
     """What no recomputation can do raises; else (input [N, T, I], h_0 [N, L·D, H_out],
-    c_0 [N, L·D, H], output gradients), with zero initial states where none were given."""
-    inp, h0, c0, flags = x
-    if flags["packed"]:
-        raise RuntimeError(
-            "its input is a PackedSequence, which jacmem's per-sample gradients do not support; "
-            "pass the padded batch instead (torch.nn.utils.rnn.pad_packed_sequence) and mask the loss"
-        )
+    c_0 [N, L·D, H], lengths [N] or None, output gradients), with zero initial states
+    where none were given."""
+    inp, h0, c0, lengths, flags = x
     if flags["unbatched"]:
         raise RuntimeError(
             "its input is unbatched ([T, I]): there is no batch axis to take per-sample gradients "
@@ -149,14 +173,16 @@ def _prepare(x, g, *, mode: str, num_layers: int, bidirectional: bool, dropout: 
     cell = weights["weight_hh_l0"].shape[0] // GATES[mode]  # H
     h0 = inp.new_zeros(n, states, hidden) if h0 is None else h0
     c0 = inp.new_zeros(n, states, cell) if c0 is None else c0
-    return inp, h0, c0, g
+    return inp, h0, c0, lengths, g
 
 
 def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
     """Per-sample gradients of ``names`` (see the module docstring)."""
-    inp, h0, c0, (g_out, g_hn, *g_cn) = _prepare(
+    inp, h0, c0, lengths, (g_out, g_hn, *g_cn) = _prepare(
         x, g, mode=mode, num_layers=num_layers, bidirectional=bidirectional, dropout=dropout, weights=weights
     )
+    if lengths is not None:  # its cost says so, and auto never picks it
+        raise RuntimeError("strategy 'unroll' does not take packed sequences; strategy 'fused' does")
     steps = inp.shape[1]
     tracked: Dict[str, Tuple[List[Tensor], List[Tensor]]] = {}  # name -> (maps' outputs, their inputs)
     finals_h, finals_c = [], []
@@ -230,7 +256,7 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
     * with ``proj_size``: ``δh_t = ∂L/∂out_t + W_hhᵀ δa_{t+1}`` (``+ ∂L/∂h_n`` at the
       last step), and ``r_t = o_t ⊙ tanh(c_t)`` from the gates and the cell recurrence.
     """
-    inp, h0, c0, (g_out, g_hn, *g_cn) = _prepare(
+    inp, h0, c0, lengths, (g_out, g_hn, *g_cn) = _prepare(
         x, g, mode=mode, num_layers=num_layers, bidirectional=bidirectional, dropout=dropout, weights=weights
     )
     lstm, has_bias = mode == "LSTM", "bias_ih_l0" in weights
@@ -244,12 +270,12 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
             eye = torch.eye(a.shape[-1], dtype=a.dtype, device=a.device)
             params = [eye, w("weight_hh")] + ([torch.zeros_like(eye[0]), w("bias_hh")] if has_bias else [])
             params += [w("weight_hr")] if proj_size else []
-            hx = (h0[:, k][None], c0[:, k][None]) if lstm else h0[:, k][None]
+            hx = (h0[:, k], c0[:, k]) if lstm else (h0[:, k],)
             reverse = suffix.endswith("_reverse")
-            out, *state = _FUSED[mode](a.flip(1) if reverse else a, hx, params, has_bias, 1, 0.0, False, False, True)
+            out, state = _run(mode, _reverse(a, lengths) if reverse else a, lengths, hx, params, has_bias)
             runs.append((suffix, layer_in.detach(), a, out))
-            finals_h.append(state[0][0]), finals_c.extend(s[0] for s in state[1:])
-            seq = out.flip(1) if reverse else out
+            finals_h.append(state[0]), finals_c.extend(state[1:])
+            seq = _reverse(out, lengths) if reverse else out
             if reverse or not bidirectional:
                 layer_in = torch.cat([forward_seq, seq], -1) if bidirectional else seq
             else:
@@ -258,6 +284,7 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
         inputs = [a for _, _, a, _ in runs] + ([out for *_, out in runs] if proj_size else [])
         deltas = torch.autograd.grad(outputs, inputs, [g_out, g_hn, *g_cn], allow_unused=True)
     deltas = [torch.zeros_like(t) if d is None else d for t, d in zip(inputs, deltas)]
+    last = torch.full_like(inp[:, 0, 0], inp.shape[1], dtype=torch.long) if lengths is None else lengths.to(inp.device)
     grads = {}
     for k, (suffix, x_in, a, out) in enumerate(runs):
         wanted = [name for name in names if _suffix_of(name) == suffix]
@@ -266,7 +293,7 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
         w = partial(_weight, weights, suffix)
         reverse = suffix.endswith("_reverse")
         delta_a = deltas[k]  # time order, as a
-        a_seq, d_seq = (a.detach().flip(1), delta_a.flip(1)) if reverse else (a.detach(), delta_a)
+        a_seq, d_seq = (_reverse(a.detach(), lengths), _reverse(delta_a, lengths)) if reverse else (a.detach(), delta_a)
         out = out.detach()
         h_prev = torch.cat([h0[:, k, None], out[:, :-1]], 1)  # [N, T, H_out], processing order
         b = F.linear(h_prev, w("weight_hh"), w("bias_hh"))  # [N, T, G·H]
@@ -287,9 +314,36 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
                 grads[name] = linear.bias_batch_grad(None, delta_b)
             else:  # weight_hr
                 delta_h = deltas[len(runs) + k] + F.pad(d_seq[:, 1:] @ w("weight_hh"), (0, 0, 0, 1))
-                delta_h[:, -1] += g_hn[:, k]
+                delta_h[torch.arange(len(last)), last - 1] += g_hn[:, k]
                 grads[name] = linear.weight_batch_grad(_lstm_cells(a_seq + b, c0[:, k]), delta_h)
     return grads
+
+
+def _reverse(seq: Tensor, lengths: Optional[Tensor]) -> Tensor:
+    """Each sequence reversed within its length: [N, T, F] -> [N, T, F] (steps past the
+    end stay where they are)."""
+    if lengths is None:
+        return seq.flip(1)
+    steps = torch.arange(seq.shape[1], device=seq.device)
+    lengths = lengths.to(seq.device)[:, None]
+    index = torch.where(steps < lengths, lengths - 1 - steps, steps)  # [N, T]
+    return seq.gather(1, index[..., None].expand_as(seq))
+
+
+def _run(mode: str, seq: Tensor, lengths: Optional[Tensor], hx: tuple, params: List[Tensor], has_bias: bool):
+    """One layer and direction of torch's fused recurrence, forward in time:
+    seq [N, T, F], hx ([N, H_out], ([N, H])) -> (output [N, T, H_out], zeros past each
+    end; final states ([N, H_out], ([N, H])))."""
+    fused = _FUSED[mode]
+    if lengths is None:
+        hx = tuple(h[None] for h in hx)
+        out, *state = fused(seq, hx if len(hx) == 2 else hx[0], params, has_bias, 1, 0.0, False, False, True)
+        return out, [h[0] for h in state]
+    packed = pack_padded_sequence(seq, lengths.cpu(), batch_first=True, enforce_sorted=False)
+    hx = tuple(h[packed.sorted_indices.to(seq.device)][None] for h in hx)
+    out, *state = fused(packed.data, packed.batch_sizes, hx if len(hx) == 2 else hx[0], params, has_bias, 1, 0.0, False, False)
+    out = pad_packed_sequence(PackedSequence(out, *packed[1:]), batch_first=True, total_length=seq.shape[1])[0]
+    return out, [h[0][packed.unsorted_indices.to(seq.device)] for h in state]
 
 
 def _suffix_of(name: str) -> str:
@@ -309,7 +363,7 @@ def _lstm_cells(gates: Tensor, c: Tensor) -> Tensor:
     return o * torch.tanh(torch.stack(cells, 1))
 
 
-def _batch_grad(x, g, *, param: str, compute_all, shared: SharedPass, batch_first, **hp) -> Tensor:
+def _batch_grad(x, g, *, param: str, compute_all, shared: SharedPass, batch_first, packing, **hp) -> Tensor:
     """Per-sample gradients of ``param``: x as ``arrange_input`` gives it, g = (output
     [N, T, D·H_out], h_n [N, L·D, H_out], (c_n [N, L·D, H])) -> [N, *param.shape]"""
     return shared.take(param, x, g, partial(compute_all, **hp))
@@ -330,7 +384,9 @@ def _unroll_cost(xs, gs, *, num_layers, bidirectional, weights, **_) -> Cost:
     """Forward and backward of the recurrence step by step, and the contractions; the
     workspace holds each step's maps and states."""
     if xs[0] is None:
-        return Cost(0, 0)  # packed or unbatched: the strategy raises the error that explains it
+        return Cost(0, 0)  # unbatched: the strategy raises the error that explains it
+    if xs[3] is not None:
+        return None  # packed sequences: only 'fused' takes them
     n, steps, _ = xs[0]
     layers = num_layers * (2 if bidirectional else 1)
     return Cost(
