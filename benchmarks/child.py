@@ -77,8 +77,6 @@ def run(case: dict) -> dict:
         return time.perf_counter() - start
 
     warm = [timed(step) for _ in range(case["warmup"])]
-    if paired:
-        timed(plain_step)
     repeats = case["repeats"]
     if warm and case["seconds"] > 0:  # fewer repeats for slow steps, never fewer than 3
         repeats = max(min(3, repeats), min(repeats, int(case["seconds"] / warm[-1])))

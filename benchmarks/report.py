@@ -50,7 +50,7 @@ def _label(method: str) -> str:
     if family == "jacmem":
         return f"jacmem {args[0]} ({args[1]})"
     if family == "backpack":
-        return f"BackPACK {args[0]}" + (" (save_memory)" if args[1:] else " (default)" if args[0] == "BatchGrad" else "")
+        return f"BackPACK {args[0]}" + (" (save_memory)" if args[1:] else " (default)")
     if family == "opacus":
         return {"hooks": "Opacus hooks", "ew": "Opacus ew", "ghost": "Opacus ghost-clipping norms"}[args[0]]
     return {"plain": "plain forward+backward", "torch.func": "torch.func vmap(grad)"}.get(method, method)
@@ -141,7 +141,7 @@ def markdown(results: List[dict], meta: dict) -> str:
         f"- Machine: {meta['cpu']}, {meta['cores']} cores" + (f", {meta['gpu']}" if meta.get("gpu") else "")
         + f"; Python {meta['python']}, torch {meta['torch']}, {meta['threads']} torch threads per case; "
         f"device `{results[0]['device'] if results else 'cpu'}`.",
-        f"- Load average (1 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
+        f"- Load average (1, 5, 15 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
         + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
         "",
         "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "

@@ -10,6 +10,7 @@ import re
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 from typing import List
 
@@ -27,8 +28,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="most timed steps per case (default 7, quick 1)")
     p.add_argument("--seconds", type=float, default=4.0, help="timing budget per case; at least 3 repeats")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
+    p.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1; ratios are paired in-process)")
+    p.add_argument("--memory-cap", type=float, default=3.0, help="GiB: skip cases expected to need more (default 3)")
     p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
     p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")
+    p.add_argument("--from-json", type=Path, help="rewrite the report and plot from a run's results.json; run nothing")
     args = p.parse_args(argv)
     quick_dir = ROOT / "out" / "benchmarks-quick"
     args.markdown = args.markdown or (quick_dir / "BENCHMARKS.md" if args.quick else ROOT / "BENCHMARKS.md")
@@ -43,7 +47,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cases(args) -> List[dict]:
     import torch
 
-    from benchmarks.methods import methods_for
+    from benchmarks.methods import expected_extra, methods_for
     from benchmarks.models import MODELS
 
     device = args.device
@@ -53,17 +57,24 @@ def cases(args) -> List[dict]:
     for name in args.models or list(MODELS):
         if name not in MODELS:
             raise SystemExit(f"unknown model {name!r}; choose from {', '.join(MODELS)}")
-        model, _, _ = MODELS[name].build(args.quick)
+        model, X, _ = MODELS[name].build(args.quick)
+        per_sample = X.shape[0] * sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
+        has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
         for method in methods_for(model):
             if args.only and not re.search(args.only, f"{name} {method}"):
                 continue
             case = dict(model=name, method=method, quick=args.quick, device=device, threads=args.threads)
             case.update(warmup=args.warmup, repeats=args.repeats, seconds=args.seconds)
+            expected = expected_extra(method, per_sample, has_conv) / 2**30
+            if expected > args.memory_cap:
+                case["skip"] = f"skipped: would need about {expected:.1f} GiB above plain (--memory-cap {args.memory_cap:g})"
             out.append(case)
     return out
 
 
 def run_case(case: dict, timeout: float) -> dict:
+    if "skip" in case:
+        return dict(case, error=case["skip"])
     env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
     cmd = [sys.executable, "-m", "benchmarks.child", json.dumps(case)]
     try:
@@ -115,13 +126,21 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     from benchmarks import report
 
+    if args.from_json:
+        saved = json.loads(args.from_json.read_text())
+        report.write(saved["results"], saved["meta"], args.markdown, args.plot)
+        print(f"wrote {args.markdown} and {args.plot} from {args.from_json}", file=sys.stderr)
+        return
+
     todo = cases(args)
     started, load_before = time.time(), load()
     print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
-    results = []
-    for i, case in enumerate(todo, 1):
-        results.append(run_case(case, args.timeout))
-        print(progress(i, len(todo), results[-1]), file=sys.stderr, flush=True)
+    results: List[dict] = [{}] * len(todo)
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        futures = {pool.submit(run_case, case, args.timeout): i for i, case in enumerate(todo)}
+        for done, future in enumerate(as_completed(futures), 1):
+            results[futures[future]] = future.result()
+            print(progress(done, len(todo), results[futures[future]]), file=sys.stderr, flush=True)
     meta = dict(
         command="python -m benchmarks" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
