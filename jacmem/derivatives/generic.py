@@ -20,14 +20,17 @@ no registered derivative:
   mode, or without running statistics): such a forward mutates its buffers (running
   statistics) or mixes the samples. A module whose buffers are constant must therefore
   be in eval mode to get the fallback (its own buffers cannot be told apart from
-  running statistics after the fact). Random ops
-  (dropout in training mode) make the recomputation differ from the forward:
-  ``vmap`` detects them and the backward raises an error that names the fix.
+  running statistics after the fact). Random ops (dropout in training mode) make the
+  recomputation differ from the forward: ``vmap`` detects them and the backward raises
+  an error that names the fix.
 
 Inputs: every tensor argument (positional or keyword, in nested tuples/lists/dicts)
 whose leading size equals that of the first tensor argument is taken as batched on
 axis 0; every other argument is passed unchanged to each sample. The output may be a
-tensor or a (nested) tuple of them, each batched on axis 0.
+tensor or a (nested) tuple of them, each batched on axis 0. The batch must come first:
+a module that takes ``[T, N, ...]`` would have its per-"sample" gradients taken over
+``T`` (as for jacmem's Linear); register a derivative with ``arrange_input`` and
+``arrange`` for such a module.
 
 All parameters of one call share one recomputation per chunk: :class:`SharedPass`
 keeps the per-sample gradients of every trainable parameter until each parameter has
@@ -137,12 +140,12 @@ def per_sample_vjp(
     Returns ``{name: [N, *params[name].shape]}``.
     """
     in_dims = tuple(None if t is None else 0 for t in batched)
+    params = {k: v.detach() for k, v in params.items()}
 
     def one(samples: tuple, g_n):
         _, pull = vjp(lambda p: call(p, samples), params)
         return pull(g_n)[0]
 
-    params = {k: v.detach() for k, v in params.items()}
     try:
         with torch.no_grad():  # no graph outside the transform
             return vmap(one, in_dims=(in_dims, 0))(batched, g)

@@ -33,7 +33,7 @@ gives the δ's of every layer and direction at once. Two strategies recompute it
 Packed sequences (``PackedSequence`` input): ``arrange_input`` pads the input (and
 notes how it was sorted in the call's :class:`Packing`, for ``arrange`` to pad the
 output gradient alike); ``fused`` packs each chunk again for torch's packed kernels,
-reverses each sequence within its own length for ``_reverse``, and adds ``∂L/∂h_n`` at
+reverses each sequence within its own length (:func:`_reverse`), and adds ``∂L/∂h_n`` at
 each sample's last step. ``unroll`` does not take them (its cost says so, and ``auto``
 passes it by).
 
