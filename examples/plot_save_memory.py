@@ -14,7 +14,9 @@ The model is the example's CNN (Conv2d 1→128→256→64→32 with ReLUs and Ma
 Linear(32, 10)) with CrossEntropyLoss, on a seeded random MNIST-shaped batch
 ``[64, 1, 28, 28]``. Every strategy that ``nn.Conv2d`` offers for the weight's
 ``batch_grad``, plus ``auto``, plus a plain forward+backward without jacmem, runs in a
-process of its own, so that each peak RSS is its own. The script checks that all
+process of its own, so that each peak RSS is its own. Each timed pass follows a plain
+pass in the same process, and ``time/plain`` is the median of their ratios, which holds
+up while other work loads the machine. The script checks that all
 strategies give the same ``grad_batch`` (and that it sums to the plain ``.grad``),
 prints a table and saves a bar chart to ``out/plot_save_memory.png``.
 
@@ -94,34 +96,40 @@ def _peak_rss_bytes() -> int:
 
 
 def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
-    """Warm up, then time ``repeats`` forward+backward passes; save the result to ``dump``."""
+    """Warm up, then time ``repeats`` forward+backward passes under ``strategy``, each
+    paired with a plain pass just before it, so that their ratio holds while other work
+    loads the machine. Saves the last pass's result to ``dump``."""
     X, y, model, lossfunc = setup(batch)
     baseline = psutil.Process().memory_info().rss
     explain = ""
 
-    def step() -> None:
+    def step(name: str) -> float:
+        """One forward+backward under ``name`` (or plain, without jacmem): its seconds."""
         nonlocal explain
         for p in model.parameters():  # drop the previous pass's results first
             p.grad = None
             if hasattr(p, "grad_batch"):
                 del p.grad_batch
-        if strategy == PLAIN:
-            lossfunc(model(X), y).backward()
-            return
-        with jacmem.extend(jacmem.BatchGrad(), strategy=strategy) as ctx:
-            lossfunc(model(X), y).backward()
-        explain = ctx.explain()
-
-    step()  # warm-up
-    times = []
-    for _ in range(repeats):
         start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
+        if name == PLAIN:
+            lossfunc(model(X), y).backward()
+        else:
+            with jacmem.extend(jacmem.BatchGrad(), strategy=name) as ctx:
+                lossfunc(model(X), y).backward()
+            explain = ctx.explain()
+        return time.perf_counter() - start
+
+    step(PLAIN)  # warm-up
+    step(strategy)
+    times, ratios = [], []
+    for _ in range(repeats):
+        plain = step(PLAIN)
+        times.append(step(strategy))
+        ratios.append(times[-1] / plain)
     peak = _peak_rss_bytes()
     field = "grad" if strategy == PLAIN else "grad_batch"
     torch.save({name: getattr(p, field) for name, p in model.named_parameters()}, dump)
-    return dict(strategy=strategy, baseline=baseline, peak=peak, times=times, explain=explain)
+    return dict(strategy=strategy, baseline=baseline, peak=peak, times=times, ratios=ratios, explain=explain)
 
 
 # -- parent: spawn, check, tabulate, plot ---------------------------------------------
@@ -167,10 +175,8 @@ def check(dumps: Dict[str, str], batch: int) -> int:
 def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
     """Print peak memory and median time per strategy, against plain; returns the rows."""
     plain = results[PLAIN]
-    plain_time = statistics.median(plain["times"])
     rows = []
     for name, r in results.items():
-        t = statistics.median(r["times"])
         extra = r["peak"] - plain["peak"]
         rows.append(
             dict(
@@ -179,8 +185,8 @@ def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
                 over_setup=(r["peak"] - r["baseline"]) / MiB,
                 extra=extra / MiB,
                 extra_ratio=extra / grad_batch_bytes,
-                time=t,
-                ratio=t / plain_time,
+                time=statistics.median(r["times"]),
+                ratio=statistics.median(r["ratios"]),
             )
         )
     print(f"\nper-sample gradients (grad_batch): {grad_batch_bytes / MiB:.1f} MiB")
@@ -195,6 +201,10 @@ def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
             f"{r['strategy']:<12} {r['peak']:>8.1f} {r['over_setup']:>10.1f} {r['extra']:>10.1f}"
             f" {r['extra_ratio']:>16.2f} {r['time']:>8.3f} {r['ratio']:>10.2f}"
         )
+    print(
+        "over setup: peak RSS above the worker's RSS after setup; extra: peak above plain's; "
+        "time: median seconds; time/plain: median ratio to a plain pass just before"
+    )
     return rows
 
 

@@ -4,21 +4,16 @@ from __future__ import annotations
 
 import importlib.util
 import re
-import subprocess
-import sys
+import runpy
 from pathlib import Path
 
 import pytest
 import torch
 
+from jacmem.derivatives import REGISTRY
+
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
-
-
-def _run(*args: str, timeout: float = 120) -> str:
-    proc = subprocess.run([sys.executable, *args], capture_output=True, text=True, cwd=ROOT, timeout=timeout)
-    assert proc.returncode == 0, f"{' '.join(args)} failed:\n{proc.stdout}\n{proc.stderr}"
-    return proc.stdout
 
 
 def _load_demo():
@@ -28,9 +23,19 @@ def _load_demo():
     return module
 
 
-def test_plot_save_memory_quick(tmp_path, capsys):
-    """The parent runs here; each strategy's worker still gets a process of its own."""
+def test_plot_save_memory_quick(tmp_path, capsys, monkeypatch):
+    """``--quick`` end to end. To keep it to seconds, the parent runs here, ``auto``'s
+    worker in a process of its own as in the demo, and the other workers in this process
+    (the memory figures do not matter here, and each process start imports torch)."""
     demo = _load_demo()
+    spawn = demo.run_worker
+
+    def run_worker(strategy, args, dump):
+        if strategy == "auto":
+            return spawn(strategy, args, dump)
+        return demo.worker(strategy, args.batch, args.repeats, dump)
+
+    monkeypatch.setattr(demo, "run_worker", run_worker)
     demo.main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert (tmp_path / "plot_save_memory.png").stat().st_size > 0
@@ -65,8 +70,16 @@ def test_plot_save_memory_check_raises_on_disagreement(tmp_path):
         demo.check(dumps, 4)
 
 
-def test_custom_module():
-    out = _run(str(EXAMPLES / "custom_module.py"))
+def test_custom_module(capsys):
+    """Run in this process (a process start costs a torch import); what it registers
+    is taken out of the registry afterwards."""
+    before = set(REGISTRY)
+    try:
+        runpy.run_path(str(EXAMPLES / "custom_module.py"), run_name="__main__")
+    finally:
+        for module_type in set(REGISTRY) - before:
+            del REGISTRY[module_type]
+    out = capsys.readouterr().out
     for param in ("weight", "bias"):  # ctx.explain() names the registered strategy
         assert re.search(rf"^1\.{param}\b.*\belementwise\b", out, re.M), out
     assert out.count("match the per-sample loop") == 6
