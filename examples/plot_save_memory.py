@@ -225,7 +225,7 @@ def plot(rows: List[dict], grad_batch_bytes: int, batch: int, path: Path) -> Non
     left.legend(loc="lower right")
     right.bar(names, [r["ratio"] for r in rows], color=colors)
     right.axhline(1, color="k", lw=0.5)
-    right.set_ylabel("time / plain forward+backward")
+    right.set_ylabel("time / plain forward+backward (paired, median)")
     fig.suptitle(f"BatchGrad on the example CNN, batch {batch}, CPU, {torch.get_num_threads()} threads")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
