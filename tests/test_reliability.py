@@ -35,7 +35,7 @@ from torch.nn.modules import module as module_hooks
 import jacmem
 import jacmem.context
 from jacmem import hooks
-from jacmem.derivatives import REGISTRY, Strategy, lookup
+from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy
 from reference import (
     REFERENCE,
     SAVEFIELDS,
@@ -180,30 +180,45 @@ def test_failed_backward_inside_block_leaves_no_stale_results():
     check_reference(good, X, y)
 
 
-def test_failed_backward_through_a_retained_graph_leaves_no_stale_gradients():
-    """A retained graph whose first backward fails halfway: its records hold output
-    gradients of that pass; the next pass through the same graph must not use them."""
-    model = mlp()
-    X, y = x64(5, 3), x64(5, 2)
-    fail = {"now": True}
+class TwoOutputs(nn.Module):
+    """x [N, I] -> (x Wᵀ, 2 x Wᵀ): one record with two outputs."""
 
-    def maybe_fail(g):
-        if fail["now"]:
-            raise ValueError("boom in a tensor hook")
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(x64(3, 4))
 
-    with jacmem.extend(*extensions()):
-        out = model(X)
-        out.register_hook(lambda g: g)
-        hidden = model[0](X)  # a second graph through the first layer, failing below it
-        loss = mse(model[2](model[1](hidden)), y, "mean")
-        hidden.register_hook(maybe_fail)
+    def forward(self, x):
+        return x @ self.weight.T, 2 * (x @ self.weight.T)  # neither depends on the other
+
+
+def two_outputs_batch_grad(x, g):
+    """(g1 + 2 g2)ᵀ x per sample: [N, I], ([N, O], [N, O]) -> [N, O, I]"""
+    return torch.einsum("no,ni->noi", g[0] + 2 * g[1], x)
+
+
+def test_failed_backward_through_a_retained_graph_leaves_no_stale_gradients(monkeypatch):
+    """A retained graph whose first backward fails after one of a record's two output
+    gradients arrived; a second pass through the same graph that reaches only the
+    other output must not use the first pass's gradient (it stands in zeros)."""
+    entry = LayerDerivatives()
+    entry.strategies[("weight", "batch_grad")] = {"default": Strategy(two_outputs_batch_grad)}
+    monkeypatch.setitem(REGISTRY, TwoOutputs, entry)
+    layer = TwoOutputs()
+    X, y1, y2 = x64(5, 4), x64(5, 3), x64(5, 3)
+
+    def fail(g):
+        raise ValueError("boom in a tensor hook")
+
+    with jacmem.extend(jacmem.BatchGrad()):
+        out1, out2 = layer(X)
+        handle = out2.register_hook(fail)  # after jacmem's: out2's gradient reaches jacmem, then this fails
         with pytest.raises(ValueError, match="boom in a tensor hook"):
-            loss.backward(retain_graph=True)
-        no_fields(model)
-        fail["now"] = False
-        clear(model)
-        loss.backward()
-    check_reference(model, X, y)
+            ((out1 * y1).sum() + (out2 * y2).sum()).backward(retain_graph=True)
+        handle.remove()
+        no_fields(layer)
+        (out1 * y1).sum().backward()
+    expected = torch.einsum("no,ni->noi", y1, X)
+    assert_close(layer.weight.grad_batch, expected, "grad_batch of the second pass")
 
 
 def raising(message):
@@ -279,11 +294,15 @@ def test_nested_blocks_fail_clearly_and_the_outer_block_still_works():
     check_reference(model, X, y)
 
 
-def test_threads_other_than_the_owner_get_nothing():
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_threads_other_than_the_owner_get_nothing(flow):
     """The block belongs to the thread that entered it: another thread's forward is not
-    recorded and its backward writes nothing, on the same model, while the block is
-    active; a block entered in the other thread meanwhile fails clearly."""
+    recorded (or, tracked, is recorded but not extended) and its backward writes
+    nothing, on the same model, while the block is active; a block entered in the
+    other thread meanwhile fails clearly."""
     model = mlp()
+    if flow == "track":
+        jacmem.track(model)
     X, y = x64(6, 3), x64(6, 2)
     X2, y2 = x64(4, 3), x64(4, 2)
     errors, records_in_thread = [], []
@@ -294,7 +313,8 @@ def test_threads_other_than_the_owner_get_nothing():
             entered.wait(10)
             with recorded() as records:
                 mse(model(X2), y2, "mean").backward()
-            records_in_thread.extend(r for r in records if r() is not None)
+            if flow == "inside":
+                records_in_thread.extend(r for r in records if r() is not None)
             no_fields(model)
             try:
                 with jacmem.extend(jacmem.BatchGrad()):
@@ -316,6 +336,7 @@ def test_threads_other_than_the_owner_get_nothing():
         clear(model)
         mse(out, y, "mean").backward()
     thread.join()
+    jacmem.untrack(model)
     state.check()
     assert not records_in_thread
     assert len(errors) == 1 and "in another thread" in errors[0], errors
