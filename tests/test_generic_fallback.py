@@ -112,7 +112,8 @@ def test_model(strategy):
     runs = [((f,), "inside", {}) for f in EXTENSIONS]  # each alone, then all four: both flows, and chunked
     runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
-        run_jacmem(model, X, y, mse, "mean", [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True, **kwargs)
+        extensions = [EXTENSIONS[f]() for f in fields]
+        run_jacmem(model, X, y, mse, "mean", extensions, flow, strategy=strategy, strict=True, **kwargs)
         check_against(model, reference, fields, f"[{strategy} {'+'.join(fields)} {flow} {kwargs}]")
 
 

@@ -93,7 +93,9 @@ CASES: Dict[str, tuple] = {
     "packed-sf-nobias-no-weights": (dict(bias=False), "", "none", False),
     "kvdim-bf-bias-kv": (dict(kdim=4, vdim=3, batch_first=True, add_bias_kv=True), "kpm-bool", "avg", False),
     "kvdim-sf-zero-attn": (dict(kdim=5, vdim=7, add_zero_attn=True), "2d", "heads", False),
-    "packed-bf-kpm-float-3d": (dict(batch_first=True, add_bias_kv=True, add_zero_attn=True), "kpm-float 3d", "avg", False),
+    "packed-bf-kpm-float-3d": (
+        dict(batch_first=True, add_bias_kv=True, add_zero_attn=True), "kpm-float 3d", "avg", False
+    ),
     "packed-sf-causal": (dict(), "causal", "none", False),
     "packed-bf-3d-heads": (dict(batch_first=True), "3d", "heads", False),
     "out-proj-only": (dict(batch_first=True, kdim=4, vdim=4), "kpm-bool", "avg", True),
@@ -126,7 +128,8 @@ def test_attention(case_id, strategy):
     runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
         ctx = run_jacmem(
-            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True, **kwargs
+            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True,
+            **kwargs,
         )
         check_against(model, reference, fields, f"[{case_id} {strategy} {'+'.join(fields)} {flow} {kwargs}]")
         mha = [d for d in ctx.plan.decisions.values() if d.module == "mha"]

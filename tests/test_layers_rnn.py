@@ -82,7 +82,9 @@ class Head(nn.Module):
 #: id -> (RNN class, its keyword arguments, what the head uses, h_0 given)
 CASES: Dict[str, tuple] = {
     "rnn-tanh-bf": (nn.RNN, dict(batch_first=True), "output", False),
-    "rnn-relu-2layers-bidir-sf-nobias": (nn.RNN, dict(nonlinearity="relu", num_layers=2, bidirectional=True, bias=False), "all", True),
+    "rnn-relu-2layers-bidir-sf-nobias": (
+        nn.RNN, dict(nonlinearity="relu", num_layers=2, bidirectional=True, bias=False), "all", True
+    ),
     "rnn-tanh-3layers-states-only": (nn.RNN, dict(num_layers=3, batch_first=True), "states", False),
     "gru-bf": (nn.GRU, dict(batch_first=True), "all", False),
     "gru-2layers-bidir-sf-h0": (nn.GRU, dict(num_layers=2, bidirectional=True), "all", True),
@@ -123,7 +125,8 @@ def test_rnn_layers(case_id, strategy):
     runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
         ctx = run_jacmem(
-            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True, **kwargs
+            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True,
+            **kwargs,
         )
         check_against(model, reference, fields, f"[{case_id} {strategy} {'+'.join(fields)} {flow} {kwargs}]")
         rnn_decisions = [d for d in ctx.plan.decisions.values() if d.module.startswith("rnn")]
@@ -252,7 +255,8 @@ def _backpack_fields(cls, seed: int):
     bp_model = extend(copy.deepcopy(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        with backpack(extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()):
+        quantities = [extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()]
+        with backpack(*quantities):
             mse(bp_model(X), y, "mean").backward()
     return model, X, y, bp_model
 

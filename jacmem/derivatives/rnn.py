@@ -341,7 +341,8 @@ def _run(mode: str, seq: Tensor, lengths: Optional[Tensor], hx: tuple, params: L
         return out, [h[0] for h in state]
     packed = pack_padded_sequence(seq, lengths.cpu(), batch_first=True, enforce_sorted=False)
     hx = tuple(h[packed.sorted_indices.to(seq.device)][None] for h in hx)
-    out, *state = fused(packed.data, packed.batch_sizes, hx if len(hx) == 2 else hx[0], params, has_bias, 1, 0.0, False, False)
+    hx = hx if len(hx) == 2 else hx[0]
+    out, *state = fused(packed.data, packed.batch_sizes, hx, params, has_bias, 1, 0.0, False, False)
     out = pad_packed_sequence(PackedSequence(out, *packed[1:]), batch_first=True, total_length=seq.shape[1])[0]
     return out, [h[0][packed.unsorted_indices.to(seq.device)] for h in state]
 
