@@ -10,7 +10,7 @@ norms); ``torch.func``: ``vmap(grad)``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, List
+from typing import Callable, Dict, Iterable, List
 
 import torch
 from torch import Tensor, nn
@@ -151,11 +151,12 @@ def jacmem_strategies(model: nn.Module, extension: str) -> List[str]:
     return (names if len(names) > 1 else []) + ["auto"]
 
 
-def methods_for(model: nn.Module) -> List[str]:
-    """Every method name benchmarked on ``model``, plain first."""
+def methods_for(model: nn.Module, compare: Iterable[str] = EXTENSIONS) -> List[str]:
+    """Every method name benchmarked on ``model``, plain first; jacmem with each
+    strategy for the extensions in ``compare``, with ``auto`` alone for the others."""
     out = ["plain"]
     for ext in EXTENSIONS:
-        out += [f"jacmem:{ext}:{s}" for s in jacmem_strategies(model, ext)]
+        out += [f"jacmem:{ext}:{s}" for s in (jacmem_strategies(model, ext) if ext in compare else ["auto"])]
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
     for ext in ("BatchGrad", "BatchL2Grad"):
         out += [f"backpack:{ext}"] + ([f"backpack:{ext}:save_memory"] if has_conv else [])

@@ -112,7 +112,9 @@ class Bench:
     description: str
     make: Callable[[bool], nn.Module]
     input_shape: Callable[[bool], Tuple[int, ...]]  # quick -> [N, ...]
-    note: str = ""
+    #: extensions that jacmem runs here with each strategy, not only with auto
+    #: (``--all-strategies``: all of them, everywhere)
+    compare_strategies: Tuple[str, ...] = ()
 
     def build(self, quick: bool, batch: Optional[int] = None) -> Tuple[nn.Module, Tensor, Tensor]:
         """(model, X, y), the same in every process; ``batch`` overrides N."""
@@ -132,7 +134,7 @@ def _freeze_batchnorm(model: nn.Module) -> nn.Module:
 
 
 def _resnet(quick: bool) -> nn.Module:
-    model = resnet(4 if quick else 32)
+    model = resnet(4 if quick else 16)
     if not has_batchnorm_derivative():
         _freeze_batchnorm(model)
     return model
@@ -154,6 +156,7 @@ MODELS: Dict[str, Bench] = {
         "seed CNN, [256, 1, 28, 28]",
         lambda quick: seed_cnn(),
         lambda quick: (8 if quick else 256, 1, 28, 28),
+        compare_strategies=("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance"),
     ),
     "mlp": Bench(
         "MLP 784-512-512-10 with ReLU, [128, 784]",
@@ -161,7 +164,7 @@ MODELS: Dict[str, Bench] = {
         lambda quick: (4 if quick else 128, 784),
     ),
     "resnet": Bench(
-        "ResNet-style CNN: conv, 3 residual blocks (32-64-64 channels) with BatchNorm in eval mode, "
+        "ResNet-style CNN: conv, 3 residual blocks (16-32-32 channels) with BatchNorm in eval mode, "
         "[64, 3, 32, 32]",
         _resnet,
         lambda quick: (4 if quick else 64, 3, 32, 32),
@@ -171,5 +174,6 @@ MODELS: Dict[str, Bench] = {
         "residuals), [64, T=64, 32]",
         lambda quick: Transformer(8 if quick else 32, 16 if quick else 128, 1 if quick else 2),
         lambda quick: (4 if quick else 64, 8 if quick else 64, 8 if quick else 32),
+        compare_strategies=("BatchL2Grad",),  # ghost norm versus per-sample gradients
     ),
 }

@@ -28,6 +28,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--repeats", type=int, help="most timed steps per case (default 7, quick 1)")
     p.add_argument("--seconds", type=float, default=4.0, help="timing budget per case; at least 3 repeats")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a case is abandoned")
+    p.add_argument("--all-strategies", action="store_true", help="jacmem with every strategy on every model")
     p.add_argument("--jobs", type=int, default=1, help="cases run at once (default 1; ratios are paired in-process)")
     p.add_argument("--memory-cap", type=float, default=3.0, help="GiB: skip cases expected to need more (default 3)")
     p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
@@ -47,7 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 def cases(args) -> List[dict]:
     import torch
 
-    from benchmarks.methods import expected_extra, methods_for
+    from benchmarks.methods import EXTENSIONS, expected_extra, methods_for
     from benchmarks.models import MODELS
 
     device = args.device
@@ -60,7 +61,8 @@ def cases(args) -> List[dict]:
         model, X, _ = MODELS[name].build(args.quick)
         per_sample = X.shape[0] * sum(p.numel() for p in model.parameters() if p.requires_grad) * 4
         has_conv = any(isinstance(m, torch.nn.modules.conv._ConvNd) for m in model.modules())
-        for method in methods_for(model):
+        compare = EXTENSIONS if args.all_strategies else MODELS[name].compare_strategies
+        for method in methods_for(model, compare):
             if args.only and not re.search(args.only, f"{name} {method}"):
                 continue
             case = dict(model=name, method=method, quick=args.quick, device=device, threads=args.threads)
