@@ -203,6 +203,29 @@ def test_transformer_encoder():
         check_against(model, reference, EXTENSIONS, f"[encoder {flow}]")
 
 
+class Tied(nn.Module):
+    """out_proj's weight is also a Linear's: two records contribute to one parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(E, HEADS, batch_first=True)
+        self.proj = nn.Linear(E, E)
+        self.proj.weight = self.mha.out_proj.weight
+
+    def forward(self, x):
+        return self.proj(self.mha(x, x, x)[0]).mean(1)
+
+
+def test_out_proj_weight_tied_to_a_linear():
+    torch.manual_seed(8)
+    model = Tied().double()
+    X, y = torch.randn(4, L, E, dtype=torch.float64), torch.randn(4, E, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    for flow in FLOWS:
+        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
+        check_against(model, reference, EXTENSIONS, f"[tied {flow}]")
+
+
 def test_unbatched_input_raises():
     mha = nn.MultiheadAttention(E, HEADS).double()
     q = torch.randn(L, E, dtype=torch.float64)
