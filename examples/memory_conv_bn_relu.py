@@ -48,8 +48,9 @@ def fuse(model: nn.Sequential, negative_slope: float = 0.01) -> nn.Sequential:
     return model
 
 
-def measure(model, x, y):
-    """Peak memory of forward + backward, after a warm-up."""
+def measure(model, x, y, quick):
+    """Peak memory of forward + backward, after a warm-up; None with --quick (its tensors
+    are too small to show in the resident set, and measuring tunes malloc process-wide)."""
 
     def step():
         model.zero_grad(set_to_none=True)
@@ -58,10 +59,10 @@ def measure(model, x, y):
         F.cross_entropy(model(x), y).backward()
 
     step()
-    return peak_memory(step)
+    return None if quick else peak_memory(step)
 
 
-def compare(title, before_model, after_model, x, y):
+def compare(title, before_model, after_model, x, y, quick):
     before = report(before_model, x)
     print(before)
     after = report(after_model, x)
@@ -69,8 +70,8 @@ def compare(title, before_model, after_model, x, y):
     print(f"\nMeasured ({title}):")
     print(f"  saved for backward (report): before {fmt_bytes(before.saved_bytes)}, after {fmt_bytes(after.saved_bytes)}"
           f" ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)")
-    print(f"  forward + backward, peak RSS: before {fmt_bytes(measure(before_model, x, y))}, "
-          f"after {fmt_bytes(measure(after_model, x, y))}\n")
+    print(f"  forward + backward, peak RSS: before {fmt_bytes(measure(before_model, x, y, quick))}, "
+          f"after {fmt_bytes(measure(after_model, x, y, quick))}\n")
     return before, after
 
 
@@ -86,7 +87,7 @@ def main(argv=None):
     print(f"=== 1. Training a {depth}-block conv-bn-relu stack, batch {n}x3x{size}x{size} ===\n")
     fused = fuse(copy.deepcopy(model))
     assert fused.state_dict().keys() == model.state_dict().keys()
-    training = compare("training", model, fused, x, y)
+    training = compare("training", model, fused, x, y, args.quick)
 
     print(f"=== 2. Fine-tuning the head, frozen BatchNorm statistics, input gradients ===\n")
     model.eval()
@@ -96,7 +97,7 @@ def main(argv=None):
         p.requires_grad_(True)
     x.requires_grad_(True)
     leaned = lean(copy.deepcopy(model))
-    tuning = compare("fine-tuning", model, leaned, x, y)
+    tuning = compare("fine-tuning", model, leaned, x, y, args.quick)
     gx = torch.autograd.grad(F.cross_entropy(model(x), y), x)[0]
     gx_lean = torch.autograd.grad(F.cross_entropy(leaned(x), y), x)[0]
     diff = (gx - gx_lean).abs().max().item()

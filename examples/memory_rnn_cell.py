@@ -86,7 +86,8 @@ def main(argv=None):
 
     def measure(net, h=h0):
         train_step(net, h)  # warm-up
-        return peak_memory(lambda: train_step(net, h))
+        # --quick: tensors too small to show in the resident set, and measuring tunes malloc process-wide
+        return None if args.quick else peak_memory(lambda: train_step(net, h))
 
     print(f"A hand-written GRU cell over {steps} steps, batch {batch}, {inputs} -> {hidden}\n")
     with torch.no_grad():

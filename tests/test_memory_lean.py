@@ -17,7 +17,15 @@ import jacmem
 from jacmem.memory import BatchNormAct, lean, report, unlean
 from jacmem.memory.functions import pack_bits, unpack_bits
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Every test here in float64; the default dtype is restored for other test files."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 RTOL, ATOL = 1e-10, 1e-12
 
@@ -76,7 +84,7 @@ CONVS = [
 @pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("stock,shape", CONVS, ids=lambda v: str(v).split("(")[0] if isinstance(v, nn.Module) else None)
 def test_conv_matches_stock(stock, shape):
-    _compare(stock, torch.randn(shape))
+    _compare(copy.deepcopy(stock).double(), torch.randn(shape))  # built at import, in float32
 
 
 def test_conv_transpose_output_size():
@@ -181,6 +189,7 @@ def _saved(fn, *inputs):
 def test_conv_keeps_only_what_is_needed(stock, shape):
     """The input is an activation (x * 1): stock keeps it whether or not the weight is
     trainable; lean keeps it only for the weight's gradient."""
+    stock = copy.deepcopy(stock).double()  # built at import, in float32
     x = torch.randn(shape, requires_grad=True)
     lean_layer = lean(copy.deepcopy(stock))
     x_bytes = x.numel() * x.element_size()

@@ -14,7 +14,15 @@ from torch.nn.modules import module as module_hooks
 
 from jacmem.memory import report
 
-torch.set_default_dtype(torch.float64)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """Every test here in float64; the default dtype is restored for other test files."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)
 
 
 def test_views_and_inplace_outputs_count_once():

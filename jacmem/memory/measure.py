@@ -4,9 +4,10 @@
   caching allocator's view, exact to the byte.
 * CPU (Linux): the process's peak resident set (``VmHWM`` in ``/proc/self/status``,
   reset by writing ``5`` to ``/proc/self/clear_refs``) minus the resident set before
-  the call. glibc is told once to serve every allocation over 64 KiB with its own
-  ``mmap`` (``mallopt``), so that freed tensors leave the resident set at once and
-  the figure is what the call needed, not what the allocator happened to keep.
+  the call. glibc is told once to serve every allocation of a page or more with its
+  own ``mmap`` (``mallopt``), so that freed tensors leave the resident set at once and
+  the figure is what the call needed, not what the allocator happened to keep (this
+  makes large allocations slower for the rest of the process).
   Pages of earlier allocations that the call touches first also count, so measure
   a warmed-up call.
 """
@@ -30,8 +31,8 @@ def _tune_malloc() -> None:
     if _TUNED:
         return
     libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallopt(_M_MMAP_THRESHOLD, 64 * 1024)
-    libc.mallopt(_M_TRIM_THRESHOLD, 128 * 1024)
+    libc.mallopt(_M_MMAP_THRESHOLD, 4096)
+    libc.mallopt(_M_TRIM_THRESHOLD, 4096)
     _TUNED = True
 
 

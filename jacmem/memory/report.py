@@ -80,8 +80,10 @@ def _tensors(obj) -> List[Tensor]:
     return []
 
 
-def fmt_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
+def fmt_bytes(n: Optional[float]) -> str:
+    """1536 -> '1.5 KiB'; None -> 'n/a'."""
+    if n is None:
+        return "n/a"
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(n) < 1024 or unit == "GiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
