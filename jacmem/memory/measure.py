@@ -7,7 +7,8 @@
   the call. glibc is told once to serve every allocation of a page or more with its
   own ``mmap`` (``mallopt``), so that freed tensors leave the resident set at once and
   the figure is what the call needed, not what the allocator happened to keep (this
-  makes large allocations slower for the rest of the process).
+  makes large allocations slower for the rest of the process); ``malloc_trim`` before
+  the call returns the free heap pages, so that reusing them counts too.
   Pages of earlier allocations that the call touches first also count, so measure
   a warmed-up call.
 """
@@ -23,17 +24,17 @@ from typing import Callable, Optional
 import torch
 
 _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_TUNED = False
+_LIBC = None
 
 
-def _tune_malloc() -> None:
-    global _TUNED
-    if _TUNED:
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    libc.mallopt(_M_MMAP_THRESHOLD, 4096)
-    libc.mallopt(_M_TRIM_THRESHOLD, 4096)
-    _TUNED = True
+def _libc():
+    """glibc, told once to mmap every allocation of a page or more."""
+    global _LIBC
+    if _LIBC is None:
+        _LIBC = ctypes.CDLL(ctypes.util.find_library("c"))
+        _LIBC.mallopt(_M_MMAP_THRESHOLD, 4096)
+        _LIBC.mallopt(_M_TRIM_THRESHOLD, 4096)
+    return _LIBC
 
 
 def _status_kib(field: str) -> int:
@@ -47,8 +48,9 @@ def _status_kib(field: str) -> int:
 def _cpu_peak(fn: Callable[[], object]) -> int:
     if not sys.platform.startswith("linux"):
         raise RuntimeError("jacmem.memory.peak_memory measures CPU memory on Linux only; pass device='cuda' for a GPU")
-    _tune_malloc()
+    libc = _libc()
     gc.collect()
+    libc.malloc_trim(0)  # free heap pages leave the resident set: reusing them counts again
     base = _status_kib("VmRSS")
     with open("/proc/self/clear_refs", "w") as f:
         f.write("5")
