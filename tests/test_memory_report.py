@@ -165,3 +165,15 @@ def test_hooks_removed_even_on_error():
     report(nn.Linear(2, 2), torch.randn(1, 2))
     assert len(module_hooks._global_forward_pre_hooks) == pre
     assert len(module_hooks._global_forward_hooks) == post
+
+
+def test_trainable_leaf_tensors_count_as_parameters_not_inputs():
+    """A callable with a trainable tensor of its own (functional style): saved by
+    reference, like a parameter; the input requiring grad stays an input."""
+    w = torch.randn(6, 4, requires_grad=True)
+    x = torch.randn(3, 6, requires_grad=True)
+    r = report(lambda t: torch.tanh(t @ w), x)
+    kinds = {t.slot: t.kind for t in r.tensors if t.op == "MmBackward0"}
+    assert kinds == {"self": "input", "mat2": "parameter"}
+    assert r.parameter_bytes == r.trainable_bytes == 6 * 4 * 8
+    assert r.saved_bytes == 0  # tanh keeps its result: the output

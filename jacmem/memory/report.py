@@ -143,7 +143,7 @@ class MemoryReport:
     def _storages(self, kinds=("activation",)) -> Dict[Key, List[SavedTensor]]:
         out: Dict[Key, List[SavedTensor]] = {}
         for t in self.tensors:
-            if t.kind in kinds:
+            if t.kind in kinds and t.nbytes:
                 out.setdefault(t.storage, []).append(t)
         return out
 
@@ -210,6 +210,13 @@ class MemoryReport:
             lines.append(f"  ... {len(self.modules) - top} more modules")
         lines += ["", f"  {'op (grad_fn)':<36} {'saved':>6} {'bytes':>10}"]
         lines += [f"  {op[:36]:<36} {n:>6} {fmt_bytes(b):>10}" for op, n, b in self.by_op()[:top]]
+        largest = sorted((ts[0] for ts in self._storages().values()), key=lambda t: -t.nbytes)[:5]
+        if largest:
+            lines += ["", "Largest kept storages (first saver):"]
+            lines += [
+                f"  {fmt_bytes(t.nbytes):>10}  {t.module}: {t.op}.{t.slot} {list(t.shape)} {t.dtype} on {t.device}"
+                for t in largest
+            ]
         wasted = [t for t in self.tensors if t.wasted and t.kind == "activation"]
         if wasted:
             lines += ["", "Kept for no computed gradient:"]
@@ -295,8 +302,9 @@ class _Recorder:
     def pack(self, t: Tensor) -> _Handle:
         module = self.stack[-1] if self.stack else self.root_label
         key = _key(t)
-        leaf = isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad)  # a trainable tensor, by reference
-        kind = "parameter" if leaf else self.owned.get(key, "activation")
+        owned = self.owned.get(key)
+        leaf = owned is None and (isinstance(t, nn.Parameter) or (t.is_leaf and t.requires_grad))
+        kind = "parameter" if leaf else owned or "activation"  # a trainable leaf: kept by reference
         if leaf:
             self.params.setdefault(id(t), t)
         self.entries.append(
