@@ -6,10 +6,13 @@ BENCHMARKS.md between ``<!-- secondorder:start -->`` and ``<!-- secondorder:end 
 (the rest of the file is left alone). ``--quick``: tiny sizes, one repeat, the table
 printed and written to ``out/second-order-quick.md`` only; it checks the harness.
 
-Memory: the peak resident set size during the timed steps above that after setup
-(``/proc/self/clear_refs`` resets the high-water mark), as ``benchmarks.child``
-measures it. Time: the median over the repeats, after one warm-up step. Both
-libraries get the same seeded model and batch, and 2 threads.
+Memory: the peak resident set size during the timed steps above that before them,
+after one warm-up step (so one-time imports and initialisation do not count;
+``/proc/self/clear_refs`` resets the high-water mark). Each case runs with
+``MALLOC_MMAP_THRESHOLD_=131072``, so that glibc returns every freed large buffer at
+once and the resident set follows the live tensors rather than the allocator's
+retention. Time: the median over the repeats. Both libraries get the same seeded
+model and batch, and 2 threads.
 """
 
 from __future__ import annotations
@@ -105,21 +108,23 @@ def child(case: dict) -> dict:
 
     warnings.simplefilter("ignore")
     step = prepare(case)
+    for _ in range(case["warmup"]):
+        step()
     gc.collect()
     setup = _rss_bytes()
     reset = _reset_peak()
     times = []
-    for i in range(case["warmup"] + case["repeats"]):
+    for _ in range(case["repeats"]):
         start = time.perf_counter()
         step()
-        if i >= case["warmup"]:
-            times.append(time.perf_counter() - start)
+        times.append(time.perf_counter() - start)
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return dict(case, time_s=statistics.median(times), extra_bytes=peak - setup if reset or peak > setup else None)
 
 
 def run_case(case: dict, timeout: float) -> dict:
     env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
+    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
     cmd = [sys.executable, "-m", "benchmarks.second_order", "--child", json.dumps(case)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
@@ -144,7 +149,8 @@ def table(results: List[dict], args) -> str:
         "",
         f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}`: each case in its own process, "
         f"{args.threads} threads, median of {args.repeats} steps after {args.warmup} warm-up; memory is the peak RSS "
-        "above that after setup (MB). A step is forward, loss and backward inside the extension's block. "
+        "during them above that before them (MB; glibc returning freed buffers at once, see the module docstring). "
+        "A step is forward, loss and backward inside the extension's block. "
         "Ratios are jacmem / BackPACK: below 1 is better.",
         "",
     ]

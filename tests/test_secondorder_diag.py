@@ -71,7 +71,7 @@ CNNS = {
     "conv2d_pools": lambda: nn.Sequential(
         nn.Conv2d(2, 3, 3, padding=1),
         nn.ELU(),
-        nn.MaxPool2d(2),
+        nn.MaxPool2d(3, stride=2, padding=1, ceil_mode=True),
         nn.ZeroPad2d((1, 0, 0, 1)),
         nn.Conv2d(3, 4, 2, stride=2, dilation=1),
         nn.Sigmoid(),
@@ -83,7 +83,7 @@ CNNS = {
     "conv1d": lambda: nn.Sequential(
         nn.Conv1d(2, 4, 3, padding="same", padding_mode="circular"),
         nn.Tanh(),
-        nn.MaxPool1d(2),
+        nn.MaxPool1d(2, dilation=2, padding=1),
         nn.ConstantPad1d(1, 0.5),
         nn.Conv1d(4, 4, 2, groups=2),
         nn.AvgPool1d(2),

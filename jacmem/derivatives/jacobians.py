@@ -70,10 +70,12 @@ class Passthrough:
     def elementwise(self) -> bool:
         return self.df is not None
 
-    def backprop(self, xs: Tuple[Tensor, ...], out: Optional[Tensor], S: Tensor, hp: dict):
-        """``S [V, N, *out]`` -> one ``[V, N, *in_i]`` (or ``None``) per input."""
+    def backprop(self, xs: Tuple[Tensor, ...], out: Optional[Tensor], S: Tensor, hp: dict, inplace: bool = False):
+        """``S [V, N, *out]`` -> one ``[V, N, *in_i]`` (or ``None``) per input; an
+        elementwise map overwrites ``S`` where ``inplace``."""
         if self.df is not None:
-            return (S * self.df(xs[0], out, **hp),)
+            df = self.df(xs[0], out, **hp)
+            return (S.mul_(df) if inplace else S * df,)
         if self.jac_t is not None:
             return self.jac_t(xs, out, S, **hp)
         return vjp_generic(hp["forward"], xs, S)

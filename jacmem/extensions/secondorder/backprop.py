@@ -329,7 +329,11 @@ class Engine:
         try:
             for key in list(factors):
                 f = factors.pop(key)  # freed once it has crossed
+                handed: set = set()
                 for i, S_in in enumerate(self._backprop(entry, xs, node.out, f.S, hp)):
+                    if S_in is not None and id(S_in) in handed:
+                        S_in = S_in.clone()  # each deposit owns its tensor (they are updated in place)
+                    handed.add(id(S_in))
                     self._deposit(run, node, i, key, f.kind, f.sign, S_in)
                 del f
             g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
@@ -344,7 +348,10 @@ class Engine:
                 self._handover(run, node, i, residual if i == 0 else {}, g_in[i][0], dense_in if i == 0 else {})
 
     def _backprop(self, entry: Passthrough, xs, out, S: Tensor, hp: dict) -> Tuple[Optional[Tensor], ...]:
-        """``Jᵀ S`` per input, in slices of ``V`` where ``S`` is larger than the budget."""
+        """``Jᵀ S`` per input, in slices of ``V`` where ``S`` is larger than the budget;
+        ``S`` is the engine's own (no one else holds it): elementwise maps overwrite it."""
+        if entry.elementwise:
+            return entry.backprop(xs, out, S, hp, inplace=True)
         v = S.shape[0]
         step = max(1, int(self.budget // max(S[0].numel() * S.element_size() * 2, 1)))
         if step >= v:
@@ -396,7 +403,7 @@ class Engine:
             return
         d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
         have = d.factors.get(key)
-        d.factors[key] = Factor(kind, sign, S if have is None else have.S + S)
+        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
 
     def _check_chain(self, node: Node, dep: Optional[_Deposit], grad: Tensor) -> None:
         fix = (
