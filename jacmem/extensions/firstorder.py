@@ -78,25 +78,15 @@ class Variance(FirstOrderExtension):
         return q["sum_grad_squared"] / batch_size - (q["grad"] / batch_size) ** 2
 
 
-#: elements of the temporary that :func:`sum_of_squares` squares at once
-SQUARE_BLOCK = 2**20
-
-
 def squared_norms(batch_grad: Tensor) -> Tensor:
-    """‖g_n‖² per sample, one batched dot product, no squared copy: [n, *shape] -> [n]"""
-    flat = batch_grad.flatten(1)
-    return torch.bmm(flat.unsqueeze(1), flat.unsqueeze(2)).flatten()
+    """‖g_n‖² per sample, one fused reduction without a squared copy: [n, *shape] -> [n]"""
+    return torch.linalg.vector_norm(batch_grad.flatten(1), dim=1).square_()
 
 
 def sum_of_squares(batch_grad: Tensor) -> Tensor:
-    """Σ_n g_n ⊙ g_n, squaring a few samples at a time, so the squares never take the
-    batch's size: [n, *shape] -> shape"""
-    flat = batch_grad.flatten(1)
-    rows = max(1, SQUARE_BLOCK // max(flat.shape[1], 1))
-    out = flat[:rows].square().sum(0)
-    for start in range(rows, flat.shape[0], rows):
-        out += flat[start : start + rows].square().sum(0)
-    return out.view(batch_grad.shape[1:])
+    """Σ_n g_n ⊙ g_n, one fused reduction over the batch axis without a squared copy:
+    [n, *shape] -> shape"""
+    return torch.linalg.vector_norm(batch_grad, dim=0).square_()
 
 
 def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
