@@ -3,7 +3,8 @@
 A row per parameter of each layer jacmem ships a derivative for; a column per
 extension, listing the strategy names that extension can use on that parameter (see
 :func:`strategy_names`). Parameters with equal cells share a row, and so do layers
-with equal rows.
+with equal rows. A line after the table names the losses and modules that the
+second-order extensions' curvature passes through.
 Modules registered by users (their functions live outside jacmem) are left out.
 
 .. code-block:: text
@@ -23,7 +24,9 @@ from typing import Callable, Dict, List, Tuple
 
 import jacmem
 from jacmem.derivatives import QUANTITIES, REGISTRY, LayerDerivatives
+from jacmem.derivatives.jacobians import LOSSES, PASSTHROUGH
 from jacmem.extensions.firstorder import FirstOrderExtension
+from jacmem.extensions.secondorder import SecondOrderExtension
 
 START = "<!-- support-table:start -->"
 #: marks a layer whose parameter names depend on the instance (``for_module``)
@@ -102,6 +105,25 @@ def table() -> str:
     return "\n".join(lines) + "\n"
 
 
+def _names(types) -> str:
+    """Markdown names of the stock (torch or jacmem) module types among ``types``."""
+    stock = [t for t in types if t.__module__.split(".")[0] in ("torch", "jacmem")]
+    return ", ".join(f"`{layer_name(t)}`" for t in stock)
+
+
+def second_order() -> str:
+    """Where the second-order extensions' curvature starts (losses) and which modules
+    it flows back through, from :mod:`jacmem.derivatives.jacobians`, as Markdown."""
+    exts = [getattr(jacmem, n) for n in jacmem.__all__]
+    exts = [e for e in exts if isinstance(e, type) and issubclass(e, SecondOrderExtension)]
+    if not exts:
+        return ""
+    return (
+        f"Second order ({', '.join(f'`{e.__name__}`' for e in exts)}): the curvature starts at "
+        f"{_names(LOSSES)} and flows back through {_names(PASSTHROUGH)}.\n"
+    )
+
+
 def _split(text: str, path: str) -> Tuple[str, str, str]:
     """(before and START, the block, END and after)."""
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
@@ -109,6 +131,12 @@ def _split(text: str, path: str) -> Tuple[str, str, str]:
     head, rest = text.split(START)
     block, tail = rest.split(END)
     return head + START, block, END + tail
+
+
+def generate() -> str:
+    """Everything between the markers: the table, then the second-order line."""
+    extra = second_order()
+    return table() + (f"\n{extra}" if extra else "")
 
 
 def block(text: str, path: str = "README.md") -> str:
@@ -119,7 +147,7 @@ def block(text: str, path: str = "README.md") -> str:
 def rewrite(text: str, path: str = "README.md") -> str:
     """``text`` with the block between the markers replaced by the current table."""
     head, _, tail = _split(text, path)
-    return f"{head}\n{table()}{tail}"
+    return f"{head}\n{generate()}{tail}"
 
 
 def main(argv=None) -> int:
@@ -133,12 +161,12 @@ def main(argv=None) -> int:
         path.write_text(rewrite(path.read_text(), args.write))
         print(f"wrote the support table to {path}")
     elif args.check:
-        if block(Path(args.check).read_text(), args.check) != table():
+        if block(Path(args.check).read_text(), args.check) != generate():
             print(f"{args.check}'s support table is stale: run python -m jacmem.support --write {args.check}")
             return 1
         print(f"{args.check}'s support table matches the registry")
     else:
-        print(table(), end="")
+        print(generate(), end="")
     return 0
 
 

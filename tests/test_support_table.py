@@ -25,7 +25,7 @@ README = ROOT / "README.md"
 
 def test_readme_table_is_current():
     """Fails when a layer or strategy was registered and the README not regenerated."""
-    assert support.block(README.read_text()) == support.table(), (
+    assert support.block(README.read_text()) == support.generate(), (
         "README.md's support table differs from the registry: run python -m jacmem.support --write README.md"
     )
 
@@ -38,7 +38,7 @@ def test_check_and_write(tmp_path, capsys):
     assert support.main(["--write", str(stale)]) == 0
     text = stale.read_text()
     assert text.startswith("intro\n") and text.endswith(f"{support.END}\noutro\n")
-    assert support.block(text) == support.table()
+    assert support.block(text) == support.generate()
     assert support.main(["--check", str(stale)]) == 0
 
 
@@ -55,6 +55,15 @@ def test_every_builtin_layer_and_strategy_appears():
         assert f"`{support.layer_name(module_type)}`" in text
         for (param, quantity), table in entry.strategies.items():
             assert all(f"`{name}`" in text for name in table), (module_type, param, quantity)
+
+
+def test_second_order_line_names_every_stock_loss_and_passthrough():
+    from jacmem.derivatives.jacobians import LOSSES, PASSTHROUGH
+
+    line = support.second_order()
+    assert "`KFAC`" in line and "`DiagGGNExact`" in line
+    for module_type in [*LOSSES, *PASSTHROUGH]:
+        assert f"`{support.layer_name(module_type)}`" in line
 
 
 def test_user_registrations_stay_out():
