@@ -81,6 +81,13 @@ class Passthrough:
         return vjp_generic(hp["forward"], xs, S)
 
 
+def diagonal_factor(d: Tensor) -> Tensor:
+    """A factor of ``diag(d²)`` per sample: ``d [N, *F] -> [prod(F), N, *F]``, zero off
+    the diagonal."""
+    eye = torch.eye(prod(d.shape[1:]), dtype=d.dtype, device=d.device).reshape(-1, 1, *d.shape[1:])
+    return eye * d.unsqueeze(0)
+
+
 def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[Optional[Tensor], ...]:
     """``S [V, N, *out]`` -> ``J_iᵀ S`` per floating-point input, by ``torch.func.vjp``
     on ``forward`` vmapped over ``V``; ``None`` for integer inputs."""

@@ -20,24 +20,17 @@ so the factors carry its square root.
 
 from __future__ import annotations
 
-from math import prod, sqrt
+from math import sqrt
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import LossHessian, loss
+from jacmem.derivatives.jacobians import LossHessian, diagonal_factor, loss
 
 
 def _reduction(module: nn.Module) -> dict:
     return {"reduction": module.reduction}
-
-
-def _diagonal_factor(d: Tensor) -> Tensor:
-    """Per-entry factor ``d [N, *F] -> [prod(F), N, *F]``, zero off the diagonal."""
-    n, shape = d.shape[0], d.shape[1:]
-    eye = torch.eye(prod(shape), dtype=d.dtype, device=d.device).reshape(-1, 1, *shape)
-    return eye * d.unsqueeze(0)
 
 
 def _scale(S: Tensor, reduction: str, terms: float) -> Tensor:
@@ -54,7 +47,7 @@ def _mse_check(module: nn.MSELoss) -> None:
 
 def mse_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
     """√2·I per sample: [N, *F] -> [prod(F), N, *F]"""
-    return _scale(_diagonal_factor(torch.full_like(x, sqrt(2))), reduction, x.numel())
+    return _scale(diagonal_factor(torch.full_like(x, sqrt(2))), reduction, x.numel())
 
 
 def mse_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Tensor:
@@ -139,7 +132,7 @@ def _bce_check(module: nn.BCEWithLogitsLoss) -> None:
 def bce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
     """√(σ(1-σ)) per entry: [N, *F] -> [prod(F), N, *F]"""
     s = torch.sigmoid(x)
-    return _scale(_diagonal_factor((s * (1 - s)).sqrt()), reduction, x.numel())
+    return _scale(diagonal_factor((s * (1 - s)).sqrt()), reduction, x.numel())
 
 
 def bce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Tensor:

@@ -31,7 +31,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
-from math import prod, sqrt
+from math import sqrt
 from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
@@ -42,6 +42,7 @@ from jacmem.derivatives import lookup
 from jacmem.derivatives.jacobians import (
     LossHessian,
     Passthrough,
+    diagonal_factor,
     ea_jac_t_mat_jac,
     lookup_loss,
     lookup_passthrough,
@@ -120,12 +121,6 @@ class _Pass:
 def _tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance of the chain check: rounding of two orders of summation."""
     return 1e-8 if dtype == torch.float64 else 1e-3
-
-
-def _diagonal_factor(d: Tensor) -> Tensor:
-    """[N, *F] -> [prod(F), N, *F], ``d`` on the diagonal."""
-    eye = torch.eye(prod(d.shape[1:]), dtype=d.dtype, device=d.device).reshape(-1, 1, *d.shape[1:])
-    return eye * d.unsqueeze(0)
 
 
 class Engine:
@@ -376,7 +371,7 @@ class Engine:
         out = {}
         for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
             if bool(part.any()):
-                out[("residual", id(node), sign)] = Factor("residual", sign, _diagonal_factor(part.sqrt()))
+                out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
         return out
 
     def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor, dense: dict) -> None:
@@ -447,7 +442,6 @@ class Engine:
             entry=node.fo_entry,
             hp=node.fo_hp,
             x=node.fo_x,
-            inputs=node.inputs,
             out_shape=node.out_shape,
             factors=factors,
             dense=dense,

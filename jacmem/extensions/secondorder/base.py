@@ -41,8 +41,8 @@ class Call:
     """One call of a module with parameters, as the extensions see it in backward.
 
     ``x``/``hp``/``entry``: what the first-order derivatives take (the module's first
-    order registry entry, its kept input and hyper-parameters); ``inputs``: the tensor
-    inputs; ``factors`` and ``dense``: what arrived at the output.
+    order registry entry, its kept input and hyper-parameters); ``factors`` and
+    ``dense``: what arrived at the output.
     """
 
     module: nn.Module
@@ -51,7 +51,6 @@ class Call:
     entry: Any
     hp: Dict[str, Any]
     x: Any
-    inputs: Tuple[Tensor, ...]
     out_shape: Tuple[int, ...]
     factors: List[Factor] = field(default_factory=list)
     dense: Optional[Tensor] = None
