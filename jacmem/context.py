@@ -116,15 +116,15 @@ class _Pass:
     pass, so nothing it staged is ever written.
     """
 
-    __slots__ = ("block", "staged", "partial", "flags", "__weakref__")
+    __slots__ = ("block", "staged", "partial", "names", "__weakref__")
 
     def __init__(self, block: "extend"):
         self.block = block
         self.staged: Dict[int, _Staged] = {}
         #: records whose outputs got only some gradients so far
         self.partial: List[hooks.Record] = []
-        #: (module name, [input non-finite, output gradient non-finite]) per record
-        self.flags: List[Tuple[str, Tensor]] = []
+        #: id(parameter) -> the name of the (first) module it was computed for
+        self.names: Dict[int, str] = {}
 
     def __call__(self) -> None:
         self.block._commit(self)
@@ -158,14 +158,6 @@ def _cast(obj, dtype: torch.dtype):
     if isinstance(obj, dict):
         return {k: _cast(v, dtype) for k, v in obj.items()}
     return obj
-
-
-def _nonfinite(obj) -> Optional[Tensor]:
-    """A 0-dim bool tensor: whether any floating tensor in ``obj`` holds NaN or Inf."""
-    if isinstance(obj, Tensor):
-        return obj.isfinite().all().logical_not() if obj.is_floating_point() else None
-    flags = [f for f in map(_nonfinite, obj) if f is not None] if isinstance(obj, (tuple, list)) else []
-    return torch.stack([f.cpu() for f in flags]).any() if flags else None
 
 
 def _device(obj) -> torch.device:
@@ -398,13 +390,13 @@ class extend:
             return
         dtype = _stable_dtype(params.values())
         x, g = _cast(rec.x, dtype), _cast(rec.g, dtype)
-        run.flags.append((rec.name, [_nonfinite(x), _nonfinite(g)]))
         n = batch_size(g)
         for pname, param in params.items():
             staged = run.staged.get(id(param))
             summed = rec.shared(param) or (staged is not None and staged.summed)
             if staged is None:
                 staged = run.staged[id(param)] = _Staged(param, n, summed)
+                run.names[id(param)] = rec.name
             elif staged.batch_size != n:
                 raise ValueError(
                     f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
@@ -441,14 +433,14 @@ class extend:
             for key, s in staged.items()
         }
         sizes = {key: s.batch_size for key, s in staged.items()}
+        self._warn_nonfinite(run.names, quantities)
         for group, params in self._groups():
-            distributed.synchronize(group, params, quantities, sizes)
+            distributed.synchronize(group, params, self.quantities, quantities, sizes)
         results = [
             (s.param, ext.savefield, ext.finalize(quantities[key], sizes[key]).to(s.param.dtype))
             for key, s in staged.items()
             for ext in self.extensions
         ]
-        self._warn_nonfinite(run.flags)
         for param, field, value in results:
             setattr(param, field, value)
 
@@ -468,31 +460,27 @@ class extend:
             groups.append((group, params))
         return groups
 
-    def _warn_nonfinite(self, flags: List[Tuple[str, list]]) -> None:
-        """One warning per backward pass, naming the modules whose input or output
-        gradient held NaN or Inf (their quantities do too)."""
-        inputs, grads = [], []
-        for name, (x, g) in reversed(flags):  # in the forward's order, about
-            if x is not None and bool(x):
-                inputs.append(name)
-            elif g is not None and bool(g):  # not merely the consequence of a bad input
-                grads.append(name)
-        if not inputs and not grads:
+    def _warn_nonfinite(self, names: Dict[int, str], quantities: Dict[int, Dict[str, Tensor]]) -> None:
+        """One warning per backward pass, naming the modules whose quantities hold NaN or
+        Inf: their input or output gradient did. It costs one sum per parameter, of its
+        smallest quantity, and one transfer per device."""
+        by_device: Dict[torch.device, List[int]] = {}
+        for key, q in quantities.items():
+            if q:
+                by_device.setdefault(next(iter(q.values())).device, []).append(key)
+        bad = set()
+        for keys in by_device.values():
+            sums = torch.stack([min(quantities[k].values(), key=Tensor.numel).sum().double() for k in keys])
+            bad.update(k for k, finite in zip(keys, sums.isfinite().tolist()) if not finite)
+        if not bad:
             return
-        parts = []
-        if inputs:
-            parts.append(
-                f"the input of module(s) {', '.join(map(repr, dict.fromkeys(inputs)))} holds NaN or Inf: "
-                "check the data (torch.isfinite(X).all()) and what feeds these modules"
-            )
-        if grads:
-            parts.append(
-                f"the gradient of the loss w.r.t. the output of module(s) "
-                f"{', '.join(map(repr, dict.fromkeys(grads)))} holds NaN or Inf: check the loss "
-                "(log of 0, division by 0) or lower the learning rate"
-            )
+        modules = list(dict.fromkeys(names[k] for k in reversed(list(quantities)) if k in bad))  # forward order, about
         warnings.warn(
-            f"jacmem: {'; '.join(parts)}. Their {', '.join(e.savefield for e in self.extensions)} hold NaN or Inf.",
+            f"jacmem: the {', '.join(e.savefield for e in self.extensions)} of module(s) "
+            f"{', '.join(map(repr, modules))} hold NaN or Inf, as their input or the gradient of the loss "
+            f"w.r.t. their output does. If it came with the data, it entered at {modules[0]!r}: check the "
+            "data with torch.isfinite(X).all(); otherwise check the loss (log of 0, division by 0) or lower "
+            "the learning rate.",
             RuntimeWarning,
             stacklevel=2,
         )

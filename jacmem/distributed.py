@@ -25,7 +25,7 @@ extensions on the same parameters, as DDP itself requires.
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
 from torch import Tensor, nn
@@ -47,25 +47,29 @@ def process_group_of(module: nn.Module) -> Optional[Any]:
 
 
 def synchronize(
-    group: Any, params: List[nn.Parameter], quantities: Dict[int, Dict[str, Tensor]], sizes: Dict[int, int]
+    group: Any,
+    params: List[nn.Parameter],
+    wanted: Iterable[str],
+    quantities: Dict[int, Dict[str, Tensor]],
+    sizes: Dict[int, int],
 ) -> None:
     """Scale the quantities of ``params`` (``id(param) -> {quantity: tensor}``, only the
     parameters this rank computed) as DDP scales gradients, sum the global ones over
-    ``group``, and set ``sizes`` (``id(param) -> batch size``) to the global batch size.
-    In place.
+    ``group`` if the block wants any (``wanted``), and set ``sizes`` (``id(param) ->
+    batch size``) to the global batch size. In place.
 
     ``params`` must be the same list, in the same order, on every rank: a parameter
     that this rank did not compute contributes zeros.
     """
     world = torch.distributed.get_world_size(group)
-    for q in quantities.values():
-        for name, value in q.items():
-            q[name] = value / world ** _SCALE_POWER[name]
-    present = [q for q in quantities.values() if any(name in q for name in GLOBAL_QUANTITIES)]
-    if not present:
-        return
-    dtype = torch.float64 if any(v.dtype == torch.float64 for q in present for v in q.values()) else torch.float32
-    device = next(iter(present[0].values())).device
+    for key, q in quantities.items():
+        if key in {id(p) for p in params}:
+            for name, value in q.items():
+                q[name] = value / world ** _SCALE_POWER[name]
+    if not params or not any(name in GLOBAL_QUANTITIES for name in wanted):
+        return  # the same decision on every rank, so that all or none call the collective
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    device = params[0].device
     parts: List[Tensor] = []
     for p in params:
         q = quantities.get(id(p), {})

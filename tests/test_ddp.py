@@ -10,10 +10,12 @@ averaging and ``reduction="mean"`` (see :mod:`jacmem.distributed`):
 - ``sum_grad_squared`` and ``variance`` are the reference's, over the whole batch;
 - ``.grad`` (DDP's average) is the reference's sum.
 
+A plain model in the same block keeps its own, unscaled quantities.
+
 Three ways in: the forward inside the block (DDP found from the forward), the forward
 outside with ``jacmem.track``, and a plain (not DDP) model with an explicit
-``process_group=`` whose gradients the test averages by hand. One spawn runs all three,
-as starting processes is the slow part.
+``process_group=`` whose gradients the test averages by hand. One start of the two
+processes runs all three, as starting processes is the slow part.
 """
 
 from __future__ import annotations
@@ -69,9 +71,14 @@ def _worker(rank: int, port: int) -> None:
         Xr, yr = X[rows], y[rows]
 
         ddp = nn.parallel.DistributedDataParallel(model)
+        local = nn.Linear(4, 2).double()  # not DDP: its quantities stay this rank's own, unscaled
+        Zr, zr = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+        local_reference = per_sample_grads(local, Zr, zr, mse)
         with jacmem.extend(*extensions()):
             mse(ddp(Xr), yr, "mean").backward()
+            mse(local(Zr), zr, "mean").backward()
         check(rank, model.parameters(), reference, rows, "inside")
+        check(rank, local.parameters(), [local_reference[p] for p in local.parameters()], slice(None), "local")
 
         clear(model)
         jacmem.track(ddp)
@@ -102,4 +109,7 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this build")
 def test_two_ranks_equal_one_process_on_the_concatenated_batch():
-    mp.spawn(_worker, args=(free_port(),), nprocs=WORLD, join=True)
+    # fork where there is one: the children start with torch and jacmem imported (spawn
+    # imports them again, which is most of this test's time)
+    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
+    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method=method)
