@@ -47,9 +47,12 @@ def _origin(fn: Callable) -> str:
     return getattr(fn, "__module__", None) or ""
 
 
-def builtin(entry: LayerDerivatives) -> bool:
-    """Whether jacmem itself ships a derivative for this layer."""
-    return any(_origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
+def builtin(module_type: type, entry: LayerDerivatives) -> bool:
+    """Whether this is a stock torch layer that jacmem itself ships a derivative for.
+
+    Other types that share an entry (``jacmem.memory``'s lean layers, registered when
+    that package is imported) stay out, so the table does not depend on imports."""
+    return module_type.__module__.startswith("torch.") and any(_origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
 
 
 def layer_name(module_type: type) -> str:
@@ -75,7 +78,7 @@ def rows() -> List[Tuple[List[str], List[Tuple[List[str], Tuple[Tuple[str, ...],
     groups: Dict[tuple, List[str]] = {}
     exts = extensions()
     for module_type, entry in REGISTRY.items():
-        if not builtin(entry) or not entry.params:
+        if not builtin(module_type, entry) or not entry.params:
             continue
         params: Dict[tuple, List[str]] = {}
         for p in entry.params:
