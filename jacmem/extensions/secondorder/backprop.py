@@ -53,6 +53,8 @@ from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtensio
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
 _SEARCH_NODES = 64
+#: up to this many vectors in all, a module's factors and the gradient cross it in one call
+_STACK_V = 8
 
 
 class ChainError(RuntimeError):
@@ -322,16 +324,26 @@ class Engine:
                 "Use KFLR or KFAC there."
             )
         try:
-            for key in list(factors):
-                f = factors.pop(key)  # freed once it has crossed
-                handed: set = set()
-                for i, S_in in enumerate(self._backprop(entry, xs, node.out, f.S, hp)):
-                    if S_in is not None and id(S_in) in handed:
-                        S_in = S_in.clone()  # each deposit owns its tensor (they are updated in place)
-                    handed.add(id(S_in))
-                    self._deposit(run, node, i, key, f.kind, f.sign, S_in)
-                del f
-            g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
+            if sum(f.S.shape[0] for f in factors.values()) <= _STACK_V:
+                # few vectors: the gradient rides along as one more, in one call
+                metas = [(key, f.kind, f.sign) for key, f in factors.items()]
+                sizes = [f.S.shape[0] for f in factors.values()] + [1]
+                S = torch.cat([f.S for f in factors.values()] + [grad.unsqueeze(0)])
+                factors.clear()
+                g_in = []
+                for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, S, hp))):
+                    parts = [None] * len(sizes) if S_in is None else S_in.split(sizes)
+                    for (key, kind, sign), part in zip(metas, parts):
+                        self._deposit(run, node, i, key, kind, sign, part)
+                    g_in.append(parts[-1])
+                del S
+            else:
+                for key in list(factors):
+                    f = factors.pop(key)  # freed once it has crossed
+                    for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, f.S, hp))):
+                        self._deposit(run, node, i, key, f.kind, f.sign, S_in)
+                    del f
+                g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
             residual = self._residual(node, grad) if "residual" in self.kinds else {}
             dense_in = {o: ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, H, hp) for o, H in dense.items()}
         except (ChainError, NotImplementedError):
@@ -467,6 +479,17 @@ class Engine:
         for p, _, values in staged.values():
             for field, value in values.items():
                 setattr(p, field, value)
+
+
+def _owned(tensors: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
+    """Each deposit owns its tensor (deposits are updated in place): a tensor handed to
+    several inputs (a Sum's) is copied for all but the first."""
+    seen: set = set()
+    out = []
+    for t in tensors:
+        out.append(t.clone() if t is not None and id(t) in seen else t)
+        seen.add(id(t))
+    return tuple(out)
 
 
 def _detach(x):
