@@ -33,7 +33,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-cap", type=float, default=3.0, help="GiB: skip cases expected to need more (default 3)")
     p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
     p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")
-    p.add_argument("--from-json", type=Path, help="rewrite the report and plot from a run's results.json; run nothing")
+    p.add_argument(
+        "--from-json", type=Path, nargs="+",
+        help="rewrite the report and plot from the results.json of one or more runs (the first has the metadata); run nothing",
+    )
     args = p.parse_args(argv)
     quick_dir = ROOT / "out" / "benchmarks-quick"
     args.markdown = args.markdown or (quick_dir / "BENCHMARKS.md" if args.quick else ROOT / "BENCHMARKS.md")
@@ -129,9 +132,10 @@ def main(argv=None) -> None:
     from benchmarks import report
 
     if args.from_json:
-        saved = json.loads(args.from_json.read_text())
-        report.write(saved["results"], saved["meta"], args.markdown, args.plot)
-        print(f"wrote {args.markdown} and {args.plot} from {args.from_json}", file=sys.stderr)
+        runs = [json.loads(path.read_text()) for path in args.from_json]
+        results = [r for saved in runs for r in saved["results"]]
+        report.write(results, runs[0]["meta"], args.markdown, args.plot)
+        print(f"wrote {args.markdown} and {args.plot} from {', '.join(map(str, args.from_json))}", file=sys.stderr)
         return
 
     todo = cases(args)
@@ -143,6 +147,9 @@ def main(argv=None) -> None:
         for done, future in enumerate(as_completed(futures), 1):
             results[futures[future]] = future.result()
             print(progress(done, len(todo), results[futures[future]]), file=sys.stderr, flush=True)
+            partial = args.plot.with_name("results.partial.json")  # what is done so far, should the run stop
+            partial.write_text(json.dumps([r for r in results if r], indent=1))
+    args.plot.with_name("results.partial.json").unlink()
     meta = dict(
         command="python -m benchmarks" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
