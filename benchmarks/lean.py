@@ -378,6 +378,12 @@ NOTES: List[str] = [
     "Where it cannot: a trainable conv or linear layer keeps its input, so in `all` the ReLU outputs stay (the "
     "next conv keeps them) and the bit masks only cost time; `jacmem.memory.report` shows which case a model is "
     "in, and `lean(model, types=...)` leaves a layer type out.",
+    "",
+    "Time: the 5% target is not met on this CPU in most settings. What lean adds: packing and unpacking ReLU's "
+    "mask (fresh buffers, so page faults as well as arithmetic), dropout's mask drawn twice (the CPU generator "
+    "costs about 15 multiplications per element), and one Python autograd.Function per layer. On a machine shared "
+    "with other jobs, ratios from repeated full runs differed by up to 0.1 (CNN `norm`: 1.19 and 1.27), so "
+    "single figures above are uncertain to about that much. No GPU was available to measure CUDA.",
 ]
 
 if __name__ == "__main__":
