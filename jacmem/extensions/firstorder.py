@@ -241,7 +241,9 @@ def compute(
 
     for name, qs in passes.items():
         fn = bg_table[name].fn
-        per_sample = per_sample_bytes(bg_costs[name]) + prod(param.shape) * chunked.itemsize
+        per_sample = per_sample_bytes(bg_costs[name])
+        if "batch_grad" not in qs:  # the per-sample gradients are temporary: chunk them too
+            per_sample += prod(param.shape) * chunked.itemsize
         reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
         results.update(chunked.run(lambda xc, gc: derive(fn(xc, gc, **hp), qs), per_sample, reduce))
     return results
