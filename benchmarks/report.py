@@ -1,7 +1,8 @@
 """BENCHMARKS.md, its raw results (``results.json`` beside the plot) and the PNG plot.
 
-The section between ``<!-- lean:start -->`` and ``<!-- lean:end -->`` of an existing
-BENCHMARKS.md belongs to the memory toolkit's benchmark; it is kept as it is.
+Sections of an existing BENCHMARKS.md between ``<!-- NAME:start -->`` and
+``<!-- NAME:end -->`` (the memory toolkit's ``lean``, the second-order benchmark's) belong
+to other benchmarks; they are kept as they are, after this report.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from typing import Dict, List, Optional
 from benchmarks.methods import per_sample_quantity
 from benchmarks.models import MODELS, has_batchnorm_derivative
 
-LEAN = re.compile(r"<!-- lean:start -->.*?<!-- lean:end -->", re.S)
+#: sections other benchmarks own, kept as they are: ``<!-- NAME:start --> ... <!-- NAME:end -->``
+KEPT = re.compile(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", re.S)
 
 #: issue 3's targets: extension -> (time vs plain, extra peak memory / per-sample grads)
 TARGETS = {
@@ -143,6 +145,7 @@ def markdown(results: List[dict], meta: dict) -> str:
         f"device `{results[0]['device'] if results else 'cpu'}`.",
         f"- Load average (1, 5, 15 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
         + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
+        *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
         "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "
         "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up; **× plain** is the median "
@@ -204,8 +207,7 @@ def write(results: List[dict], meta: dict, md_path: Path, png_path: Path) -> Non
     ratios(results)
     text = markdown(results, meta)
     if md_path.exists():
-        kept = LEAN.search(md_path.read_text())
-        if kept:
+        for kept in KEPT.finditer(md_path.read_text()):
             text += "\n" + kept.group(0) + "\n"
     md_path.parent.mkdir(parents=True, exist_ok=True)
     md_path.write_text(text)
