@@ -109,8 +109,9 @@ def table() -> str:
 
 
 def _names(types) -> str:
-    """Markdown names of the stock (torch or jacmem) module types among ``types``."""
-    stock = [t for t in types if t.__module__.split(".")[0] in ("torch", "jacmem")]
+    """Markdown names of the stock module types among ``types``: torch's and
+    :mod:`jacmem.nn`'s (not the lean layers, which ``jacmem.memory`` adds on import)."""
+    stock = [t for t in types if t.__module__.startswith("torch.") or t.__module__ == "jacmem.nn"]
     return ", ".join(f"`{layer_name(t)}`" for t in stock)
 
 
