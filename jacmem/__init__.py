@@ -15,7 +15,7 @@ from jacmem.extensions.secondorder import (
     DiagHessian,
 )
 from jacmem.extensions.secondorder.backprop import ChainError
-from jacmem import nn  # noqa: E402  (jacmem.nn.Sum, Parallel, Residual, Scale)
+from jacmem import memory, nn  # noqa: E402  (jacmem.memory.report/lean; jacmem.nn.Sum, Parallel, Residual, Scale)
 
 __all__ = [
     "extend",
@@ -38,5 +38,6 @@ __all__ = [
     "KFLR",
     "KFRA",
     "ChainError",
+    "memory",
     "nn",
 ]
