@@ -21,7 +21,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from jacmem.derivatives import LayerDerivatives, lookup
+from jacmem.derivatives import LayerDerivatives, detached, lookup
 
 #: id(parameter) -> number of records alive that will contribute to it. A parameter
 #: with more than one (a module called twice, tied weights) needs its per-sample
@@ -138,22 +138,13 @@ def record(
         return None
     needs_input = entry is None or any(p not in entry.input_free for p in params)
     x = entry.keep(args, kwargs) if entry is not None and needs_input else None
-    x = _detach(x)
+    x = detached(x)
     rec = Record(module, name, entry, params, x, outputs)
 
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
     return rec
 
-
-def _detach(x):
-    if isinstance(x, Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(t) for t in x)
-    if isinstance(x, dict):
-        return {k: _detach(v) for k, v in x.items()}
-    return x
 
 
 def _make_hook(rec: Record, index: int, on_grad: Callable[[Record], None]):

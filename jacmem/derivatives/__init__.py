@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, Optional, Tuple
 
-from torch import nn
+from torch import Tensor, nn
 
 QUANTITIES = ("batch_grad", "batch_l2", "sum_grad_squared", "grad")
 
@@ -116,6 +116,18 @@ class LayerDerivatives:
     def names(self) -> set:
         """Every strategy name this layer offers, for any parameter and quantity."""
         return {name for table in self.strategies.values() for name in table}
+
+
+def detached(x: Any) -> Any:
+    """``x`` with every tensor detached, through tuples, lists and dicts: what a record
+    keeps of a module's inputs, without holding on to their graph."""
+    if isinstance(x, Tensor):
+        return x.detach()
+    if isinstance(x, (tuple, list)):
+        return type(x)(detached(t) for t in x)
+    if isinstance(x, dict):
+        return {k: detached(v) for k, v in x.items()}
+    return x
 
 
 REGISTRY: Dict[type, LayerDerivatives] = {}

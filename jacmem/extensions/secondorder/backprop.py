@@ -38,7 +38,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.weak import WeakTensorKeyDictionary
 
-from jacmem.derivatives import lookup
+from jacmem.derivatives import detached, lookup
 from jacmem.derivatives.jacobians import (
     LossHessian,
     Passthrough,
@@ -192,7 +192,7 @@ class Engine:
             if node.params:
                 node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
                 x = fo.keep(args, {})
-                node.fo_x = fo.arrange_input(_detach(x), **node.fo_hp)
+                node.fo_x = fo.arrange_input(detached(x), **node.fo_hp)
         self.producer[output] = node
         if output.grad_fn is not None:
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
@@ -491,12 +491,3 @@ def _owned(tensors: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...
         seen.add(id(t))
     return tuple(out)
 
-
-def _detach(x):
-    if isinstance(x, Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(_detach(t) for t in x)
-    if isinstance(x, dict):
-        return {k: _detach(v) for k, v in x.items()}
-    return x
