@@ -199,3 +199,16 @@ def recorded():
         yield records
     finally:
         hooks.Record = original
+
+
+def run_grid(model, X, y, loss, reduction, reference, extension_sets, strategy: str, what: str) -> None:
+    """Each set of extensions in both flows, then in one-sample chunks, checked against
+    ``reference`` (per-sample gradients per parameter); the strategy asked for is the
+    one chosen wherever it applies."""
+    runs = [(exts, flow, {}) for exts in extension_sets for flow in FLOWS]
+    runs += [(exts, "inside", {"chunk_bytes": 1}) for exts in extension_sets]
+    for exts, flow, kwargs in runs:
+        ctx = run_jacmem(model, X, y, loss, reduction, [e() for e in exts], flow, strategy=strategy, **kwargs)
+        check_against(model, reference, [e.savefield for e in exts], f"[{what} {strategy} {exts} {flow} {kwargs}]")
+        for d in ctx.plan.decisions.values():
+            assert strategy == "auto" or d.estimates.get(strategy) is None or d.chosen == strategy, str(d)

@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_jacmem
+from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_grid, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -42,18 +42,6 @@ V, D, N = 9, 4, 4
 
 def strategies(module_type: type):
     return sorted(REGISTRY[module_type].names() | {"auto"})
-
-
-def run_grid(model, X, y, loss, reduction, reference: Dict[nn.Parameter, Tensor], strategy: str, what: str):
-    """Each extension alone and all four, both flows, then one-sample chunks; the strategy
-    asked for is the one chosen wherever it applies."""
-    runs = [(exts, flow, {}) for exts, flow in itertools.product(EXTENSION_SETS, FLOWS)]
-    runs += [(exts, "inside", {"chunk_bytes": 1}) for exts in EXTENSION_SETS]
-    for exts, flow, kwargs in runs:
-        ctx = run_jacmem(model, X, y, loss, reduction, [e() for e in exts], flow, strategy=strategy, **kwargs)
-        check_against(model, reference, [e.savefield for e in exts], f"[{what} {strategy} {exts} {flow} {kwargs}]")
-        for d in ctx.plan.decisions.values():
-            assert strategy == "auto" or d.estimates.get(strategy) is None or d.chosen == strategy, str(d)
 
 
 def batch_counts(idx: Tensor, mask=None) -> Tensor:
@@ -110,7 +98,7 @@ EMBEDDING_GRID = [(c, s) for c in EMBEDDING_CASES for s in strategies(nn.Embeddi
 def test_embedding(case_id, strategy):
     """Against the loop; ``.grad`` (autograd's, with its batch-level counts) is their sum."""
     model, X, y, reference = embedding_case(case_id)
-    run_grid(model, X, y, mse, "mean", reference, strategy, case_id)
+    run_grid(model, X, y, mse, "mean", reference, EXTENSION_SETS, strategy, case_id)
 
 
 def test_sparse_gradients():
@@ -219,7 +207,7 @@ BAG_GRID = [(c, s) for c in BAG_CASES for s in strategies(nn.EmbeddingBag)]
 @pytest.mark.parametrize("case_id,strategy", BAG_GRID, ids=[f"{c}-{s}" for c, s in BAG_GRID])
 def test_embedding_bag(case_id, strategy):
     model, inputs, y, reference = bag_case(case_id)
-    run_grid(model, inputs, y, mse, "mean", reference, strategy, case_id)
+    run_grid(model, inputs, y, mse, "mean", reference, EXTENSION_SETS, strategy, case_id)
 
 
 @pytest.mark.parametrize("mode", ["sum", "mean"])

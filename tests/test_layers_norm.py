@@ -30,7 +30,7 @@ from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_jacmem
+from reference import FLOWS, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_grid, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -84,18 +84,6 @@ def build(case_id: str):
     return model, X, y
 
 
-def run_grid(model, X, y, loss, reduction, reference, strategy: str, what: str):
-    """Each extension alone and all four, both flows, then one-sample chunks; the strategy
-    asked for is the one chosen wherever it applies."""
-    runs = [(exts, flow, {}) for exts, flow in itertools.product(EXTENSION_SETS, FLOWS)]
-    runs += [(exts, "inside", {"chunk_bytes": 1}) for exts in EXTENSION_SETS]
-    for exts, flow, kwargs in runs:
-        ctx = run_jacmem(model, X, y, loss, reduction, [e() for e in exts], flow, strategy=strategy, **kwargs)
-        check_against(model, reference, [e.savefield for e in exts], f"[{what} {strategy} {exts} {flow} {kwargs}]")
-        for d in ctx.plan.decisions.values():
-            assert strategy == "auto" or d.estimates.get(strategy) is None or d.chosen == strategy, str(d)
-
-
 GRID = [
     (c, s) for c, (factory, _, _) in CASES.items() for s in sorted(REGISTRY[type(factory())].names() | {"auto"})
 ]
@@ -105,7 +93,7 @@ GRID = [
 def test_norm(case_id, strategy):
     model, X, y = build(case_id)
     reference = per_sample_grads(model, X, y, mse, "mean")
-    run_grid(model, X, y, mse, "mean", reference, strategy, case_id)
+    run_grid(model, X, y, mse, "mean", reference, EXTENSION_SETS, strategy, case_id)
 
 
 # -- BatchNorm with batch statistics -------------------------------------------------
