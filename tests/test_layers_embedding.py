@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
+from typing import Dict
 
 import pytest
 import torch
