@@ -242,7 +242,10 @@ def compute(
     for name, qs in passes.items():
         fn = bg_table[name].fn
         per_sample = per_sample_bytes(bg_costs[name])
-        if "batch_grad" not in qs:  # the per-sample gradients are temporary: chunk them too
+        # Chunks of per-sample gradients are temporaries (reduced, or copied into the
+        # result), so they count, unless the strategy needs no workspace and its result
+        # is asked for: then one call writes the result, with no chunk and no copy.
+        if "batch_grad" not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
         reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
         results.update(chunked.run(lambda xc, gc: derive(fn(xc, gc, **hp), qs), per_sample, reduce))
