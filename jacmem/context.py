@@ -433,6 +433,7 @@ class extend:
             for key, s in staged.items()
         }
         sizes = {key: s.batch_size for key, s in staged.items()}
+        self._warn_batch_sizes(run.names, sizes)
         self._warn_nonfinite(run.names, quantities)
         for group, params in self._groups():
             distributed.synchronize(group, params, self.quantities, quantities, sizes)
@@ -459,6 +460,26 @@ class extend:
             seen.update(map(id, params))
             groups.append((group, params))
         return groups
+
+    def _warn_batch_sizes(self, names: Dict[int, str], sizes: Dict[int, int]) -> None:
+        """One warning per backward pass whose modules disagree on the batch size: a
+        module whose axis 0 is not the batch (a sequence-first layer, a reshaped batch)
+        would otherwise get quantities per row of axis 0, silently."""
+        by_size: Dict[int, List[str]] = {}
+        for key, n in sizes.items():
+            by_size.setdefault(n, []).append(names[key])
+        if len(by_size) < 2:
+            return
+        seen = "; ".join(f"{n}: {', '.join(map(repr, dict.fromkeys(mods)))}" for n, mods in by_size.items())
+        warnings.warn(
+            f"jacmem: the modules of one backward pass see different batch sizes ({seen}). Per-sample "
+            "quantities take axis 0 of a module's input as the batch, so a module whose axis 0 is not "
+            "the batch (batch_first=False, e.g. nn.TransformerEncoderLayer; or a batch reshaped into "
+            "another axis) gets them per row of axis 0, not per sample. Put the batch first "
+            "(batch_first=True), or ignore this if the block really holds several batches.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
     def _warn_nonfinite(self, names: Dict[int, str], quantities: Dict[int, Dict[str, Tensor]]) -> None:
         """One warning per backward pass, naming the modules whose quantities hold NaN or

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import gc
 import re
+import warnings
 
 import pytest
 import torch
@@ -285,3 +286,22 @@ def test_block_frees_what_it_kept_while_the_graph_lives():
         assert records
     assert_clean(model, outputs, records, before)
     assert loss.grad_fn is not None
+
+
+def test_sequence_first_model_warns_that_axis_0_is_not_the_batch():
+    """A batch_first=False encoder layer: its Linear and LayerNorm see axis 0 (the sequence)
+    as the batch while its attention sees the samples; jacmem cannot tell which is meant,
+    so it must say so rather than hand out per-position quantities as per-sample ones."""
+    torch.manual_seed(0)
+    X = torch.randn(5, 3, 8, dtype=torch.float64)  # [L, N, E]
+    seq_first = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=False).double()
+    with pytest.warns(RuntimeWarning, match=r"different batch sizes \(5: .*'linear1'.*; 3: 'self_attn'\)"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            seq_first(X).square().sum().backward()
+
+    batch_first = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True).double()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*different batch sizes")
+        with jacmem.extend(jacmem.BatchGrad()):
+            batch_first(X.transpose(0, 1)).square().sum().backward()
+    assert batch_first.linear1.weight.grad_batch.shape[0] == 3
