@@ -12,7 +12,7 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import List
+from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -77,11 +77,15 @@ def cases(args) -> List[dict]:
     return out
 
 
-def run_case(case: dict, timeout: float) -> dict:
+def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: Optional[dict] = None) -> dict:
+    """Run one case in a process of its own (``python <child> <case as JSON>``, with
+    ``env`` added), and return the dict it prints after ``RESULT ``, or the case with
+    an ``error``."""
     if "skip" in case:
         return dict(case, error=case["skip"])
-    env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
-    cmd = [sys.executable, "-m", "benchmarks.child", json.dumps(case)]
+    threads = str(case["threads"])
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **(env or {}))
+    cmd = [sys.executable, *child, json.dumps(case)]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
     except subprocess.TimeoutExpired:

@@ -20,16 +20,16 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import re
 import resource
 import statistics
-import subprocess
 import sys
 import time
 import warnings
 from pathlib import Path
 from typing import Dict, List, Optional
+
+from benchmarks import run
 
 ROOT = Path(__file__).resolve().parent.parent
 START, END = "<!-- secondorder:start -->", "<!-- secondorder:end -->"
@@ -123,18 +123,9 @@ def child(case: dict) -> dict:
 
 
 def run_case(case: dict, timeout: float) -> dict:
-    env = dict(os.environ, OMP_NUM_THREADS=str(case["threads"]), MKL_NUM_THREADS=str(case["threads"]))
-    env["MALLOC_MMAP_THRESHOLD_"] = "131072"
-    cmd = [sys.executable, "-m", "benchmarks.second_order", "--child", json.dumps(case)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(case, error=f"timed out after {timeout:.0f} s")
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(case, error=f"exit {proc.returncode}: {tail}"[:160])
+    """One case in its own process, glibc returning freed buffers at once (see above)."""
+    child = ("-m", "benchmarks.second_order", "--child")
+    return run.run_case(case, timeout, child=child, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
 def _mb(b: Optional[float]) -> str:
