@@ -146,18 +146,13 @@ def layer(
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
-    if hyperparams is not None:
-        entry.hyperparams = hyperparams
-    if keep is not None:
-        entry.keep = keep
-    if outputs is not None:
-        entry.outputs = outputs
-    if arrange is not None:
-        entry.arrange = arrange
-    if arrange_input is not None:
-        entry.arrange_input = arrange_input
-    if for_module is not None:
-        entry.for_module = for_module
+    given = dict(
+        hyperparams=hyperparams, keep=keep, outputs=outputs, arrange=arrange,
+        arrange_input=arrange_input, for_module=for_module,
+    )
+    for field_name, value in given.items():
+        if value is not None:
+            setattr(entry, field_name, value)
     entry.input_free |= set(input_free)
     return entry
 

@@ -96,14 +96,7 @@ def layer_norm_hyperparams(module: nn.LayerNorm) -> dict:
 
 def rms_norm_hyperparams(module: nn.RMSNorm) -> dict:
     """RMSNorm: as LayerNorm, not centred; ``eps=None`` means the input dtype's eps."""
-    return dict(
-        eps=module.eps,
-        center=False,
-        trailing=len(module.normalized_shape),
-        groups=None,
-        running=None,
-        batch_statistics=False,
-    )
+    return dict(layer_norm_hyperparams(module), center=False)
 
 
 def check_sample_wise(batch_statistics: bool) -> None:
