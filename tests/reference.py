@@ -15,7 +15,8 @@ A parameter used several times in one forward (a module called twice, tied weigh
 has one per-sample gradient per sample: the sum of its contributions. The norms and
 squares are those of that sum, and so they are here.
 
-Nothing here imports jacmem but :func:`run_jacmem`, which drives jacmem's two flows.
+Nothing here imports jacmem but :func:`run_jacmem`, which drives jacmem's two flows,
+and the checks built on it.
 """
 
 from __future__ import annotations
@@ -212,3 +213,17 @@ def run_grid(model, X, y, loss, reduction, reference, extension_sets, strategy: 
         check_against(model, reference, [e.savefield for e in exts], f"[{what} {strategy} {exts} {flow} {kwargs}]")
         for d in ctx.plan.decisions.values():
             assert strategy == "auto" or d.estimates.get(strategy) is None or d.chosen == strategy, str(d)
+
+
+def check_dropout_raises_then_eval_works(model: nn.Module, X: Tensor, y: Tensor, match: str) -> None:
+    """A model with dropout inside a layer jacmem recomputes: in training mode the backward
+    raises an error matching ``match``; in eval mode BatchGrad equals the loop's."""
+    import jacmem
+    import pytest
+
+    with pytest.raises(RuntimeError, match=match):
+        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
+    model.eval()
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
+    check_against(model, reference, ["grad_batch"], "[eval dropout]")

@@ -30,7 +30,7 @@ from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, check_against, mse, per_sample_grads, run_jacmem
+from reference import FLOWS, check_against, check_dropout_raises_then_eval_works, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "grad_batch": jacmem.BatchGrad,
@@ -141,12 +141,7 @@ def test_dropout_in_training_mode_raises_and_eval_works():
     torch.manual_seed(5)
     model = Attend(nn.MultiheadAttention(E, HEADS, dropout=0.3, batch_first=True)).double()
     X, y = torch.randn(N, L + S, E, dtype=torch.float64), torch.randn(N, 2, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"'mha'.*dropout=0.3.*eval"):
-        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
-    model.eval()
-    reference = per_sample_grads(model, X, y, mse, "mean")
-    run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
-    check_against(model, reference, ["grad_batch"], "[eval dropout]")
+    check_dropout_raises_then_eval_works(model, X, y, r"'mha'.*dropout=0.3.*eval")
 
 
 class Block(nn.Module):

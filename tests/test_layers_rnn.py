@@ -31,7 +31,7 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
-from reference import FLOWS, REFERENCE, assert_close, check_against, mse, per_sample_grads, run_jacmem
+from reference import FLOWS, REFERENCE, assert_close, check_against, check_dropout_raises_then_eval_works, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "grad_batch": jacmem.BatchGrad,
@@ -176,12 +176,7 @@ def test_dropout_between_layers():
     torch.manual_seed(2)
     model = Head(nn.LSTM(I, H, num_layers=2, dropout=0.5, batch_first=True)).double()
     X, y = torch.randn(N, T, I, dtype=torch.float64), torch.randn(N, 2, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"'rnn'.*dropout=0.5.*eval"):
-        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
-    model.eval()
-    reference = per_sample_grads(model, X, y, mse, "mean")
-    run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
-    check_against(model, reference, ["grad_batch"], "[eval dropout]")
+    check_dropout_raises_then_eval_works(model, X, y, r"'rnn'.*dropout=0.5.*eval")
 
 
 class Packed(nn.Module):
