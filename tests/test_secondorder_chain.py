@@ -47,24 +47,75 @@ def test_residual_cnn_diagonals():
     check_exact(model, nn.MSELoss(), torch.randn(3, 1, 4, 4, dtype=DT), torch.randn(3, 3, dtype=DT))
 
 
-def test_residual_net_kflr_at_batch_size_one():
-    """KFLR's factors add where paths meet: with one sample, G ⊗ A is the GGN block."""
+def test_residual_net_kflr_kfra_at_batch_size_one():
+    """KFLR's factors add where paths meet, and KFRA's roots do (kfac.py): with one
+    sample, G ⊗ A is the GGN block for both, through a skip connection, a three-way
+    branch and a scaled branch."""
     torch.manual_seed(2)
     model, lossf = resnet(), nn.CrossEntropyLoss()
     X, y = torch.randn(1, 4, dtype=DT), torch.randint(0, 3, (1,))
-    run(model, lossf, X, y, KFLR())
+    run(model, lossf, X, y, KFLR(), KFRA())
     ref = blocks(model, dense(model, lossf, X, y)[0])
     for name, p in model.named_parameters():
-        got = torch.kron(*p.kflr) if name.endswith("weight") else p.kflr[0]
-        torch.testing.assert_close(got, ref[name], msg=name)
+        for field in ("kflr", "kfra"):
+            factors = getattr(p, field)
+            got = torch.kron(*factors) if name.endswith("weight") else factors[0]
+            torch.testing.assert_close(got, ref[name], msg=f"{field} {name}")
 
 
-def test_kfra_through_a_branch_raises():
-    """KFRA's batch average at every step is not defined where paths meet (its cross
-    terms need both paths at once): not implemented, and said so."""
+def _averaged(f, xs, G):
+    """1/N Σ_n J_nᵀ G J_n, J_n the Jacobian of ``f`` at ``xs[n]`` (torch.func)."""
+    J = torch.vmap(torch.func.jacrev(f))(xs)  # [N, D_out, D_in]
+    return torch.einsum("nij,ik,nkl->jl", J, G, J) / xs.shape[0]
+
+
+def test_kfra_through_a_residual_block_follows_its_rule():
+    """Batch of 3: KFRA's G at each Linear equals the rule of kfac.py written out with
+    per-sample Jacobians from torch.func: the average at every step of the chain, the
+    block's Jacobian I + J_f whole at the fork, per-sample roots (no average) inside the
+    branch. BackPACK 1.7.1 cannot answer: its KFRA refuses branches."""
     torch.manual_seed(3)
-    with pytest.raises(NotImplementedError, match="KFRA through branches"):
-        run(resnet(), nn.CrossEntropyLoss(), torch.randn(2, 4, dtype=DT), torch.randint(0, 3, (2,)), KFRA())
+    lin_b, lin_c = nn.Linear(5, 5), nn.Linear(5, 5)
+    model = nn.Sequential(
+        nn.Linear(4, 5), nn.Tanh(), jacmem.nn.Residual(lin_b, nn.Sigmoid(), lin_c), nn.Linear(5, 3)
+    ).to(DT)
+    lossf, N = nn.CrossEntropyLoss(), 3
+    X, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    run(model, lossf, X, y, KFRA())
+    with torch.no_grad():
+        h0 = model[0](X)
+        h1 = model[1](h0)
+        zb = lin_b(h1)
+        h2 = model[2](h1)
+        z = model[3](h2)
+    Hz = torch.func.hessian(lambda t: lossf(t, y))(z)
+    G3 = torch.einsum("ninj->ij", Hz)  # the batch-summed loss Hessian
+    G2 = _averaged(model[3], h2, G3)  # the block's output
+    G_c = G2  # the mean of the roots' outer products at the branch's end is Ḡ itself
+    G_b = _averaged(lambda t: lin_c(torch.sigmoid(t)), zb, G2)
+    G_fork = _averaged(model[2], h1, G2)  # (I + J_f)ᵀ Ḡ (I + J_f), cross terms included
+    G_0 = _averaged(torch.tanh, h0, G_fork)
+    for layer, G in ((model[3], G3), (lin_c, G_c), (lin_b, G_b), (model[0], G_0)):
+        torch.testing.assert_close(layer.weight.kfra[0], G)
+        torch.testing.assert_close(layer.bias.kfra[0], G)
+
+
+def test_kfra_paths_that_meet_at_once_are_a_chain():
+    """Parallel(Identity, Identity) doubles its input: KFRA through it equals KFRA
+    through Scale(2), batch of 4 (the roots of both paths meet at once and collapse)."""
+    torch.manual_seed(4)
+
+    def make(mid):
+        return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), mid, nn.Sigmoid(), nn.Linear(5, 3)).to(DT)
+
+    branched, chain = make(jacmem.nn.Parallel(nn.Identity(), nn.Identity())), make(jacmem.nn.Scale(2.0))
+    chain.load_state_dict(branched.state_dict())
+    X, y = torch.randn(4, 4, dtype=DT), torch.randint(0, 3, (4,))
+    for model in (branched, chain):
+        run(model, nn.CrossEntropyLoss(), X, y, KFRA())
+    for (name, p), q in zip(branched.named_parameters(), chain.parameters()):
+        for a, b in zip(p.kfra, q.kfra, strict=True):
+            torch.testing.assert_close(a, b, msg=name)
 
 
 class Block(nn.Module):

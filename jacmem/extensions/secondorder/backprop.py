@@ -31,6 +31,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
+from fractions import Fraction
 from math import sqrt
 from typing import Callable, Dict, List, Optional, Tuple
 
@@ -49,6 +50,7 @@ from jacmem.derivatives.jacobians import (
     vjp_generic,
 )
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
+from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
 
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
@@ -94,14 +96,16 @@ class Node:
 class _Deposit:
     """What a node's consumers handed over to it in one backward pass."""
 
-    __slots__ = ("factors", "grad", "norms", "dense", "sources")
+    __slots__ = ("factors", "grad", "norms", "dense", "shares", "sources")
 
     def __init__(self):
         self.factors: Dict[tuple, Factor] = {}
         self.grad: Optional[Tensor] = None
         self.norms = 0.0
-        #: origin -> [H, number of paths it came along]
-        self.dense: Dict[int, list] = {}
+        #: KFRA's batch-averaged GGN w.r.t. the output [D, D], where it arrived whole
+        self.dense: Optional[Tensor] = None
+        #: key of a KFRA root factor -> the share of its merge's paths that arrived here
+        self.shares: Dict[tuple, Fraction] = {}
         self.sources: List[str] = []
 
 
@@ -300,29 +304,23 @@ class Engine:
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0]
-        self._handover(run, node, 0, factors, g, {id(node): dense} if dense is not None else {})
+        self._handover(run, node, 0, factors, g, dense, {})
 
     def _layer(self, run: _Pass, node: Node, grad: Tensor) -> None:
         dep = run.deposits.pop(id(node), None)
         self._check_chain(node, dep, grad)
-        factors, dense = dep.factors, {}
-        for origin, (H, paths) in dep.dense.items():
-            if paths > 1:
-                raise NotImplementedError(
-                    f"jacmem: KFRA through branches is not implemented: the output of module {node} reaches "
-                    "the loss along several paths. Use KFLR or KFAC there."
-                )
-            dense[origin] = H
+        factors, dense, shares = dep.factors, self._kfra_whole(dep), dep.shares
         if node.params:
-            self._compute(run, node, list(factors.values()), sum(dense.values()) if dense else None)
+            self._compute(run, node, list(factors.values()), dense)
         if not any(p is not None for p in node.producers):
             return
         entry, xs, hp = node.entry, node.inputs, node.hp
-        if dense and len(xs) > 1:
-            raise NotImplementedError(
-                f"jacmem: KFRA through branches is not implemented: module {node} merges several inputs. "
-                "Use KFLR or KFAC there."
-            )
+        if dense is not None and len(xs) > 1:
+            # backward, the paths fork here: KFRA's matrix goes on as per-sample roots (kfac.py)
+            for sign, S in kfra_roots(dense, xs[0].shape[0], node.out_shape[1:]):
+                key = ("kfra", id(node), sign)
+                factors[key], shares[key] = Factor("kfra", sign, S), Fraction(1)
+            dense = None
         try:
             if sum(f.S.shape[0] for f in factors.values()) <= _STACK_V:
                 # few vectors: the gradient rides along as one more, in one call
@@ -345,14 +343,28 @@ class Engine:
                     del f
                 g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
             residual = self._residual(node, grad) if "residual" in self.kinds else {}
-            dense_in = {o: ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, H, hp) for o, H in dense.items()}
+            dense_in = None if dense is None else ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, dense, hp)
         except (ChainError, NotImplementedError):
             raise
         except Exception as err:
             raise RuntimeError(f"jacmem: passing curvature through module {node} failed: {err}") from err
+        tracked = sum(p is not None for p in node.producers)
+        split = {key: share / tracked for key, share in shares.items()}
         for i, p in enumerate(node.producers):
             if p is not None:
-                self._handover(run, node, i, residual if i == 0 else {}, g_in[i][0], dense_in if i == 0 else {})
+                self._handover(run, node, i, residual if i == 0 else {}, g_in[i][0], dense_in, split)
+
+    @staticmethod
+    def _kfra_whole(dep: _Deposit) -> Optional[Tensor]:
+        """KFRA's matrix at this output: what arrived whole, plus the roots all of whose
+        merge's paths met here, collapsed (kfac.py); the other roots stay in ``dep``."""
+        dense = dep.dense
+        for key in [k for k, share in dep.shares.items() if share == 1]:
+            del dep.shares[key]
+            f = dep.factors.pop(key)
+            part = f.sign * kfra_average(f.S)
+            dense = part if dense is None else dense + part
+        return dense
 
     def _backprop(self, entry: Passthrough, xs, out, S: Tensor, hp: dict) -> Tuple[Optional[Tensor], ...]:
         """``Jᵀ S`` per input, in slices of ``V`` where ``S`` is larger than the budget;
@@ -386,17 +398,17 @@ class Engine:
                 out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
         return out
 
-    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor, dense: dict) -> None:
+    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor, dense, shares: dict) -> None:
         p = node.producers[i]
         if p is None:
             return
         d = self._deposit_grad(run, node, i, g)
         for key, f in factors.items():
             self._deposit(run, node, i, key, f.kind, f.sign, f.S)
-        for origin, H in dense.items():
-            have = d.dense.setdefault(origin, [0, 0])
-            have[0] = have[0] + H
-            have[1] += 1
+        if dense is not None:
+            d.dense = dense if d.dense is None else d.dense + dense
+        for key, share in shares.items():
+            d.shares[key] = d.shares.get(key, 0) + share
 
     def _deposit_grad(self, run: _Pass, node: Node, i: int, g: Tensor) -> _Deposit:
         d = run.deposits.setdefault(id(node.producers[i]), _Deposit())

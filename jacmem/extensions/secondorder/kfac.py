@@ -1,28 +1,97 @@
 """KFAC, KFLR and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
 
-For a weight, ``[G, A]`` with ``G ⊗ A`` approximating its GGN block; for a bias,
-``[G]``. ``A`` is the uncentred covariance of the layer's input, averaged over the
-batch: ``xᵀx / N`` for Linear, the unfolded (im2col) input's ``Σ_t a_t a_tᵀ / N`` for
-convolutions. ``G`` comes from the output side:
+For a weight, ``[G, A]`` with ``G ⊗ A`` approximating its GGN block (row-major
+``vec``); for a bias, ``[G]``. ``G`` comes from the output side, ``A`` from the input.
 
-* KFAC (``mc_samples`` Monte-Carlo factors) and KFLR (the exact factor):
-  ``G = Σ_v Σ_n S[v, n] S[v, n]ᵀ``, a convolution's ``S`` summed over its output
-  positions first;
-* KFRA: ``G = H``, the dense batch-averaged GGN w.r.t. the output, backpropagated as
-  ``H_in = 1/N Σ_n J_nᵀ H J_n`` from the loss's batch-summed Hessian; for a
-  convolution, ``H`` summed over pairs of output positions.
+**The output factor** ``G`` of a layer whose output has ``O`` channels, from what the
+engine (:mod:`.backprop`) brings to the output:
+
+* KFAC (``mc_samples`` Monte-Carlo factors) and KFLR (the exact factor): roots
+  ``S [V, N, *out]`` with ``Σ_v S[v, n] S[v, n]ᵀ`` sample ``n``'s GGN w.r.t. the output;
+  ``G = Σ_v Σ_n s sᵀ``;
+* KFRA (Botev et al. 2017): ``Ḡ [D, D]`` (``D`` the entries of one sample's output),
+  the loss's batch-summed Hessian carried back with the batch average taken at every
+  module, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``; ``G`` is read off ``Ḡ`` the way KFLR's is
+  read off ``Σ_v Σ_n S Sᵀ`` (below, and the branches section).
+
+**Per layer** (``N`` samples; ``T`` positions: the middle axes of a Linear or
+Embedding input ``[N, *, ·]``, the output positions of a convolution):
+
+========================  ===============================================  ===========================================
+layer                     ``G``                                            ``A``
+========================  ===============================================  ===========================================
+Linear ``[N, *, I]``      per position: ``Σ_{v,n,t} s_t s_tᵀ``;             ``Σ_{n,t} x_t x_tᵀ / (N·T)``
+                          KFRA ``Σ_t Ḡ[t, t]`` (diagonal blocks)
+Conv1d/2d/3d              summed over positions: ``Σ_{v,n} (Σ_t s_t)(…)ᵀ``;  im2col columns ``Σ_{n,t} a_t a_tᵀ / N``
+                          KFRA ``Σ_{t,t'} Ḡ[t, t']``
+ConvTranspose1d/2d/3d     as Conv                                           columns of the input unfolded by a one-hot
+                                                                            transposed convolution, ``/ N``
+Embedding ``[N, *]``      as Linear                                         diagonal: ``a[v]`` = count of index ``v``
+                                                                            among the ``N·T`` positions ``/ (N·T)``
+========================  ===============================================  ===========================================
+
+* *Linear with middle axes*: the axes are flattened into the batch: the factors are
+  those of the same layer applied to ``x.reshape(N·T, I)`` (KFAC-expand, Eschenhagen
+  et al. 2023); for a 2d input, ``T = 1`` and these are BackPACK's. BackPACK 1.7.1
+  raises for such inputs.
+* *Convolutions*: BackPACK's convention (``G`` is the bias's GGN block, which makes
+  ``G ⊗ A`` ``T`` times the KFC paper's). *Transposed* convolutions, as BackPACK's:
+  ``G ⊗ A`` approximates the block of ``weight.transpose(0, 1)``, ``[C_out, C_in, *K]``
+  (``A`` [C_in·K, C_in·K]); ``output_padding`` is honoured (BackPACK 1.7.1 unfolds as if
+  it were 0).
+* *Grouped convolutions* (``groups = g > 1``, which BackPACK refuses): the factorisation
+  is per group, and the curvature between groups is dropped: ``G [g, O/g, O/g]`` and
+  ``A [g, I/g·K, I/g·K]``, the weight's block approximated by
+  ``block_diag(G[0] ⊗ A[0], ..., G[g-1] ⊗ A[g-1])`` (rows of group ``j`` are output
+  channels ``j·O/g ...``; for a transposed conv, group ``j`` of
+  ``weight.transpose(0, 1)``). ``G[j]`` is the ``j``-th diagonal block of the bias's
+  ``G``; the bias keeps its whole ``[O, O]`` factor, as in BackPACK.
+* *Embedding* (``weight [V, D]``): a Linear on one-hot inputs, so ``A`` is diagonal and
+  comes as its diagonal ``a [V]``: ``[G, a]``, with ``G ⊗ diag(a)`` approximating the
+  block of ``weight.T`` ``[D, V]`` (the Linear's layout; the transposition as for
+  transposed convolutions). ``padding_idx`` rows get 0 (autograd gives them no
+  gradient); ``scale_grad_by_freq`` raises (its Jacobian depends on the whole batch).
+* *BatchNorm* raises: its parameters are per-channel vectors scaled by the normalised
+  input, with no standard Kronecker factorisation (BackPACK has none); DiagGGNExact
+  gives their curvature.
+
+**KFRA through branches** (:class:`jacmem.nn.Sum`, ``Residual``, ``Parallel``). Where a
+tensor feeds several paths that meet again, the region's per-sample Jacobian is the sum
+over paths ``J_n = Σ_b J_{b,n}``, and the batch average
+
+    1/N Σ_n J_nᵀ Ḡ J_n = Σ_{b,b'} 1/N Σ_n J_{b,n}ᵀ Ḡ J_{b',n}
+
+has cross terms ``b ≠ b'`` that no sum of matrices handed along each path can form.
+So at a module with several inputs (where, backward, the paths part) ``Ḡ`` is
+factorised, ``Ḡ = L Lᵀ`` (``L [D, r]`` from its eigendecomposition, ``r`` its rank:
+eigenvalues within rounding of 0 dropped; any negative ones would go as a root of sign
+-1), and every sample carries its own root from there, ``P_n = L``, which crosses
+modules as KFLR's factors do, ``P_n ← J_nᵀ P_n``, the roots of all paths adding where
+the paths meet. A module inside the region reads ``Ḡ = 1/N Σ_n P_n P_nᵀ`` at its
+output. Each root carries the share of its merge's paths it stands for (1 at the merge,
+split evenly among the tracked inputs of every module with several); where the shares
+arriving at a module sum to 1, every path from that merge has met there, the graph
+above is a chain again, and the roots collapse back: ``Ḡ = 1/N Σ_n P_n P_nᵀ``. Hence:
+
+* on a chain nothing changes: BackPACK's KFRA;
+* ``Residual(f)`` gives its input ``1/N Σ_n (I + J_{f,n})ᵀ Ḡ (I + J_{f,n})``, cross
+  terms included, and ``f``'s modules the matrices of per-sample roots of ``Ḡ`` (no
+  average inside the region);
+* with one sample every ``Ḡ`` is the exact GGN w.r.t. its output, so KFRA equals KFLR
+  (the exact GGN block for a Linear layer), on any architecture;
+* inside a region KFRA costs what KFLR does with ``V = r ≤ D`` vectors per sample.
 
 The activations' Jacobians are those of their derivatives alone, so every activation
 works (BackPACK refuses LeakyReLU, SELU, GELU and SiLU), as does every dtype.
-Grouped convolutions and Linear layers with middle axes raise (BackPACK's factors
-are not defined there).
 """
 
 from __future__ import annotations
 
-from typing import Dict, List
+from math import prod
+from typing import Dict, List, Optional, Tuple
 
 import torch
+import torch.nn.functional as F
 from einops import rearrange
 from opt_einsum import contract
 from torch import Tensor, nn
@@ -31,71 +100,165 @@ from jacmem.derivatives.conv import pad, unfold
 from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, mc_kind
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
+_CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
+#: layers whose output has its channels last, ``[N, *, O]``, and a factor per position
+_FEATURES_LAST = (nn.Linear, nn.Embedding)
 
 
 def _check(call: Call, ext: SecondOrderExtension) -> None:
-    if type(call.module) is nn.Linear and call.x.dim() != 2:
+    module = call.module
+    if isinstance(module, nn.Embedding) and call.hp.get("scale_grad_by_freq"):
         raise NotImplementedError(
-            f"{ext!r} needs 2d inputs [N, I] for Linear module {call.name!r}, got {tuple(call.x.shape)}; "
-            "flatten the middle axes into the batch, or use DiagGGNExact"
+            f"{ext!r} has no Kronecker factors for Embedding module {call.name!r} with scale_grad_by_freq=True "
+            "(autograd scales each row's gradient by its count in the whole batch, so no per-sample "
+            "Jacobian exists); construct it with scale_grad_by_freq=False or use DiagGGNExact"
         )
-    if isinstance(call.module, _CONV) and call.hp["groups"] != 1:
+    if not isinstance(module, _FEATURES_LAST + _CONV + _CONV_T):
+        why = (
+            ": its parameters are per-channel vectors scaled by the normalised input, with no standard "
+            "Kronecker factorisation (BackPACK has none either)"
+            if isinstance(module, nn.modules.batchnorm._BatchNorm)
+            else ""
+        )
         raise NotImplementedError(
-            f"{ext!r} is not defined for grouped convolutions (module {call.name!r}, groups="
-            f"{call.hp['groups']}); use DiagGGNExact"
+            f"{ext!r} has no Kronecker factors for {type(module).__name__} (module {call.name!r}){why}; "
+            "supported: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding. Freeze its parameters "
+            "(requires_grad=False) or use DiagGGNExact"
         )
-    if not isinstance(call.module, (nn.Linear, *_CONV)):
-        raise NotImplementedError(
-            f"{ext!r} has no Kronecker factors for {type(call.module).__name__} (module {call.name!r}); "
-            "supported: Linear, Conv1d/2d/3d. Freeze its parameters or use DiagGGNExact"
-        )
+
+
+def _positions(call: Call) -> int:
+    """T: the middle axes of a Linear's or Embedding's output ``[N, *, O]`` (1 if none)."""
+    return prod(call.out_shape[1:-1])
+
+
+def _group_blocks(M: Tensor, groups: int) -> Tensor:
+    """The diagonal blocks of ``M [g·m, g·m]``: ``[g, m, m]`` (``M`` itself if ``g == 1``)."""
+    if groups == 1:
+        return M
+    return torch.diagonal(M.unflatten(0, (groups, -1)).unflatten(2, (groups, -1)), dim1=0, dim2=2).permute(2, 0, 1)
+
+
+def _conv_transpose_columns(call: Call) -> Tensor:
+    """The transposed conv's input unfolded: ``[N, C_in·K, T]`` (channel-major,
+    ``(c k)``), by a transposed convolution with one-hot kernels; groups stay
+    contiguous in the channel axis."""
+    x, hp = call.x, call.hp
+    k, g, c = prod(hp["kernel_size"]), hp["groups"], x.shape[1]
+    d = len(hp["kernel_size"])
+    sizes = [
+        (si - 1) * s - 2 * p + dl * (kk - 1) + 1
+        for si, kk, s, dl, p in zip(x.shape[2:], hp["kernel_size"], hp["stride"], hp["dilation"], hp["padding"])
+    ]
+    output_padding = [so - s for so, s in zip(call.out_shape[2:], sizes)]
+    # kernel [C_in, C_in/g·K, *K]: input channel c' of a group writes its k-th kernel entry to column c'·K + k
+    eye = torch.eye(c // g * k, dtype=x.dtype, device=x.device)
+    kernel = rearrange(eye, "m (c k) -> c m k", k=k).repeat(g, 1, 1).reshape(c, c // g * k, *hp["kernel_size"])
+    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[d - 1]
+    cols = conv_t(
+        x, kernel, stride=hp["stride"], padding=hp["padding"], output_padding=output_padding,
+        groups=g, dilation=hp["dilation"],
+    )
+    return cols.flatten(2)
 
 
 def input_factor(call: Call) -> Tensor:
-    """A = Σ_n Σ_t a_{n,t} a_{n,t}ᵀ / N: [I, I] for Linear, [C_in·K, C_in·K] for conv."""
-    x = call.x
-    n = x.shape[0]
-    if type(call.module) is nn.Linear:
-        return contract("ni,nj->ij", x, x) / n
+    """``A``: ``[I, I]`` for Linear; ``[C_in·K, C_in·K]`` for a convolution (``[g,
+    C_in/g·K, C_in/g·K]`` with ``g > 1`` groups); the diagonal ``[V]`` for Embedding."""
+    x, module = call.x, call.module
+    n = call.out_shape[0]
+    if isinstance(module, nn.Linear):
+        flat = x.reshape(-1, x.shape[-1])
+        return contract("mi,mj->ij", flat, flat) / flat.shape[0]
+    if isinstance(module, nn.Embedding):
+        idx = x[0][:n].reshape(-1)
+        if call.hp["padding_idx"] is not None:
+            idx = idx[idx != call.hp["padding_idx"]]
+        counts = torch.bincount(idx, minlength=call.hp["num_embeddings"])
+        return counts.to(call.params["weight"].dtype) / (n * _positions(call))
     hp = call.hp
-    cols = unfold(pad(x, hp["padding"], hp["padding_mode"]), hp["kernel_size"], hp["stride"], hp["dilation"])
-    d = len(hp["kernel_size"])
-    cols = cols.flatten(1, 1 + d).flatten(2)  # [N, C_in·K, T]
-    return contract("nit,njt->ij", cols, cols) / n
+    if isinstance(module, _CONV_T):
+        cols = _conv_transpose_columns(call)
+    else:
+        cols = unfold(pad(x, hp["padding"], hp["padding_mode"]), hp["kernel_size"], hp["stride"], hp["dilation"])
+        cols = cols.flatten(1, 1 + len(hp["kernel_size"])).flatten(2)  # [N, C_in·K, T]
+    g = hp["groups"]
+    if g == 1:
+        return contract("nit,njt->ij", cols, cols) / n
+    cols = cols.unflatten(1, (g, -1))
+    return contract("ngit,ngjt->gij", cols, cols) / n
 
 
-def output_factor_sqrt(call: Call, kinds) -> Tensor:
-    """G = Σ_factors Σ_{v,n} s s ᵀ with s = S[v, n] summed over output positions: [O, O]"""
+def _channels(call: Call, S: Tensor) -> Tensor:
+    """A root ``[V, N, *out]`` -> the vectors whose outer products make ``G``:
+    ``[V, N·T, O]`` per position (channels last), or ``[V, N, O]`` summed over
+    positions (convolutions)."""
+    if isinstance(call.module, _FEATURES_LAST):
+        return S.reshape(S.shape[0], -1, S.shape[-1])
+    return S if S.dim() == 3 else S.flatten(3).sum(3)
+
+
+def output_factor_sqrt(call: Call, kinds) -> Optional[Tensor]:
+    """``G = Σ_factors sign · Σ_{v,n} s sᵀ`` of the factors of ``kinds``: ``[O, O]``, or
+    ``None`` if none arrived."""
     G = None
     for f in call.of_kind(*kinds):
-        s = f.S if f.S.dim() == 3 else f.S.flatten(3).sum(3)  # [V, N, O]
-        part = f.sign * contract("vno,vnp->op", s, s)
+        s = _channels(call, f.S)
+        part = f.sign * contract("vmo,vmp->op", s, s)
         G = part if G is None else G + part
     return G
 
 
-def output_factor_dense(call: Call) -> Tensor:
-    """KFRA's G from the dense output GGN H [D_out, D_out]: H itself for Linear,
-    summed over pairs of positions for a convolution: [O, O]"""
-    H = call.dense
-    if type(call.module) is nn.Linear:
-        return H
+def output_factor_dense(call: Call, H: Tensor) -> Tensor:
+    """KFRA's ``G`` from ``Ḡ [D, D]``: the sum of its diagonal position blocks for
+    channels-last layers (``D = T·O``), of all its position blocks for a convolution
+    (``D = O·T``): ``[O, O]``."""
+    if isinstance(call.module, _FEATURES_LAST):
+        blocks = rearrange(H, "(t o) (s p) -> t s o p", o=call.out_shape[-1], p=call.out_shape[-1])
+        return torch.diagonal(blocks, dim1=0, dim2=1).sum(-1)
     c = call.out_shape[1]
     return rearrange(H, "(c s) (d t) -> c d s t", c=c, d=c).sum((2, 3))
 
 
+def kfra_roots(H: Tensor, n: int, out_shape: Tuple[int, ...]) -> List[Tuple[float, Tensor]]:
+    """``Ḡ [D, D]`` -> per-sample roots ``[(sign, S [r, N, *out])]`` with
+    ``Σ sign · Σ_v S[v, n] S[v, n]ᵀ = Ḡ`` for every ``n``, by the eigendecomposition
+    (eigenvalues within rounding of 0 dropped); ``out_shape`` is one sample's."""
+    lam, U = torch.linalg.eigh((H + H.T) / 2)
+    tol = float(lam.abs().max()) * H.shape[0] * torch.finfo(H.dtype).eps
+    roots = []
+    for sign in (1.0, -1.0):
+        keep = sign * lam > tol
+        if bool(keep.any()):
+            L = U[:, keep] * (sign * lam[keep]).sqrt()  # [D, r]
+            roots.append((sign, L.T.reshape(-1, 1, *out_shape).expand(-1, n, *out_shape).contiguous()))
+    return roots
+
+
+def kfra_average(S: Tensor) -> Tensor:
+    """``1/N Σ_n Σ_v S[v, n] S[v, n]ᵀ``: a root ``[V, N, *out]`` -> ``[D, D]``."""
+    flat = S.flatten(2)
+    return contract("vni,vnj->ij", flat, flat) / S.shape[1]
+
+
 class _KF(SecondOrderExtension):
-    def output_factor(self, call: Call) -> Tensor:
+    def output_factor(self, call: Call) -> Optional[Tensor]:
         return output_factor_sqrt(call, self.kinds)
 
     def compute(self, call: Call) -> Dict[str, List[Tensor]]:
         _check(call, self)
         G = self.output_factor(call)
         if G is None:
-            G = torch.zeros(call.out_shape[1], call.out_shape[1], dtype=call.x.dtype, device=call.x.device)
+            o = call.out_shape[-1 if isinstance(call.module, _FEATURES_LAST) else 1]
+            G = torch.zeros(o, o, dtype=call.params["weight"].dtype, device=call.params["weight"].device)
         G = G.contiguous()
-        A = input_factor(call).contiguous() if "weight" in call.params else None
-        return {name: [G, A] if name == "weight" else [G] for name in call.params}
+        out = {}
+        for name in call.params:
+            if name == "weight":
+                out[name] = [_group_blocks(G, call.hp.get("groups", 1)).contiguous(), input_factor(call).contiguous()]
+            else:
+                out[name] = [G]
+        return out
 
 
 class KFAC(_KF):
@@ -121,9 +284,15 @@ class KFLR(_KF):
 
 class KFRA(_KF):
     """Kronecker-factored GGN with the batch average taken at every step of the
-    backward (Botev et al. 2017), ``param.kfra``."""
+    backward (Botev et al. 2017), ``param.kfra``; through branches as the module
+    docstring says."""
 
     savefield, kinds = "kfra", ("dense",)
 
-    def output_factor(self, call: Call) -> Tensor:
-        return output_factor_dense(call)
+    def output_factor(self, call: Call) -> Optional[Tensor]:
+        G = None if call.dense is None else output_factor_dense(call, call.dense)
+        roots = output_factor_sqrt(call, ("kfra",))
+        if roots is not None:
+            roots = roots / call.out_shape[0]
+            G = roots if G is None else G + roots
+        return G
