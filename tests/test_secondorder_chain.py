@@ -200,3 +200,15 @@ def test_forward_outside_the_block_raises():
                 loss.backward()
     finally:
         jacmem.untrack(model)
+
+
+@pytest.mark.parametrize("ext", [DiagGGNExact(), KFLR(), KFRA()], ids=repr)
+def test_a_module_called_twice_raises(ext):
+    """A shared parameter's curvature has cross terms between its calls (the GGN of
+    W in W·tanh(W·x) is not the sum of two per-call blocks): not formed, and said so."""
+    torch.manual_seed(8)
+    lin = nn.Linear(4, 4).to(DT)
+    model = nn.Sequential(lin, nn.Tanh(), lin, nn.Linear(4, 3)).to(DT)
+    with pytest.raises(NotImplementedError, match=r"'weight' of module .*called twice.*Give each call"):
+        with jacmem.extend(ext):
+            nn.CrossEntropyLoss()(model(torch.randn(2, 4, dtype=DT)), torch.randint(0, 3, (2,))).backward()

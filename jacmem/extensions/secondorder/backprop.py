@@ -455,8 +455,10 @@ class Engine:
             if id(p) in run.staged:
                 raise NotImplementedError(
                     f"jacmem: parameter {pname!r} of module {node} is used by more than one call in this "
-                    f"backward pass (also by {run.staged[id(p)][1]}); second-order extensions need each "
-                    "parameter used once"
+                    f"backward pass (also by {run.staged[id(p)][1]}: a module called twice, or tied weights). "
+                    "Second-order extensions need each parameter used once: a shared parameter's curvature has "
+                    "cross terms between its calls, which they do not form. Give each call its own parameter, "
+                    "freeze it (requires_grad=False), or use first-order extensions, which sum the calls"
                 )
         module, offered = node.module, node.fo_entry.names()
         call = Call(
