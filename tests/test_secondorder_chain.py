@@ -212,3 +212,22 @@ def test_a_module_called_twice_raises(ext):
     with pytest.raises(NotImplementedError, match=r"'weight' of module .*called twice.*Give each call"):
         with jacmem.extend(ext):
             nn.CrossEntropyLoss()(model(torch.randn(2, 4, dtype=DT)), torch.randint(0, 3, (2,))).backward()
+
+
+def test_residual_cnn_kfra_is_kflr_at_batch_size_one():
+    """Convolutions inside and around a residual block: with one sample KFRA's Ḡ is the
+    exact output GGN wherever it is read, so every factor equals KFLR's (conv factors
+    are not the GGN block itself: the positions share the kernel)."""
+    torch.manual_seed(9)
+    model = nn.Sequential(
+        nn.Conv2d(1, 2, 3, padding=1),
+        nn.ReLU(),
+        jacmem.nn.Residual(nn.Conv2d(2, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 2, 1)),
+        nn.MaxPool2d(2),
+        nn.Flatten(),
+        nn.Linear(8, 3),
+    ).to(DT)
+    run(model, nn.CrossEntropyLoss(), torch.randn(1, 1, 4, 4, dtype=DT), torch.randint(0, 3, (1,)), KFLR(), KFRA())
+    for name, p in model.named_parameters():
+        for a, b in zip(p.kfra, p.kflr, strict=True):
+            torch.testing.assert_close(a, b, msg=name)

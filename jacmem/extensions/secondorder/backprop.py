@@ -14,6 +14,9 @@ every consumer of the output has run its own hook:
    residual factors) to its inputs' producers. Each factor is freed as soon as it has
    crossed the module: memory holds the factors of one layer's input and output at a
    time, and factors larger than the block's ``chunk_bytes`` cross in slices of ``V``.
+   KFRA's matrix crosses as ``1/N Σ_n J_nᵀ Ḡ J_n``; at a module with several inputs it
+   goes on as per-sample roots, which collapse back where all their paths have met
+   (:mod:`.kfac` gives the rule).
 
 **The chain check.** With the factors, the ordinary gradient travels too, as one more
 row: each node compares the sum of what its consumers handed over with the gradient
@@ -361,7 +364,9 @@ class Engine:
         dense = dep.dense
         for key in [k for k, share in dep.shares.items() if share == 1]:
             del dep.shares[key]
-            f = dep.factors.pop(key)
+            f = dep.factors.pop(key, None)
+            if f is None:  # its paths carried nothing (inputs that need no factor)
+                continue
             part = f.sign * kfra_average(f.S)
             dense = part if dense is None else dense + part
         return dense
