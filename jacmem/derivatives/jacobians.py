@@ -89,23 +89,46 @@ def diagonal_factor(d: Tensor) -> Tensor:
 
 
 def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[Optional[Tensor], ...]:
-    """``S [V, N, *out]`` -> ``J_iᵀ S`` per floating-point input, by ``torch.func.vjp``
-    on ``forward`` vmapped over ``V``; ``None`` for integer inputs."""
+    """``S [V, N, *out]`` -> ``J_iᵀ S`` per floating-point input, ``[V, N, *in_i]``;
+    ``None`` for integer inputs.
+
+    Up to :data:`LOOP_V` vectors: one forward with a graph, then one
+    ``torch.autograd.grad`` of ``⟨out, S[v]⟩`` per vector (a scalar: an explicit
+    ``grad_outputs`` makes torch import sympy, about 1 s and 80 MB on first use). More:
+    ``torch.func.vjp`` vmapped over ``V``, which batches the backward but costs about
+    5 ms more per call, and, on first use in a process, about 1.5 s and 80 MB to import
+    ``torch._dynamo``."""
     diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
-
-    def f(*free):
-        full = list(xs)
-        for i, t in zip(diff, free):
-            full[i] = t
-        return forward(*full)
-
-    with torch.enable_grad():
-        _, vjp = torch.func.vjp(f, *[xs[i] for i in diff])
-        grads = torch.vmap(vjp)(S)
     out: list = [None] * len(xs)
+    if not diff:
+        return tuple(out)
+    if S.shape[0] <= LOOP_V:
+        with torch.enable_grad():
+            free = [xs[i].detach().requires_grad_() for i in diff]
+            y = forward(*_substitute(xs, diff, free))
+            rows = [torch.autograd.grad((y * s).sum(), free, retain_graph=True, allow_unused=True) for s in S]
+        grads = [
+            torch.stack([r[k] if r[k] is not None else torch.zeros_like(free[k]) for r in rows]) for k in range(len(free))
+        ]
+    else:
+        with torch.enable_grad():
+            _, vjp = torch.func.vjp(lambda *free: forward(*_substitute(xs, diff, free)), *[xs[i] for i in diff])
+            grads = torch.vmap(vjp)(S)
     for i, g in zip(diff, grads):
         out[i] = g
     return tuple(out)
+
+
+#: up to this many vectors, :func:`vjp_generic` loops over them
+LOOP_V = 32
+
+
+def _substitute(xs: Tuple[Tensor, ...], at, values) -> list:
+    """``xs`` with ``values`` at the positions ``at``."""
+    full = list(xs)
+    for i, t in zip(at, values):
+        full[i] = t
+    return full
 
 
 @dataclass
