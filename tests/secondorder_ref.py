@@ -42,8 +42,9 @@ def dense(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, per_sample: 
     names, shapes, sizes, theta, unflat = _split(model)
     if not per_sample:
         return _dense(model, lossf, X, y, theta, unflat)
-    out = model(X)
-    scale = float(lossf(out, y) / _sum_loss(lossf)(out, y))
+    with torch.no_grad():
+        out = model(X)
+        scale = float(lossf(out, y) / _sum_loss(lossf)(out, y))
     summed = _sum_loss(lossf)
     parts = [
         _dense(model, lambda z, t: scale * summed(z, t), X[n : n + 1], y[n : n + 1], theta, unflat)

@@ -147,13 +147,15 @@ def test_conv_transpose_equal_to_backpack(d):
     X, y = torch.randn(3, 2, *space, dtype=DT), torch.randint(0, 3, (3,))
     model(X)
     lossf = nn.CrossEntropyLoss()
-    run(model, lossf, X, y, KFLR(), KFRA())
+    run(model, lossf, X, y, KFLR(), KFRA(), KFAC())
     with pytest.warns(UserWarning, match="transpose"):
         ref = _backpack(model, lossf, X, y, bpe.KFLR(), bpe.KFRA())
     for pname, p in model.named_parameters():
         for field in ("kflr", "kfra"):
             for a, b in zip(getattr(p, field), getattr(ref[pname], field), strict=True):
                 torch.testing.assert_close(a, b, msg=f"{field} {pname}")
+        if pname.endswith("weight"):  # KFAC's G is sampled; its A is KFLR's
+            torch.testing.assert_close(p.kfac[1], ref[pname].kflr[1])
 
 
 def unfolded(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
