@@ -15,26 +15,24 @@ engine (:mod:`.backprop`) brings to the output:
   read off ``Σ_v Σ_n S Sᵀ`` (below, and the branches section).
 
 **Per layer** (``N`` samples; ``T`` positions: the middle axes of a Linear or
-Embedding input ``[N, *, ·]``, the output positions of a convolution):
+Embedding input ``[N, *, ·]``, the output positions of a convolution; ``s_t`` the
+root's entries at position ``t``, ``[O]``):
 
-========================  ===============================================  ===========================================
-layer                     ``G``                                            ``A``
-========================  ===============================================  ===========================================
-Linear ``[N, *, I]``      per position: ``Σ_{v,n,t} s_t s_tᵀ``;             ``Σ_{n,t} x_t x_tᵀ / (N·T)``
-                          KFRA ``Σ_t Ḡ[t, t]`` (diagonal blocks)
-Conv1d/2d/3d              summed over positions: ``Σ_{v,n} (Σ_t s_t)(…)ᵀ``;  im2col columns ``Σ_{n,t} a_t a_tᵀ / N``
-                          KFRA ``Σ_{t,t'} Ḡ[t, t']``
-ConvTranspose1d/2d/3d     as Conv                                           columns of the input unfolded by a one-hot
-                                                                            transposed convolution, ``/ N``
-Embedding ``[N, *]``      as Linear                                         diagonal: ``a[v]`` = count of index ``v``
-                                                                            among the ``N·T`` positions ``/ (N·T)``
-========================  ===============================================  ===========================================
+* Linear, input ``[N, *, I]``: ``G = Σ_{v,n,t} s_t s_tᵀ``, position by position (KFRA:
+  ``Σ_t Ḡ[t, t]``, the diagonal position blocks); ``A = Σ_{n,t} x_t x_tᵀ / (N·T)``.
+* Conv1d/2d/3d: ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``, summed over positions first (KFRA:
+  ``Σ_{t,t'} Ḡ[t, t']``); ``A = Σ_{n,t} a_t a_tᵀ / N`` over the im2col columns ``a_t``
+  ``[C_in·K]``.
+* ConvTranspose1d/2d/3d: ``G`` as for Conv; ``A`` as for Conv, over the columns of the
+  input unfolded by a transposed convolution with one-hot kernels.
+* Embedding, input ``[N, *]``: ``G`` as for Linear; ``A`` diagonal, ``a[v]`` = the count
+  of index ``v`` among the ``N·T`` positions ``/ (N·T)``.
 
 * *Linear with middle axes*: the axes are flattened into the batch: the factors are
   those of the same layer applied to ``x.reshape(N·T, I)`` (KFAC-expand, Eschenhagen
   et al. 2023); for a 2d input, ``T = 1`` and these are BackPACK's. BackPACK 1.7.1
   raises for such inputs.
-* *Convolutions*: BackPACK's convention (``G`` is the bias's GGN block, which makes
+* *Convolutions*: BackPACK's convention (``G`` is also the bias's factor, which makes
   ``G ⊗ A`` ``T`` times the KFC paper's). *Transposed* convolutions, as BackPACK's:
   ``G ⊗ A`` approximates the block of ``weight.transpose(0, 1)``, ``[C_out, C_in, *K]``
   (``A`` [C_in·K, C_in·K]); ``output_padding`` is honoured (BackPACK 1.7.1 unfolds as if
@@ -45,7 +43,8 @@ Embedding ``[N, *]``      as Linear                                         diag
   ``block_diag(G[0] ⊗ A[0], ..., G[g-1] ⊗ A[g-1])`` (rows of group ``j`` are output
   channels ``j·O/g ...``; for a transposed conv, group ``j`` of
   ``weight.transpose(0, 1)``). ``G[j]`` is the ``j``-th diagonal block of the bias's
-  ``G``; the bias keeps its whole ``[O, O]`` factor, as in BackPACK.
+  ``G``; the bias keeps its whole ``[O, O]`` factor (its GGN block couples all
+  channels).
 * *Embedding* (``weight [V, D]``): a Linear on one-hot inputs, so ``A`` is diagonal and
   comes as its diagonal ``a [V]``: ``[G, a]``, with ``G ⊗ diag(a)`` approximating the
   block of ``weight.T`` ``[D, V]`` (the Linear's layout; the transposition as for
@@ -71,7 +70,11 @@ the paths meet. A module inside the region reads ``Ḡ = 1/N Σ_n P_n P_nᵀ`` a
 output. Each root carries the share of its merge's paths it stands for (1 at the merge,
 split evenly among the tracked inputs of every module with several); where the shares
 arriving at a module sum to 1, every path from that merge has met there, the graph
-above is a chain again, and the roots collapse back: ``Ḡ = 1/N Σ_n P_n P_nᵀ``. Hence:
+above is a chain again, and the roots collapse back: ``Ḡ = 1/N Σ_n P_n P_nᵀ``. (A path
+that ends at the model's input, as the skip of a block applied to it does, keeps its
+share: those roots then never collapse, and the modules above read them per sample.)
+The rule keeps KFRA's average at every step of a chain and takes, where paths part,
+the one average that the chain rule allows, over the region's whole Jacobian. Hence:
 
 * on a chain nothing changes: BackPACK's KFRA;
 * ``Residual(f)`` gives its input ``1/N Σ_n (I + J_{f,n})ᵀ Ḡ (I + J_{f,n})``, cross
