@@ -231,3 +231,14 @@ def test_residual_cnn_kfra_is_kflr_at_batch_size_one():
     for name, p in model.named_parameters():
         for a, b in zip(p.kfra, p.kflr, strict=True):
             torch.testing.assert_close(a, b, msg=name)
+
+
+def test_kfra_block_on_the_input_is_kflr_at_batch_size_one():
+    """A residual block applied to the model's input: the skip's share ends there, so
+    the branch's roots never collapse (kfac.py); with one sample, still KFLR's factors."""
+    torch.manual_seed(10)
+    model = nn.Sequential(jacmem.nn.Residual(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 4)), nn.Linear(4, 3)).to(DT)
+    run(model, nn.CrossEntropyLoss(), torch.randn(1, 4, dtype=DT), torch.randint(0, 3, (1,)), KFLR(), KFRA())
+    for name, p in model.named_parameters():
+        for a, b in zip(p.kfra, p.kflr, strict=True):
+            torch.testing.assert_close(a, b, msg=name)
