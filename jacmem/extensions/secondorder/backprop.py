@@ -18,13 +18,19 @@ every consumer of the output has run its own hook:
    goes on as per-sample roots, which collapse back where all their paths have met
    (:mod:`.kfac` gives the rule).
 
-**The chain check.** With the factors, the ordinary gradient travels too, as one more
-row: each node compares the sum of what its consumers handed over with the gradient
-autograd delivers to its output. They differ (beyond rounding) exactly when some
-operation jacmem does not see sits between this module and the loss (``F.relu(x)``,
-``x * 2``, ``x + y`` on a branch); then, or when nothing was handed over at all, the
-backward raises :class:`ChainError`, naming the module and what lies downstream,
-rather than return a wrong curvature. (What the check cannot see: an operation
+**The chain check.** Each node compares the gradient autograd delivers to its output
+with the part of it that came through the tracked modules that consume the output:
+autograd computes that part itself, ``J_cᵀ g_c`` for each consumer ``c``, and a hook on
+each autograd node of ``c``'s call that takes the output directly (found at forward
+time, by a search of ``c``'s own graph) hands it over, so the check costs no
+arithmetic but a comparison (none when the only consumer's part is autograd's very
+tensor). They differ (beyond rounding) exactly when some operation jacmem does not
+see sits between this module and the loss (``F.relu(x)``, ``x * 2``, ``x + y`` on a
+branch); then, or when nothing was handed over at all, the backward raises
+:class:`ChainError`, naming the module and what lies downstream, rather than return a
+wrong curvature. (A consumer whose own graph is too large to search, past
+``_TAP_NODES`` autograd nodes, hands over ``J_cᵀ g_c`` computed by its Jacobian
+instead, as one more row beside the factors.) (What the check cannot see: an operation
 applied *after* the loss. A loss scaled by ``c > 0`` or a sum of losses is fine; the
 Hessian of anything else is not the GGN's.)
 """
@@ -58,8 +64,9 @@ from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
 _SEARCH_NODES = 64
-#: up to this many vectors in all, a module's factors and the gradient cross it in one call
-_STACK_V = 8
+#: how many autograd nodes of one module call the chain check searches for those that
+#: take the call's inputs; past it, the call's gradient row is computed instead
+_TAP_NODES = 256
 
 
 class ChainError(RuntimeError):
@@ -85,6 +92,7 @@ class Node:
         "fo_hp",
         "fo_x",
         "untracked_consumers",
+        "row",
         "__weakref__",
     )
 
@@ -99,12 +107,12 @@ class Node:
 class _Deposit:
     """What a node's consumers handed over to it in one backward pass."""
 
-    __slots__ = ("factors", "grad", "norms", "dense", "shares", "sources")
+    __slots__ = ("factors", "grads", "dense", "shares", "sources")
 
     def __init__(self):
         self.factors: Dict[tuple, Factor] = {}
-        self.grad: Optional[Tensor] = None
-        self.norms = 0.0
+        #: the consumers' parts of the gradient w.r.t. the output (autograd's tensors)
+        self.grads: List[Tensor] = []
         #: KFRA's batch-averaged GGN w.r.t. the output [D, D], where it arrived whole
         self.dense: Optional[Tensor] = None
         #: key of a KFRA root factor -> the share of its merge's paths that arrived here
@@ -190,6 +198,7 @@ class Engine:
         for x, p in zip(inputs, node.producers):
             if p is None and x.grad_fn is not None:
                 self._mark_untracked_path(x.grad_fn, node.name)
+        self._tap(node, inputs, output)
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
             fo = lookup(module)
@@ -205,6 +214,16 @@ class Engine:
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
         # the hook (so the graph) holds the node: it goes when the graph goes
         self.handles.append(output.register_hook(lambda grad: self._on_grad(node, grad)))
+
+    def _tap(self, node: Node, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
+        """Hooks on the autograd nodes of this call that take an input with a producer:
+        in backward they hand that producer autograd's own part of its gradient (see
+        the module docstring). ``node.row``: the search failed, the row it is."""
+        taps = {(x.grad_fn, x.output_nr): i for i, (x, p) in enumerate(zip(inputs, node.producers)) if p is not None}
+        edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if taps else {}
+        node.row = edges is None
+        for fn, ks in (edges or {}).items():
+            self.handles.append(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
 
     def _producer_of(self, x: Tensor) -> Optional[Node]:
         """The node whose output ``x`` is, also through identities that full backward
@@ -268,17 +287,30 @@ class Engine:
 
     # -- backward ------------------------------------------------------------------
 
-    def _on_grad(self, node: Node, grad: Tensor) -> None:
+    def _run(self) -> _Pass:
+        """The running backward pass's state, made on its first hook."""
         task = torch._C._current_graph_task_id()
         run = self.passes.get(task)
         if run is None:
             run = self.passes[task] = _Pass(self)
             torch.autograd.Variable._execution_engine.queue_callback(run)
+        return run
+
+    def _on_grad(self, node: Node, grad: Tensor) -> None:
+        run = self._run()
         with torch.no_grad():
             if node.loss is not None:
                 self._loss(run, node, grad)
             else:
                 self._layer(run, node, grad)
+
+    def _on_tap(self, node: Node, edges: List[Tuple[int, int]], grad_inputs: tuple) -> None:
+        """An autograd node of ``node``'s call ran: its gradients along ``edges``
+        (``(position, input)``) are the call's part of its producers' gradients."""
+        run = self._run()
+        for k, i in edges:
+            if grad_inputs[k] is not None:
+                self._deposit_grad(run, node, i, grad_inputs[k])
 
     def _loss(self, run: _Pass, node: Node, grad: Tensor) -> None:
         x, y = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
@@ -306,7 +338,7 @@ class Engine:
         for kind in sorted(k for k in self.kinds if k.startswith("mc")):
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
-        g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0]
+        g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.row else None
         self._handover(run, node, 0, factors, g, dense, {})
 
     def _layer(self, run: _Pass, node: Node, grad: Tensor) -> None:
@@ -325,26 +357,12 @@ class Engine:
                 factors[key], shares[key] = Factor("kfra", sign, S), Fraction(1)
             dense = None
         try:
-            if sum(f.S.shape[0] for f in factors.values()) <= _STACK_V:
-                # few vectors: the gradient rides along as one more, in one call
-                metas = [(key, f.kind, f.sign) for key, f in factors.items()]
-                sizes = [f.S.shape[0] for f in factors.values()] + [1]
-                S = torch.cat([f.S for f in factors.values()] + [grad.unsqueeze(0)])
-                factors.clear()
-                g_in = []
-                for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, S, hp))):
-                    parts = [None] * len(sizes) if S_in is None else S_in.split(sizes)
-                    for (key, kind, sign), part in zip(metas, parts):
-                        self._deposit(run, node, i, key, kind, sign, part)
-                    g_in.append(parts[-1])
-                del S
-            else:
-                for key in list(factors):
-                    f = factors.pop(key)  # freed once it has crossed
-                    for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, f.S, hp))):
-                        self._deposit(run, node, i, key, f.kind, f.sign, S_in)
-                    del f
-                g_in = entry.backprop(xs, node.out, grad.unsqueeze(0), hp)
+            for key in list(factors):
+                f = factors.pop(key)  # freed once it has crossed
+                for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, f.S, hp))):
+                    self._deposit(run, node, i, key, f.kind, f.sign, S_in)
+                del f
+            rows = entry.backprop(xs, node.out, grad.unsqueeze(0), hp) if node.row else [None] * len(xs)
             residual = self._residual(node, grad) if "residual" in self.kinds else {}
             dense_in = None if dense is None else ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, dense, hp)
         except (ChainError, NotImplementedError):
@@ -355,7 +373,8 @@ class Engine:
         split = {key: share / tracked for key, share in shares.items()}
         for i, p in enumerate(node.producers):
             if p is not None:
-                self._handover(run, node, i, residual if i == 0 else {}, g_in[i][0], dense_in, split)
+                row = None if rows[i] is None else rows[i][0]
+                self._handover(run, node, i, residual if i == 0 else {}, row, dense_in, split)
 
     @staticmethod
     def _kfra_whole(dep: _Deposit) -> Optional[Tensor]:
@@ -403,11 +422,15 @@ class Engine:
                 out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
         return out
 
-    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor, dense, shares: dict) -> None:
+    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Optional[Tensor], dense, shares: dict) -> None:
+        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
+        call's part of its gradient, where it is a row (:func:`_tap`)."""
         p = node.producers[i]
         if p is None:
             return
-        d = self._deposit_grad(run, node, i, g)
+        d = run.deposits.setdefault(id(p), _Deposit())
+        if g is not None:
+            self._deposit_grad(run, node, i, g)
         for key, f in factors.items():
             self._deposit(run, node, i, key, f.kind, f.sign, f.S)
         if dense is not None:
@@ -415,12 +438,10 @@ class Engine:
         for key, share in shares.items():
             d.shares[key] = d.shares.get(key, 0) + share
 
-    def _deposit_grad(self, run: _Pass, node: Node, i: int, g: Tensor) -> _Deposit:
+    def _deposit_grad(self, run: _Pass, node: Node, i: int, g: Tensor) -> None:
         d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
-        d.grad = g if d.grad is None else d.grad + g
-        d.norms += float(g.norm())
+        d.grads.append(g)
         d.sources.append(node.name)
-        return d
 
     def _deposit(self, run: _Pass, node: Node, i: int, key: tuple, kind: str, sign: float, S: Optional[Tensor]):
         if S is None or node.producers[i] is None:
@@ -440,13 +461,15 @@ class Engine:
         if node.untracked_consumers:
             names = ", ".join(dict.fromkeys(node.untracked_consumers))
             downstream = f" on its way to {names}"
-        if dep is None or dep.grad is None:
+        if dep is None:
             raise ChainError(
                 f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
                 f"backpropagate curvature through{downstream}." + fix
             )
-        diff = float((dep.grad - grad).norm())
-        scale = dep.norms + float(grad.norm())
+        if len(dep.grads) == 1 and _same(dep.grads[0], grad):
+            return  # one consumer, whose part autograd passed on as it was: nothing else added to it
+        diff = float((sum(dep.grads) - grad).norm()) if dep.grads else float(grad.norm())
+        scale = sum(float(g.norm()) for g in dep.grads) + float(grad.norm())
         if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
             raise ChainError(
                 f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
@@ -498,6 +521,34 @@ class Engine:
         for p, _, values in staged.values():
             for field, value in values.items():
                 setattr(p, field, value)
+
+
+def _input_edges(fn, taps: Dict[tuple, int], stop: set) -> Optional[Dict[object, List[Tuple[int, int]]]]:
+    """The autograd nodes of one module call that take its inputs: ``{node: [(position
+    in its next_functions, input index)]}`` for the edges ``(grad_fn, output_nr)`` in
+    ``taps``, searched from the call's output ``fn`` down to its inputs' grad_fns
+    (``stop``) and tracked outputs; ``None`` past ``_TAP_NODES`` nodes."""
+    edges: Dict[object, List[Tuple[int, int]]] = {}
+    seen, todo = set(), [fn]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _TAP_NODES:
+            return None
+        for k, (nxt, nr) in enumerate(fn.next_functions):
+            i = taps.get((nxt, nr))
+            if i is not None:
+                edges.setdefault(fn, []).append((k, i))
+            elif nxt is not None and nxt not in stop and "jacmem" not in nxt.metadata:
+                todo.append(nxt)
+    return edges
+
+
+def _same(a: Tensor, b: Tensor) -> bool:
+    """The same numbers: one tensor, or views of the same memory alike."""
+    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
 
 
 def _owned(tensors: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
