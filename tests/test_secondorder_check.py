@@ -1,0 +1,67 @@
+"""The chain check's two ways to get each tracked consumer's part of a module's output
+gradient: hooks on the consumer's own autograd nodes (the default), and, where the
+consumer's graph is too large to search, a row through its Jacobian. Both must leave
+exact results exact and catch every operation off the chain."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from secondorder_ref import check_exact, run
+from test_secondorder_chain import Block, resnet
+from torch import nn
+
+import jacmem
+import jacmem.extensions.secondorder.backprop as backprop
+from jacmem import ChainError, DiagGGNExact
+
+DT = torch.float64
+
+
+@pytest.fixture(params=["autograd's parts", "rows"])
+def parts(request, monkeypatch):
+    if request.param == "rows":  # no call's graph can be searched: every consumer sends its row
+        monkeypatch.setattr(backprop, "_TAP_NODES", 0)
+    return request.param
+
+
+def test_branches_stay_exact(parts):
+    torch.manual_seed(0)
+    check_exact(resnet(), nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)))
+
+
+@pytest.mark.parametrize("op, functional_sum", [(F.relu, False), (nn.Identity(), True)], ids=["F.relu", "x+y"])
+def test_functional_op_on_a_branch_raises(parts, op, functional_sum):
+    torch.manual_seed(4)
+    model = Block(op, functional_sum).to(DT)
+    with pytest.raises(ChainError, match=r"module 'lin(0|1)' \(Linear\)"):
+        run(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)), DiagGGNExact())
+
+
+class Penalised(nn.Module):
+    """``head(h)`` with ``h = lin0(x)`` kept, for a penalty on ``h`` added to the loss."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin0, self.head = nn.Linear(4, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        self.h = self.lin0(x)
+        return self.head(self.h)
+
+
+def test_a_term_added_to_the_loss_raises(parts):
+    """``h`` has one tracked consumer, whose part autograd passes on; a penalty on ``h``
+    added after the loss adds to ``h``'s gradient (in either order of the two), and
+    the check must see it."""
+    torch.manual_seed(9)
+    model, lossf = Penalised().to(DT), nn.CrossEntropyLoss()
+    X, y = torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,))
+    for penalty_first in (False, True):
+        with pytest.raises(ChainError, match=r"module 'lin0' \(Linear\).*besides the tracked modules 'head'"):
+            with jacmem.extend(DiagGGNExact()):
+                out = model(X)
+                penalty = 1e-3 * model.h.square().sum()
+                loss = penalty + lossf(out, y) if penalty_first else lossf(out, y) + penalty
+                loss.backward()
