@@ -50,8 +50,9 @@ def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
     s2 = S.square().sum(0)  # [N, O]
     out = {}
     for name in call.params:
-        if name == "weight":
-            out[name] = contract("no,ni->" + ("noi" if batch else "oi"), s2, call.x.square())
+        if name == "weight":  # two operands: a product, without opt_einsum's planning (~50 µs a call)
+            x2 = call.x.square()
+            out[name] = s2.unsqueeze(2) * x2.unsqueeze(1) if batch else s2.T @ x2
         else:
             out[name] = s2 if batch else s2.sum(0)
     return out
