@@ -155,6 +155,117 @@ def test_pack_bits_roundtrip(n):
     assert packed.tolist() == expected
 
 
+def _relu_paths(model, x):
+    """Run ``model(x)`` twice (a lean ReLU learns its readers in the first pass); the
+    grad_fn names of the ReLU outputs in the second pass, by module name."""
+    model(x)
+    paths, handles = {}, []
+
+    def note(name, output):
+        paths[name] = type(output.grad_fn).__name__
+
+    for name, m in model.named_modules():
+        if isinstance(m, nn.ReLU):
+            handles.append(m.register_forward_hook(lambda m, i, o, n=name: note(n, o)))
+    model(x)
+    for h in handles:
+        h.remove()
+    return paths
+
+
+STOCK_RELU, MASK = "ReluBackward0", "ReLUFunctionBackward"
+
+
+def _bn(train):
+    return _batchnorm(nn.BatchNorm2d, 4).train(train)
+
+
+# (reader of the ReLU's output, its parameters trainable?, what the lean ReLU keeps): the
+# output itself where the reader keeps that very tensor, else the mask
+READERS = [
+    ("conv", lambda: nn.Conv2d(4, 4, 3, padding=1), True, STOCK_RELU),
+    ("conv frozen", lambda: nn.Conv2d(4, 4, 3, padding=1), False, MASK),
+    ("conv bias only", lambda: nn.Conv2d(4, 4, 3, padding=1), "bias", MASK),
+    ("conv reflect", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), True, MASK),  # keeps a padded copy
+    ("conv same", lambda: nn.Conv2d(4, 4, 3, padding="same"), True, MASK),  # may pad: not counted on
+    ("convT", lambda: nn.ConvTranspose2d(4, 4, 3), True, STOCK_RELU),
+    ("convT frozen", lambda: nn.ConvTranspose2d(4, 4, 3), False, MASK),
+    ("bn eval", lambda: _bn(False), True, STOCK_RELU),
+    ("bn eval frozen", lambda: _bn(False), False, MASK),
+    ("bn train frozen", lambda: _bn(True), False, STOCK_RELU),  # batch statistics: keeps its input anyway
+    ("maxpool", lambda: nn.MaxPool2d(2), None, MASK),
+    ("dropout", lambda: nn.Dropout(0.5), None, MASK),
+    ("linear (not lean)", lambda: nn.Linear(6, 3), True, MASK),  # not seen: the mask, never more memory
+]
+
+
+@pytest.mark.parametrize("reader,trainable,kept", [r[1:] for r in READERS], ids=[r[0] for r in READERS])
+def test_relu_keeps_output_only_where_its_reader_keeps_it(reader, trainable, kept):
+    """Conv -> ReLU -> reader, lean against stock: the ReLU keeps its output (as stock)
+    where the reader keeps it anyway, else the 1-bit mask; outputs and gradients are
+    the stock ones either way, in the first pass (readers unknown yet) and later."""
+    torch.manual_seed(0)
+    stock = nn.Sequential(nn.Conv2d(3, 4, 1), nn.ReLU(), reader())
+    for name, p in stock[2].named_parameters():
+        p.requires_grad_(trainable is True or name == trainable)
+    leaned = lean(copy.deepcopy(stock))
+    x = torch.randn(2, 3, 6, 6)
+    assert _relu_paths(leaned, x) == {"1": kept}
+    names = ["input", "0.weight"] + [f"2.{n}" for n, p in stock[2].named_parameters() if p.requires_grad]
+    for _ in range(2):
+        torch.manual_seed(1)  # dropout: lean draws its own mask; compared through x = 0 elsewhere
+        out_s, grads_s = _run(stock, x, names)
+        out_l, grads_l = _run(leaned, x, names)
+        if isinstance(stock[2], nn.Dropout):  # a different mask: compare where both keep
+            both = (out_s != 0) & (out_l != 0)
+            torch.testing.assert_close(out_l[both], out_s[both], rtol=0, atol=0)
+            continue
+        torch.testing.assert_close(out_l, out_s, rtol=0, atol=0)
+        for n in grads_s:
+            torch.testing.assert_close(grads_l[n], grads_s[n], rtol=RTOL, atol=ATOL, msg=n)
+
+
+def test_relu_readers_any_keeps_and_changed_in_place():
+    """Two readers, one keeping its input: the output is kept. An output changed in place
+    before its reader is no longer the ReLU's: the mask (where stock would fail in backward)."""
+
+    class Two(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.relu, self.a, self.b = nn.ReLU(), nn.Conv2d(4, 2, 1).requires_grad_(False), nn.Conv2d(4, 2, 1)
+
+        def forward(self, x):
+            h = self.relu(x * 1)
+            return self.a(h) + self.b(h)
+
+    class InPlace(Two):
+        def forward(self, x):
+            return self.b(self.relu(x * 1).mul_(2))
+
+    x = torch.randn(2, 4, 3, 3, requires_grad=True)
+    model = Two()
+    (g_stock,) = torch.autograd.grad(model(x).sum(), x)
+    assert _relu_paths(lean(model), x) == {"relu": STOCK_RELU}
+    (g_lean,) = torch.autograd.grad(model(x).sum(), x)
+    torch.testing.assert_close(g_lean, g_stock, rtol=RTOL, atol=ATOL)
+
+    model = InPlace()
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        torch.autograd.grad(model(x).sum(), x)  # stock keeps the output that mul_ changed
+    assert _relu_paths(lean(model), x) == {"relu": MASK}
+    (g_lean,) = torch.autograd.grad(model(x).sum(), x)
+    ref = torch.where(x > 0, 2.0, 0.0) * model.b.weight.sum(0).view(1, 4, 1, 1)
+    torch.testing.assert_close(g_lean, ref, rtol=RTOL, atol=ATOL)
+
+
+def test_relu_without_gradient_records_nothing():
+    relu = lean(nn.ReLU())
+    x = torch.randn(3, 4)
+    assert relu(x).grad_fn is None
+    with torch.no_grad():
+        assert relu(x.requires_grad_()).grad_fn is None
+
+
 @pytest.mark.parametrize(
     "stock,shape",
     [
@@ -197,8 +308,23 @@ def test_conv_keeps_only_what_is_needed(stock, shape):
     lean_layer.weight.requires_grad_(False)
     assert _saved(lambda t: stock(t * 1), x) == x_bytes
     assert _saved(lambda t: lean_layer(t * 1), x) == 0
+    # only the bias trainable, and an input that needs no gradient: stock keeps it all the same
+    assert _saved(lambda t: stock(t.detach() * 1), x) == x_bytes
+    assert _saved(lambda t: lean_layer(t.detach() * 1), x) == 0
     lean_layer.weight.requires_grad_(True)
     assert _saved(lambda t: lean_layer(t * 1), x) == x_bytes
+
+
+def test_frozen_weight_functions_refuse_a_trainable_weight():
+    """ConvFunction and BatchNormEvalFunction compute no weight gradient: a trainable
+    weight is an error, not a silently missing gradient."""
+    from jacmem.memory.functions import BatchNormEvalFunction, ConvFunction
+
+    x, w = torch.randn(1, 2, 4, 4), torch.randn(3, 2, 3, 3, requires_grad=True)
+    with pytest.raises(RuntimeError, match="frozen weight"):
+        ConvFunction.apply(x, w, None, (1, 1), (0, 0), (1, 1), False, (0, 0), 1)
+    with pytest.raises(RuntimeError, match="frozen weight"):
+        BatchNormEvalFunction.apply(x, torch.zeros(2), torch.ones(2), torch.ones(2, requires_grad=True), None, 1e-5)
 
 
 def test_batchnorm_eval_keeps_input_only_for_weight():
@@ -224,25 +350,48 @@ def test_relu_dropout_maxpool_keep_bits_seed_indices():
     # a float mask on CPU (x * bernoulli / (1 - p)), a bool mask from CUDA's fused kernel
     assert _saved(lambda t: nn.Dropout(0.5)(t) + 0, x) == n * 8
     pool = lean(nn.MaxPool2d(2))
-    assert _saved(lambda t: pool(t * 1), x) == (n // 4) * 4  # int32 indices, no input
+    assert _saved(lambda t: pool(t * 1), x) == (n // 4) * 8  # the int64 indices, no input
     assert _saved(lambda t: nn.MaxPool2d(2)(t * 1), x) == n * 8 + (n // 4) * 8
 
 
 @pytest.mark.parametrize("inplace", [False, True])
-@pytest.mark.parametrize("p", [0.0, 0.3, 1.0])
+@pytest.mark.parametrize("p", [0.0, 1e-6, 0.3, 0.999, 1.0])
 def test_dropout(p, inplace):
-    """Train mode: out = x * mask / (1 - p) and the gradient uses the same mask; with
-    x = 1 the output is the mask (scaled), so the gradient must be g * out."""
+    """Train mode: out = x * keep / (1 - p), keep drawn with probability 1 - p, and the
+    gradient uses the same keep (drawn again in backward): g * keep / (1 - p)."""
+    torch.manual_seed(0)
     layer = lean(nn.Dropout(p, inplace=inplace))
-    x = torch.ones(64, 50, requires_grad=True)
+    x = torch.randn(64, 50, requires_grad=True)
     out = layer(x * 1)
     keep = (out != 0).double()
-    torch.testing.assert_close(out, keep / (1 - p) if p < 1 else keep, rtol=0, atol=1e-15)
-    if 0 < p < 1:
-        assert abs(keep.mean().item() - (1 - p)) < 0.05
+    scale = 1 / (1 - p) if p < 1 else 0.0
+    torch.testing.assert_close(out, x.detach() * keep * scale, rtol=0, atol=0)
+    assert abs(keep.mean().item() - (1 - p)) < 0.02
     g = torch.randn(64, 50)
     (out * g).sum().backward()
-    torch.testing.assert_close(x.grad, g * out, rtol=0, atol=1e-15)
+    torch.testing.assert_close(x.grad, g * keep * scale, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize(
+    "dtype,tol", [(torch.float64, 0), (torch.float32, 0), (torch.bfloat16, 1e-2)], ids=["f64", "f32", "bf16"]
+)
+@pytest.mark.parametrize("layout", ["contiguous", "channels_last", "transposed"])
+def test_dropout_dtypes_and_layouts(dtype, tol, layout):
+    """x = 1, so the output is the scaled mask and the gradient g * out; the output has
+    the stock op's strides, and the mask drawn again in backward (in a buffer of the
+    output's strides, whatever the gradient's) is the same."""
+    x = torch.ones(4, 3, 5, 6, dtype=dtype)
+    if layout == "channels_last":
+        x = x.contiguous(memory_format=torch.channels_last)
+    elif layout == "transposed":
+        x = x.transpose(1, 3)
+    x.requires_grad_()
+    out = lean(nn.Dropout(0.4))(x * 1)
+    assert out.dtype == dtype and out.stride() == nn.functional.dropout(x * 1, 0.4).stride()
+    assert 0.5 < (out != 0).double().mean().item() < 0.7
+    g = torch.randn(out.shape, dtype=dtype)  # contiguous, whatever out's strides
+    out.backward(g)
+    torch.testing.assert_close(x.grad, g * out.detach(), rtol=tol, atol=tol)
 
 
 def test_dropout_eval_and_reproducible():
@@ -250,6 +399,9 @@ def test_dropout_eval_and_reproducible():
     x = torch.randn(10, 10)
     assert layer.eval()(x) is x
     layer.train()
+    assert lean(nn.Dropout(0.0))(x) is x  # as stock: nothing to keep
+    with torch.no_grad():  # no gradient: the mask is drawn once, and nothing kept
+        assert 0 < (layer(x) == 0).sum() < 100
     torch.manual_seed(3)
     a = layer(x)
     torch.manual_seed(3)
@@ -386,7 +538,7 @@ def test_lean_unlean_roundtrip():
 
 
 def test_lean_network_matches_stock_every_setting():
-    """A whole network, in memsave's settings: all trainable, input only, norm only."""
+    """A whole network, in memsave's settings: all trainable, input only, norm only, one layer."""
     torch.manual_seed(0)
     stock = _net().eval()
     leaned = lean(copy.deepcopy(stock))
@@ -397,7 +549,7 @@ def test_lean_network_matches_stock_every_setting():
         "norm": ["1.weight", "1.bias"],
         "surgical": ["4.weight", "4.bias"],
     }
-    for names in settings.values():
+    for names in [*settings.values()] * 2:  # in the first round, lean ReLUs do not know their readers yet
         out_s, grads_s = _run(stock, x, names)
         out_l, grads_l = _run(leaned, x, names)
         torch.testing.assert_close(out_l, out_s, rtol=0, atol=0)

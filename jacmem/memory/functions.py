@@ -1,31 +1,32 @@
 """Autograd functions that keep only what the gradients asked for need.
 
 Each ``forward`` computes exactly what the stock layer computes (the same ATen
-kernels), and saves, through ``ctx.save_for_backward`` (so that
-:func:`jacmem.memory.report` sees it), only what the backward pass will read for the
-inputs that require a gradient (``ctx.needs_input_grad``):
+kernels; dropout draws its own mask), and saves, through ``ctx.save_for_backward`` (so
+that :func:`jacmem.memory.report` sees it), only what the backward pass will read:
 
-==============  ==========================================  ==========================
-function        stock PyTorch keeps                         kept here
-==============  ==========================================  ==========================
-convolution     input and weight, whenever either           input only if the weight
-(and transposed) requires a gradient                        needs a gradient; weight
-                                                            only if the input does
-batch norm      input, weight, running stats                input only if the weight
-(eval)                                                      needs a gradient
-ReLU            its float output                            a mask, 1 bit per element
-dropout         its mask (CPU: in x's dtype; CUDA: bool)    a seed (a Python int)
-max pooling     input and int64 indices                     the indices, as int32
-==============  ==========================================  ==========================
+================  ==========================================  ========================
+function          stock PyTorch keeps                         kept here
+================  ==========================================  ========================
+convolution       input and weight, whenever anything         the weight (if the input
+(and transposed), requires a gradient                         needs a gradient)
+frozen weight
+batch norm (eval) input, weight, running stats                running stats, weight
+frozen weight
+ReLU              its float output                            a mask, 1 bit per element
+dropout           its mask (CPU: in x's dtype; CUDA: bool)    a seed (a Python int)
+max pooling       input and int64 indices                     the indices
+================  ==========================================  ========================
 
-None of them supports double backward (``once_differentiable``).
+The conv and batch-norm Functions are for a frozen weight only: with a trainable one,
+the stock op keeps nothing more than the weight's gradient needs, and
+:mod:`jacmem.memory.lean` calls it. None of them supports double backward
+(``once_differentiable``).
 """
 
 from __future__ import annotations
 
 import sys
 from math import prod
-from typing import Sequence
 
 import torch
 from torch import Tensor
@@ -36,50 +37,32 @@ if sys.byteorder != "little":  # pack_bits reads 8 bools as one little-endian in
     raise ImportError("jacmem.memory's bit-packed masks assume a little-endian machine")
 
 
-def _stand_in(like: Tensor, shape: Sequence[int]) -> Tensor:
-    """A zero-stride tensor of ``shape`` that owns one element: for kernels that
-    read only the shape of an argument (as ``torch.nn.grad.conv2d_input`` does)."""
-    return like.new_empty(1).expand(tuple(shape))
-
-
 # -- convolution ---------------------------------------------------------------------
 
 
 class ConvFunction(torch.autograd.Function):
-    """``torch.convolution`` (plain or transposed): x [N, C_in, *S_in], weight
-    [C_out, C_in/G, *K] (transposed: [C_in, C_out/G, *K]), bias [C_out] -> [N, C_out, *S_out].
-
-    Keeps x only for the weight's gradient and the weight only for x's.
+    """``torch.convolution`` (plain or transposed) with a frozen weight: x [N, C_in, *S_in],
+    weight [C_out, C_in/G, *K] (transposed: [C_in, C_out/G, *K]), bias [C_out] ->
+    [N, C_out, *S_out]. Keeps the weight (for x's gradient) and no x: x's gradient is
+    the adjoint convolution of the output's, the bias's its sum.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, stride, padding, dilation, transposed, output_padding, groups):
+        if ctx.needs_input_grad[1]:
+            raise RuntimeError("ConvFunction is for a frozen weight; call the stock convolution for a trainable one")
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
-        ctx.shapes = (x.shape, weight.shape, None if bias is None else bias.shape)
-        x_grad, w_grad = ctx.needs_input_grad[:2]
-        ctx.save_for_backward(x if w_grad else None, weight if x_grad else None)
+        ctx.x_shape = x.shape
+        ctx.save_for_backward(weight if ctx.needs_input_grad[0] else None)
         return torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, weight = ctx.saved_tensors
-        x_shape, w_shape, b_shape = ctx.shapes
-        stride, padding, dilation, transposed, output_padding, groups = ctx.conf
-        mask = [bool(m) for m in ctx.needs_input_grad[:3]]
-        if x is None:  # no weight gradient: the input's is the adjoint convolution, which needs no x
-            gx = _conv_adjoint(grad, weight, x_shape, *ctx.conf) if mask[0] else None
-            gb = grad.sum([0, *range(2, grad.dim())]) if mask[2] else None
-            return gx, None, gb, None, None, None, None, None, None
-        gx, gw, gb = torch.ops.aten.convolution_backward(
-            grad,
-            x,
-            weight if weight is not None else _stand_in(grad, w_shape),
-            b_shape,
-            *ctx.conf,
-            mask,
-        )
-        return gx, gw, gb, None, None, None, None, None, None
+        (weight,) = ctx.saved_tensors
+        gx = _conv_adjoint(grad, weight, ctx.x_shape, *ctx.conf) if ctx.needs_input_grad[0] else None
+        gb = grad.sum([0, *range(2, grad.dim())]) if ctx.needs_input_grad[2] else None
+        return gx, None, gb, None, None, None, None, None, None
 
 
 def _conv_adjoint(grad, weight, x_shape, stride, padding, dilation, transposed, output_padding, groups):
@@ -108,32 +91,30 @@ def _all_but_channels(ndim: int) -> list:
 
 
 class BatchNormEvalFunction(torch.autograd.Function):
-    """Batch norm with the running statistics, x [N, C, *S] -> [N, C, *S]:
-    ``y = (x - mean) / sqrt(var + eps) · weight + bias``. Keeps x only for the weight's
-    gradient; the input's gradient, ``g · weight / sqrt(var + eps)``, needs no x.
+    """Batch norm with the running statistics and a frozen (or no) weight, x [N, C, *S] ->
+    [N, C, *S]: ``y = (x - mean) / sqrt(var + eps) · weight + bias``. Keeps no x: the
+    input's gradient is ``g · weight / sqrt(var + eps)``, the bias's the sum of g.
     """
 
     @staticmethod
     def forward(ctx, x, running_mean, running_var, weight, bias, eps):
+        if ctx.needs_input_grad[3]:
+            raise RuntimeError("BatchNormEvalFunction is for a frozen weight; call F.batch_norm for a trainable one")
         ctx.eps = eps
-        keep_x = weight is not None and ctx.needs_input_grad[3]
-        ctx.save_for_backward(x if keep_x else None, running_mean, running_var, weight)
+        ctx.save_for_backward(running_var, weight)
         return F.batch_norm(x, running_mean, running_var, weight, bias, False, 0.0, eps)
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        x, mean, var, weight = ctx.saved_tensors
-        mask = [ctx.needs_input_grad[i] for i in (0, 3, 4)]
-        if x is not None:  # stock's kernel, on what stock keeps
-            gx, gw, gb = torch.ops.aten.native_batch_norm_backward(
-                grad, x, weight, mean, var, None, None, False, ctx.eps, mask
-            )
-            return gx, None, None, gw, gb, None
+        var, weight = ctx.saved_tensors
         nd = grad.dim()
-        invstd = torch.rsqrt(var + ctx.eps)
-        gx = grad * _channel_view(invstd if weight is None else weight * invstd, nd) if mask[0] else None
-        gb = grad.sum(_all_but_channels(nd)) if mask[2] else None
+        gx = gb = None
+        if ctx.needs_input_grad[0]:
+            invstd = torch.rsqrt(var + ctx.eps)
+            gx = grad * _channel_view(invstd if weight is None else weight * invstd, nd)
+        if ctx.needs_input_grad[4]:
+            gb = grad.sum(_all_but_channels(nd))
         return gx, None, None, None, gb, None
 
 
@@ -148,17 +129,19 @@ _TABLES: dict = {}
 def pack_bits(mask: Tensor, scratch: bool = False) -> Tensor:
     """A bool tensor of n elements -> uint8 [ceil(n / 8)], element ``8j + k`` in bit ``k``
     of byte ``j``. ``scratch=True``: the caller gives ``mask`` up, and it is packed in
-    place (no fresh n-byte buffers).
+    place (no fresh n-byte buffer).
 
     Eight bools, read as one little-endian int64 ``v = Σ_k b_k 2^(8k)``, times
     ``Σ_i 2^(56 - 7i)`` put ``b_k`` on bit ``56 + k``; every other product term falls on
-    a distinct bit below 56 (no carries) or beyond 63 (wrapped away).
+    a distinct bit below 56 (no carries) or beyond 63 (wrapped away). The packed byte is
+    then the product's top byte (byte 7, little-endian): one multiplication in place and
+    one strided copy.
     """
     flat = mask.reshape(-1)
     if flat.numel() % 8:
         flat, scratch = torch.cat([flat, flat.new_zeros(8 - flat.numel() % 8)]), True
     words = flat.view(torch.int64) if scratch else flat.view(torch.int64).clone()
-    return words.mul_(_GATHER).bitwise_right_shift_(56).to(torch.uint8)
+    return words.mul_(_GATHER).view(torch.uint8)[7::8].contiguous()
 
 
 def unpack_bits(packed: Tensor, numel: int, dtype: torch.dtype = torch.bool) -> Tensor:
@@ -168,7 +151,8 @@ def unpack_bits(packed: Tensor, numel: int, dtype: torch.dtype = torch.bool) -> 
     if table is None:
         bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
         table = _TABLES[(packed.device, dtype)] = bits.to(device=packed.device, dtype=dtype)
-    return torch.index_select(table, 0, packed.int()).view(-1)[:numel]
+    bits = torch.index_select(table, 0, packed.int()).view(-1)
+    return bits if bits.numel() == numel else bits[:numel]
 
 
 class ReLUFunction(torch.autograd.Function):
@@ -198,37 +182,51 @@ class ReLUFunction(torch.autograd.Function):
 # -- dropout: a seed -----------------------------------------------------------------
 
 
-def _dropout_mask(like: Tensor, p: float, seed: int) -> Tensor:
-    """The scaled keep-mask, ``1 / (1 - p)`` with probability ``1 - p`` and 0 otherwise,
-    in ``like``'s dtype and on its device: uniform numbers from a generator of that
-    device seeded with ``seed`` (so the same seed gives the same mask), drawn in float32
-    or float64 (never in half precision, whose grid would distort ``p``)."""
-    gen = torch.Generator(device=like.device)
+def _draw_mask(buffer: Tensor, p: float, seed: int) -> Tensor:
+    """``buffer`` (float, any strides) filled in place with the keep-mask, 1 with
+    probability ``1 - p`` and 0 otherwise: uniform numbers u from a generator of its
+    device seeded with ``seed``, kept where ``u < 1 - p``. The numbers are drawn in
+    memory order, so the same seed, shape and strides give the same mask."""
+    gen = torch.Generator(device=buffer.device)
     gen.manual_seed(seed)
-    dtype = like.dtype if like.dtype in (torch.float32, torch.float64) else torch.float32
-    uniform = torch.rand(like.shape, generator=gen, device=like.device, dtype=dtype)
-    return uniform.lt_(1 - p).mul_(1 / (1 - p)).to(like.dtype)
+    return buffer.uniform_(generator=gen).lt_(1 - p)
+
+
+def _times_mask(t: Tensor, mask: Tensor, p: float, inplace: bool = False) -> Tensor:
+    """``t · mask / (1 - p)``, computed as ``(t · mask) · (1 / (1 - p))`` alike in forward
+    and backward; into the mask's buffer where the dtypes match (no other n-element
+    buffer), into t if ``inplace``."""
+    scale = 1 / (1 - p)
+    if inplace:
+        return t.mul_(mask).mul_(scale)
+    if mask.dtype != t.dtype:
+        return t * mask.to(t.dtype) * scale
+    return mask.mul_(t).mul_(scale)
+
+
+def _mask_dtype(t: Tensor) -> torch.dtype:
+    """t's dtype if float32 or float64, else float32 (never half precision, whose grid
+    of uniform numbers would distort p)."""
+    return t.dtype if t.dtype in (torch.float32, torch.float64) else torch.float32
 
 
 class DropoutFunction(torch.autograd.Function):
-    """Inverted dropout ``x · mask / (1 - p)``, any shape, 0 <= p <= 1; keeps the seed
-    of the mask's generator and draws the mask again in backward.
+    """Inverted dropout ``x · mask / (1 - p)``, any shape, ``0 < p < 1`` (for p = 0 and
+    p = 1 the stock op keeps nothing); keeps the seed of the mask's generator and draws
+    the mask again in backward, in a buffer of the same shape and strides.
 
-    The seed comes from the default CPU generator, so ``torch.manual_seed`` makes runs
-    reproducible; no host-device synchronisation.
+    The mask's buffer has x's layout (as the stock op's output), and becomes the
+    output. The seed comes from the default CPU generator, so ``torch.manual_seed``
+    makes runs reproducible; no host-device synchronisation.
     """
 
     @staticmethod
     def forward(ctx, x, p, inplace):
         ctx.p = p
-        if p == 1:
-            out = x.zero_() if inplace else torch.zeros_like(x)
-        elif p == 0:
-            out = x if inplace else x.clone()
-        else:
-            ctx.seed = int(torch.empty((), dtype=torch.int64).random_())
-            mask = _dropout_mask(x, p, ctx.seed)
-            out = x.mul_(mask) if inplace else x * mask
+        ctx.seed = int(torch.empty((), dtype=torch.int64).random_())
+        mask = _draw_mask(torch.empty_like(x, dtype=_mask_dtype(x)), p, ctx.seed)
+        ctx.layout = (mask.shape, mask.stride())
+        out = _times_mask(x, mask, p, inplace)
         if inplace:
             ctx.mark_dirty(x)
         return out
@@ -236,12 +234,8 @@ class DropoutFunction(torch.autograd.Function):
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
-        p = ctx.p
-        if p == 1:
-            return torch.zeros_like(grad), None, None
-        if p == 0:
-            return grad, None, None
-        return grad * _dropout_mask(grad, p, ctx.seed), None, None
+        mask = torch.empty_strided(*ctx.layout, dtype=_mask_dtype(grad), device=grad.device)
+        return _times_mask(grad, _draw_mask(mask, ctx.p, ctx.seed), ctx.p), None, None
 
 
 # -- max pooling: indices only -------------------------------------------------------
@@ -251,16 +245,16 @@ _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 class MaxPoolFunction(torch.autograd.Function):
     """Max pooling over the last d axes: x [*B, *S_in] -> (out, indices) [*B, *S_out].
-    Keeps only the indices, as int32 where they fit (and x's shape); backward scatters the gradient back
-    to the argmax positions (adding where windows overlap)."""
+    Keeps only the int64 indices the kernel returns (and x's shape; converting them to int32 would
+    halve them, but the two conversions cost about 2% of a ResNet step on CPU); backward scatters
+    the gradient back to the argmax positions (adding where windows overlap)."""
 
     @staticmethod
     def forward(ctx, x, d, kernel_size, stride, padding, dilation, ceil_mode):
         out, idx = _MAX_POOL[d](x, kernel_size, stride, padding, dilation, ceil_mode, return_indices=True)
         ctx.mark_non_differentiable(idx)
         ctx.d, ctx.shape = d, x.shape
-        small = prod(x.shape[-d:]) < 2**31
-        ctx.save_for_backward((idx.to(torch.int32) if small else idx) if ctx.needs_input_grad[0] else None)
+        ctx.save_for_backward(idx if ctx.needs_input_grad[0] else None)
         return out, idx
 
     @staticmethod
@@ -269,6 +263,6 @@ class MaxPoolFunction(torch.autograd.Function):
         (idx,) = ctx.saved_tensors
         d, shape = ctx.d, ctx.shape
         flat = grad.new_zeros((*shape[:-d], prod(shape[-d:])))
-        flat.scatter_add_(-1, idx.flatten(-d).long(), grad.flatten(-d))
+        flat.scatter_add_(-1, idx.flatten(-d), grad.flatten(-d))
         return flat.view(shape), None, None, None, None, None, None
 

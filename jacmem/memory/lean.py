@@ -9,14 +9,20 @@ stock type convert; subclasses of your own keep their ``forward``.
 ======================  ======================================================
 stock                   lean
 ======================  ======================================================
-Conv1d/2d/3d            input only if the weight needs a gradient, weight only
-ConvTranspose1d/2d/3d   if the input does
-BatchNorm1d/2d/3d       in eval mode: input only if the weight needs a gradient
-                        (training mode runs stock: it needs the input anyway)
-ReLU                    a 1-bit mask instead of the float output
+Conv1d/2d/3d            with a frozen weight: no input (the stock op keeps it
+ConvTranspose1d/2d/3d   whenever anything needs a gradient); with a trainable
+                        weight the stock op itself
+BatchNorm1d/2d/3d       in eval mode with a frozen weight: no input; otherwise
+                        the stock op (it keeps no more than it needs then)
+ReLU                    a 1-bit mask instead of the float output, unless a
+                        lean layer reading the output keeps it anyway
 Dropout                 the RNG seed instead of the mask
 MaxPool1d/2d/3d         the indices, not the input
 ======================  ======================================================
+
+Where the stock op keeps nothing more than the gradients asked for need, the lean
+layer calls it, so it costs no time: a Python ``autograd.Function`` (with its
+overhead) runs only where it keeps less.
 
 The lean conv layers share jacmem's derivatives of the stock ones, so
 ``jacmem.extend`` computes per-sample quantities on them; a frozen lean layer keeps
@@ -26,8 +32,10 @@ nothing at all.
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from typing import Dict, Iterable, Optional
 
+import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -59,10 +67,48 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor):
     return x, tuple(t // 2 for t in totals)
 
 
+# -- ReLU and the layers that read its output ----------------------------------------
+
+#: the attribute a lean ReLU's output carries, for the lean layers that read it: (the ReLU
+#: module, the output's version counter then; an output changed in place since is not its)
+_PRODUCER = "_jacmem_relu"
+#: lean ReLU -> the lean layers that read its output in its forward passes so far (weak both ways)
+_READERS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+
+
+def _read(reader: nn.Module, input: Tensor) -> None:
+    """Note that ``reader`` reads ``input``, if a lean ReLU made it."""
+    tag = getattr(input, _PRODUCER, None)
+    if tag is not None and tag[1] == input._version:
+        relu = tag[0]
+        readers = _READERS.get(relu)
+        if readers is None:
+            readers = _READERS[relu] = weakref.WeakSet()
+        readers.add(reader)
+
+
+def _frozen_weight_needs_lean(weight: Optional[Tensor], bias: Optional[Tensor], input: Tensor) -> bool:
+    """Whether the stock op would keep its input for nothing: a gradient is recorded,
+    but not the weight's. (With a trainable weight, the stock op keeps what the
+    weight's gradient needs and no more; with nothing to differentiate, nothing.)"""
+    if not torch.is_grad_enabled() or (weight is not None and weight.requires_grad):
+        return False
+    return input.requires_grad or (bias is not None and bias.requires_grad)
+
+
 class _LeanConvNd:
-    """Mixin for Conv1d/2d/3d: the stock forward, through :class:`ConvFunction`."""
+    """Mixin for Conv1d/2d/3d: the stock forward, through :class:`ConvFunction` where
+    the weight is frozen."""
+
+    def _keeps_input(self) -> bool:
+        """Whether this layer keeps its very input tensor for the backward pass (it keeps
+        a padded copy for a padding it applies itself)."""
+        return self.weight.requires_grad and self.padding_mode == "zeros" and self.padding != "same"
 
     def forward(self, input: Tensor) -> Tensor:
+        _read(self, input)
+        if not _frozen_weight_needs_lean(self.weight, self.bias, input):
+            return super().forward(input)
         d = len(self.kernel_size)
         unbatched = input.dim() == d + 1
         x, padding = _explicit_padding(self, input.unsqueeze(0) if unbatched else input)
@@ -73,9 +119,16 @@ class _LeanConvNd:
 
 
 class _LeanConvTransposeNd:
-    """Mixin for ConvTranspose1d/2d/3d: the stock forward, through :class:`ConvFunction`."""
+    """Mixin for ConvTranspose1d/2d/3d: the stock forward, through :class:`ConvFunction`
+    where the weight is frozen."""
+
+    def _keeps_input(self) -> bool:
+        return self.weight.requires_grad
 
     def forward(self, input: Tensor, output_size: Optional[list] = None) -> Tensor:
+        _read(self, input)
+        if not _frozen_weight_needs_lean(self.weight, self.bias, input):
+            return super().forward(input, output_size)
         if self.padding_mode != "zeros":
             raise ValueError(f"Only `zeros` padding mode is supported for {type(self).__name__}")
         d = len(self.kernel_size)
@@ -98,29 +151,61 @@ class _LeanConvTransposeNd:
 
 
 class _LeanBatchNorm:
-    """Mixin for BatchNorm1d/2d/3d: eval mode with running statistics through
-    :class:`BatchNormEvalFunction`; otherwise the stock forward."""
+    """Mixin for BatchNorm1d/2d/3d: eval mode with running statistics and a frozen (or
+    no) weight through :class:`BatchNormEvalFunction`; otherwise the stock forward."""
+
+    def _eval_stats(self) -> bool:
+        return not self.training and self.running_mean is not None
+
+    def _keeps_input(self) -> bool:
+        # with batch statistics the stock op keeps its input for the input's gradient too
+        return not self._eval_stats() or (self.weight is not None and self.weight.requires_grad)
 
     def forward(self, input: Tensor) -> Tensor:
-        if self.training or self.running_mean is None:
+        _read(self, input)
+        if not (self._eval_stats() and _frozen_weight_needs_lean(self.weight, self.bias, input)):
             return super().forward(input)
         self._check_input_dim(input)
         return BatchNormEvalFunction.apply(input, self.running_mean, self.running_var, self.weight, self.bias, self.eps)
 
 
 class LeanReLU(nn.ReLU):
-    """nn.ReLU keeping a 1-bit mask."""
+    """nn.ReLU keeping a 1-bit mask, unless a layer that reads its output keeps that
+    output anyway (a conv with a trainable weight, say): then it keeps the output as
+    the stock layer does, which costs no memory and no time.
+
+    The readers are the lean layers this module's output went to in its forward
+    passes so far (the first pass keeps the mask); whether they keep their input is
+    asked at each forward, so the current ``requires_grad`` pattern decides. A module
+    called at several places decides once for all of them: any reader that keeps its
+    input makes it keep its output everywhere. Readers that are not lean layers (an
+    ``nn.Linear``, a functional op, a view of the output) are not seen: the mask is
+    kept for them, which never costs more memory than stock.
+    """
 
     def forward(self, input: Tensor) -> Tensor:
-        return ReLUFunction.apply(input, self.inplace)
+        if not (torch.is_grad_enabled() and input.requires_grad):
+            return super().forward(input)
+        readers = _READERS.get(self)
+        if readers is not None and any(r._keeps_input() for r in readers):
+            out = super().forward(input)
+        else:
+            out = ReLUFunction.apply(input, self.inplace)
+        setattr(out, _PRODUCER, (self, out._version))
+        return out
 
 
 class LeanDropout(nn.Dropout):
-    """nn.Dropout keeping the seed of its mask."""
+    """nn.Dropout keeping the seed of its mask (in training, for ``0 < p < 1``; otherwise
+    the stock layer keeps nothing)."""
+
+    def _keeps_input(self) -> bool:
+        return False
 
     def forward(self, input: Tensor) -> Tensor:
-        if not self.training:
-            return input
+        _read(self, input)
+        if not (self.training and 0 < self.p < 1):
+            return super().forward(input)
         return DropoutFunction.apply(input, self.p, self.inplace)
 
 
@@ -129,7 +214,11 @@ class _LeanMaxPoolNd:
 
     _dims: int
 
+    def _keeps_input(self) -> bool:
+        return False
+
     def forward(self, input: Tensor):
+        _read(self, input)
         out, idx = MaxPoolFunction.apply(
             input, self._dims, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode
         )
@@ -215,9 +304,11 @@ def lean(model: nn.Module, types: Optional[Iterable[type]] = None) -> nn.Module:
     after ``lean`` works. Double backward through lean layers is not supported.
 
     The ReLU mask costs time (packing in forward, unpacking in backward) and saves
-    memory only where nothing else keeps the ReLU's output: when the next layer is a
-    trainable conv or linear layer, it keeps it anyway. ``report`` tells which case
-    you are in; ``types=`` leaves ReLU out where it does not pay.
+    memory only where nothing else keeps the ReLU's output. A lean ReLU keeps its
+    output instead where a lean layer that reads it keeps it anyway (a conv with a
+    trainable weight, say; see :class:`LeanReLU`); a stock reader such as a trainable
+    ``nn.Linear`` also keeps it, but is not seen. ``report`` tells which case you are
+    in; ``types=`` leaves ReLU out where it does not pay.
     """
     wanted = set(LEAN) if types is None else set(types)
     unknown = wanted - set(LEAN)
