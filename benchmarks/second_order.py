@@ -1,10 +1,13 @@
 """Second-order extensions, jacmem beside BackPACK 1.7.1: time and peak memory.
 
-``python -m benchmarks.second_order`` runs every (model, extension, library) case in
-its own process (plus a plain forward/backward per model), then writes the table to
-BENCHMARKS.md between ``<!-- secondorder:start -->`` and ``<!-- secondorder:end -->``
-(the rest of the file is left alone). ``--quick``: tiny sizes, one repeat, the table
-printed and written to ``out/second-order-quick.md`` only; it checks the harness.
+``python -m benchmarks.second_order`` runs, per (model, extension), three processes:
+one that times jacmem and BackPACK alternately, step by step (the machine may be
+shared: a paired ratio, the median of the per-step ratios, is what survives its
+noise), and one per library for its memory; plus a plain forward/backward per model.
+It then writes the table to BENCHMARKS.md between ``<!-- secondorder:start -->`` and
+``<!-- secondorder:end -->`` (the rest of the file is left alone). ``--quick``: tiny
+sizes, one step after one warm-up, the table printed and written to
+``out/second-order-quick.md`` only; it checks the harness.
 
 Memory: the peak resident set size during the timed steps above that before them,
 after one warm-up step (so one-time imports and initialisation do not count;
@@ -40,10 +43,15 @@ EXTENSIONS: Dict[str, List[str]] = {
     "mlp": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR", "KFRA"],
     "cnn": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR"],
 }
-DESCRIPTION = {
-    "mlp": "MLP 784-512-512-10, ReLU, cross-entropy, batch 128",
-    "cnn": "seed CNN (4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), cross-entropy, batch 8",
-}
+#: model -> (hidden width or None, batch size), full and quick
+SIZES = {"mlp": ((512, 128), (16, 4)), "cnn": ((None, 8), (None, 2))}
+
+
+def describe(model: str, quick: bool) -> str:
+    width, batch = SIZES[model][quick]
+    if model == "mlp":
+        return f"MLP 784-{width}-{width}-10, ReLU, cross-entropy, batch {batch}"
+    return f"seed CNN (4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), cross-entropy, batch {batch}"
 
 
 def build(model: str, quick: bool):
@@ -53,10 +61,11 @@ def build(model: str, quick: bool):
     from benchmarks.models import mlp, seed_cnn
 
     torch.manual_seed(0)
+    width, batch = SIZES[model][quick]
     if model == "mlp":
-        net, X = mlp(16 if quick else 512), torch.randn(4 if quick else 128, 784)
+        net, X = mlp(width), torch.randn(batch, 784)
     else:
-        net, X = seed_cnn(), torch.randn(2 if quick else 8, 1, 28, 28)
+        net, X = seed_cnn(), torch.randn(batch, 1, 28, 28)
     return net, X, torch.randint(0, 10, (X.shape[0],)), nn.CrossEntropyLoss()
 
 
@@ -103,10 +112,31 @@ def prepare(case: dict):
     return clean_step
 
 
+def paired(case: dict) -> dict:
+    """jacmem and BackPACK in one process, their steps alternating: the medians of
+    each, and of the per-step ratios."""
+    steps = [prepare(dict(case, lib=lib)) for lib in ("jacmem", "backpack")]
+    for _ in range(case["warmup"]):
+        for step in steps:
+            step()
+    times: List[List[float]] = [[], []]
+    for _ in range(case["repeats"]):
+        for step, t in zip(steps, times):
+            start = time.perf_counter()
+            step()
+            t.append(time.perf_counter() - start)
+    ratios = [j / b for j, b in zip(*times)]
+    return dict(
+        case, jacmem_s=statistics.median(times[0]), backpack_s=statistics.median(times[1]), ratio=statistics.median(ratios)
+    )
+
+
 def child(case: dict) -> dict:
     from benchmarks.child import _reset_peak, _rss_bytes
 
     warnings.simplefilter("ignore")
+    if case["lib"] == "pair":
+        return paired(case)
     step = prepare(case)
     for _ in range(case["warmup"]):
         step()
@@ -132,44 +162,53 @@ def _mb(b: Optional[float]) -> str:
     return "n/a" if b is None else f"{b / 2**20:.0f}"
 
 
+def _cell(r: dict, key: str) -> str:
+    if "error" in r:
+        return "error: " + r["error"].replace("|", "/")
+    if r.get(key) is None:
+        return "n/a"
+    return _mb(r[key]) if key == "extra_bytes" else f"{r[key]:.3f}" if key.endswith("_s") else f"{r[key]:.2f}"
+
+
 def table(results: List[dict], args) -> str:
     by = {(r["model"], r["lib"], r["ext"]): r for r in results}
     lines = [
         START,
         "## Second-order extensions: jacmem beside BackPACK",
         "",
-        f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}`: each case in its own process, "
-        f"{args.threads} threads, median of {args.repeats} steps after {args.warmup} warm-up; memory is the peak RSS "
-        "during them above that before them (MB; glibc returning freed buffers at once, see the module docstring). "
-        "A step is forward, loss and backward inside the extension's block. "
-        "Ratios are jacmem / BackPACK: below 1 is better.",
+        f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
+        f"load average {args.load_before} before, {' '.join(run.load())} after): {args.threads} threads, "
+        f"{args.repeats} steps after {args.warmup} warm-up. A step is forward, loss and backward inside the "
+        "extension's block. Time: jacmem and BackPACK in one process, their steps alternating, the medians of "
+        "each and of the per-step ratios (a shared machine's load moves both alike). Memory: each library in "
+        "its own process, the peak RSS during the steps above that before them (MB; glibc returning freed "
+        "buffers at once, see the module docstring). Ratios are jacmem / BackPACK: below 1 is better (no memory ratio "
+        "where BackPACK's figure is under 1 MB).",
+        "",
+        "jacmem's times include its chain check: at each module, the gradient autograd delivers is compared "
+        "with the parts its tracked consumers passed back, which autograd computed itself (hooks on their "
+        "autograd nodes; no extra arithmetic but the comparison). "
+        + "KFRA on the CNN is left out: its dense matrices over the 100,352-entry conv outputs fit in neither library.",
         "",
     ]
     for model in args.models:
         plain = by.get((model, "plain", "-"), {})
         lines += [
-            f"**{DESCRIPTION[model]}** (plain forward+backward: {plain.get('time_s', float('nan')):.3f} s, "
+            f"**{describe(model, args.quick)}** (plain forward+backward: {plain.get('time_s', float('nan')):.3f} s, "
             f"{_mb(plain.get('extra_bytes'))} MB)",
             "",
             "| extension | jacmem s | BackPACK s | time ratio | jacmem MB | BackPACK MB | memory ratio |",
             "|---|---|---|---|---|---|---|",
         ]
         for ext in EXTENSIONS[model]:
+            t = by.get((model, "pair", ext), {})
             j, b = by.get((model, "jacmem", ext), {}), by.get((model, "backpack", ext), {})
-
-            def cell(r, key):
-                if "error" in r:
-                    return "error: " + r["error"].replace("|", "/")
-                return f"{r[key]:.3f}" if key == "time_s" else _mb(r.get(key))
-
-            def ratio(key):
-                if "error" in j or "error" in b or j.get(key) is None or not b.get(key):
-                    return "n/a"
-                return f"{j[key] / b[key]:.2f}"
-
+            memory = "n/a"
+            if "error" not in j and "error" not in b and j.get("extra_bytes") is not None and (b.get("extra_bytes") or 0) >= 2**20:
+                memory = f"{j['extra_bytes'] / b['extra_bytes']:.2f}"
             lines.append(
-                f"| {ext} | {cell(j, 'time_s')} | {cell(b, 'time_s')} | {ratio('time_s')} | "
-                f"{cell(j, 'extra_bytes')} | {cell(b, 'extra_bytes')} | {ratio('extra_bytes')} |"
+                f"| {ext} | {_cell(t, 'jacmem_s')} | {_cell(t, 'backpack_s')} | {_cell(t, 'ratio')} | "
+                f"{_cell(j, 'extra_bytes')} | {_cell(b, 'extra_bytes')} | {memory} |"
             )
         lines.append("")
     lines.append(END)
@@ -204,19 +243,25 @@ def main(argv=None) -> None:
         print("RESULT " + json.dumps(result), flush=True)
         return
     args.repeats = args.repeats or (1 if args.quick else 5)
-    args.warmup = 0 if args.quick else 1
+    args.warmup = 1
     markdown = args.markdown or (ROOT / "out" / "second-order-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
     cases = []
     for model in args.models:
         cases.append(dict(model=model, lib="plain", ext="-"))
-        cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("jacmem", "backpack")]
+        cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("pair", "jacmem", "backpack")]
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
+    args.load_before = " ".join(run.load())
     results = []
     for i, case in enumerate(cases, 1):
         case.update(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
         r = run_case(case, args.timeout)
         results.append(r)
-        shown = r.get("error") or f"{r['time_s']:.3f} s, {_mb(r.get('extra_bytes'))} MB"
+        if "error" in r:
+            shown = r["error"]
+        elif case["lib"] == "pair":
+            shown = f"jacmem {r['jacmem_s']:.3f} s, BackPACK {r['backpack_s']:.3f} s, paired ratio {r['ratio']:.2f}"
+        else:
+            shown = f"{r['time_s']:.3f} s, {_mb(r.get('extra_bytes'))} MB"
         print(f"[{i}/{len(cases)}] {case['model']} {case['lib']} {case['ext']}: {shown}", file=sys.stderr, flush=True)
     block = table(results, args)
     print(block)
