@@ -234,6 +234,8 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     if any(p not in entry.params for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
         return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
     jac = lookup_passthrough(rec.module)
+    if jac is None or jac.jac_t is None:
+        return None
     hp = jac.params(rec.module)
     rec.once = True
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
