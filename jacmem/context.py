@@ -59,7 +59,7 @@ class Tracker:
 
     def _on_forward(self, module, args, kwargs, output):
         self.tensor_handles[:] = [h for h in self.tensor_handles if h.hooks_dict_ref() is not None]
-        rec = hooks.record(module, args, kwargs, output, self.names[module], _dispatch, self.tensor_handles)
+        rec, _ = hooks.record(module, args, kwargs, output, self.names[module], _dispatch, self.tensor_handles)
         if rec is not None:
             self.records.add(rec)
 
@@ -270,6 +270,7 @@ class extend:
             self._engine = None
         for rec in list(self._records):
             rec.release()  # a traceback may still hold it; its hooks are off
+            rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         for run in list(self._passes.values()):
             run.staged.clear()
             run.partial.clear()
@@ -336,18 +337,26 @@ class extend:
             self._engine.on_forward(module, args, output)
         if _tracked_name(module) is not None or not self.extensions:
             return  # a tracked module, whose tracker records it; or nothing first-order to do
-        rec = hooks.record(module, args, kwargs, output, self.name(module), self._on_grad, self._tensor_handles)
+        # the second-order engine hooks the output itself, so it must stay
+        once = self._engine is None
+        rec, output = hooks.record(
+            module, args, kwargs, output, self.name(module), self._on_grad, self._tensor_handles, once
+        )
         if rec is not None:
             self._records.add(rec)
             if len(self._tensor_handles) > self._prune_at:  # a block open for many steps
                 self._tensor_handles[:] = [h for h in self._tensor_handles if h.hooks_dict_ref() is not None]
                 self._prune_at = 2 * len(self._tensor_handles) + 64
+        return output
 
     # -- backward ----------------------------------------------------------------
 
-    def _on_grad(self, rec: hooks.Record) -> None:
+    def _on_grad(self, rec: hooks.Record) -> Optional[Dict[str, Tensor]]:
+        """A call's output gradients arrived: compute its quantities. Returns, for a
+        call through :class:`hooks.ComputeOnce`, its parameters' summed gradients (the
+        block computed them), or None where the block does not extend this backward."""
         if rec.thread != self._owner:
-            return  # a graph another thread built: not this block's
+            return None  # a graph another thread built, or the block has ended: not this block's
         if self._engine is not None and rec.module not in self._engine.seen:
             raise RuntimeError(
                 f"jacmem: second-order extensions need the forward pass inside the block, but module "
@@ -360,22 +369,23 @@ class extend:
             torch.autograd.Variable._execution_engine.queue_callback(run)
         if rec.missing:
             run.partial.append(rec)
-            return
+            return None
         try:
-            self._process(run, rec)
+            return self._process(run, rec)
         finally:
             rec.reset()
 
-    def _process(self, run: _Pass, rec: hooks.Record) -> None:
+    def _process(self, run: _Pass, rec: hooks.Record) -> Dict[str, Tensor]:
         if rec.entry is None:
-            return self._unsupported(rec, sorted(rec.params))
+            self._unsupported(rec, sorted(rec.params))
+            return {}
         missing = [p for p in rec.params if p not in rec.entry.params]
         if missing:
             self._unsupported(rec, missing)
         self.plan.check(rec.module, rec.name, rec.entry.names())  # a ValueError as it is, not wrapped below
         try:
             with torch.no_grad(), torch.autocast(_device(rec.grads).type, enabled=False):
-                self._compute(run, rec)
+                return self._compute(run, rec)
         except Exception as err:
             raise RuntimeError(
                 f"jacmem: computing {', '.join(map(repr, self.extensions))} for module {rec.name!r} "
@@ -383,11 +393,15 @@ class extend:
                 f"strategy={{{rec.name!r}: name}} with a name among {sorted(rec.entry.names())}"
             ) from err
 
-    def _compute(self, run: _Pass, rec: hooks.Record) -> None:
+    def _compute(self, run: _Pass, rec: hooks.Record) -> Dict[str, Tensor]:
+        """Stage the call's quantities; returns each parameter's summed gradient where
+        the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
+        is planned), else nothing."""
         entry, hp = rec.entry, rec.hp
         params = {n: p for n, p in rec.params.items() if n in entry.params and _gets_grad(rec.nodes[n])}
+        grads: Dict[str, Tensor] = {}
         if not params:
-            return
+            return grads
         dtype = _stable_dtype(params.values())
         x, g = _cast(rec.x, dtype), _cast(rec.g, dtype)
         n = batch_size(g)
@@ -405,16 +419,21 @@ class extend:
             elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
                 raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
             wanted = {"batch_grad"} if summed else self.quantities
+            extra = {"grad"} - wanted if rec.once else set()
             if n == 0:  # an empty batch: empty per-sample quantities, zero sums
-                staged.add(derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted))
-                continue
+                values = derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted | extra)
+            else:
 
-            def choose(quantity, options, pname=pname):
-                return self.plan.choose(
-                    rec.module, rec.name, entry.names(), pname, quantity, options, param.element_size()
-                )
+                def choose(quantity, options, pname=pname):
+                    return self.plan.choose(
+                        rec.module, rec.name, entry.names(), pname, quantity, options, param.element_size()
+                    )
 
-            staged.add(compute(entry, hp, x, g, pname, param, wanted, choose, self.chunk_bytes))
+                values = compute(entry, hp, x, g, pname, param, wanted | extra, choose, self.chunk_bytes)
+            if rec.once:
+                grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
+            staged.add(values)
+        return grads
 
     def _commit(self, run: _Pass) -> None:
         """End of the backward pass: finish the partial records and the summed

@@ -15,18 +15,24 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from jacmem.derivatives import LayerDerivatives, detached, lookup
+from jacmem.derivatives.jacobians import lookup_passthrough
 
 #: id(parameter) -> number of records alive that will contribute to it. A parameter
 #: with more than one (a module called twice, tied weights) needs its per-sample
 #: gradients summed over calls before any norm or square is taken.
 _LIVE: Counter = Counter()
+
+
+#: what a record's owner does when the output gradients of a call have arrived; for a
+#: :class:`ComputeOnce` call it returns the parameters' summed gradients (or None)
+OnGrad = Callable[["Record"], Optional[Dict[str, Tensor]]]
 
 
 def _release(keys: List[int]) -> None:
@@ -53,7 +59,7 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "__weakref__",
+        "release", "once", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: List[Tensor]):
@@ -81,6 +87,8 @@ class Record:
         #: take this record out of ``_LIVE`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
         self.release = weakref.finalize(self, _release, keys)
+        #: whether the call runs through :class:`ComputeOnce`
+        self.once = False
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
@@ -92,6 +100,16 @@ class Record:
             if self.grads[i] is None:
                 self.grads[i] = torch.zeros(shape, dtype=dtype, device=device)
         self.missing = 0
+
+    def receive(self, index: int, grad: Tensor) -> None:
+        """The gradient of output ``index`` arrived, in the running backward pass."""
+        task = torch._C._current_graph_task_id()
+        if self.task != task:  # what an earlier, failed backward left is stale
+            self.reset()
+            self.task = task
+        if self.grads[index] is None:
+            self.missing -= 1
+        self.grads[index] = grad
 
     def reset(self) -> None:
         """Ready for the next backward pass through the same graph."""
@@ -118,47 +136,109 @@ def record(
     kwargs: dict,
     output,
     name: str,
-    on_grad: Callable[[Record], None],
+    on_grad: OnGrad,
     handles: List[RemovableHandle],
-) -> Optional[Record]:
+    once: bool = False,
+) -> Tuple[Optional[Record], Any]:
     """The forward-hook body: record this call if it has trainable parameters; returns
-    the record, or None.
+    the record (or None), and the output, which is new where ``once`` lets the layer run
+    through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
+    gradients, or None).
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
     if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
-        return None
+        return None, output
     entry = lookup(module)
     params = trainable(module, entry)
     if not params:
-        return None
+        return None, output
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
-        return None
+        return None, output
     needs_input = entry is None or any(p not in entry.input_free for p in params)
     x = entry.keep(args, kwargs) if entry is not None and needs_input else None
     x = detached(x)
     rec = Record(module, name, entry, params, x, outputs)
 
+    fused = _compute_once(rec, args, output, on_grad) if once else None
+    if fused is not None:
+        return rec, fused
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
-    return rec
+    return rec, output
 
 
 
-def _make_hook(rec: Record, index: int, on_grad: Callable[[Record], None]):
+def _make_hook(rec: Record, index: int, on_grad: OnGrad):
     def hook(grad: Tensor) -> None:
-        task = torch._C._current_graph_task_id()
-        if rec.task != task:  # what an earlier, failed backward left is stale
-            rec.reset()
-            rec.task = task
-        if rec.grads[index] is None:
-            rec.missing -= 1
-        rec.grads[index] = grad
+        rec.receive(index, grad)
         on_grad(rec)
 
     return hook
+
+
+class ComputeOnce(torch.autograd.Function):
+    """One call of a layer whose parameters' gradients the block computes itself.
+
+    autograd would compute the weight gradient, and the block the per-sample
+    gradients, whose sum it is: twice the work. In this Function's backward,
+    ``on_grad(record)`` computes the per-sample quantities and, from the same pass,
+    each parameter's summed gradient; the input gradient is the layer's ``jac_t``.
+    The forward's result is reused (its own graph is dropped), so the forward runs once.
+
+    Where ``on_grad`` gives no gradients (the block has ended, or another thread runs
+    the backward) and under ``create_graph=True``, the backward is autograd's own, on a
+    recomputed forward.
+    """
+
+    @staticmethod
+    def forward(ctx, rec: Record, on_grad: OnGrad, jac_t: Callable, out: list, x: Tensor, *params: Tensor):
+        ctx.rec, ctx.on_grad, ctx.jac_t = rec, on_grad, jac_t
+        ctx.save_for_backward(x, *params)  # x is the record's input: no copy
+        # the forward's result, detached; passed in a list, as an input tensor returned
+        # as it is would become a view, which in-place ops (ReLU(inplace=True)) may not touch
+        return out.pop()
+
+    @staticmethod
+    def backward(ctx, g: Tensor):
+        rec: Record = ctx.rec
+        x, *params = ctx.saved_tensors
+        needs = ctx.needs_input_grad[4:]
+        create_graph = torch.is_grad_enabled()
+        rec.receive(0, g)
+        grads = ctx.on_grad(rec)
+        if grads is None or create_graph:
+            return (None, None, None, None, *_recomputed(rec.module, x, params, g, needs, create_graph))
+        gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
+        return (None, None, None, None, gx, *(grads.get(name) for name in rec.params))
+
+
+def _recomputed(module: nn.Module, x: Tensor, params, g: Tensor, needs, create_graph: bool) -> list:
+    """autograd's gradients w.r.t. ``(x, *params)`` (``None`` where not needed), from the
+    module's forward run again (its hooks do not run)."""
+    wrt = [t for t, need in zip((x, *params), needs) if need]
+    with torch.enable_grad():
+        out = type(module).forward(module, x)
+        found = iter(torch.autograd.grad(out, wrt, g, create_graph=create_graph, allow_unused=True))
+    return [next(found) if need else None for need in needs]
+
+
+def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
+    """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
+    entry = rec.entry
+    if entry is None or not entry.compute_once or rec.x is None or not isinstance(output, Tensor):
+        return None
+    x, params = args[0], list(rec.params.values())
+    if any(p not in entry.params for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
+        return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
+    jac = lookup_passthrough(rec.module)
+    if jac is None or jac.jac_t is None:
+        return None
+    hp = jac.params(rec.module)
+    rec.once = True
+    return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
 
 
 def remove(handles: List[RemovableHandle]) -> None:

@@ -92,6 +92,12 @@ class LayerDerivatives:
         the instance (an RNN's ``weight_ih_l{k}``): the entry registered for the type
         shows the names of one instance (the support table's rows), and ``lookup``
         asks this for the entry of each module.
+    compute_once: inside a block, a call of the layer may run through one
+        ``autograd.Function`` whose backward gives the per-sample quantities, the
+        summed gradient and the input gradient together (:class:`jacmem.hooks.ComputeOnce`),
+        instead of autograd computing the weight gradient a second time. The input
+        gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
+        which must then be registered.
     strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
         of the module's own parameters, or the dotted name of a submodule's parameter
         that the module's forward uses itself (``MultiheadAttention`` calls its
@@ -106,6 +112,7 @@ class LayerDerivatives:
     arrange_input: Callable[..., Any] = lambda x, **hp: x
     for_module: Optional[Callable[[nn.Module], "LayerDerivatives"]] = None
     input_free: set = field(default_factory=set)
+    compute_once: bool = False
     strategies: Dict[Tuple[str, str], Dict[str, Strategy]] = field(default_factory=dict)
 
     @property
@@ -143,6 +150,7 @@ def layer(
     arrange_input: Optional[Callable[..., Any]] = None,
     for_module: Optional[Callable[[nn.Module], LayerDerivatives]] = None,
     input_free: Tuple[str, ...] = (),
+    compute_once: bool = False,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
@@ -154,6 +162,7 @@ def layer(
         if value is not None:
             setattr(entry, field_name, value)
     entry.input_free |= set(input_free)
+    entry.compute_once |= compute_once
     return entry
 
 

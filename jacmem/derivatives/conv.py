@@ -172,7 +172,7 @@ def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
 
 
 for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    layer(_module, hyperparams=conv_hyperparams, input_free=("bias",))
+    layer(_module, hyperparams=conv_hyperparams, input_free=("bias",), compute_once=True)
     register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost)(weight_batch_grad_unfold)
     register(_module, "weight", "batch_grad", "save_memory", cost=_save_memory_cost)(weight_batch_grad_save_memory)
     register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)

@@ -15,7 +15,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import Cost, layer, register
 
-layer(nn.Linear, input_free=("bias",))
+layer(nn.Linear, input_free=("bias",), compute_once=True)
 
 
 def _flat(t: Tensor) -> Tensor:

@@ -83,10 +83,20 @@ def squared_norms(batch_grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(batch_grad.flatten(1), dim=1).square_()
 
 
+#: samples squared at once by :func:`sum_of_squares`
+_SQUARE_BLOCK = 16
+
+
 def sum_of_squares(batch_grad: Tensor) -> Tensor:
-    """Σ_n g_n ⊙ g_n, one fused reduction over the batch axis without a squared copy:
-    [n, *shape] -> shape"""
-    return torch.linalg.vector_norm(batch_grad, dim=0).square_()
+    """Σ_n g_n ⊙ g_n: [n, *shape] -> shape.
+
+    A few samples at a time, so the squared copy stays small; a norm over axis 0
+    (``vector_norm(dim=0)``) would need no copy but runs some 50× slower on CPU.
+    """
+    out = batch_grad.new_zeros(batch_grad.shape[1:])
+    for block in batch_grad.split(_SQUARE_BLOCK):
+        out += block.square().sum(0)
+    return out
 
 
 def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
@@ -140,16 +150,25 @@ def batch_size(g) -> int:
     return g.shape[0] if isinstance(g, Tensor) else batch_size(next(t for t in g if t is not None))
 
 
+#: On CPU, chunks of this size stay in cache: the seed CNN's per-sample conv gradients
+#: (unfold), reduced to norms, run twice as fast in chunks of 8 to 16 MiB as in chunks
+#: of 64 MiB (2 threads; ``benchmarks/chunks.py``)
+CPU_CHUNK_BYTES = 16 * 2**20
+
+
 class Chunked:
     """Runs strategy functions over slices of the batch and assembles their results.
 
-    A slice holds as many samples as fit ``budget`` bytes of temporary memory.
+    A slice holds as many samples as fit ``budget`` bytes of temporary memory, and on
+    CPU at most :data:`CPU_CHUNK_BYTES`.
     """
 
     def __init__(self, x, g, budget: float):
-        self.x, self.g, self.budget = x, g, budget
+        first = g if isinstance(g, Tensor) else next(t for t in g if t is not None)
+        self.x, self.g = x, g
+        self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget
         self.n = batch_size(g)
-        self.itemsize = (g if isinstance(g, Tensor) else next(t for t in g if t is not None)).element_size()
+        self.itemsize = first.element_size()
 
     def slices(self, bytes_per_sample: float):
         size = max(1, int(self.budget // max(bytes_per_sample, 1)))
@@ -220,6 +239,10 @@ def compute(
 
     # Quantities that need a pass plan it first, so the others can ride along.
     order = sorted((q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", applicable_direct(q)))
+    # A pass gives the summed gradient for free; a direct strategy for another quantity
+    # leaves it to be computed on its own (its FLOPs count against that strategy).
+    grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
+    grad_flops = min((c.flops for c in grad_costs if c is not None), default=0) if "grad" in wanted else 0
     passes: Dict[str, List[str]] = {}
     results: Dict[str, Tensor] = {}
     for q in order:
@@ -229,9 +252,10 @@ def compute(
             options = {name: Option(0, 0, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
         else:
             options = dict(pass_options)
+        unshared = 0 if passes or q == "grad" else grad_flops
         for name, s in direct.items():
             c = _estimate(s, xs, gs, hp)
-            options[name] = None if c is None else Option(c.flops, c.workspace)
+            options[name] = None if c is None else Option(c.flops + unshared, c.workspace)
         name = choose(q, options)
         if name not in direct:
             passes.setdefault(name, []).append(q)
