@@ -186,8 +186,10 @@ READERS = [
     ("conv", lambda: nn.Conv2d(4, 4, 3, padding=1), True, STOCK_RELU),
     ("conv frozen", lambda: nn.Conv2d(4, 4, 3, padding=1), False, MASK),
     ("conv bias only", lambda: nn.Conv2d(4, 4, 3, padding=1), "bias", MASK),
-    ("conv reflect", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), True, MASK),  # keeps a padded copy
-    ("conv same", lambda: nn.Conv2d(4, 4, 3, padding="same"), True, MASK),  # may pad: not counted on
+    ("conv reflect", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), False, STOCK_RELU),  # F.pad keeps it
+    ("conv circular", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"), True, MASK),  # a padded copy
+    ("conv same", lambda: nn.Conv2d(4, 4, 3, padding="same"), True, STOCK_RELU),
+    ("conv same odd", lambda: nn.Conv2d(4, 4, 4, padding="same"), True, MASK),  # keeps a padded copy
     ("convT", lambda: nn.ConvTranspose2d(4, 4, 3), True, STOCK_RELU),
     ("convT frozen", lambda: nn.ConvTranspose2d(4, 4, 3), False, MASK),
     ("bn eval", lambda: _bn(False), True, STOCK_RELU),
@@ -199,6 +201,7 @@ READERS = [
 ]
 
 
+@pytest.mark.filterwarnings("ignore:Using padding='same' with even kernel")
 @pytest.mark.parametrize("reader,trainable,kept", [r[1:] for r in READERS], ids=[r[0] for r in READERS])
 def test_relu_keeps_output_only_where_its_reader_keeps_it(reader, trainable, kept):
     """Conv -> ReLU -> reader, lean against stock: the ReLU keeps its output (as stock)
@@ -211,6 +214,10 @@ def test_relu_keeps_output_only_where_its_reader_keeps_it(reader, trainable, kep
     leaned = lean(copy.deepcopy(stock))
     x = torch.randn(2, 3, 6, 6)
     assert _relu_paths(leaned, x) == {"1": kept}
+    if isinstance(stock[2], nn.Linear):  # keeps the output, unseen: the mask is extra
+        assert _saved(leaned, x) == _saved(stock, x) + 2 * 4 * 6 * 6 // 8
+    else:
+        assert _saved(leaned, x) < _saved(stock, x) if kept == MASK else _saved(leaned, x) <= _saved(stock, x)
     names = ["input", "0.weight"] + [f"2.{n}" for n, p in stock[2].named_parameters() if p.requires_grad]
     for _ in range(2):
         torch.manual_seed(1)  # dropout: lean draws its own mask; compared through x = 0 elsewhere

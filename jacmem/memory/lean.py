@@ -10,8 +10,9 @@ stock type convert; subclasses of your own keep their ``forward``.
 stock                   lean
 ======================  ======================================================
 Conv1d/2d/3d            with a frozen weight: no input (the stock op keeps it
-ConvTranspose1d/2d/3d   whenever anything needs a gradient); with a trainable
-                        weight the stock op itself
+ConvTranspose1d/2d/3d   whenever anything needs a gradient; reflect or replicate
+                        padding still keeps it, in F.pad's backward); with a
+                        trainable weight the stock op itself
 BatchNorm1d/2d/3d       in eval mode with a frozen weight: no input; otherwise
                         the stock op (it keeps no more than it needs then)
 ReLU                    a 1-bit mask instead of the float output, unless a
@@ -50,6 +51,11 @@ from jacmem.memory.functions import (
 )
 
 
+def _same_totals(module: nn.modules.conv._ConvNd) -> list:
+    """The total padding per axis of ``padding="same"`` (an odd total: one more pixel right)."""
+    return [dil * (k - 1) for dil, k in zip(module.dilation, module.kernel_size)]
+
+
 def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor):
     """(x, padding as ints): pads x first where the stock layer does (non-zero
     ``padding_mode``, or ``padding="same"`` with an odd total, the odd pixel right)."""
@@ -60,7 +66,7 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor):
         return x, tuple(module.padding)
     if module.padding == "valid":
         return x, (0,) * d
-    totals = [dil * (k - 1) for dil, k in zip(module.dilation, module.kernel_size)]
+    totals = _same_totals(module)
     odd = [side for t in reversed(totals) for side in (0, t % 2)]
     if any(odd):
         x = F.pad(x, odd)
@@ -101,9 +107,15 @@ class _LeanConvNd:
     the weight is frozen."""
 
     def _keeps_input(self) -> bool:
-        """Whether this layer keeps its very input tensor for the backward pass (it keeps
-        a padded copy for a padding it applies itself)."""
-        return self.weight.requires_grad and self.padding_mode == "zeros" and self.padding != "same"
+        """Whether this layer keeps its very input tensor for the backward pass (when the
+        input needs a gradient): reflect and replicate padding keep it for their backward
+        (whatever the weight); a trainable weight keeps it, unless it reads a padded copy
+        (circular padding, or an odd ``padding="same"``)."""
+        if self.padding_mode in ("reflect", "replicate"):
+            return True
+        if not self.weight.requires_grad or self.padding_mode != "zeros":
+            return False
+        return self.padding != "same" or not any(t % 2 for t in _same_totals(self))
 
     def forward(self, input: Tensor) -> Tensor:
         _read(self, input)
@@ -180,7 +192,8 @@ class LeanReLU(nn.ReLU):
     called at several places decides once for all of them: any reader that keeps its
     input makes it keep its output everywhere. Readers that are not lean layers (an
     ``nn.Linear``, a functional op, a view of the output) are not seen: the mask is
-    kept for them, which never costs more memory than stock.
+    kept for them, which costs at most the mask (1/32 of a float32 output) more than
+    stock, where such a reader keeps the output.
     """
 
     def forward(self, input: Tensor) -> Tensor:
