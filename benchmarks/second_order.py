@@ -114,20 +114,28 @@ def prepare(case: dict):
 
 def paired(case: dict) -> dict:
     """jacmem and BackPACK in one process, their steps alternating: the medians of
-    each, and of the per-step ratios."""
+    each, and of the per-step ratios; ``repeats`` pairs at least, more (up to 10 times
+    as many) while the pairs so far took under ``seconds``."""
     steps = [prepare(dict(case, lib=lib)) for lib in ("jacmem", "backpack")]
     for _ in range(case["warmup"]):
         for step in steps:
             step()
     times: List[List[float]] = [[], []]
-    for _ in range(case["repeats"]):
+    begin = time.perf_counter()
+    while len(times[0]) < case["repeats"] or (
+        time.perf_counter() - begin < case["seconds"] and len(times[0]) < 10 * case["repeats"]
+    ):
         for step, t in zip(steps, times):
             start = time.perf_counter()
             step()
             t.append(time.perf_counter() - start)
     ratios = [j / b for j, b in zip(*times)]
     return dict(
-        case, jacmem_s=statistics.median(times[0]), backpack_s=statistics.median(times[1]), ratio=statistics.median(ratios)
+        case,
+        jacmem_s=statistics.median(times[0]),
+        backpack_s=statistics.median(times[1]),
+        ratio=statistics.median(ratios),
+        pairs=len(ratios),
     )
 
 
@@ -176,13 +184,13 @@ def table(results: List[dict], args) -> str:
         START,
         "## Second-order extensions: jacmem beside BackPACK",
         "",
-        f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}` ({time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, "
-        f"load average {args.load_before} before, {' '.join(run.load())} after): {args.threads} threads, "
-        f"{args.repeats} steps after {args.warmup} warm-up. A step is forward, loss and backward inside the "
-        "extension's block. Time: jacmem and BackPACK in one process, their steps alternating, the medians of "
-        "each and of the per-step ratios (a shared machine's load moves both alike). Memory: each library in "
-        "its own process, the peak RSS during the steps above that before them (MB; glibc returning freed "
-        "buffers at once, see the module docstring). Ratios are jacmem / BackPACK: below 1 is better (no memory ratio "
+        f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}` ({args.started}, load average "
+        f"{args.load_before} before, {' '.join(run.load())} after): {args.threads} threads, one warm-up step. A step is "
+        "forward, loss and backward inside the extension's block. Time: jacmem and BackPACK in one process, their "
+        f"steps alternating ({args.repeats} pairs at least, more while under {args.seconds:g} s, up to "
+        f"{10 * args.repeats}), the medians of each and of the per-step ratios (a shared machine's load moves both "
+        f"alike). Memory: each library in its own process, {args.repeats} steps, the peak RSS during them above that "
+        "before them (MB; glibc returning freed buffers at once, see the module docstring). Ratios are jacmem / BackPACK: below 1 is better (no memory ratio "
         "where BackPACK's figure is under 1 MB).",
         "",
         "jacmem's times include its chain check: at each module, the gradient autograd delivers is compared "
@@ -230,6 +238,7 @@ def main(argv=None) -> None:
     p.add_argument("--only", help="regular expression on 'model lib extension'")
     p.add_argument("--repeats", type=int)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--seconds", type=float, default=4.0, help="time budget of a paired timing (default 4; quick 0)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", type=Path)
     p.add_argument("--child", help=argparse.SUPPRESS)
@@ -244,6 +253,7 @@ def main(argv=None) -> None:
         return
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.warmup = 1
+    args.seconds = 0.0 if args.quick else args.seconds
     markdown = args.markdown or (ROOT / "out" / "second-order-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
     cases = []
     for model in args.models:
@@ -251,15 +261,16 @@ def main(argv=None) -> None:
         cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("pair", "jacmem", "backpack")]
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
     args.load_before = " ".join(run.load())
+    args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []
     for i, case in enumerate(cases, 1):
-        case.update(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup)
+        case.update(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup, seconds=args.seconds)
         r = run_case(case, args.timeout)
         results.append(r)
         if "error" in r:
             shown = r["error"]
         elif case["lib"] == "pair":
-            shown = f"jacmem {r['jacmem_s']:.3f} s, BackPACK {r['backpack_s']:.3f} s, paired ratio {r['ratio']:.2f}"
+            shown = f"jacmem {r['jacmem_s']:.3f} s, BackPACK {r['backpack_s']:.3f} s, paired ratio {r['ratio']:.2f} ({r['pairs']} pairs)"
         else:
             shown = f"{r['time_s']:.3f} s, {_mb(r.get('extra_bytes'))} MB"
         print(f"[{i}/{len(cases)}] {case['model']} {case['lib']} {case['ext']}: {shown}", file=sys.stderr, flush=True)
