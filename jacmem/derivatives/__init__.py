@@ -57,10 +57,13 @@ class Cost:
 @dataclass(frozen=True)
 class Strategy:
     """One implementation of one quantity. ``fn(x, g, **hp)``; ``cost(xs, gs, **hp)``
-    with the shapes of ``x`` and ``g``."""
+    with the shapes of ``x`` and ``g``. ``writes_out``: a ``batch_grad`` strategy that
+    also takes ``out=`` (a contiguous ``[N, *param.shape]`` tensor), writes its result
+    there and returns it, so that chunks need no copy into the whole result."""
 
     fn: Callable[..., Any]
     cost: Optional[Callable[..., Optional[Cost]]] = None
+    writes_out: bool = False
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:
@@ -173,6 +176,7 @@ def register(
     strategy: str = "default",
     *,
     cost: Optional[Callable[..., Optional[Cost]]] = None,
+    writes_out: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
     parameter ``param`` of ``module_type``.
@@ -186,7 +190,7 @@ def register(
 
     def decorate(fn: Callable) -> Callable:
         entry = REGISTRY.setdefault(module_type, LayerDerivatives())
-        entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost)
+        entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost, writes_out)
         return fn
 
     return decorate

@@ -94,16 +94,19 @@ def _unfold_cost(xs, gs, *, kernel_size, groups, **_):
     return Cost(flops=2 * n * o * c * k * p, workspace=n * c * groups * k * p)
 
 
-def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
+def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode, out=None):
     """Per-sample weight gradients by im2col: [N, C_in, *S_in], [N, C_out, *S_out]
-    -> [N, C_out, C_in/G, *K]"""
+    -> [N, C_out, C_in/G, *K], written into ``out`` where given"""
     cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
     n, c = cols.shape[0], cols.shape[2]
     # one batched matrix product over (N G): [O/G, P] @ [P, C/G·K]; the reshape of the
     # strided view is the im2col copy. bmm beats einsum's own plan here by about 20%.
     a = cols.reshape(n * groups, c * prod(kernel_size), -1)  # [(N G), C/G·K, P]
     b = g.reshape(n * groups, g.shape[2], -1)  # [(N G), O/G, P]
-    return torch.bmm(b, a.transpose(1, 2)).view(n, -1, c, *kernel_size)
+    if out is None:
+        return torch.bmm(b, a.transpose(1, 2)).view(n, -1, c, *kernel_size)
+    torch.bmm(b, a.transpose(1, 2), out=out.view(n * groups, b.shape[1], a.shape[1]))
+    return out
 
 
 #: a convolution of N·G groups, one input channel each, runs at about half the FLOP
@@ -173,7 +176,7 @@ def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
 
 for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     layer(_module, hyperparams=conv_hyperparams, input_free=("bias",), compute_once=True)
-    register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost)(weight_batch_grad_unfold)
+    register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost, writes_out=True)(weight_batch_grad_unfold)
     register(_module, "weight", "batch_grad", "save_memory", cost=_save_memory_cost)(weight_batch_grad_save_memory)
     register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
     register(_module, "weight", "grad", "direct", cost=_grad_cost)(weight_grad)

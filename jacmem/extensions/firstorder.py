@@ -169,24 +169,29 @@ class Chunked:
         self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget
         self.n = batch_size(g)
         self.itemsize = first.element_size()
+        self.dtype, self.device = first.dtype, first.device
 
     def slices(self, bytes_per_sample: float):
         size = max(1, int(self.budget // max(bytes_per_sample, 1)))
         for start in range(0, self.n, size):
             yield slice(start, min(start + size, self.n))
 
-    def run(self, fn, per_sample_bytes: float, reduce: Dict[str, str]) -> Dict[str, Tensor]:
-        """Call ``fn(x_chunk, g_chunk)`` per slice. ``reduce`` maps each output
-        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them."""
+    def run(self, fn, per_sample_bytes: float, reduce: Dict[str, str], into: Optional[Tensor] = None):
+        """Call ``fn(x_chunk, g_chunk, out)`` per slice. ``reduce`` maps each output
+        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them.
+        ``into`` (``[N, *shape]``, or None) is where ``batch_grad`` goes: ``fn`` gets its
+        slice as ``out`` and writes there itself, so no chunk is copied."""
         if per_sample_bytes * self.n <= self.budget:
-            return fn(self.x, self.g)
-        out: Dict[str, Tensor] = {}
+            return fn(self.x, self.g, into)
+        out: Dict[str, Tensor] = {} if into is None else {"batch_grad": into}
         for sl in self.slices(per_sample_bytes):
-            part = fn(_take(self.x, sl), _take(self.g, sl))
+            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl])
             for q, value in part.items():
                 if reduce[q] == "sum":
                     out[q] = value if q not in out else out[q] + value
                     continue
+                if into is not None and q == "batch_grad":
+                    continue  # written in place
                 if q not in out:
                     out[q] = value.new_empty((self.n, *value.shape[1:]))
                 out[q][sl] = value
@@ -261,16 +266,25 @@ def compute(
             passes.setdefault(name, []).append(q)
             continue
         fn, reduce = direct[name].fn, "cat" if q in PER_SAMPLE else "sum"
-        results.update(chunked.run(lambda xc, gc: {q: fn(xc, gc, **hp)}, per_sample_bytes(options[name]), {q: reduce}))
+        results.update(
+            chunked.run(lambda xc, gc, _: {q: fn(xc, gc, **hp)}, per_sample_bytes(options[name]), {q: reduce})
+        )
 
     for name, qs in passes.items():
-        fn = bg_table[name].fn
+        strategy = bg_table[name]
         per_sample = per_sample_bytes(bg_costs[name])
         # Chunks of per-sample gradients are temporaries (reduced, or copied into the
-        # result), so they count, unless the strategy needs no workspace and its result
-        # is asked for: then one call writes the result, with no chunk and no copy.
-        if "batch_grad" not in qs or per_sample > 0:
+        # result), so they count, unless the result is asked for and the strategy
+        # writes into it, or needs no workspace (then one call writes the result).
+        into = None
+        if "batch_grad" in qs and strategy.writes_out:
+            into = torch.empty((chunked.n, *param.shape), dtype=chunked.dtype, device=chunked.device)
+        elif "batch_grad" not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
         reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
-        results.update(chunked.run(lambda xc, gc: derive(fn(xc, gc, **hp), qs), per_sample, reduce))
+
+        def one(xc, gc, out, fn=strategy.fn, qs=qs):
+            return derive(fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp), qs)
+
+        results.update(chunked.run(one, per_sample, reduce, into))
     return results
