@@ -2,7 +2,8 @@
 one forward+backward with the method and then drops what it produced, so that the
 next step starts from the same memory.
 
-Method names: ``plain``; ``jacmem:<Extension>:<strategy>``; ``backpack:<Extension>`` and
+Method names: ``plain``; ``floor`` (plain, then writing zeros into fresh tensors of the
+per-sample gradients' size: the least that any method returning them must do); ``jacmem:<Extension>:<strategy>``; ``backpack:<Extension>`` and
 ``backpack:BatchGrad:save_memory`` (BackPACK's conv mode of Rochette et al.);
 ``opacus:hooks``, ``opacus:ew`` (per-sample gradients), ``opacus:ghost`` (ghost-clipping
 norms); ``torch.func``: ``vmap(grad)``.
@@ -31,6 +32,17 @@ def _clear(model: nn.Module) -> None:
 def _plain(model, X, y, lossfunc):
     def step():
         lossfunc(model(X), y).backward()
+
+    return step
+
+
+def _floor(model, X, y, lossfunc):
+    shapes = [(X.shape[0], *p.shape) for p in model.parameters() if p.requires_grad]
+
+    def step():
+        lossfunc(model(X), y).backward()
+        for shape in shapes:
+            torch.zeros(shape, dtype=X.dtype, device=X.device)
 
     return step
 
@@ -110,6 +122,8 @@ def prepare(method: str, model: nn.Module, X: Tensor, y: Tensor, log: Dict) -> C
     family, *args = method.split(":")
     if family == "plain":
         inner = _plain(model, X, y, lossfunc)
+    elif family == "floor":
+        inner = _floor(model, X, y, lossfunc)
     elif family == "jacmem":
         inner = _jacmem(model, X, y, lossfunc, args[0], args[1], log)
     elif family == "backpack":
@@ -154,7 +168,7 @@ def jacmem_strategies(model: nn.Module, extension: str) -> List[str]:
 def methods_for(model: nn.Module, compare: Iterable[str] = EXTENSIONS) -> List[str]:
     """Every method name benchmarked on ``model``, plain first; jacmem with each
     strategy for the extensions in ``compare``, with ``auto`` alone for the others."""
-    out = ["plain"]
+    out = ["plain", "floor"]
     for ext in EXTENSIONS:
         out += [f"jacmem:{ext}:{s}" for s in (jacmem_strategies(model, ext) if ext in compare else ["auto"])]
     has_conv = any(isinstance(m, nn.modules.conv._ConvNd) for m in model.modules())
@@ -180,4 +194,4 @@ def per_sample_quantity(method: str) -> str:
         return args[0]
     if method == "opacus:ghost":
         return "BatchL2Grad"
-    return "none" if family == "plain" else "BatchGrad"
+    return "none" if family in ("plain", "floor") else "BatchGrad"
