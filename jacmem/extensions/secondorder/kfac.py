@@ -172,7 +172,7 @@ def input_factor(call: Call) -> Tensor:
     n = call.out_shape[0]
     if isinstance(module, nn.Linear):
         flat = x.reshape(-1, x.shape[-1])
-        return contract("mi,mj->ij", flat, flat) / flat.shape[0]
+        return (flat.T @ flat).div_(flat.shape[0])  # two operands: a matmul, without opt_einsum's planning
     if isinstance(module, nn.Embedding):
         idx = x[0][:n].reshape(-1)
         if call.hp["padding_idx"] is not None:
@@ -207,7 +207,8 @@ def output_factor_sqrt(call: Call, kinds) -> Optional[Tensor]:
     G = None
     for f in call.of_kind(*kinds):
         s = _channels(call, f.S)
-        part = f.sign * contract("vmo,vmp->op", s, s)
+        s = s.reshape(-1, s.shape[-1])  # [(V M), O]
+        part = (s.T @ s).mul_(f.sign)
         G = part if G is None else G + part
     return G
 
@@ -240,8 +241,8 @@ def kfra_roots(H: Tensor, n: int, out_shape: Tuple[int, ...]) -> List[Tuple[floa
 
 def kfra_average(S: Tensor) -> Tensor:
     """``1/N Σ_n Σ_v S[v, n] S[v, n]ᵀ``: a root ``[V, N, *out]`` -> ``[D, D]``."""
-    flat = S.flatten(2)
-    return contract("vni,vnj->ij", flat, flat) / S.shape[1]
+    flat = S.reshape(-1, S[0, 0].numel())  # [(V N), D]
+    return (flat.T @ flat).div_(S.shape[1])
 
 
 def _contiguous_symmetric(M: Tensor) -> Tensor:
