@@ -241,7 +241,7 @@ def kfra_roots(H: Tensor, n: int, out_shape: Tuple[int, ...]) -> List[Tuple[floa
 
 def kfra_average(S: Tensor) -> Tensor:
     """``1/N Σ_n Σ_v S[v, n] S[v, n]ᵀ``: a root ``[V, N, *out]`` -> ``[D, D]``."""
-    flat = S.reshape(-1, S[0, 0].numel())  # [(V N), D]
+    flat = S.flatten(2).flatten(0, 1)  # [(V N), D]
     return (flat.T @ flat).div_(S.shape[1])
 
 
