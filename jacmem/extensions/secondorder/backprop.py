@@ -28,9 +28,9 @@ tensor). They differ (beyond rounding) exactly when some operation jacmem does n
 see sits between this module and the loss (``F.relu(x)``, ``x * 2``, ``x + y`` on a
 branch); then, or when nothing was handed over at all, the backward raises
 :class:`ChainError`, naming the module and what lies downstream, rather than return a
-wrong curvature. (A consumer whose own graph is too large to search, past
-``_TAP_NODES`` autograd nodes, hands over ``J_cᵀ g_c`` computed by its Jacobian
-instead, as one more row beside the factors.) (What the check cannot see: an operation
+wrong curvature. A consumer whose own graph is too large to search (past
+``_TAP_NODES`` autograd nodes) hands over ``J_cᵀ g_c`` computed by its Jacobian
+instead, as one more row beside the factors. (What the check cannot see: an operation
 applied *after* the loss. A loss scaled by ``c > 0`` or a sum of losses is fine; the
 Hessian of anything else is not the GGN's.)
 """
@@ -220,7 +220,8 @@ class Engine:
         in backward they hand that producer autograd's own part of its gradient (see
         the module docstring). ``node.row``: the search failed, the row it is."""
         taps = {(x.grad_fn, x.output_nr): i for i, (x, p) in enumerate(zip(inputs, node.producers)) if p is not None}
-        edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if taps else {}
+        found = taps and output.grad_fn is not None
+        edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if found else {}
         node.row = edges is None
         for fn, ks in (edges or {}).items():
             self.handles.append(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
