@@ -195,8 +195,8 @@ def table(results: List[dict], args) -> str:
         "",
         "jacmem's times include its chain check: at each module, the gradient autograd delivers is compared "
         "with the parts its tracked consumers passed back, which autograd computed itself (hooks on their "
-        "autograd nodes; no extra arithmetic but the comparison). "
-        + "KFRA on the CNN is left out: its dense matrices over the 100,352-entry conv outputs fit in neither library.",
+        "autograd nodes; no extra arithmetic but the comparison). KFRA on the CNN is left out: its dense matrices "
+        "over the 100,352-entry conv outputs fit in neither library." + (" " + args.note if args.note else ""),
         "",
     ]
     for model in args.models:
@@ -241,6 +241,7 @@ def main(argv=None) -> None:
     p.add_argument("--seconds", type=float, default=4.0, help="time budget of a paired timing (default 4; quick 0)")
     p.add_argument("--timeout", type=float, default=600.0)
     p.add_argument("--markdown", type=Path)
+    p.add_argument("--note", default="", help="a sentence for the report, e.g. why this many threads")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
