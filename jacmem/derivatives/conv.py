@@ -27,7 +27,6 @@ from typing import Sequence, Tuple
 
 import torch
 from einops import rearrange
-from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 
@@ -164,9 +163,9 @@ def weight_batch_l2_ghost(x, g, *, kernel_size, stride, dilation, groups, paddin
     cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
     cols = cols.flatten(2, 2 + len(kernel_size)).flatten(3)  # [N, G, C_in/G·K, P]
     g = g.flatten(3)  # [N, G, C_out/G, P]
-    aa = contract("nqcp,nqcr->nqpr", cols, cols)
-    gg = contract("nqop,nqor->nqpr", g, g)
-    return contract("nqpr,nqpr->n", aa, gg)
+    aa = torch.einsum("nqcp,nqcr->nqpr", cols, cols)
+    gg = torch.einsum("nqop,nqor->nqpr", g, g)
+    return torch.einsum("nqpr,nqpr->n", aa, gg)
 
 
 def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
