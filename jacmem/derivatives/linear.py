@@ -43,7 +43,7 @@ def weight_batch_grad(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("nto,nti->noi", _flat(g), _flat(x))
 
 
-@register(nn.Linear, "weight", "grad", "outer", cost=_outer_cost)
+@register(nn.Linear, "weight", "grad", "direct", cost=_outer_cost)
 def weight_grad(x: Tensor, g: Tensor) -> Tensor:
     """Summed gradient: [N, *, I], [N, *, O] -> [O, I]"""
     return torch.einsum("nto,nti->oi", _flat(g), _flat(x))

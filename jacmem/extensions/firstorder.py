@@ -121,7 +121,7 @@ class Option(Cost):
     ``kind``: ``"direct"``, a strategy of the quantity's own (the ghost norm, say);
     ``"pass"``, per-sample gradients by this ``batch_grad`` strategy, reduced, whose
     cost includes writing and reading them; ``"reuse"``, a pass already planned for the
-    quantities ``reuses``, which costs nothing more.
+    quantities ``reuses``, which costs one more read of the per-sample gradients.
     """
 
     kind: str = "direct"
@@ -220,8 +220,9 @@ def compute(
     Cost, or None where it does not apply). A quantity is computed either by a strategy
     of its own, or derived from per-sample gradients; all quantities derived from one
     ``batch_grad`` strategy share one chunked pass, and once such a pass is planned,
-    the remaining quantities ride along for free (``auto`` takes that ride; a direct
-    strategy asked for by name is still used).
+    the remaining quantities may ride along for the cost of reading its result once
+    more (``auto`` weighs that against their direct strategies; a direct strategy
+    asked for by name is used).
     """
     wanted = set(quantities)
     chunked = Chunked(x, g, budget)
@@ -253,8 +254,8 @@ def compute(
     for q in order:
         direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
-        if passes:
-            options = {name: Option(0, 0, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
+        if passes:  # reducing the pass's per-sample gradients once more reads them
+            options = {name: Option(0, result, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
         else:
             options = dict(pass_options)
         unshared = 0 if passes or q == "grad" else grad_flops
