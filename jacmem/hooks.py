@@ -228,8 +228,8 @@ def _recomputed(module: nn.Module, x: Tensor, params, g: Tensor, needs, create_g
 def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
     entry = rec.entry
-    if entry is None or not entry.compute_once or rec.x is None or not isinstance(output, Tensor):
-        return None
+    if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
+        return None  # (an input passed by keyword keeps autograd's path)
     x, params = args[0], list(rec.params.values())
     if any(p not in entry.params for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
         return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)

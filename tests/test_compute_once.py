@@ -128,3 +128,13 @@ def test_autograds_path_is_kept_where_compute_once_cannot_apply(case):
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=case == "autocast"), jacmem.extend(*exts):
         h = model[0](X)
     assert not fused(h)
+
+
+def test_an_input_passed_by_keyword():
+    """``linear(input=x)``: the hooks' path (what a record keeps is found by keyword)."""
+    torch.manual_seed(0)
+    model, X = nn.Linear(3, 2).double(), torch.randn(4, 3, dtype=torch.float64)
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss(model(input=X)).backward()
+    want = torch.stack([torch.autograd.grad(loss(model(X[i : i + 1])), model.weight)[0] for i in range(4)])
+    torch.testing.assert_close(model.weight.grad_batch, want)

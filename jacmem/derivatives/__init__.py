@@ -67,7 +67,8 @@ class Strategy:
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:
-    return args[0]
+    """The first positional input, or the first keyword one (``linear(input=x)``)."""
+    return args[0] if args else next(iter(kwargs.values()))
 
 
 def _identity(output: Any) -> Any:
