@@ -388,13 +388,17 @@ NOTES: List[str] = [
     "What it adds elsewhere: (1) ReLU's bit mask: in forward a float-to-bool cast, an in-place int64 multiply "
     "and a strided copy pack 8 elements to a byte; in backward a table lookup writes a float mask that stock's "
     "threshold kernel then overwrites with the gradient. That is about 60% more memory traffic than stock "
-    "ReLU's own, and ReLU is about 7% of the CNN's step, hence about 4-5% in `input`, `norm` and `surgical`, "
-    "where every mask is needed (they are most of the memory saved there). (2) About 40-80 us of Python per "
+    "ReLU's own, and ReLU is 7-10% of the CNN's step: in `input`, `norm` and `surgical`, where every mask is "
+    "needed (they are most of the memory saved there), the masks cost about 5-8% (measured by swapping them for "
+    "stock ReLUs). In `input`, lean's frozen BatchNorm (its backward one multiplication, against stock's native "
+    "kernel) wins some of it back; in `norm` the BatchNorm weights are trainable, lean runs the stock op, and "
+    "nothing offsets the masks. (2) About 40-80 us of Python per "
     "lean autograd.Function call (forward + backward, measured at tiny sizes: BatchNorm 39, max pool 49, "
     "dropout 57, conv 58, ReLU 82 with its packing), about 1-2% of the CNN's step at 40-60 calls. Dropout "
     "draws its mask twice, with `uniform_` into the output's own buffer; each draw costs about half of stock's "
     "`bernoulli_`, so dropout costs about what stock's does. Ratios from a shared machine moved by a few "
-    "percent between runs (the quartiles show the spread within one); no GPU was available to measure CUDA.",
+    "percent between runs (the quartiles show the spread within one); no GPU was available to measure CUDA. "
+    "`lean(model, types=...)` leaves ReLU stock where its time matters more than its memory.",
 ]
 
 if __name__ == "__main__":
