@@ -185,7 +185,7 @@ def table(results: List[dict], args) -> str:
         "## Second-order extensions: jacmem beside BackPACK",
         "",
         f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}` ({args.started}, load average "
-        f"{args.load_before} before, {' '.join(run.load())} after): {args.threads} threads, one warm-up step. A step is "
+        f"{args.load_before} before, {' '.join(run.load())} after): {args.threads} thread{'s' if args.threads != 1 else ''}, one warm-up step. A step is "
         "forward, loss and backward inside the extension's block. Time: jacmem and BackPACK in one process, their "
         f"steps alternating ({args.repeats} pairs at least, more while under {args.seconds:g} s, up to "
         f"{10 * args.repeats}), the medians of each and of the per-step ratios (a shared machine's load moves both "
