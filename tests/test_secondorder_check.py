@@ -15,6 +15,7 @@ from torch import nn
 import jacmem
 import jacmem.extensions.secondorder.backprop as backprop
 from jacmem import ChainError, DiagGGNExact
+from jacmem.derivatives.jacobians import LOOP_V, vjp_generic
 
 DT = torch.float64
 
@@ -65,3 +66,21 @@ def test_a_term_added_to_the_loss_raises(parts):
                 penalty = 1e-3 * model.h.square().sum()
                 loss = penalty + lossf(out, y) if penalty_first else lossf(out, y) + penalty
                 loss.backward()
+
+
+@pytest.mark.parametrize("v", [3, LOOP_V + 5], ids=["loop", "vmap"])
+def test_generic_vjp_both_ways(v):
+    """The generic vjp loops over up to LOOP_V vectors and vmaps beyond: both give
+    Jᵀ S per floating input (None for an integer one), as the dense Jacobian does."""
+    torch.manual_seed(1)
+    a, b, idx = torch.randn(2, 3, dtype=DT), torch.randn(2, 3, dtype=DT), torch.tensor([1, 0])
+
+    def f(a, b, idx):
+        return (a * b.sin())[idx]
+
+    S = torch.randn(v, 2, 3, dtype=DT)
+    got = vjp_generic(f, (a, b, idx), S)
+    J = torch.autograd.functional.jacobian(lambda a, b: f(a, b, idx), (a, b))  # [2, 3, 2, 3] each
+    for g, Jx in zip(got[:2], J):
+        torch.testing.assert_close(g, torch.einsum("vno,nopq->vpq", S, Jx))
+    assert got[2] is None
