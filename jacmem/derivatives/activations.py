@@ -17,7 +17,7 @@ from jacmem.derivatives.jacobians import passthrough
 
 
 def _relu_df(x: Tensor, out: Tensor) -> Tensor:
-    return (x > 0).to(x.dtype)
+    return (out > 0).to(out.dtype)  # out > 0 exactly where x > 0
 
 
 def _leaky_df(x: Tensor, out: Tensor, *, negative_slope: float) -> Tensor:
@@ -93,12 +93,12 @@ def _gelu_d2f(x: Tensor, out: Tensor, *, approximate: str) -> Tensor:
     return _phi(x) * (2 - x**2)
 
 
-passthrough(nn.ReLU, df=_relu_df)
+passthrough(nn.ReLU, df=_relu_df, keep_output=True, keep_input=False)
 passthrough(
     nn.LeakyReLU, df=_leaky_df, hyperparams=lambda m: {"negative_slope": m.negative_slope}
 )
-passthrough(nn.Sigmoid, df=_sigmoid_df, d2f=_sigmoid_d2f, keep_output=True)
-passthrough(nn.Tanh, df=_tanh_df, d2f=_tanh_d2f, keep_output=True)
+passthrough(nn.Sigmoid, df=_sigmoid_df, d2f=_sigmoid_d2f, keep_output=True, keep_input=False)
+passthrough(nn.Tanh, df=_tanh_df, d2f=_tanh_d2f, keep_output=True, keep_input=False)
 passthrough(nn.ELU, df=_elu_df, d2f=_elu_d2f, hyperparams=lambda m: {"alpha": m.alpha})
 passthrough(
     nn.SELU,

@@ -51,6 +51,9 @@ class Passthrough:
     sample_independent: the input Jacobian is the same for every sample (KFRA then
         needs it once, not per sample).
     keep_output: the derivatives read ``out``.
+    keep_input: the derivatives read the values of ``xs`` (not only their shapes):
+        ``False`` lets the engine drop an input that autograd does not keep either
+        (ReLU, Sigmoid and Tanh save their output, not their input).
     """
 
     hyperparams: Callable[[nn.Module], Dict[str, Any]] = _no_hyperparams
@@ -59,6 +62,7 @@ class Passthrough:
     d2f: Optional[Callable[..., Tensor]] = None
     sample_independent: bool = False
     keep_output: bool = False
+    keep_input: bool = True
 
     def params(self, module: nn.Module) -> Dict[str, Any]:
         hp = self.hyperparams(module)

@@ -31,6 +31,7 @@ passthrough(
     nn.Dropout,
     df=_dropout_df,
     keep_output=True,
+    keep_input=False,
     hyperparams=lambda m: {"p": m.p, "training": m.training},
 )
 passthrough(nn.Identity, jac_t=_identity_jac_t, sample_independent=True)

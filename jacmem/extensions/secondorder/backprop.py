@@ -191,7 +191,8 @@ class Engine:
             return  # the identity: nothing to pass through
         node = Node(module, self.name(module), loss, entry)
         node.hp = (loss or entry).params(module)
-        node.inputs = tuple(x.detach() for x in inputs)
+        keep = entry is None or entry.keep_input
+        node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
         node.out = output.detach() if entry is not None and (entry.keep_output or entry.df is not None) else None
         node.out_shape = tuple(output.shape)
         node.producers = [self._producer_of(x) for x in inputs]
@@ -545,6 +546,12 @@ def _input_edges(fn, taps: Dict[tuple, int], stop: set) -> Optional[Dict[object,
             elif nxt is not None and nxt not in stop and "jacmem" not in nxt.metadata:
                 todo.append(nxt)
     return edges
+
+
+def _shape_of(x: Tensor) -> Tensor:
+    """A stand-in for an input whose derivatives read only its shape: one element,
+    expanded to ``x``'s shape, so the input itself can go when autograd lets it."""
+    return x.new_zeros(()).expand(x.shape)
 
 
 def _same(a: Tensor, b: Tensor) -> bool:
