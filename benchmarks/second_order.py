@@ -115,7 +115,7 @@ def prepare(case: dict):
 def paired(case: dict) -> dict:
     """jacmem and BackPACK in one process, their steps alternating: the medians of
     each, and of the per-step ratios; ``repeats`` pairs at least, more (up to 10 times
-    as many) while the pairs so far took under ``seconds``."""
+    as many) while the pairs so far took under ``seconds``; the order alternates."""
     steps = [prepare(dict(case, lib=lib)) for lib in ("jacmem", "backpack")]
     for _ in range(case["warmup"]):
         for step in steps:
@@ -125,10 +125,11 @@ def paired(case: dict) -> dict:
     while len(times[0]) < case["repeats"] or (
         time.perf_counter() - begin < case["seconds"] and len(times[0]) < 10 * case["repeats"]
     ):
-        for step, t in zip(steps, times):
+        order = (0, 1) if len(times[0]) % 2 == 0 else (1, 0)  # each library goes first in half the pairs
+        for k in order:
             start = time.perf_counter()
-            step()
-            t.append(time.perf_counter() - start)
+            steps[k]()
+            times[k].append(time.perf_counter() - start)
     ratios = [j / b for j, b in zip(*times)]
     return dict(
         case,

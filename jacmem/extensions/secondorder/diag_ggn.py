@@ -80,7 +80,7 @@ def _conv_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
     for start in range(0, v, step):
         js = contract("ngit,vngot->vngoi", cols, S[start : start + step]).square_()
         part = js.sum(0) if batch else js.sum((0, 1))  # [(N,) G, O/G, C/G·K]
-        acc = part if acc is None else acc + part
+        acc = part if acc is None else acc.add_(part)
     shape = call.params["weight"].shape
     out["weight"] = acc.reshape(n, *shape) if batch else acc.reshape(shape)
     return out
