@@ -11,6 +11,7 @@ import torch
 from secondorder_ref import blocks, default_dtype, dense, run
 from torch import nn
 
+import jacmem
 from jacmem import KFAC, KFLR, KFRA
 
 DT = torch.float64
@@ -306,11 +307,19 @@ def test_embedding_at_batch_size_one():
         torch.testing.assert_close(torch.kron(G, torch.diag(a)), ref[idx][:, idx], msg=field)
 
 
-def test_unsupported_settings_raise_naming_the_module():
+def test_unsupported_settings_warn_naming_the_module_and_strict_raises():
+    """As for first order (DESIGN: clear failure): the module's parameters get nothing,
+    the others theirs; ``strict=True`` makes it an error."""
     X, y = torch.randn(2, 3, 4, dtype=DT), torch.randint(0, 3, (2,))
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(9, 3)).to(DT).eval()
-    with pytest.raises(NotImplementedError, match=r"BatchNorm1d \(module '1'\): its parameters are per-channel"):
+    bn_msg = r"BatchNorm1d \(module '1'\): its parameters are per-channel"
+    with pytest.warns(UserWarning, match=bn_msg):
         run(model, nn.CrossEntropyLoss(), X, y, KFLR())
+    assert not hasattr(model[1].weight, "kflr")
+    assert model[0].weight.kflr[0].shape == (3, 3) and model[3].weight.kflr[0].shape == (3, 3)
+    with pytest.raises(RuntimeError, match=bn_msg), jacmem.extend(KFLR(), strict=True):
+        nn.CrossEntropyLoss()(model(X), y).backward()
     model = nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(6, 3)).to(DT)
-    with pytest.raises(NotImplementedError, match="'0' with scale_grad_by_freq=True"):
+    with pytest.warns(UserWarning, match="'0' with scale_grad_by_freq=True"):
         run(model, nn.CrossEntropyLoss(), torch.tensor([[1, 2], [2, 2]]), y, KFAC())
+    assert not hasattr(model[0].weight, "kfac") and hasattr(model[2].weight, "kfac")

@@ -58,7 +58,7 @@ from jacmem.derivatives.jacobians import (
     lookup_passthrough,
     vjp_generic,
 )
-from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
 
 #: how far up the autograd graph a forward looks for the tracked module that an
@@ -508,6 +508,11 @@ class Engine:
         for ext in self.extensions:
             try:
                 out = ext.compute(call)
+            except UnsupportedModule as err:
+                if (node.module, type(ext)) not in self.warned:
+                    self.warned.add((node.module, type(ext)))
+                    self._say(f"jacmem: {err}. Its parameters get no {ext.savefield}.")
+                continue
             except NotImplementedError:
                 raise
             except Exception as err:

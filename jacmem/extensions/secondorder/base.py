@@ -62,6 +62,12 @@ class Call:
         return [f for f in self.factors if f.kind in kinds]
 
 
+class UnsupportedModule(NotImplementedError):
+    """An extension has nothing for this module's parameters (KFAC for a BatchNorm,
+    say). The engine warns, naming the module and the fix, and the parameters get no
+    result from that extension; with ``strict=True`` it raises."""
+
+
 class SecondOrderExtension:
     """Base class. ``savefield``: the parameter attribute; ``kinds``: the factor kinds
     it needs (see the module docstring)."""

@@ -100,7 +100,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 
 from jacmem.derivatives.conv import pad, unfold
-from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, mc_kind
+from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, UnsupportedModule, mc_kind
 
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 _CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
@@ -111,7 +111,7 @@ _FEATURES_LAST = (nn.Linear, nn.Embedding)
 def _check(call: Call, ext: SecondOrderExtension) -> None:
     module = call.module
     if isinstance(module, nn.Embedding) and call.hp.get("scale_grad_by_freq"):
-        raise NotImplementedError(
+        raise UnsupportedModule(
             f"{ext!r} has no Kronecker factors for Embedding module {call.name!r} with scale_grad_by_freq=True "
             "(autograd scales each row's gradient by its count in the whole batch, so no per-sample "
             "Jacobian exists); construct it with scale_grad_by_freq=False or use DiagGGNExact"
@@ -123,7 +123,7 @@ def _check(call: Call, ext: SecondOrderExtension) -> None:
             if isinstance(module, nn.modules.batchnorm._BatchNorm)
             else ""
         )
-        raise NotImplementedError(
+        raise UnsupportedModule(
             f"{ext!r} has no Kronecker factors for {type(module).__name__} (module {call.name!r}){why}; "
             "supported: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding. Freeze its parameters "
             "(requires_grad=False) or use DiagGGNExact"
