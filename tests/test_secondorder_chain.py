@@ -34,9 +34,9 @@ def test_residual_net_diagonals(reduction):
     check_exact(resnet(), nn.CrossEntropyLoss(reduction=reduction), torch.randn(4, 4, dtype=DT), torch.randint(0, 3, (4,)))
 
 
-def test_residual_cnn_diagonals():
-    torch.manual_seed(1)
-    model = nn.Sequential(
+def residual_cnn():
+    """[N, 1, 4, 4] -> [N, 3], a residual block between convolutions"""
+    return nn.Sequential(
         nn.Conv2d(1, 2, 3, padding=1),
         nn.ReLU(),
         jacmem.nn.Residual(nn.Conv2d(2, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 2, 1)),
@@ -44,6 +44,11 @@ def test_residual_cnn_diagonals():
         nn.Flatten(),
         nn.Linear(8, 3),
     ).to(DT)
+
+
+def test_residual_cnn_diagonals():
+    torch.manual_seed(1)
+    model = residual_cnn()
     check_exact(model, nn.MSELoss(), torch.randn(3, 1, 4, 4, dtype=DT), torch.randn(3, 3, dtype=DT))
 
 
@@ -219,14 +224,7 @@ def test_residual_cnn_kfra_is_kflr_at_batch_size_one():
     exact output GGN wherever it is read, so every factor equals KFLR's (conv factors
     are not the GGN block itself: the positions share the kernel)."""
     torch.manual_seed(9)
-    model = nn.Sequential(
-        nn.Conv2d(1, 2, 3, padding=1),
-        nn.ReLU(),
-        jacmem.nn.Residual(nn.Conv2d(2, 2, 3, padding=1), nn.Tanh(), nn.Conv2d(2, 2, 1)),
-        nn.MaxPool2d(2),
-        nn.Flatten(),
-        nn.Linear(8, 3),
-    ).to(DT)
+    model = residual_cnn()
     run(model, nn.CrossEntropyLoss(), torch.randn(1, 1, 4, 4, dtype=DT), torch.randint(0, 3, (1,)), KFLR(), KFRA())
     for name, p in model.named_parameters():
         for a, b in zip(p.kfra, p.kflr, strict=True):
