@@ -21,10 +21,12 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from jacmem import distributed, hooks
-from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, batch_size, compute, derive
+from jacmem.extensions.firstorder import (
+    LINEAR_QUANTITIES, FirstOrderExtension, Plan, batch_size, derive, execute, itemsize, plan, plan_key, shapes,
+)
 from jacmem.extensions.secondorder import SecondOrderExtension
 from jacmem.extensions.secondorder.backprop import Engine
-from jacmem.strategies import AUTO, StrategyPlan, StrategySpec
+from jacmem.strategies import AUTO, Decision, StrategyPlan, StrategySpec
 
 _ACTIVE: Optional["extend"] = None
 _LOCK = threading.Lock()
@@ -33,6 +35,13 @@ _LOCK = threading.Lock()
 _TRACKED: "weakref.WeakKeyDictionary[nn.Module, Tracker]" = weakref.WeakKeyDictionary()
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+#: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
+#: itemsize -> (the plan, the decisions it took): a parameter's strategies are chosen
+#: once per call shape, not at every step of every block
+_PLANS: Dict[tuple, Tuple[Plan, Tuple[Decision, ...]]] = {}
+#: how many plans ``_PLANS`` holds before it starts over
+_MAX_PLANS = 4096
 
 
 def _tracked_name(module: nn.Module) -> Optional[str]:
@@ -379,10 +388,11 @@ class extend:
         if rec.entry is None:
             self._unsupported(rec, sorted(rec.params))
             return {}
-        missing = [p for p in rec.params if p not in rec.entry.params]
+        supported = rec.entry.params
+        missing = [p for p in rec.params if p not in supported]
         if missing:
             self._unsupported(rec, missing)
-        self.plan.check(rec.module, rec.name, rec.entry.names())  # a ValueError as it is, not wrapped below
+        self.plan.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
         try:
             with torch.no_grad(), torch.autocast(_device(rec.grads).type, enabled=False):
                 return self._compute(run, rec)
@@ -398,13 +408,15 @@ class extend:
         the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
         is planned), else nothing."""
         entry, hp = rec.entry, rec.hp
-        params = {n: p for n, p in rec.params.items() if n in entry.params and _gets_grad(rec.nodes[n])}
+        supported = entry.params
+        params = {n: p for n, p in rec.params.items() if n in supported and _gets_grad(rec.nodes[n])}
         grads: Dict[str, Tensor] = {}
         if not params:
             return grads
         dtype = _stable_dtype(params.values())
         x, g = _cast(rec.x, dtype), _cast(rec.g, dtype)
         n = batch_size(g)
+        xs, gs = shapes(x), shapes(g)
         for pname, param in params.items():
             staged = run.staged.get(id(param))
             summed = rec.shared(param) or (staged is not None and staged.summed)
@@ -423,17 +435,43 @@ class extend:
             if n == 0:  # an empty batch: empty per-sample quantities, zero sums
                 values = derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted | extra)
             else:
-
-                def choose(quantity, options, pname=pname):
-                    return self.plan.choose(
-                        rec.module, rec.name, entry.names(), pname, quantity, options, param.element_size()
-                    )
-
-                values = compute(entry, hp, x, g, pname, param, wanted | extra, choose, self.chunk_bytes)
+                chosen = self._plan(rec, xs, gs, itemsize(g), pname, param, wanted | extra)
+                values = execute(chosen, entry, hp, x, g, pname, param, self.chunk_bytes)
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
             staged.add(values)
         return grads
+
+    def _plan(self, rec: hooks.Record, xs, gs, size: int, pname: str, param: nn.Parameter, quantities: set) -> Plan:
+        """How to compute ``quantities`` of ``param`` in the call ``rec``, whose input and
+        output gradient have the shapes ``xs`` and ``gs`` and ``size`` bytes per entry.
+
+        Made once and kept in ``_PLANS`` under everything it depends on (where its
+        hyper-parameters are plain values); its decisions go to this block's plan
+        either way, for :meth:`explain`."""
+        entry, shape = rec.entry, tuple(param.shape)
+        key = plan_key(entry, rec.hp, xs, gs, size, pname, shape, quantities)
+        if key is not None:
+            key += (rec.name, self.plan.requested(rec.module, rec.name), param.element_size())
+            cached = _PLANS.get(key)
+            if cached is not None:
+                self.plan.remember(cached[1])
+                return cached[0]
+        made: List[Decision] = []
+
+        def choose(quantity, options):
+            chosen = self.plan.choose(
+                rec.module, rec.name, entry.names(), pname, quantity, options, param.element_size()
+            )
+            made.append(self.plan.decisions[(rec.name, pname, quantity)])
+            return chosen
+
+        result = plan(entry, rec.hp, xs, gs, size, pname, shape, quantities, choose)
+        if key is not None:
+            if len(_PLANS) >= _MAX_PLANS:
+                _PLANS.clear()
+            _PLANS[key] = (result, tuple(made))
+        return result
 
     def _commit(self, run: _Pass) -> None:
         """End of the backward pass: finish the partial records and the summed
@@ -510,7 +548,7 @@ class extend:
                 by_device.setdefault(next(iter(q.values())).device, []).append(key)
         bad = set()
         for keys in by_device.values():
-            sums = torch.stack([min(quantities[k].values(), key=Tensor.numel).sum().double() for k in keys])
+            sums = torch.stack([min(quantities[k].values(), key=Tensor.numel).sum() for k in keys])
             bad.update(k for k, finite in zip(keys, sums.isfinite().tolist()) if not finite)
         if not bad:
             return

@@ -231,7 +231,8 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
     x, params = args[0], list(rec.params.values())
-    if any(p not in entry.params for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
+    supported = entry.params
+    if any(p not in supported for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
         return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
     jac = lookup_passthrough(rec.module)
     if jac is None or jac.jac_t is None:

@@ -13,7 +13,7 @@ The rates are a CPU's order of magnitude; only their ratio matters.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Dict, List, Mapping, Optional, Union
+from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 from torch import nn
 
@@ -79,15 +79,16 @@ class StrategyPlan:
     """Validates the user's ``strategy`` argument and resolves it per module."""
 
     def __init__(self, strategy: StrategySpec = AUTO):
-        valid = sorted(all_strategy_names() | {AUTO})
         if isinstance(strategy, str):
             self.default, self.overrides = strategy, {}
         elif isinstance(strategy, Mapping):
             self.default, self.overrides = AUTO, dict(strategy)
         else:
             raise TypeError(f"strategy must be a name or a dict, not {type(strategy).__name__}")
+        valid: List[str] = []  # every strategy name, gathered only where a name other than auto is given
         for key, name in [(None, self.default), *self.overrides.items()]:
-            if name not in valid:
+            valid = valid or ([] if name == AUTO else sorted(all_strategy_names() | {AUTO}))
+            if name != AUTO and name not in valid:
                 where = "" if key is None else f" (for {getattr(key, '__name__', key)!r})"
                 raise ValueError(f"unknown strategy {name!r}{where}; valid strategies: {', '.join(valid)}")
             if key is not None and not isinstance(key, (str, type)):
@@ -103,14 +104,17 @@ class StrategyPlan:
                 return self.overrides[cls], True
         return self.default, False
 
-    def check(self, module: nn.Module, name: str, offered: set) -> None:
-        """A name asked for this module in particular must be one ``offered`` by it
+    def check(self, module: nn.Module, name: str, offered: Callable[[], set]) -> None:
+        """A name asked for this module in particular must be one ``offered()`` by it
         (every strategy name its type has); ``ValueError`` naming the module otherwise."""
         wanted, specific = self.requested(module, name)
-        if specific and wanted != AUTO and wanted not in offered:
+        if not specific or wanted == AUTO:
+            return
+        names = offered()
+        if wanted not in names:
             raise ValueError(
                 f"strategy {wanted!r} was asked for module {name!r} ({type(module).__name__}), "
-                f"which offers: {', '.join(sorted(offered | {AUTO}))}"
+                f"which offers: {', '.join(sorted(names | {AUTO}))}"
             )
 
     def choose(
@@ -128,7 +132,7 @@ class StrategyPlan:
         ``offered`` is every strategy name the module's type has; a name asked for this
         module in particular must be among them.
         """
-        self.check(module, name, offered)
+        self.check(module, name, lambda: offered)
         wanted = self.requested(module, name)[0]
         estimates = {k: None if c is None else estimated_seconds(c, itemsize) for k, c in options.items()}
         applicable = {k: t for k, t in estimates.items() if t is not None}
@@ -145,6 +149,11 @@ class StrategyPlan:
             kind=getattr(cost, "kind", "direct"), reuses=tuple(getattr(cost, "reuses", ())),
         )
         return chosen
+
+    def remember(self, decisions: Iterable[Decision]) -> None:
+        """Record decisions taken before, for the same module, parameter and shapes."""
+        for d in decisions:
+            self.decisions[(d.module, d.param, d.quantity)] = d
 
     def explain(self) -> str:
         """One line per module and parameter: for each quantity, what gives it and why,

@@ -6,8 +6,9 @@ loss as reduced, so with ``reduction="mean"`` they carry its ``1/N`` and
 
 Each extension names the *quantities* (see :mod:`jacmem.derivatives`) it needs; the
 block computes the union once per parameter. :func:`compute` does that for one call
-of one module, choosing a strategy per quantity and chunking over the batch so that
-temporary memory stays under a budget.
+of one module: :func:`plan` chooses a strategy per quantity from the shapes (the block
+keeps plans, keyed by :func:`plan_key`), and :func:`execute` runs them, chunking over
+the batch so that temporary memory stays under a budget.
 """
 
 from __future__ import annotations
@@ -75,7 +76,8 @@ class Variance(FirstOrderExtension):
     savefield, quantities = "variance", ("sum_grad_squared", "grad")
 
     def finalize(self, q, batch_size):
-        return q["sum_grad_squared"] / batch_size - (q["grad"] / batch_size) ** 2
+        # in place on the two temporaries: fewer fresh allocations, the same values
+        return (q["sum_grad_squared"] / batch_size).sub_((q["grad"] / batch_size).square_())
 
 
 def squared_norms(batch_grad: Tensor) -> Tensor:
@@ -137,17 +139,33 @@ def _take(obj, sl: slice):
     return obj
 
 
-def _shapes(obj):
+def shapes(obj):
+    """The shape of a tensor, or of each tensor in a tuple or list (the rest passes)."""
     if isinstance(obj, Tensor):
         return tuple(obj.shape)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_shapes(o) for o in obj)
+        return type(obj)(shapes(o) for o in obj)
     return obj
+
+
+def _first(g) -> Tensor:
+    """The output gradient, or the first one that is not None."""
+    return g if isinstance(g, Tensor) else next(t for t in g if t is not None)
 
 
 def batch_size(g) -> int:
     """N, from the output gradient(s)."""
-    return g.shape[0] if isinstance(g, Tensor) else batch_size(next(t for t in g if t is not None))
+    return _first(g).shape[0]
+
+
+def itemsize(g) -> int:
+    """Bytes per entry of the output gradient(s)."""
+    return _first(g).element_size()
+
+
+def _batch_size_of(gs) -> int:
+    """N, from the shape(s) of the output gradient(s) (see :func:`shapes`)."""
+    return gs[0] if isinstance(gs[0], int) else next(s for s in gs if s is not None)[0]
 
 
 #: On CPU, chunks of this size stay in cache: the seed CNN's per-sample conv gradients
@@ -164,7 +182,7 @@ class Chunked:
     """
 
     def __init__(self, x, g, budget: float):
-        first = g if isinstance(g, Tensor) else next(t for t in g if t is not None)
+        first = _first(g)
         self.x, self.g = x, g
         self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget
         self.n = batch_size(g)
@@ -203,18 +221,34 @@ def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Optional[Cost]:
     return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
 
 
-def compute(
+@dataclass(frozen=True)
+class Plan:
+    """How :func:`execute` gets the quantities of one parameter, as :func:`plan` chose them.
+
+    ``direct``: (quantity, strategy name, temporary bytes per sample) for each quantity
+    that a strategy of its own computes; ``passes``: (``batch_grad`` strategy name, the
+    quantities reduced from its per-sample gradients, their strategy's temporary bytes
+    per sample) for each chunked pass.
+    """
+
+    direct: Tuple[Tuple[str, str, float], ...]
+    passes: Tuple[Tuple[str, Tuple[str, ...], float], ...]
+
+
+def plan(
     entry: LayerDerivatives,
     hp: dict,
-    x,
-    g,
+    xs,
+    gs,
+    itemsize: int,
     param_name: str,
-    param: Tensor,
+    param_shape: Tuple[int, ...],
     quantities: Iterable[str],
     choose: Callable[[str, Dict[str, Optional[Cost]]], str],
-    budget: float,
-) -> Dict[str, Tensor]:
-    """The requested quantities of one parameter for one call of its module.
+) -> Plan:
+    """Which strategies give the requested quantities of one parameter, on the shapes
+    ``xs`` of ``x`` and ``gs`` of ``g`` (batch axis first; ``itemsize``: bytes per entry of
+    ``g``).
 
     ``choose(quantity, options)`` picks a strategy name among ``options`` (name ->
     Cost, or None where it does not apply). A quantity is computed either by a strategy
@@ -225,19 +259,18 @@ def compute(
     asked for by name is used).
     """
     wanted = set(quantities)
-    chunked = Chunked(x, g, budget)
-    xs, gs = _shapes(x), _shapes(g)
+    n = _batch_size_of(gs)
     bg_table = entry.strategies[(param_name, "batch_grad")]
     bg_costs = {name: _estimate(s, xs, gs, hp) for name, s in bg_table.items()}
     # a pass also writes the per-sample gradients and reads them back to reduce them
-    result = chunked.n * prod(param.shape)
+    result = n * prod(param_shape)
     pass_options = {
         name: None if c is None else Option(c.flops + 2 * result, c.workspace + 2 * result, kind="pass")
         for name, c in bg_costs.items()
     }
 
     def per_sample_bytes(c: Cost) -> float:
-        return c.workspace * chunked.itemsize / max(chunked.n, 1)
+        return c.workspace * itemsize / max(n, 1)
 
     def applicable_direct(q: str) -> int:
         table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
@@ -250,7 +283,7 @@ def compute(
     grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
     grad_flops = min((c.flops for c in grad_costs if c is not None), default=0) if "grad" in wanted else 0
     passes: Dict[str, List[str]] = {}
-    results: Dict[str, Tensor] = {}
+    direct_steps: List[Tuple[str, str, float]] = []
     for q in order:
         direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
@@ -263,17 +296,28 @@ def compute(
             c = _estimate(s, xs, gs, hp)
             options[name] = None if c is None else Option(c.flops + unshared, c.workspace)
         name = choose(q, options)
-        if name not in direct:
+        if name in direct:
+            direct_steps.append((q, name, per_sample_bytes(options[name])))
+        else:
             passes.setdefault(name, []).append(q)
-            continue
-        fn, reduce = direct[name].fn, "cat" if q in PER_SAMPLE else "sum"
-        results.update(
-            chunked.run(lambda xc, gc, _: {q: fn(xc, gc, **hp)}, per_sample_bytes(options[name]), {q: reduce})
-        )
+    return Plan(
+        tuple(direct_steps), tuple((name, tuple(qs), per_sample_bytes(bg_costs[name])) for name, qs in passes.items())
+    )
 
-    for name, qs in passes.items():
-        strategy = bg_table[name]
-        per_sample = per_sample_bytes(bg_costs[name])
+
+def execute(
+    plan: Plan, entry: LayerDerivatives, hp: dict, x, g, param_name: str, param: Tensor, budget: float
+) -> Dict[str, Tensor]:
+    """The quantities of one parameter for one call of its module, as ``plan`` says,
+    chunked over the batch so that temporary memory stays under ``budget`` bytes."""
+    chunked = Chunked(x, g, budget)
+    results: Dict[str, Tensor] = {}
+    for q, name, per_sample in plan.direct:
+        fn, reduce = entry.strategies[(param_name, q)][name].fn, "cat" if q in PER_SAMPLE else "sum"
+        results.update(chunked.run(lambda xc, gc, _, fn=fn, q=q: {q: fn(xc, gc, **hp)}, per_sample, {q: reduce}))
+
+    for name, qs, per_sample in plan.passes:
+        strategy = entry.strategies[(param_name, "batch_grad")][name]
         # Chunks of per-sample gradients are temporaries (reduced, or copied into the
         # result), so they count, unless the result is asked for and the strategy
         # writes into it, or needs no workspace (then one call writes the result).
@@ -289,3 +333,37 @@ def compute(
 
         results.update(chunked.run(one, per_sample, reduce, into))
     return results
+
+
+def compute(
+    entry: LayerDerivatives,
+    hp: dict,
+    x,
+    g,
+    param_name: str,
+    param: Tensor,
+    quantities: Iterable[str],
+    choose: Callable[[str, Dict[str, Optional[Cost]]], str],
+    budget: float,
+) -> Dict[str, Tensor]:
+    """The requested quantities of one parameter for one call of its module: :func:`plan`
+    on the shapes of ``x`` and ``g``, then :func:`execute`."""
+    chosen = plan(entry, hp, shapes(x), shapes(g), itemsize(g), param_name, tuple(param.shape), quantities, choose)
+    return execute(chosen, entry, hp, x, g, param_name, param, budget)
+
+
+def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, itemsize: int, param_name: str, param_shape, quantities):
+    """Everything :func:`plan` depends on but ``choose``: the parameter's strategies, the
+    shapes, the hyper-parameters; ``None`` where a hyper-parameter is not a plain value
+    (a tensor, a module), so that a plan cached under it could not be trusted."""
+    if not all(_plain(v) for v in hp.values()):
+        return None
+    tables = tuple(tuple(entry.strategies.get((param_name, q), {}).items()) for q in QUANTITIES)
+    return tables, tuple(hp.items()), xs, gs, itemsize, param_name, param_shape, frozenset(quantities)
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (int, float, str))
