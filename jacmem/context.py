@@ -45,6 +45,8 @@ _MAX_PLANS = 4096
 
 
 def _tracked_name(module: nn.Module) -> Optional[str]:
+    if not _TRACKED:
+        return None
     for tracker in _TRACKED.values():
         if module in tracker.names:
             return tracker.names[module]
@@ -161,7 +163,7 @@ def _stable_dtype(params) -> torch.dtype:
 def _cast(obj, dtype: torch.dtype):
     """Floating tensors, alone or in tuples and lists, to ``dtype``; the rest passes."""
     if isinstance(obj, Tensor):
-        return obj.detach().to(dtype) if obj.is_floating_point() else obj.detach()
+        return obj.detach().to(dtype) if obj.is_floating_point() and obj.dtype != dtype else obj.detach()
     if isinstance(obj, (tuple, list)):
         return type(obj)(_cast(o, dtype) for o in obj)
     if isinstance(obj, dict):

@@ -70,8 +70,9 @@ class Record:
         self.hp: Dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: Dict[str, nn.Parameter] = params
         #: each parameter's AccumulateGrad node: the backward pass tells, through it,
-        #: whether it computes that parameter's gradient (``backward(inputs=...)``)
-        self.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
+        #: whether it computes that parameter's gradient (``backward(inputs=...)``);
+        #: a call through :class:`ComputeOnce` has them as its node's inputs
+        self.nodes: Dict[str, Any] = {}
         self.x: Any = x if entry is None or x is None else entry.arrange_input(x, **self.hp)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
@@ -163,8 +164,10 @@ def record(
     rec = Record(module, name, entry, params, x, outputs)
 
     fused = _compute_once(rec, args, output, on_grad) if once else None
-    if fused is not None:
+    if fused is not None:  # its node's inputs: x, then the parameters
+        rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
         return rec, fused
+    rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
     return rec, output
