@@ -240,14 +240,14 @@ def plan(
     hp: dict,
     xs,
     gs,
-    itemsize: int,
+    item_bytes: int,
     param_name: str,
     param_shape: Tuple[int, ...],
     quantities: Iterable[str],
     choose: Callable[[str, Dict[str, Optional[Cost]]], str],
 ) -> Plan:
     """Which strategies give the requested quantities of one parameter, on the shapes
-    ``xs`` of ``x`` and ``gs`` of ``g`` (batch axis first; ``itemsize``: bytes per entry of
+    ``xs`` of ``x`` and ``gs`` of ``g`` (batch axis first; ``item_bytes``: bytes per entry of
     ``g``).
 
     ``choose(quantity, options)`` picks a strategy name among ``options`` (name ->
@@ -270,7 +270,7 @@ def plan(
     }
 
     def per_sample_bytes(c: Cost) -> float:
-        return c.workspace * itemsize / max(n, 1)
+        return c.workspace * item_bytes / max(n, 1)
 
     def applicable_direct(q: str) -> int:
         table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
@@ -352,14 +352,15 @@ def compute(
     return execute(chosen, entry, hp, x, g, param_name, param, budget)
 
 
-def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, itemsize: int, param_name: str, param_shape, quantities):
+def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_name: str, param_shape, quantities):
     """Everything :func:`plan` depends on but ``choose``: the parameter's strategies, the
-    shapes, the hyper-parameters; ``None`` where a hyper-parameter is not a plain value
-    (a tensor, a module), so that a plan cached under it could not be trusted."""
-    if not all(_plain(v) for v in hp.values()):
+    shapes, the hyper-parameters; ``None`` where a hyper-parameter or an entry of ``xs``
+    is not a plain value (a tensor, a module, a dict), so that a plan kept under it could
+    not be trusted."""
+    if not (_plain(xs) and _plain(gs) and all(_plain(v) for v in hp.values())):
         return None
     tables = tuple(tuple(entry.strategies.get((param_name, q), {}).items()) for q in QUANTITIES)
-    return tables, tuple(hp.items()), xs, gs, itemsize, param_name, param_shape, frozenset(quantities)
+    return tables, tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, frozenset(quantities)
 
 
 def _plain(value) -> bool:
