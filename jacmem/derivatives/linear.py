@@ -37,10 +37,11 @@ def _outer_cost(xs, gs) -> Cost:
     return Cost(flops=2 * N * T * I * O, workspace=0)
 
 
-@register(nn.Linear, "weight", "batch_grad", "outer", cost=_outer_cost)
-def weight_batch_grad(x: Tensor, g: Tensor) -> Tensor:
-    """Per-sample gradients Σ_t g_t x_tᵀ: [N, *, I], [N, *, O] -> [N, O, I]"""
-    return torch.einsum("nto,nti->noi", _flat(g), _flat(x))
+@register(nn.Linear, "weight", "batch_grad", "outer", cost=_outer_cost, writes_out=True)
+def weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
+    """Per-sample gradients Σ_t g_t x_tᵀ: [N, *, I], [N, *, O] -> [N, O, I], written
+    into ``out`` where given"""
+    return torch.bmm(_flat(g).transpose(1, 2), _flat(x), out=out)
 
 
 @register(nn.Linear, "weight", "grad", "direct", cost=_outer_cost)

@@ -20,6 +20,7 @@ from typing import Callable, Dict, Iterable, List, Optional, Tuple
 import torch
 from torch import Tensor
 
+from jacmem import alloc
 from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
 
 #: quantities that add up over the calls of a module (weight tying, loops)
@@ -211,7 +212,7 @@ class Chunked:
                 if into is not None and q == "batch_grad":
                     continue  # written in place
                 if q not in out:
-                    out[q] = value.new_empty((self.n, *value.shape[1:]))
+                    out[q] = alloc.empty((self.n, *value.shape[1:]), value.dtype, value.device)
                 out[q][sl] = value
         return out
 
@@ -323,7 +324,7 @@ def execute(
         # writes into it, or needs no workspace (then one call writes the result).
         into = None
         if "batch_grad" in qs and strategy.writes_out:
-            into = torch.empty((chunked.n, *param.shape), dtype=chunked.dtype, device=chunked.device)
+            into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
         elif "batch_grad" not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
         reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
