@@ -3,7 +3,8 @@ one forward+backward with the method and then drops what it produced, so that th
 next step starts from the same memory.
 
 Method names: ``plain``; ``floor`` (plain, then writing zeros into fresh tensors of the
-per-sample gradients' size: the least that any method returning them must do); ``jacmem:<Extension>:<strategy>``; ``backpack:<Extension>`` and
+per-sample gradients' size with PyTorch's default allocator: what returning them costs
+by itself); ``jacmem:<Extension>:<strategy>``; ``backpack:<Extension>`` and
 ``backpack:BatchGrad:save_memory`` (BackPACK's conv mode of Rochette et al.);
 ``opacus:hooks``, ``opacus:ew`` (per-sample gradients), ``opacus:ghost`` (ghost-clipping
 norms); ``torch.func``: ``vmap(grad)``.

@@ -72,7 +72,8 @@ def _auto_choices(explain: Optional[str]) -> str:
 
 def targets_table(results: List[dict]) -> List[str]:
     """One row per jacmem ``auto`` case; "floor" is the time of a plain step followed by
-    writing zeros of the per-sample gradients' size, which BatchGrad cannot beat."""
+    writing zeros of the per-sample gradients' size with PyTorch's default allocator
+    (jacmem's huge-page results can beat it)."""
     floor = {r["model"]: r["time_ratio"] for r in results if r["method"] == "floor" and "time_ratio" in r}
     lines = [
         "| model | extension (auto) | time | target | floor | extra peak | target | met |",
