@@ -86,18 +86,20 @@ def squared_norms(batch_grad: Tensor) -> Tensor:
     return torch.linalg.vector_norm(batch_grad.flatten(1), dim=1).square_()
 
 
-#: samples squared at once by :func:`sum_of_squares`
-_SQUARE_BLOCK = 16
+#: bytes of samples squared at once by :func:`sum_of_squares`
+_SQUARE_BLOCK_BYTES = 4 * 2**20
 
 
 def sum_of_squares(batch_grad: Tensor) -> Tensor:
     """Σ_n g_n ⊙ g_n: [n, *shape] -> shape.
 
-    A few samples at a time, so the squared copy stays small; a norm over axis 0
+    As many samples at a time as fill :data:`_SQUARE_BLOCK_BYTES`, so the squared copy
+    stays small (and a small parameter takes one pass); a norm over axis 0
     (``vector_norm(dim=0)``) would need no copy but runs some 50× slower on CPU.
     """
     out = batch_grad.new_zeros(batch_grad.shape[1:])
-    for block in batch_grad.split(_SQUARE_BLOCK):
+    per_sample = max(out.numel() * out.element_size(), 1)
+    for block in batch_grad.split(max(1, _SQUARE_BLOCK_BYTES // per_sample)):
         out += block.square().sum(0)
     return out
 
