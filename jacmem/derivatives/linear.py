@@ -93,7 +93,7 @@ from jacmem.derivatives.jacobians import passthrough  # noqa: E402
 
 def jac_t(xs, out, S: Tensor, *, weight: Tensor):
     """Jᵀ S = S W per vector: [V, N, *, O] -> ([V, N, *, I],)"""
-    return (torch.einsum("vn...o,oi->vn...i", S, weight),)
+    return (S @ weight,)
 
 
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
