@@ -33,3 +33,13 @@ def _no_leftovers():
     assert jacmem.context._ACTIVE is None, "a jacmem.extend block is still active after the test"
     after = (len(module_hooks._global_forward_pre_hooks), len(module_hooks._global_forward_hooks))
     assert after == before, f"global forward (pre-)hooks went from {before} to {after}"
+
+
+@pytest.fixture
+def float64_default():
+    """float64 as the default dtype for the test; restored after it. A file takes it for
+    every test with ``pytestmark = pytest.mark.usefixtures("float64_default")``."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

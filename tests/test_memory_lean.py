@@ -19,13 +19,8 @@ from jacmem.memory.functions import pack_bits, unpack_bits
 
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """Every test here in float64; the default dtype is restored for other test files."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+#: every test here in float64 (conftest.py restores the default after each)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 RTOL, ATOL = 1e-10, 1e-12
 

@@ -16,13 +16,8 @@ from jacmem.memory import report
 
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """Every test here in float64; the default dtype is restored for other test files."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+#: every test here in float64 (conftest.py restores the default after each)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def test_views_and_inplace_outputs_count_once():
