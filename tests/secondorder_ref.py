@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from torch.func import functional_call, hessian, jacrev
 
 import jacmem
-from jacmem import BatchDiagGGNExact, BatchDiagHessian, DiagGGNExact, DiagHessian
+from jacmem import KFLR, KFRA, BatchDiagGGNExact, BatchDiagHessian, DiagGGNExact, DiagHessian
 
 
 def _split(model: nn.Module):
@@ -102,6 +102,19 @@ def check_exact(model, lossf, X, y, per_sample=True, atol=1e-10):
             got = getattr(p, field)
             assert got.shape == ref[name].shape, (field, name)
             torch.testing.assert_close(got, ref[name], atol=atol, rtol=1e-7, msg=f"{field} of {name}")
+
+
+def check_kronecker_blocks(model, lossf, X, y):
+    """KFLR's and KFRA's factors equal the exact GGN blocks (one sample, ``X [1, ...]``):
+    G ⊗ A for a weight (row-major vec), G for a bias."""
+    run(model, lossf, X, y, KFLR(), KFRA())
+    ref = blocks(model, dense(model, lossf, X, y)[0])
+    for name, p in model.named_parameters():
+        for field in ("kflr", "kfra"):
+            factors = getattr(p, field)
+            got = torch.kron(*factors) if name.endswith("weight") else factors[0]
+            assert len(factors) == (2 if name.endswith("weight") else 1)
+            torch.testing.assert_close(got, ref[name], msg=f"{field} {name}")
 
 
 @contextmanager

@@ -8,7 +8,7 @@ import copy
 
 import pytest
 import torch
-from secondorder_ref import blocks, default_dtype, dense, run
+from secondorder_ref import blocks, check_kronecker_blocks, default_dtype, dense, run
 from torch import nn
 
 import jacmem
@@ -37,16 +37,7 @@ def test_kflr_kfra_at_batch_size_one_are_the_ggn_blocks(act, loss):
     activation, including those BackPACK refuses, in float64."""
     torch.manual_seed(0)
     make_loss, target = TARGETS[loss]
-    model, lossf = mlp(act), make_loss()
-    X, y = torch.randn(1, 4, dtype=DT), target()
-    run(model, lossf, X, y, KFLR(), KFRA())
-    ref = blocks(model, dense(model, lossf, X, y)[0])
-    for name, p in model.named_parameters():
-        for field in ("kflr", "kfra"):
-            factors = getattr(p, field)
-            got = torch.kron(*factors) if name.endswith("weight") else factors[0]
-            assert len(factors) == (2 if name.endswith("weight") else 1)
-            torch.testing.assert_close(got, ref[name], msg=f"{field} {name}")
+    check_kronecker_blocks(mlp(act), make_loss(), torch.randn(1, 4, dtype=DT), target())
 
 
 def test_kfac_matches_kflr_in_expectation():
