@@ -16,11 +16,12 @@ has one per-sample gradient per sample: the sum of its contributions. The norms 
 squares are those of that sum, and so they are here.
 
 Nothing here imports jacmem but :func:`run_jacmem`, which drives jacmem's two flows,
-and the checks built on it.
+and the checks built on it; :func:`run_backpack` gives BackPACK's answers beside them.
 """
 
 from __future__ import annotations
 
+import copy
 from contextlib import contextmanager
 from typing import Callable, Dict, Iterable, List, Sequence
 
@@ -96,6 +97,18 @@ REFERENCE: Dict[str, Callable[[Tensor], Tensor]] = {
     "sum_grad_squared": sum_grad_squared,
     "variance": variance,
 }
+
+
+def run_backpack(model: nn.Module, X: Tensor, y: Tensor) -> nn.Module:
+    """A copy of ``model`` (extended, in an ``nn.Sequential``) after a backward of the mean
+    MSE loss under BackPACK 1.7.1's BatchGrad, BatchL2Grad, SumGradSquared and Variance:
+    its parameters hold BackPACK's four answers, in the order of ``model.parameters()``."""
+    from backpack import backpack, extend, extensions
+
+    bp_model = extend(nn.Sequential(copy.deepcopy(model)))
+    with backpack(extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()):
+        mse(bp_model(X), y, "mean").backward()
+    return bp_model
 
 
 def assert_close(actual: Tensor, expected: Tensor, what: str = "") -> None:

@@ -10,18 +10,16 @@ dilation, groups, no bias, and ``output_size=`` given at call time.
 
 from __future__ import annotations
 
-import copy
 import itertools
 from typing import Dict
 
 import pytest
 import torch
-from backpack import backpack, extend, extensions
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, assert_close, check_against, mse, per_sample_grads, run_jacmem
+from reference import FLOWS, assert_close, check_against, mse, per_sample_grads, run_backpack, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -104,9 +102,7 @@ BACKPACK_CASES = {
 def test_against_backpack(case_id):
     """jacmem agrees with BackPACK where BackPACK answers correctly."""
     model, X, y = build(case_id)
-    bp_model = extend(nn.Sequential(copy.deepcopy(model)))
-    with backpack(extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()):
-        mse(bp_model(X), y, "mean").backward()
+    bp_model = run_backpack(model, X, y)
     run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS])
     for (name, p), bp in zip(model.named_parameters(), bp_model.parameters()):
         for field in BACKPACK_CASES[case_id]:

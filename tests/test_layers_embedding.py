@@ -33,7 +33,7 @@ from torch import Tensor, nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_grid, run_jacmem
+from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_backpack, run_grid, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -254,9 +254,7 @@ def test_against_backpack():
     BackPACK's Embedding builds a float32 one-hot whatever the dtype, and fails in float64,
     so it runs in float32 here, and the comparison uses float32 tolerances."""
     model, X, y, _ = embedding_case("3d-input")
-    bp_model = extend(nn.Sequential(copy.deepcopy(model).float()))
-    with backpack(extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()):
-        mse(bp_model(X), y.float(), "mean").backward()
+    bp_model = run_backpack(copy.deepcopy(model).float(), X, y.float())
     run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS])
     for field in ("grad_batch", "batch_l2", "sum_grad_squared", "variance"):
         ours, theirs = getattr(model.weight, field), getattr(bp_model[0].weight, field)
