@@ -16,8 +16,7 @@ from torch import nn
 import jacmem
 from jacmem.memory import BatchNormAct, lean, report, unlean
 from jacmem.memory.functions import pack_bits, unpack_bits
-
-
+from reference import cross_entropy, per_sample_grads
 
 #: every test here in float64 (conftest.py restores the default after each)
 pytestmark = pytest.mark.usefixtures("float64_default")
@@ -559,16 +558,18 @@ def test_lean_network_matches_stock_every_setting():
             torch.testing.assert_close(grads_l[n], grads_s[n], rtol=RTOL, atol=ATOL)
 
 
-def _per_sample_reference(model, x, y, names):
-    """Per-sample gradients by an autograd loop over the samples (mean reduction)."""
-    params = dict(model.named_parameters())
-    out = {n: [] for n in names}
-    for i in range(len(x)):
-        loss = nn.functional.cross_entropy(model(x[i : i + 1]), y[i : i + 1]) / len(x)
-        grads = torch.autograd.grad(loss, [params[n] for n in names])
-        for n, g in zip(names, grads):
-            out[n].append(g)
-    return {n: torch.stack(g) for n, g in out.items()}
+def _lean_batch_grad(stock: nn.Module, x, y) -> nn.Module:
+    """jacmem's BatchGrad on ``lean`` of a copy of ``stock`` equals the per-sample loop on
+    ``stock`` (cross-entropy, mean) for every trainable parameter; returns the lean copy."""
+    leaned = lean(copy.deepcopy(stock))
+    reference = per_sample_grads(stock, x, y, cross_entropy)
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.functional.cross_entropy(leaned(x), y).backward()
+    params = dict(leaned.named_parameters())
+    for n, p in stock.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(params[n].grad_batch, reference[p], rtol=1e-9, atol=1e-12, msg=n)
+    return leaned
 
 
 def test_extend_batch_grad_on_lean_partly_frozen_model():
@@ -583,16 +584,9 @@ def test_extend_batch_grad_on_lean_partly_frozen_model():
     )
     for p in stock[3].parameters():
         p.requires_grad_(False)
-    leaned = lean(copy.deepcopy(stock))
     x, y = torch.randn(6, 3, 8, 8), torch.randint(0, 3, (6,))
-    names = [n for n, p in stock.named_parameters() if p.requires_grad]
-    reference = _per_sample_reference(stock, x, y, names)
-
-    with jacmem.extend(jacmem.BatchGrad()):
-        nn.functional.cross_entropy(leaned(x), y).backward()
+    leaned = _lean_batch_grad(stock, x, y)
     params = dict(leaned.named_parameters())
-    for n in names:
-        torch.testing.assert_close(params[n].grad_batch, reference[n], rtol=1e-9, atol=1e-12, msg=n)
     assert params["3.weight"].grad is None and not hasattr(params["3.weight"], "grad_batch")
 
     bp_model = backpack.extend(copy.deepcopy(stock))
@@ -619,15 +613,7 @@ def test_extend_batch_grad_through_lean_batchnorm_and_conv_transpose():
     ).eval()
     for p in stock[0].parameters():
         p.requires_grad_(False)
-    leaned = lean(copy.deepcopy(stock))
-    x, y = torch.randn(4, 3, 8, 8), torch.randint(0, 3, (4,))
-    names = [n for n, p in stock.named_parameters() if p.requires_grad]
-    reference = _per_sample_reference(stock, x, y, names)
-    with jacmem.extend(jacmem.BatchGrad()):
-        nn.functional.cross_entropy(leaned(x), y).backward()
-    params = dict(leaned.named_parameters())
-    for n in names:
-        torch.testing.assert_close(params[n].grad_batch, reference[n], rtol=1e-9, atol=1e-12, msg=n)
+    _lean_batch_grad(stock, x=torch.randn(4, 3, 8, 8), y=torch.randint(0, 3, (4,)))
 
 
 def test_second_order_through_lean_layers_matches_backpack():
