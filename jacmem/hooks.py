@@ -165,6 +165,7 @@ def record(
 
     fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
+        rec.once = True
         rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
         return rec, fused
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
@@ -241,7 +242,6 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     if jac is None or jac.jac_t is None:
         return None
     hp = jac.params(rec.module)
-    rec.once = True
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
 
 
