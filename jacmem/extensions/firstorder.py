@@ -283,8 +283,10 @@ def plan(
     order = sorted((q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", applicable_direct(q)))
     # A pass gives the summed gradient for free; a direct strategy for another quantity
     # leaves it to be computed on its own (its FLOPs count against that strategy).
-    grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
-    grad_flops = min((c.flops for c in grad_costs if c is not None), default=0) if "grad" in wanted else 0
+    grad_flops = 0
+    if "grad" in wanted:
+        grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
+        grad_flops = min((c.flops for c in grad_costs if c is not None), default=0)
     passes: Dict[str, List[str]] = {}
     direct_steps: List[Tuple[str, str, float]] = []
     for q in order:
