@@ -138,3 +138,30 @@ def test_an_input_passed_by_keyword():
         loss(model(input=X)).backward()
     want = torch.stack([torch.autograd.grad(loss(model(X[i : i + 1])), model.weight)[0] for i in range(4)])
     torch.testing.assert_close(model.weight.grad_batch, want)
+
+
+@pytest.mark.parametrize(
+    "conv",
+    [
+        lambda: nn.Conv2d(2, 4, 3, stride=2, padding=1),  # an odd input: the stride skips a row
+        lambda: nn.Conv2d(2, 4, (3, 2), stride=(2, 1), padding=(2, 1), dilation=(2, 1), groups=2),
+        lambda: nn.Conv2d(2, 4, 4, padding="same"),  # even kernel: one more pixel right
+        lambda: nn.Conv1d(2, 3, 3, stride=3, padding=2),
+        lambda: nn.Conv3d(2, 2, 2, stride=2, padding=1),
+    ],
+    ids=["2d-stride2-pad1", "2d-dil-groups-asym", "2d-same-evenk", "1d-stride3-pad2", "3d-stride2-pad1"],
+)
+def test_input_gradient_through_zero_padding(conv):
+    """The input gradient of a zero-padded conv comes from one transposed convolution of
+    the input's size (symmetric padding) or from a crop of the padded one."""
+    torch.manual_seed(0)
+    layer = conv().double()
+    X = torch.randn(3, 2, *[7] * (layer.weight.dim() - 2), dtype=torch.float64, requires_grad=True)
+    want = torch.autograd.grad(layer(X).square().sum(), X)[0]
+    with jacmem.extend(jacmem.BatchGrad()):
+        out = layer(X)
+        assert fused(out)
+        got = torch.autograd.grad(out.square().sum(), X)[0]
+    torch.testing.assert_close(got, want)
+    if layer.padding != "same":  # symmetric: no crop, so downstream ops read it at full speed
+        assert got.is_contiguous()

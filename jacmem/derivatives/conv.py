@@ -190,14 +190,19 @@ _CONV_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: 
 
 
 def jac_t(xs, out, S: Tensor, *, weight, kernel_size, stride, dilation, groups, padding, padding_mode):
-    """Jᵀ S per vector, one transposed convolution for all ``V·N``, then the adjoint of
-    the padding: [V, N, C_out, *S_out] -> ([V, N, C_in, *S_in],)"""
+    """Jᵀ S per vector, one transposed convolution for all ``V·N``: [V, N, C_out, *S_out]
+    -> ([V, N, C_in, *S_in],). Symmetric zero padding is the transposed convolution's
+    own (a contiguous result of x's size); other padding is convolved over, then its
+    adjoint applied."""
     x = xs[0]
     v, n = S.shape[:2]
+    conv_input = _CONV_INPUT[len(kernel_size)]
+    hyper = dict(stride=stride, dilation=dilation, groups=groups)
+    if padding_mode == "zeros" and all(left == right for left, right in padding):
+        g = conv_input((v * n, *x.shape[1:]), weight, S.flatten(0, 1), padding=[p for p, _ in padding], **hyper)
+        return (g.unflatten(0, (v, n)),)
     padded = pad(x[:1], padding, padding_mode).shape[1:]
-    g = _CONV_INPUT[len(kernel_size)](
-        (v * n, *padded), weight, S.flatten(0, 1), stride=stride, padding=0, dilation=dilation, groups=groups
-    ).unflatten(0, (v, n))
+    g = conv_input((v * n, *padded), weight, S.flatten(0, 1), padding=0, **hyper).unflatten(0, (v, n))
     if padding_mode == "zeros":
         crop = tuple(slice(left, left + size) for (left, _), size in zip(padding, x.shape[2:]))
         return (g[(..., *crop)],)
