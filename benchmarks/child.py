@@ -2,7 +2,8 @@
 
 Builds the model and batch, prepares the method, then measures. On CPU: the resident
 set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss``,
-its high-water mark reset after setup where Linux allows); on CUDA:
+its high-water mark reset after setup where Linux allows; ``benchmarks.run`` measures
+time and memory in separate processes on CPU, with different glibc settings); on CUDA:
 ``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
 median over up to ``repeats`` steps (fewer for slow steps: about
 ``seconds`` in all, and at least 3) after ``warmup`` steps; and, against a plain
@@ -52,7 +53,7 @@ def run(case: dict) -> dict:
     log: dict = {}
     # an unhooked twin, for plain steps timed alternately with the method's, so that
     # the ratio holds even while other work slows the machine down
-    paired = case["method"] != "plain"
+    paired = case["method"] != "plain" and case.get("paired", True)
     plain_step = prepare("plain", copy.deepcopy(model), X, y, {}) if paired else None
     step = prepare(case["method"], model, X, y, log)
     cuda = device.type == "cuda"

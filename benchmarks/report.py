@@ -72,8 +72,8 @@ def _auto_choices(explain: Optional[str]) -> str:
 
 def targets_table(results: List[dict]) -> List[str]:
     """One row per jacmem ``auto`` case; "floor" is the time of a plain step followed by
-    writing zeros of the per-sample gradients' size with PyTorch's default allocator
-    (jacmem's huge-page results can beat it)."""
+    writing zeros of the per-sample gradients' size: what storing the result costs at
+    least."""
     floor = {r["model"]: r["time_ratio"] for r in results if r["method"] == "floor" and "time_ratio" in r}
     lines = [
         "| model | extension (auto) | time | target | floor | extra peak | target | met |",
@@ -156,14 +156,20 @@ def markdown(results: List[dict], meta: dict) -> str:
         + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
         *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
-        "Each (model, method) runs in its own process. **Time**: the median step (forward, backward, and the "
+        "Each (model, method) runs in its own processes. **Time**: the median step (forward, backward, and the "
         "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up; **× plain** is the median "
         "of its ratios to a plain forward+backward of an unhooked copy of the model, timed in the same process just "
-        "before each step, so that the ratio holds while other work slows the machine. "
-        "**Extra peak**: the peak resident set size (`ru_maxrss`, reset after setup) above the process's RSS "
-        "after setup, minus the same for the plain run, in units of the per-sample gradients' own size "
-        "(N × parameters × 4 bytes); on CUDA, `torch.cuda.max_memory_allocated` likewise. A method that "
-        "keeps per-sample gradients therefore shows at least 1×. Results are dropped after each step.",
+        "before each step, so that the ratio holds while other work slows the machine. On CPU the timed process "
+        "runs with glibc keeping freed memory for reuse (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`; "
+        "jemalloc and tcmalloc behave so by default): with glibc's defaults every buffer over 32 MiB is fresh memory "
+        "each step, and on this machine (a VM) faulting it in cost about 16 µs per 4 KiB page, which moved single "
+        "ratios by half between runs (see `benchmarks/run.py`). "
+        "**Extra peak**: measured in a second process (one warm-up step, two steps) in which glibc returns every "
+        "buffer over 64 KiB at once, so that the resident set follows live memory: the peak resident set size "
+        "(`ru_maxrss`, reset after setup) above the process's RSS after setup, minus the same for the plain run, "
+        "in units of the per-sample gradients' own size (N × parameters × 4 bytes); on CUDA, one process, and "
+        "`torch.cuda.max_memory_allocated` likewise. A method that keeps per-sample gradients therefore shows at "
+        "least 1×. Results are dropped after each step.",
         "",
         "## Targets (issue 3), jacmem with `auto`",
         "",

@@ -33,6 +33,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--memory-cap", type=float, default=3.0, help="GiB: skip cases expected to need more (default 3)")
     p.add_argument("--markdown", type=Path, help="report path (default BENCHMARKS.md; quick: out/benchmarks-quick/)")
     p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")
+    p.add_argument("--note", default="", help="a sentence for the report's header, e.g. what else ran meanwhile")
     p.add_argument(
         "--from-json", type=Path, nargs="+",
         help="rewrite the report and plot from the results.json of one or more runs (the first has the metadata); run nothing",
@@ -97,6 +98,34 @@ def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: 
     return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
 
 
+#: glibc settings for the timed process: freed memory stays in the heap for the next
+#: step, as jemalloc or tcmalloc would keep it. With glibc's defaults every buffer over
+#: 32 MiB is a fresh mapping, and on the benchmark machine (a VM) each fresh 4 KiB page
+#: cost about 16 us to fault in, so a plain step of the seed CNN at 256 took 0.57 s or
+#: 1.05 s from one run to the next, and single ratios moved by half.
+TIME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
+#: glibc settings for the memory process: every buffer over 64 KiB is its own mapping,
+#: returned at once when freed, so that the peak resident set is the peak of live memory
+#: (with TIME_MALLOC it would include what the heap kept)
+MEMORY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def measure(case: dict, timeout: float) -> dict:
+    """Time and peak memory of one case. On CPU, from two processes (see TIME_MALLOC and
+    MEMORY_MALLOC): the time process's result with the memory process's peak; the
+    memory process runs one warm-up step and two steps, unpaired. On CUDA one process
+    gives both (``max_memory_allocated`` counts live tensors whatever the host allocator)."""
+    if case["device"] != "cpu" or case["quick"] or "skip" in case:
+        return run_case(case, timeout)
+    timed = run_case(case, timeout, env=TIME_MALLOC)
+    if "error" in timed:
+        return timed
+    memory = run_case(dict(case, warmup=1, repeats=2, seconds=0.0, paired=False), timeout, env=MEMORY_MALLOC)
+    if "error" in memory:
+        return dict(case, error=f"memory run: {memory['error']}"[:200])
+    return dict(timed, **{k: memory[k] for k in ("rss_setup", "rss_peak", "extra_bytes")})
+
+
 def progress(i: int, total: int, r: dict) -> str:
     head = f"[{i}/{total}] {r['model']} {r['method']}"
     if "error" in r:
@@ -138,7 +167,8 @@ def main(argv=None) -> None:
     if args.from_json:
         runs = [json.loads(path.read_text()) for path in args.from_json]
         results = [r for saved in runs for r in saved["results"]]
-        report.write(results, runs[0]["meta"], args.markdown, args.plot)
+        meta = dict(runs[0]["meta"], **({"note": args.note} if args.note else {}))
+        report.write(results, meta, args.markdown, args.plot)
         print(f"wrote {args.markdown} and {args.plot} from {', '.join(map(str, args.from_json))}", file=sys.stderr)
         return
 
@@ -147,7 +177,7 @@ def main(argv=None) -> None:
     print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
     results: List[dict] = [{}] * len(todo)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
-        futures = {pool.submit(run_case, case, args.timeout): i for i, case in enumerate(todo)}
+        futures = {pool.submit(measure, case, args.timeout): i for i, case in enumerate(todo)}
         for done, future in enumerate(as_completed(futures), 1):
             results[futures[future]] = future.result()
             print(progress(done, len(todo), results[futures[future]]), file=sys.stderr, flush=True)
@@ -162,6 +192,7 @@ def main(argv=None) -> None:
         load_after=" ".join(load()),
         threads=args.threads,
         quick=args.quick,
+        note=args.note,
         **machine(),
     )
     report.write(results, meta, args.markdown, args.plot)

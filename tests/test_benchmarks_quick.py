@@ -27,3 +27,29 @@ def test_quick_cases_write_report(tmp_path, capsys):
     assert "Command: `python -m benchmarks --quick" in text and "torch " in text
     assert png.stat().st_size > 10_000
     assert (tmp_path / "results.json").exists()
+
+
+def test_cpu_time_and_memory_come_from_two_processes(monkeypatch):
+    """On CPU a full run times a case with glibc keeping freed memory, and takes its peak
+    from a second, unpaired process in which glibc returns memory at once."""
+    from benchmarks import run
+
+    calls = []
+
+    def fake_run_case(case, timeout, env=None):
+        calls.append((case, env))
+        if env is run.TIME_MALLOC:
+            return dict(case, time_s=1.0, paired_ratio=1.5, rss_setup=1, rss_peak=9, extra_bytes=8)
+        return dict(case, time_s=9.0, paired_ratio=None, rss_setup=2, rss_peak=5, extra_bytes=3)
+
+    monkeypatch.setattr(run, "run_case", fake_run_case)
+    case = dict(model="m", method="jacmem:BatchGrad:auto", quick=False, device="cpu", threads=2,
+                warmup=1, repeats=7, seconds=4.0)
+    result = run.measure(case, timeout=10)
+    assert [env for _, env in calls] == [run.TIME_MALLOC, run.MEMORY_MALLOC]
+    assert calls[1][0]["paired"] is False and calls[1][0]["repeats"] == 2
+    assert (result["time_s"], result["paired_ratio"], result["extra_bytes"]) == (1.0, 1.5, 3)
+
+    calls.clear()
+    run.measure(dict(case, device="cuda"), timeout=10)
+    assert [env for _, env in calls] == [None]  # one process: max_memory_allocated counts live tensors
