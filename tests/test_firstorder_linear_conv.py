@@ -299,3 +299,20 @@ def test_larger_layers_in_uneven_chunks(module, shape):
             ctx = run_jacmem(model, X, y, mse, "sum", [e() for e, _ in EXTENSIONS.values()], strategy=strategy, chunk_bytes=chunk_bytes)
             check_against(model, reference, fields, f"[{type(model).__name__} {strategy} {chunk_bytes}]")
             assert_used(ctx, strategy)
+
+
+def test_sum_of_squares_both_ways():
+    """SumGradSquared and Variance reduce per-sample gradients of 64 KiB or more a sample
+    by one fused call per sample, smaller ones in blocks of samples: here the conv weight
+    (32·32·3·3 float64 = 72 KiB) takes the first, the bias the second; both against the
+    per-sample loop, whole and chunked."""
+    from jacmem.extensions import firstorder
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(32, 32, 3), nn.Tanh(), nn.Flatten(), nn.Linear(288, 3)).double()
+    assert model[0].weight.numel() * 8 >= firstorder._SAMPLE_LOOP_BYTES > model[0].bias.numel() * 8
+    X, y = torch.randn(4, 32, 5, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse)
+    for kwargs in ({}, {"chunk_bytes": 1}):
+        run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()], **kwargs)
+        check_against(model, reference, ["sum_grad_squared", "variance"], f"sum of squares {kwargs}")
