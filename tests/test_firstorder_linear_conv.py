@@ -316,3 +316,18 @@ def test_sum_of_squares_both_ways():
     for kwargs in ({}, {"chunk_bytes": 1}):
         run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()], **kwargs)
         check_against(model, reference, ["sum_grad_squared", "variance"], f"sum of squares {kwargs}")
+
+
+@pytest.mark.parametrize(
+    "c_in,size,chosen",
+    [(16, 16, "grouped"), (3, 16, "unfold"), (16, 8, "unfold")],
+    ids=["many channels, large output", "three input channels", "8x8 output"],
+)
+def test_auto_takes_grouped_where_its_kernel_is_fast(c_in, size, chosen):
+    """The grouped weight-gradient kernel is charged a third of im2col's FLOP time where
+    each group has 16 channels and 256 output positions or more, and three times it
+    below (the shapes measured in the cost constants' comment)."""
+    model = nn.Sequential(nn.Conv2d(c_in, 16, 3, padding=1), nn.Flatten(), nn.Linear(16 * size * size, 2))
+    X, y = torch.randn(2, c_in, size, size), torch.randint(0, 2, (2,))
+    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
+    assert ctx.plan.decisions[("0", "weight", "batch_grad")].chosen == chosen, ctx.explain()
