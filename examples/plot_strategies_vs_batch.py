@@ -1,12 +1,15 @@
 """Where each conv strategy wins: time and memory versus batch size.
 
-jacmem has two ways to get a convolution's per-sample weight gradients, and a third
+jacmem has three ways to get a convolution's per-sample weight gradients, and a fourth
 for their norms alone:
 
 * ``unfold``: im2col, then one batched matrix product. Fast, but the unfolded input
   (``C_in · prod(kernel) · prod(S_out)`` per sample) is a buffer that grows with N;
   jacmem chunks it over the batch.
 * ``save_memory`` (Rochette et al., 2019): one grouped convolution, no unfolded buffer.
+* ``grouped``: the weight gradient of one convolution of the batch folded into groups,
+  by the backend's own kernel; fast where channels are many and outputs large (the seed
+  CNN's first layer has one input channel, its later ones small outputs).
 * ``ghost`` (norms only): ``‖Gᵀ A‖² = ⟨A Aᵀ, G Gᵀ⟩`` per sample, never forming the
   per-sample gradients.
 * ``auto``: per layer, the cheapest by jacmem's cost model.
@@ -31,13 +34,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.run import run_case  # noqa: E402
+from benchmarks import run as harness  # noqa: E402
 
 MiB = 2**20
-COLORS = {"unfold": "tab:blue", "save_memory": "tab:orange", "ghost": "tab:green", "auto": "tab:red"}
+COLORS = {"unfold": "tab:blue", "save_memory": "tab:orange", "grouped": "tab:purple", "ghost": "tab:green",
+          "auto": "tab:red"}
 METHODS = {
-    "BatchGrad": ["unfold", "save_memory", "auto"],
-    "BatchL2Grad": ["unfold", "save_memory", "ghost", "auto"],
+    "BatchGrad": ["unfold", "save_memory", "grouped", "auto"],
+    "BatchL2Grad": ["unfold", "save_memory", "grouped", "ghost", "auto"],
 }
 
 
@@ -50,7 +54,7 @@ def measure(batches, quick: bool, threads: int):
         method = "plain" if ext == "plain" else f"jacmem:{ext}:{strategy}"
         case = dict(model="seed-cnn-256", method=method, quick=False, device="cpu", threads=threads, batch=n)
         case.update(warmup=1, repeats=1 if quick else 5, seconds=0 if quick else 4.0)
-        r = run_case(case, timeout=300)
+        r = harness.measure(case, timeout=300)  # on CPU: time and memory from two processes
         results[(ext, strategy, n)] = r
         status = r.get("error") or f"{r['time_s'] * 1e3:.0f} ms, peak +{r['extra_bytes'] / MiB:.0f} MiB"
         print(f"[{i}/{len(todo)}] N={n} {method}: {status}", file=sys.stderr, flush=True)
