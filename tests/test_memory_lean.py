@@ -138,6 +138,50 @@ def test_relu_matches_stock(shape, inplace):
     torch.testing.assert_close(x2.grad, x1.grad, rtol=0, atol=0)
 
 
+def _relu_step(x, g, inplace, pick=lambda t: t):
+    """ReLUFunction's output, saved bits and input gradient, on ``pick(x * 1)``."""
+    from jacmem.memory.functions import ReLUFunction
+
+    leaf = x.clone().requires_grad_()
+    out = ReLUFunction.apply(pick(leaf * 1), inplace)
+    # in place on a view, out's node is autograd's CopySlices, not the function's
+    bits = out.grad_fn.saved_tensors[0] if hasattr(out.grad_fn, "saved_tensors") else None
+    (grad,) = torch.autograd.grad(out, leaf, g)
+    return out.detach(), bits, grad
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("inplace", [False, True])
+@pytest.mark.parametrize("n", [5, 8, 1001])
+def test_relu_kernels_equal_the_stock_ops(n, inplace, dtype, monkeypatch):
+    """The compiled loops (jacmem.memory.kernels) and the stock-op path give the same
+    output, bits and gradient, bit for bit, at -0, NaN, and infinite gradients; a
+    non-contiguous input takes the stock ops."""
+    from jacmem.memory import kernels
+
+    if kernels._library() is None:
+        pytest.skip("no C compiler here: only the stock-op path runs (every other ReLU test covers it)")
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=gen, dtype=dtype)
+    x[::3], x[1::7], x[2::11] = -0.0, float("nan"), 0.0
+    g = torch.randn(n, generator=gen, dtype=dtype)
+    g[::5] = float("inf")
+    fused = _relu_step(x, g, inplace)
+    monkeypatch.setattr(kernels, "available", lambda t: False)
+    stock_ops = _relu_step(x, g, inplace)
+    for a, b in zip(fused, stock_ops):
+        assert torch.equal(a.view(torch.uint8), b.view(torch.uint8))  # bitwise: -0, NaN and all
+    assert torch.equal(fused[0].view(torch.uint8), torch.relu(x).view(torch.uint8))
+
+    calls = []
+    monkeypatch.setattr(kernels, "available", lambda t: calls.append(t.is_contiguous()) or t.is_contiguous())
+    wide = torch.stack([x, x], 1)
+    strided = _relu_step(wide, g, inplace, pick=lambda t: t[:, 0])  # every other element: not contiguous
+    assert torch.equal(strided[0].contiguous().view(torch.uint8), stock_ops[0].view(torch.uint8))
+    assert torch.equal(strided[2][:, 0].contiguous().view(torch.uint8), stock_ops[2].view(torch.uint8))
+    assert calls[0] is False  # the forward took the stock ops; the backward reads their bits with the loop
+
+
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 64, 1001])
 def test_pack_bits_roundtrip(n):
     mask = torch.rand(n, generator=torch.Generator().manual_seed(n)) > 0.5

@@ -33,6 +33,8 @@ from torch import Tensor
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
+from jacmem.memory import kernels
+
 if sys.byteorder != "little":  # pack_bits reads 8 bools as one little-endian int64
     raise ImportError("jacmem.memory's bit-packed masks assume a little-endian machine")
 
@@ -156,24 +158,37 @@ def unpack_bits(packed: Tensor, numel: int, dtype: torch.dtype = torch.bool) -> 
 
 
 class ReLUFunction(torch.autograd.Function):
-    """max(x, 0), any shape; keeps ``x > 0`` packed 8 elements to a byte."""
+    """max(x, 0), any shape; keeps ``x > 0`` packed 8 elements to a byte.
+
+    On CPU (float32/float64), :mod:`jacmem.memory.kernels` computes the output with its
+    bits in one pass and applies the bits in another; elsewhere stock ops do, with the
+    same output, bits and gradients."""
 
     @staticmethod
     def forward(ctx, x, inplace):
-        if inplace:
-            out = x.relu_()
-            ctx.mark_dirty(x)
-        else:
-            out = torch.relu(x)
         ctx.shape = x.shape
-        # out != 0 is stock's "out > 0" (its backward passes the gradient where out is NaN, too)
-        ctx.save_for_backward(pack_bits(out.bool(), scratch=True) if ctx.needs_input_grad[0] else None)
+        packed = None
+        if ctx.needs_input_grad[0] and kernels.available(x):
+            out = x if inplace else torch.empty_like(x)
+            packed = kernels.relu_pack(x, out)
+            if inplace:
+                torch.autograd.graph.increment_version(x)  # written outside torch: tell autograd
+        else:
+            out = x.relu_() if inplace else torch.relu(x)
+            if ctx.needs_input_grad[0]:
+                # out != 0 is stock's "out > 0" (its backward passes the gradient where out is NaN, too)
+                packed = pack_bits(out.bool(), scratch=True)
+        if inplace:
+            ctx.mark_dirty(x)
+        ctx.save_for_backward(packed)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad):
         (packed,) = ctx.saved_tensors
+        if kernels.available(grad):
+            return kernels.select(grad, packed), None
         mask = unpack_bits(packed, grad.numel(), grad.dtype).view(ctx.shape)
         # stock's kernel (0 where the mask is 0, even for an infinite gradient), into the mask's buffer
         return torch.ops.aten.threshold_backward.grad_input(grad, mask, 0, grad_input=mask), None
