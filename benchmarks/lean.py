@@ -1,7 +1,7 @@
 """Stock PyTorch layers vs ``jacmem.memory.lean``: peak memory and time of one
 forward + backward, in memsave's four settings of what requires a gradient.
 
-``python -m benchmarks.lean [--quick] [--repeats 11] [--threads 1] [--device cpu]``
+``python -m benchmarks.lean [--quick] [--repeats 21] [--threads 1] [--device cpu]``
 
 Settings (Bhatia & Dangel, memsave):
 
@@ -324,7 +324,7 @@ def write_block(lines: List[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
 def main(argv: Optional[List[str]] = None) -> Dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lean", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models and batches, 2 repeats; no BENCHMARKS.md")
-    parser.add_argument("--repeats", type=int, default=None, help="steps measured per case (default 11, quick 2)")
+    parser.add_argument("--repeats", type=int, default=None, help="steps measured per case (default 21, quick 2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default=",".join(MODELS))
@@ -333,7 +333,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                         help="rewrite the lean block of BENCHMARKS.md (default: on for full runs)")
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.repeats = args.repeats or (2 if args.quick else 11)
+    args.repeats = args.repeats or (2 if args.quick else 21)
     torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(_run(json.loads(args.case), args)))
@@ -394,7 +394,7 @@ NOTES: List[str] = [
     "of the CNN's step at 40-60 calls. Dropout draws its mask twice, with `uniform_` into the output's own "
     "buffer; each draw costs about half of stock's `bernoulli_`, so dropout costs about what stock's does. "
     "Ratios from a shared machine moved by a few percent between runs (the quartiles show the spread within "
-    "one; three runs of `norm` alone gave 1.03, 1.05 and 1.06); no GPU was available to measure CUDA. "
+    "one; runs of the CNN's `norm` alone gave 1.03 to 1.06, of `surgical` 1.00 to 1.06); no GPU was available to measure CUDA. "
     "`lean(model, types=...)` leaves ReLU stock where its time matters more than its memory.",
 ]
 
