@@ -92,8 +92,10 @@ from jacmem.derivatives.jacobians import passthrough  # noqa: E402
 
 
 def jac_t(xs, out, S: Tensor, *, weight: Tensor):
-    """Jᵀ S = S W per vector: [V, N, *, O] -> ([V, N, *, I],)"""
-    return (S @ weight,)
+    """Jᵀ S = S W per vector: [V, N, *, O] -> ([V, N, *, I],), as one matrix product
+    (``S @ W`` on a strided ``S``, such as KFRA's transposed rows, becomes V·N
+    vector-matrix products: 20 ms instead of 3 ms on the MLP's 512 rows)"""
+    return ((S.flatten(0, -2) @ weight).unflatten(0, S.shape[:-1]),)
 
 
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
