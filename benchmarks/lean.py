@@ -394,7 +394,7 @@ NOTES: List[str] = [
     "of the CNN's step at 40-60 calls. Dropout draws its mask twice, with `uniform_` into the output's own "
     "buffer; each draw costs about half of stock's `bernoulli_`, so dropout costs about what stock's does. "
     "Ratios from a shared machine moved by a few percent between runs (the quartiles show the spread within "
-    "one; runs of the CNN's `norm` alone gave 1.03 to 1.06, of `surgical` 1.00 to 1.06); no GPU was available to measure CUDA. "
+    "one; runs of the CNN's `norm` alone gave 1.03 to 1.06, of `surgical` 1.02 to 1.06); no GPU was available to measure CUDA. "
     "`lean(model, types=...)` leaves ReLU stock where its time matters more than its memory.",
 ]
 
