@@ -495,16 +495,18 @@ def test_integer_input_names_the_module_and_the_fix(net, dtype):
     state.check()
 
 
+@pytest.mark.parametrize("alone", [False, True], ids=["all extensions", "BatchGrad alone"])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf")])
-def test_nan_or_inf_input_is_flagged_not_fatal(bad):
+def test_nan_or_inf_input_is_flagged_not_fatal(bad, alone):
+    """BatchGrad alone: the check reads the summed gradient instead of the per-sample ones."""
     model = cnn()
     X, y = x64(4, 2, 6, 6), x64(4, 2)
     X[1, 0, 2, 2] = bad
     with pytest.warns(RuntimeWarning, match=r"of module\(s\) '0', '2', '4' hold NaN or Inf") as caught:
-        run_jacmem(model, X, y, mse, "mean", extensions())
+        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()] if alone else extensions())
     assert "it entered at '0': check the data with torch.isfinite(X).all()" in str(caught[0].message)
     for p in model.parameters():
-        assert all(hasattr(p, f) for f in ALL_FIELDS)
+        assert all(hasattr(p, f) for f in (["grad_batch"] if alone else ALL_FIELDS))
     # the samples the bad one does not touch are still right
     good = [0, 2, 3]
     reference = per_sample_grads(model, X[good], y[good], mse)
