@@ -18,9 +18,11 @@ The model is the example's CNN (Conv2d 1→128→256→64→32 with ReLUs and Ma
 Linear(32, 10)) with CrossEntropyLoss, on a seeded random MNIST-shaped batch
 ``[64, 1, 28, 28]``. Every strategy that ``nn.Conv2d`` offers for the weight's
 ``batch_grad``, plus ``auto``, plus a plain forward+backward without jacmem, runs in a
-process of its own, so that each peak RSS is its own. Each timed pass follows a plain
-pass in the same process, and ``time/plain`` is the median of their ratios, which holds
-up while other work loads the machine. The script checks that all
+process of its own, so that each peak RSS is its own (two processes, in fact: the times
+come from one in which glibc keeps freed memory for reuse, the peak from one in which it
+returns it at once, as in ``benchmarks/``). Each timed pass follows a plain pass in the
+same process, and ``time/plain`` is the median of their ratios, which holds up while
+other work loads the machine. The script checks that all
 strategies give the same ``grad_batch`` (and that it sums to the plain ``.grad``),
 prints a table and saves a bar chart to ``out/plot_save_memory.png``.
 
@@ -54,6 +56,8 @@ from jacmem.derivatives import REGISTRY
 
 PLAIN = "plain"
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from benchmarks.run import MEMORY_MALLOC, TIME_MALLOC  # noqa: E402
 MiB = 2**20
 
 
@@ -139,14 +143,25 @@ def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
 # -- parent: spawn, check, tabulate, plot ---------------------------------------------
 
 
-def run_worker(strategy: str, args, dump: str) -> dict:
-    """Run :func:`worker` for ``strategy`` in a fresh interpreter; its JSON result."""
-    cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(args.batch)]
-    cmd += ["--repeats", str(args.repeats), "--dump", dump]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+def run_worker(strategy: str, batch: int, repeats: int, dump: str, malloc: Dict[str, str]) -> dict:
+    """Run :func:`worker` for ``strategy`` in a fresh interpreter, with glibc settings
+    ``malloc``; its JSON result."""
+    cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(batch)]
+    cmd += ["--repeats", str(repeats), "--dump", dump]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, **malloc))
     if proc.returncode != 0:
         raise RuntimeError(f"the worker for strategy {strategy!r} failed:\n{proc.stderr}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def measure(strategy: str, args, dump: str) -> dict:
+    """Times from one worker, peak memory from another, as ``benchmarks/`` measures
+    (see ``benchmarks.run.TIME_MALLOC``): timed with glibc keeping freed memory, so that
+    page faults on a fresh buffer at every pass do not swamp the ratios; the peak with
+    glibc returning memory at once, so that it is the peak of live memory."""
+    timed = run_worker(strategy, args.batch, args.repeats, dump, TIME_MALLOC)
+    memory = run_worker(strategy, args.batch, 1, dump + ".memory", MEMORY_MALLOC)
+    return dict(timed, baseline=memory["baseline"], peak=memory["peak"])
 
 
 def close(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -259,7 +274,7 @@ def main(argv=None) -> None:
     with tempfile.TemporaryDirectory() as tmp:
         dumps = {name: os.path.join(tmp, f"{name}.pt") for name in names}
         for name in names:
-            results[name] = run_worker(name, args, dumps[name])
+            results[name] = measure(name, args, dumps[name])
             print(f"  {name}: done", flush=True)
         grad_batch_bytes = check(dumps, args.batch)
     rows = table(results, grad_batch_bytes)

@@ -25,15 +25,16 @@ def _load_demo():
 
 def test_plot_save_memory_quick(tmp_path, capsys, monkeypatch):
     """``--quick`` end to end. To keep it to seconds, the parent runs here, ``auto``'s
-    worker in a process of its own as in the demo, and the other workers in this process
-    (the memory figures do not matter here, and each process start imports torch)."""
+    two workers (time, memory) in processes of their own as in the demo, and the other
+    workers in this process (the memory figures do not matter here, and each process
+    start imports torch)."""
     demo = _load_demo()
     spawn = demo.run_worker
 
-    def run_worker(strategy, args, dump):
+    def run_worker(strategy, batch, repeats, dump, malloc):
         if strategy == "auto":
-            return spawn(strategy, args, dump)
-        return demo.worker(strategy, args.batch, args.repeats, dump)
+            return spawn(strategy, batch, repeats, dump, malloc)
+        return demo.worker(strategy, batch, repeats, dump)
 
     monkeypatch.setattr(demo, "run_worker", run_worker)
     demo.main(["--quick", "--out", str(tmp_path)])
