@@ -2,8 +2,9 @@
 and group count.
 
 Shapes: ``x [N, C_in, *S_in]``, ``g [N, C_out, *S_out]``, ``weight [C_out, C_in/G, *K]``,
-``bias [C_out]``; ``G`` groups. The input is padded first (with the layer's own
-``padding_mode``), so the derivatives below only see ``padding=0``.
+``bias [C_out]``; ``G`` groups. The derivatives pad the input as the layer does (with
+its ``padding_mode``); where that is symmetric zero padding, those that call a
+convolution kernel let it pad instead (:func:`kernel_padding`), which copies nothing.
 
 Three strategies give the per-sample weight gradients:
 
@@ -29,7 +30,7 @@ Three strategies give the per-sample weight gradients:
 from __future__ import annotations
 
 from math import prod
-from typing import Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange
@@ -68,6 +69,14 @@ def pad(x: Tensor, padding: Sequence[Tuple[int, int]], padding_mode: str) -> Ten
     if not any(flat):
         return x
     return F.pad(x, flat, mode="constant" if padding_mode == "zeros" else padding_mode)
+
+
+def kernel_padding(padding, padding_mode) -> Optional[List[int]]:
+    """The padding a convolution kernel applies itself (symmetric zeros) as one int per
+    axis, or None where the input must be padded first."""
+    if padding_mode == "zeros" and all(left == right for left, right in padding):
+        return [left for left, _ in padding]
+    return None
 
 
 def unfold(x: Tensor, kernel_size, stride, dilation) -> Tensor:
@@ -174,9 +183,8 @@ def weight_batch_grad_grouped(x, g, *, kernel_size, stride, dilation, groups, pa
     weight gradient ``[(N C_out), C_in/G, *K]`` holds each sample's apart.
     """
     n, c, o = x.shape[0], x.shape[1], g.shape[1]
-    if padding_mode == "zeros" and all(left == right for left, right in padding):
-        own = [left for left, _ in padding]  # the kernel's own padding: no padded copy
-    else:
+    own = kernel_padding(padding, padding_mode)
+    if own is None:
         x, own = pad(x, padding, padding_mode), [0] * len(kernel_size)
     shape = (n * o, c // groups, *kernel_size)
     weight = x.new_empty(()).expand(shape)  # only its shape is read
@@ -246,8 +254,9 @@ def jac_t(xs, out, S: Tensor, *, weight, kernel_size, stride, dilation, groups, 
     v, n = S.shape[:2]
     conv_input = _CONV_INPUT[len(kernel_size)]
     hyper = dict(stride=stride, dilation=dilation, groups=groups)
-    if padding_mode == "zeros" and all(left == right for left, right in padding):
-        g = conv_input((v * n, *x.shape[1:]), weight, S.flatten(0, 1), padding=[p for p, _ in padding], **hyper)
+    own = kernel_padding(padding, padding_mode)
+    if own is not None:
+        g = conv_input((v * n, *x.shape[1:]), weight, S.flatten(0, 1), padding=own, **hyper)
         return (g.unflatten(0, (v, n)),)
     padded = pad(x[:1], padding, padding_mode).shape[1:]
     g = conv_input((v * n, *padded), weight, S.flatten(0, 1), padding=0, **hyper).unflatten(0, (v, n))
