@@ -79,6 +79,15 @@ def kernel_padding(padding, padding_mode) -> Optional[List[int]]:
     return None
 
 
+def for_kernel(x: Tensor, padding, padding_mode) -> Tuple[Tensor, List[int]]:
+    """``x`` and the padding to hand a convolution kernel: the kernel's own where it can
+    pad (:func:`kernel_padding`), else ``x`` padded here and 0."""
+    own = kernel_padding(padding, padding_mode)
+    if own is None:
+        return pad(x, padding, padding_mode), [0] * len(padding)
+    return x, own
+
+
 def unfold(x: Tensor, kernel_size, stride, dilation) -> Tensor:
     """im2col as a view, no copy: padded [N, C, *S] -> [N, C, *K, *S_out]."""
     n, c, *space = x.shape
@@ -183,9 +192,7 @@ def weight_batch_grad_grouped(x, g, *, kernel_size, stride, dilation, groups, pa
     weight gradient ``[(N C_out), C_in/G, *K]`` holds each sample's apart.
     """
     n, c, o = x.shape[0], x.shape[1], g.shape[1]
-    own = kernel_padding(padding, padding_mode)
-    if own is None:
-        x, own = pad(x, padding, padding_mode), [0] * len(kernel_size)
+    x, own = for_kernel(x, padding, padding_mode)
     shape = (n * o, c // groups, *kernel_size)
     weight = x.new_empty(()).expand(shape)  # only its shape is read
     grad = torch.ops.aten.convolution_backward(
@@ -202,9 +209,9 @@ def _grad_cost(xs, gs, *, kernel_size, groups, **_):
 
 def weight_grad(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
     """The summed weight gradient, as autograd computes it: -> [C_out, C_in/G, *K]"""
-    x = pad(x, padding, padding_mode)
+    x, own = for_kernel(x, padding, padding_mode)
     shape = (g.shape[1], x.shape[1] // groups, *kernel_size)
-    return _CONV_WEIGHT[len(kernel_size)](x, shape, g, stride=stride, dilation=dilation, groups=groups)
+    return _CONV_WEIGHT[len(kernel_size)](x, shape, g, stride=stride, padding=own, dilation=dilation, groups=groups)
 
 
 def _ghost_cost(xs, gs, *, kernel_size, groups, **_):
