@@ -45,7 +45,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import psutil
 import torch
@@ -103,10 +103,10 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
+def worker(strategy: str, batch: int, repeats: int, dump: Optional[str]) -> dict:
     """Warm up, then time ``repeats`` forward+backward passes under ``strategy``, each
     paired with a plain pass just before it, so that their ratio holds while other work
-    loads the machine. Saves the last pass's result to ``dump``."""
+    loads the machine. Saves the last pass's result to ``dump``, where given."""
     X, y, model, lossfunc = setup(batch)
     baseline = psutil.Process().memory_info().rss
     explain = ""
@@ -136,18 +136,19 @@ def worker(strategy: str, batch: int, repeats: int, dump: str) -> dict:
         ratios.append(times[-1] / plain)
     peak = _peak_rss_bytes()
     field = "grad" if strategy == PLAIN else "grad_batch"
-    torch.save({name: getattr(p, field) for name, p in model.named_parameters()}, dump)
+    if dump is not None:
+        torch.save({name: getattr(p, field) for name, p in model.named_parameters()}, dump)
     return dict(strategy=strategy, baseline=baseline, peak=peak, times=times, ratios=ratios, explain=explain)
 
 
 # -- parent: spawn, check, tabulate, plot ---------------------------------------------
 
 
-def run_worker(strategy: str, batch: int, repeats: int, dump: str, malloc: Dict[str, str]) -> dict:
+def run_worker(strategy: str, batch: int, repeats: int, dump: Optional[str], malloc: Dict[str, str]) -> dict:
     """Run :func:`worker` for ``strategy`` in a fresh interpreter, with glibc settings
     ``malloc``; its JSON result."""
     cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(batch)]
-    cmd += ["--repeats", str(repeats), "--dump", dump]
+    cmd += ["--repeats", str(repeats)] + (["--dump", dump] if dump is not None else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, **malloc))
     if proc.returncode != 0:
         raise RuntimeError(f"the worker for strategy {strategy!r} failed:\n{proc.stderr}")
@@ -160,7 +161,7 @@ def measure(strategy: str, args, dump: str) -> dict:
     page faults on a fresh buffer at every pass do not swamp the ratios; the peak with
     glibc returning memory at once, so that it is the peak of live memory."""
     timed = run_worker(strategy, args.batch, args.repeats, dump, TIME_MALLOC)
-    memory = run_worker(strategy, args.batch, 1, dump + ".memory", MEMORY_MALLOC)
+    memory = run_worker(strategy, args.batch, 1, None, MEMORY_MALLOC)  # its results are the time run's
     return dict(timed, baseline=memory["baseline"], peak=memory["peak"])
 
 
