@@ -1,6 +1,6 @@
 """Where each conv strategy wins: time and memory versus batch size.
 
-jacmem has three ways to get a convolution's per-sample weight gradients, and a fourth
+jacmem has three ways to get a convolution's per-sample weight gradients, and two more
 for their norms alone:
 
 * ``unfold``: im2col, then one batched matrix product. Fast, but the unfolded input
@@ -11,7 +11,8 @@ for their norms alone:
   by the backend's own kernel; fast where channels are many and outputs large (the seed
   CNN's first layer has one input channel, its later ones small outputs).
 * ``ghost`` (norms only): ``‖Gᵀ A‖² = ⟨A Aᵀ, G Gᵀ⟩`` per sample, never forming the
-  per-sample gradients.
+  per-sample gradients; ``ghost_gram``, the same with ``A Aᵀ`` from the Gram matrix of
+  the input's positions (no im2col).
 * ``auto``: per layer, the cheapest by jacmem's cost model.
 
 This script runs the seed CNN of ``plot_save_memory.py`` (Conv2d 1→128→256→64→32,
@@ -38,10 +39,10 @@ from benchmarks import run as harness  # noqa: E402
 
 MiB = 2**20
 COLORS = {"unfold": "tab:blue", "save_memory": "tab:orange", "grouped": "tab:purple", "ghost": "tab:green",
-          "auto": "tab:red"}
+          "ghost_gram": "tab:olive", "auto": "tab:red"}
 METHODS = {
     "BatchGrad": ["unfold", "save_memory", "grouped", "auto"],
-    "BatchL2Grad": ["unfold", "save_memory", "grouped", "ghost", "auto"],
+    "BatchL2Grad": ["unfold", "save_memory", "grouped", "ghost", "ghost_gram", "auto"],
 }
 
 

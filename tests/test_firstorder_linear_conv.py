@@ -331,3 +331,31 @@ def test_auto_takes_grouped_where_its_kernel_is_fast(c_in, size, chosen):
     X, y = torch.randn(2, c_in, size, size), torch.randint(0, 2, (2,))
     ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
     assert ctx.plan.decisions[("0", "weight", "batch_grad")].chosen == chosen, ctx.explain()
+
+
+@pytest.mark.parametrize(
+    "conv,size,chosen",
+    [(nn.Conv2d(64, 256, 3, padding=1), 6, "ghost_gram"), (nn.Conv2d(3, 64, 4, stride=4), 16, "ghost")],
+    ids=["overlapping 3x3", "4x4 patches"],
+)
+def test_auto_takes_the_cheaper_ghost_norm(conv, size, chosen):
+    """Norms alone: the Gram matrix over input positions costs ``P_padded²`` per channel
+    against unfolding's ``prod(K)·P²``, so ``ghost_gram`` wins where kernels overlap and
+    ``ghost`` on patches (stride = kernel size). Both beat per-sample gradients here."""
+    out = conv(torch.zeros(1, conv.in_channels, size, size)).shape[1:]
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(out.numel(), 2))
+    X, y = torch.randn(2, conv.in_channels, size, size), torch.randint(0, 2, (2,))
+    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchL2Grad()])
+    assert ctx.plan.decisions[("0", "weight", "batch_l2")].chosen == chosen, ctx.explain()
+
+
+def test_the_summed_gradient_rides_along_a_cheaper_pass():
+    """BatchL2Grad also writes ``.grad``. Where one pass of per-sample gradients gives
+    both for less than a ghost norm plus its own weight gradient (the seed CNN's
+    128→256 conv), the plan takes the pass for both: the summed gradient is planned
+    last, after the quantities a pass could give it with."""
+    model = nn.Sequential(nn.Conv2d(128, 256, 3, padding=1), nn.Flatten(), nn.Linear(256 * 13 * 13, 2))
+    X, y = torch.randn(2, 128, 13, 13), torch.randint(0, 2, (2,))
+    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchL2Grad()])
+    l2, grad = ctx.plan.decisions[("0", "weight", "batch_l2")], ctx.plan.decisions[("0", "weight", "grad")]
+    assert (l2.kind, l2.chosen, grad.kind, grad.chosen) == ("pass", "unfold", "reuse", "unfold"), ctx.explain()

@@ -10,8 +10,8 @@ hyper-parameters, ``conv_W: [C_out, *S_out] -> [C_in, *S_in]`` (weight layout
 ``⟨g, convT_W(x)⟩ = ⟨conv_W(g), x⟩``, and the weight gradient of the transposed conv
 with input ``x`` and output gradient ``g`` is the weight gradient of that conv with
 input ``g`` and output gradient ``x``, in the transposed conv's own weight layout. Every
-strategy of :mod:`jacmem.derivatives.conv` (``unfold``, ``save_memory``, ``ghost``, the
-summed ``direct``) therefore serves the transposed conv too, with the roles of ``x`` and
+strategy of :mod:`jacmem.derivatives.conv` (``unfold``, ``save_memory``, ``ghost``,
+``ghost_gram``, the summed ``direct``) therefore serves the transposed conv too, with the roles of ``x`` and
 ``g`` swapped.
 
 ``output_padding`` adds ``op`` positions at the end of ``S_out`` that no input position
@@ -87,6 +87,7 @@ _STRATEGIES = [
     ("weight", "batch_grad", "unfold", conv.weight_batch_grad_unfold, conv._unfold_cost),
     ("weight", "batch_grad", "save_memory", conv.weight_batch_grad_save_memory, conv._save_memory_cost),
     ("weight", "batch_l2", "ghost", conv.weight_batch_l2_ghost, conv._ghost_cost),
+    ("weight", "batch_l2", "ghost_gram", conv.weight_batch_l2_ghost_gram, conv._ghost_gram_cost),
     ("weight", "grad", "direct", conv.weight_grad, conv._grad_cost),
 ]
 

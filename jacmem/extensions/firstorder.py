@@ -288,10 +288,14 @@ def plan(
         table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         return sum(_estimate(s, xs, gs, hp) is not None for s in table.values())
 
-    # Quantities that need a pass plan it first, so the others can ride along.
-    order = sorted((q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", applicable_direct(q)))
-    # A pass gives the summed gradient for free; a direct strategy for another quantity
-    # leaves it to be computed on its own (its FLOPs count against that strategy).
+    # Quantities that need a pass plan it first, so the others can ride along. The
+    # summed gradient comes last: a pass gives it for free, so a direct strategy for
+    # another quantity leaves it to be computed on its own (its FLOPs count against that
+    # strategy). Planned first, it would take its own direct strategy before a pass that
+    # could have given it with the rest.
+    order = sorted(
+        (q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", q == "grad", applicable_direct(q))
+    )
     grad_flops = 0
     if "grad" in wanted:
         grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
