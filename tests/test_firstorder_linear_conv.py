@@ -305,7 +305,8 @@ def test_sum_of_squares_both_ways():
     """SumGradSquared and Variance reduce per-sample gradients of 64 KiB or more a sample
     by one fused call per sample, smaller ones in blocks of samples: here the conv weight
     (32·32·3·3 float64 = 72 KiB) takes the first, the bias the second; both against the
-    per-sample loop, whole and chunked."""
+    per-sample loop, whole and chunked. With ``unfold`` asked for, Variance's summed
+    gradient comes from the same loop (auto computes it directly here)."""
     from jacmem.extensions import firstorder
 
     torch.manual_seed(0)
@@ -313,8 +314,10 @@ def test_sum_of_squares_both_ways():
     assert model[0].weight.numel() * 8 >= firstorder._SAMPLE_LOOP_BYTES > model[0].bias.numel() * 8
     X, y = torch.randn(4, 32, 5, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse)
-    for kwargs in ({}, {"chunk_bytes": 1}):
-        run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()], **kwargs)
+    for kwargs in ({}, {"chunk_bytes": 1}, {"strategy": "unfold"}, {"strategy": "unfold", "chunk_bytes": 1}):
+        ctx = run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()], **kwargs)
+        if "strategy" in kwargs:
+            assert ctx.plan.decisions[("0", "weight", "grad")].kind == "reuse", ctx.explain()
         check_against(model, reference, ["sum_grad_squared", "variance"], f"sum of squares {kwargs}")
 
 
