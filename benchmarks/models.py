@@ -75,6 +75,16 @@ def resnet(width: int) -> nn.Module:
     return model
 
 
+def separable(width: int) -> nn.Module:
+    """MobileNet-style: a 3x3 conv, then three depthwise 3x3 convs (``groups`` = channels),
+    each followed by a pointwise 1x1 conv: [N, 3, 32, 32] -> [N, 10]."""
+    layers = [nn.Conv2d(3, width, 3, padding=1), nn.ReLU()]
+    for c_in, c_out, stride in ((width, 2 * width, 1), (2 * width, 4 * width, 2), (4 * width, 4 * width, 1)):
+        layers += [nn.Conv2d(c_in, c_in, 3, stride=stride, padding=1, groups=c_in), nn.ReLU()]
+        layers += [nn.Conv2d(c_in, c_out, 1), nn.ReLU()]
+    return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(4 * width, 10))
+
+
 class TransformerBlock(nn.Module):
     """Single-head self-attention and an MLP, each with a residual, all Linear on
     [N, T, d] -> [N, T, d]. LayerNorm without affine parameters."""
@@ -168,6 +178,13 @@ MODELS: Dict[str, Bench] = {
         "[64, 3, 32, 32]",
         _resnet,
         lambda quick: (4 if quick else 64, 3, 32, 32),
+    ),
+    "depthwise": Bench(
+        "MobileNet-style CNN: conv 3-32, three depthwise 3x3 convs (32, 64, 128 channels, one "
+        "group each) with pointwise 1x1 convs, [64, 3, 32, 32]",
+        lambda quick: separable(4 if quick else 32),
+        lambda quick: (4 if quick else 64, 3, 32, 32),
+        compare_strategies=("BatchGrad",),  # the three per-sample conv strategies on groups
     ),
     "transformer": Bench(
         "transformer-style: Linear embed 32-128, 2 blocks (attention q/k/v/o and MLP 128-512-128, "

@@ -322,15 +322,22 @@ def test_sum_of_squares_both_ways():
 
 
 @pytest.mark.parametrize(
-    "c_in,size,chosen",
-    [(16, 16, "grouped"), (3, 16, "unfold"), (16, 8, "unfold")],
-    ids=["many channels, large output", "three input channels", "8x8 output"],
+    "c_in,c_out,groups,size,chosen",
+    [
+        (16, 16, 1, 16, "grouped"),
+        (3, 16, 1, 16, "unfold"),
+        (16, 16, 1, 8, "unfold"),
+        (32, 32, 32, 8, "grouped"),
+    ],
+    ids=["many channels, large output", "three input channels", "8x8 output", "depthwise"],
 )
-def test_auto_takes_grouped_where_its_kernel_is_fast(c_in, size, chosen):
+def test_auto_takes_grouped_where_its_kernel_is_fast(c_in, c_out, groups, size, chosen):
     """The grouped weight-gradient kernel is charged a third of im2col's FLOP time where
-    each group has 16 channels and 256 output positions or more, and three times it
-    below (the shapes measured in the cost constants' comment)."""
-    model = nn.Sequential(nn.Conv2d(c_in, 16, 3, padding=1), nn.Flatten(), nn.Linear(16 * size * size, 2))
+    each group has 16 channels and 256 output positions or more, or one channel in and
+    out (depthwise), and three times it otherwise (the shapes measured in the cost
+    constants' comment)."""
+    conv = nn.Conv2d(c_in, c_out, 3, padding=1, groups=groups)
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(c_out * size * size, 2))
     X, y = torch.randn(2, c_in, size, size), torch.randint(0, 2, (2,))
     ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
     assert ctx.plan.decisions[("0", "weight", "batch_grad")].chosen == chosen, ctx.explain()

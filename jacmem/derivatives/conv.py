@@ -172,21 +172,24 @@ def weight_batch_grad_save_memory(x, g, *, kernel_size, stride, dilation, groups
 #: the grouped strategy's FLOP rate against im2col's, where each group has at least
 #: GROUPED_MIN_CHANNELS input and output channels and GROUPED_MIN_OUTPUT output
 #: positions (measured on CPU: 16-32 channels, 16x16-32x32 outputs, 2-8x faster than
-#: im2col); below either, the kernel vectorises poorly (3 input channels: 2.6x slower;
-#: 7x7 outputs: 1.8x slower), and it is charged GROUPED_SLOW
+#: im2col), or one of each (depthwise: the backend's depthwise kernel, 4-8x faster than
+#: im2col from 8x8 to 32x32 outputs, about the time of the summed weight gradient);
+#: otherwise the kernel vectorises poorly (3 input channels: 2.6x slower; 7x7 outputs:
+#: 1.8x slower; two output channels per input channel: 2x slower), and it is charged
+#: GROUPED_SLOW
 GROUPED_FAST, GROUPED_SLOW = 0.35, 3.0
 GROUPED_MIN_CHANNELS, GROUPED_MIN_OUTPUT = 16, 256
 
 
 def _grouped_cost(xs, gs, *, kernel_size, groups, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
-    fast = min(c, o // groups) >= GROUPED_MIN_CHANNELS and p >= GROUPED_MIN_OUTPUT
+    depthwise = c == 1 and o == groups
+    fast = depthwise or (min(c, o // groups) >= GROUPED_MIN_CHANNELS and p >= GROUPED_MIN_OUTPUT)
     # workspace: the backend lays input, output gradient and result out in its own blocked
-    # format and back (measured on CPU: about twice their sizes above the result)
-    return Cost(
-        flops=(GROUPED_FAST if fast else GROUPED_SLOW) * 2 * n * o * c * k * p,
-        workspace=2 * n * (c * groups * prod(xs[2:]) + o * p + o * c * k),
-    )
+    # format and back (measured on CPU: about twice their sizes above the result); its
+    # depthwise kernel reads them as they are (charged the result's size once)
+    copies = n * o * c * k if depthwise else 2 * n * (c * groups * prod(xs[2:]) + o * p + o * c * k)
+    return Cost(flops=(GROUPED_FAST if fast else GROUPED_SLOW) * 2 * n * o * c * k * p, workspace=copies)
 
 
 def weight_batch_grad_grouped(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
