@@ -173,6 +173,7 @@ def main(argv=None) -> None:
         return
 
     todo = cases(args)
+    args.plot.parent.mkdir(parents=True, exist_ok=True)  # results.partial.json goes there from the first case
     started, load_before = time.time(), load()
     print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
     results: List[dict] = [{}] * len(todo)

@@ -186,9 +186,9 @@ def _grouped_cost(xs, gs, *, kernel_size, groups, **_):
     depthwise = c == 1 and o == groups
     fast = depthwise or (min(c, o // groups) >= GROUPED_MIN_CHANNELS and p >= GROUPED_MIN_OUTPUT)
     # workspace: the backend lays input, output gradient and result out in its own blocked
-    # format and back (measured on CPU: about twice their sizes above the result); its
-    # depthwise kernel reads them as they are (charged the result's size once)
-    copies = n * o * c * k if depthwise else 2 * n * (c * groups * prod(xs[2:]) + o * p + o * c * k)
+    # format and back (measured on CPU: about twice their sizes above the result; its
+    # depthwise kernel, once)
+    copies = (1 if depthwise else 2) * n * (c * groups * prod(xs[2:]) + o * p + o * c * k)
     return Cost(flops=(GROUPED_FAST if fast else GROUPED_SLOW) * 2 * n * o * c * k * p, workspace=copies)
 
 
