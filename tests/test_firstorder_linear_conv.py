@@ -321,6 +321,16 @@ def test_sum_of_squares_both_ways():
         check_against(model, reference, ["sum_grad_squared", "variance"], f"sum of squares {kwargs}")
 
 
+def run_auto(conv: nn.Module, size: int, extension) -> jacmem.extend:
+    """``extension`` with auto on ``conv`` (module "0") and a Linear head, cross-entropy,
+    a batch of two ``size``×``size`` inputs: the block, whose ``plan.decisions`` say
+    what auto chose."""
+    out = conv(torch.zeros(1, conv.in_channels, size, size)).shape[1:]
+    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(out.numel(), 2))
+    X, y = torch.randn(2, conv.in_channels, size, size), torch.randint(0, 2, (2,))
+    return run_jacmem(model, X, y, cross_entropy, "mean", [extension])
+
+
 @pytest.mark.parametrize(
     "c_in,c_out,groups,size,chosen",
     [
@@ -336,10 +346,7 @@ def test_auto_takes_grouped_where_its_kernel_is_fast(c_in, c_out, groups, size, 
     each group has 16 channels and 256 output positions or more, or one channel in and
     out (depthwise), and three times it otherwise (the shapes measured in the cost
     constants' comment)."""
-    conv = nn.Conv2d(c_in, c_out, 3, padding=1, groups=groups)
-    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(c_out * size * size, 2))
-    X, y = torch.randn(2, c_in, size, size), torch.randint(0, 2, (2,))
-    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
+    ctx = run_auto(nn.Conv2d(c_in, c_out, 3, padding=1, groups=groups), size, jacmem.BatchGrad())
     assert ctx.plan.decisions[("0", "weight", "batch_grad")].chosen == chosen, ctx.explain()
 
 
@@ -352,10 +359,7 @@ def test_auto_takes_the_cheaper_ghost_norm(conv, size, chosen):
     """Norms alone: the Gram matrix over input positions costs ``P_padded²`` per channel
     against unfolding's ``prod(K)·P²``, so ``ghost_gram`` wins where kernels overlap and
     ``ghost`` on patches (stride = kernel size). Both beat per-sample gradients here."""
-    out = conv(torch.zeros(1, conv.in_channels, size, size)).shape[1:]
-    model = nn.Sequential(conv, nn.Flatten(), nn.Linear(out.numel(), 2))
-    X, y = torch.randn(2, conv.in_channels, size, size), torch.randint(0, 2, (2,))
-    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchL2Grad()])
+    ctx = run_auto(conv, size, jacmem.BatchL2Grad())
     assert ctx.plan.decisions[("0", "weight", "batch_l2")].chosen == chosen, ctx.explain()
 
 
@@ -364,8 +368,6 @@ def test_the_summed_gradient_rides_along_a_cheaper_pass():
     both for less than a ghost norm plus its own weight gradient (the seed CNN's
     128→256 conv), the plan takes the pass for both: the summed gradient is planned
     last, after the quantities a pass could give it with."""
-    model = nn.Sequential(nn.Conv2d(128, 256, 3, padding=1), nn.Flatten(), nn.Linear(256 * 13 * 13, 2))
-    X, y = torch.randn(2, 128, 13, 13), torch.randint(0, 2, (2,))
-    ctx = run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchL2Grad()])
+    ctx = run_auto(nn.Conv2d(128, 256, 3, padding=1), 13, jacmem.BatchL2Grad())
     l2, grad = ctx.plan.decisions[("0", "weight", "batch_l2")], ctx.plan.decisions[("0", "weight", "grad")]
     assert (l2.kind, l2.chosen, grad.kind, grad.chosen) == ("pass", "unfold", "reuse", "unfold"), ctx.explain()
