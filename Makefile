@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test bench clean
+.PHONY: demo test lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,12 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/plot_save_memory.py
 
-test: $(STAMP)
+test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+lint: $(STAMP)
+	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
 
 bench: $(STAMP)
 	$(PY) -m benchmarks

@@ -40,7 +40,6 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import torch
 from torch import nn
@@ -106,7 +105,9 @@ class Block(nn.Module):
         self.norm1, self.norm2 = nn.LayerNorm(dim), nn.LayerNorm(dim)
         self.qkv, self.proj = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
         self.attn_drop, self.proj_drop = nn.Dropout(p), nn.Dropout(p)
-        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Dropout(p), nn.Linear(4 * dim, dim), nn.Dropout(p))
+        self.mlp = nn.Sequential(
+            nn.Linear(dim, 4 * dim), nn.ReLU(), nn.Dropout(p), nn.Linear(4 * dim, dim), nn.Dropout(p)
+        )
 
     def forward(self, x):
         n, t, d = x.shape
@@ -190,7 +191,7 @@ def _setup(model: str, setting: str, variant: str, quick: bool, device: str):
     return net, x, y, step
 
 
-def run_memory(model: str, setting: str, variant: str, quick: bool, repeats: int, device: str) -> Dict:
+def run_memory(model: str, setting: str, variant: str, quick: bool, repeats: int, device: str) -> dict:
     """Median peak memory of a step, and what the graph keeps."""
     from jacmem.memory import peak_memory, report
 
@@ -201,14 +202,14 @@ def run_memory(model: str, setting: str, variant: str, quick: bool, repeats: int
     return {"peak": peak, "graph": graph}
 
 
-def run_time(model: str, setting: str, quick: bool, repeats: int, device: str) -> Dict:
+def run_time(model: str, setting: str, quick: bool, repeats: int, device: str) -> dict:
     """Stock and lean steps alternated in one process, so that both see the same load;
     medians of each, and of the per-pair ratios."""
     steps = {v: _setup(model, setting, v, quick, device)[3] for v in ("stock", "lean")}
     cuda = device.startswith("cuda")
     # CPU: the process's CPU time, which other processes on a shared machine inflate less
     clock = time.perf_counter if cuda else time.process_time
-    times: Dict[str, List[float]] = {v: [] for v in steps}
+    times: dict[str, list[float]] = {v: [] for v in steps}
     for rep in range(repeats + 1):
         for v, step in steps.items():
             if cuda:
@@ -232,22 +233,33 @@ def run_time(model: str, setting: str, quick: bool, repeats: int, device: str) -
 # -- the parent ----------------------------------------------------------------------
 
 
-def _child(case: Dict, args) -> Dict:
+def _child(case: dict, args) -> dict:
     """Run one case: in its own process, or in this one for --quick."""
     if args.quick:
         return _run(case, args)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads))
     if case["kind"] == "memory":  # freed tensors leave the resident set at once (glibc)
         env.update(MALLOC_MMAP_THRESHOLD_="65536", MALLOC_TRIM_THRESHOLD_="131072")
-    cmd = [sys.executable, "-m", "benchmarks.lean", "--case", json.dumps(case), "--repeats", str(args.repeats),
-           "--threads", str(args.threads), "--device", args.device]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.lean",
+        "--case",
+        json.dumps(case),
+        "--repeats",
+        str(args.repeats),
+        "--threads",
+        str(args.threads),
+        "--device",
+        args.device,
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=ROOT, env=env)
     if proc.returncode:
         raise RuntimeError(f"benchmark case {case} failed:\n{proc.stderr[-3000:]}")
     return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
-def _run(case: Dict, args) -> Dict:
+def _run(case: dict, args) -> dict:
     if case["kind"] == "time":
         return run_time(case["model"], case["setting"], args.quick, args.repeats, args.device)
     return run_memory(case["model"], case["setting"], case["variant"], args.quick, args.repeats, args.device)
@@ -257,7 +269,7 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-def table(results: Dict) -> List[str]:
+def table(results: dict) -> list[str]:
     lines = []
     for model in MODELS:
         if not any(r[0] == model for r in results):
@@ -272,7 +284,11 @@ def table(results: Dict) -> List[str]:
         for setting in SETTINGS:
             if (model, setting, "time") not in results:
                 continue
-            s, l, t = results[(model, setting, "stock")], results[(model, setting, "lean")], results[(model, setting, "time")]
+            s, l, t = (
+                results[(model, setting, "stock")],
+                results[(model, setting, "lean")],
+                results[(model, setting, "time")],
+            )
             lines.append(
                 f"| {setting} | {_mb(s['peak'])} | {_mb(l['peak'])} | {s['peak'] / max(l['peak'], 1):.2f}x "
                 f"| {_mb(s['graph'])} | {_mb(l['graph'])} | {s['graph'] / max(l['graph'], 1):.1f}x "
@@ -290,10 +306,13 @@ def _describe(quick: bool) -> None:
         DESCRIPTIONS["cnn"] = "ResNet-style CNN (widths 16-128, 1 block per stage, BN eval), batch 4x3x64x64"
         DESCRIPTIONS["transformer"] = "Transformer-style (dim 64, 2 blocks, dropout 0.1, train), batch 4x32 tokens"
     else:
-        DESCRIPTIONS["cnn"] = ("ResNet-style CNN (ResNet-18 layout, widths 32-256, BatchNorm in eval mode), "
-                               "batch 16x3x128x128")
-        DESCRIPTIONS["transformer"] = ("Transformer-style (dim 256, 4 heads, 4 pre-norm blocks, ReLU MLP, "
-                                       "dropout 0.1, train mode), batch 16x128 tokens")
+        DESCRIPTIONS["cnn"] = (
+            "ResNet-style CNN (ResNet-18 layout, widths 32-256, BatchNorm in eval mode), batch 16x3x128x128"
+        )
+        DESCRIPTIONS["transformer"] = (
+            "Transformer-style (dim 256, 4 heads, 4 pre-norm blocks, ReLU MLP, "
+            "dropout 0.1, train mode), batch 16x128 tokens"
+        )
 
 
 def machine(args) -> str:
@@ -305,11 +324,13 @@ def machine(args) -> str:
         pass
     if args.device.startswith("cuda"):
         cpu = torch.cuda.get_device_name(torch.device(args.device))
-    return (f"{cpu}, {os.cpu_count()} cores, {args.threads} torch thread(s), torch {torch.__version__}, "
-            f"Python {platform.python_version()}")
+    return (
+        f"{cpu}, {os.cpu_count()} cores, {args.threads} torch thread(s), torch {torch.__version__}, "
+        f"Python {platform.python_version()}"
+    )
 
 
-def write_block(lines: List[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
+def write_block(lines: list[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
     """Replace (or append) the lean block of BENCHMARKS.md, leaving the rest as it is."""
     text = path.read_text() if path.exists() else ""
     block = "\n".join([START, *lines, END])
@@ -321,7 +342,7 @@ def write_block(lines: List[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
     path.write_text(text)
 
 
-def main(argv: Optional[List[str]] = None) -> Dict:
+def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lean", description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="small models and batches, 2 repeats; no BENCHMARKS.md")
     parser.add_argument("--repeats", type=int, default=None, help="steps measured per case (default 21, quick 2)")
@@ -329,8 +350,12 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--models", default=",".join(MODELS))
     parser.add_argument("--settings", default=",".join(SETTINGS))
-    parser.add_argument("--write", action=argparse.BooleanOptionalAction, default=None,
-                        help="rewrite the lean block of BENCHMARKS.md (default: on for full runs)")
+    parser.add_argument(
+        "--write",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="rewrite the lean block of BENCHMARKS.md (default: on for full runs)",
+    )
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.repeats = args.repeats or (2 if args.quick else 21)
@@ -347,18 +372,27 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                 res = results[(model, setting, variant)] = _child(
                     {"kind": "memory", "model": model, "setting": setting, "variant": variant}, args
                 )
-                print(f"{model:12} {setting:9} {variant:6} peak {_mb(res['peak']):>8} MiB  graph "
-                      f"{_mb(res['graph']):>8} MiB", flush=True)
+                print(
+                    f"{model:12} {setting:9} {variant:6} peak {_mb(res['peak']):>8} MiB  graph "
+                    f"{_mb(res['graph']):>8} MiB",
+                    flush=True,
+                )
             res = results[(model, setting, "time")] = _child({"kind": "time", "model": model, "setting": setting}, args)
-            print(f"{model:12} {setting:9} time   stock {res['stock']:.3f} s  lean {res['lean']:.3f} s  "
-                  f"ratio {res['ratio']:.3f} (quartiles {res['ratio_q'][0]:.3f}-{res['ratio_q'][1]:.3f})", flush=True)
+            print(
+                f"{model:12} {setting:9} time   stock {res['stock']:.3f} s  lean {res['lean']:.3f} s  "
+                f"ratio {res['ratio']:.3f} (quartiles {res['ratio_q'][0]:.3f}-{res['ratio_q'][1]:.3f})",
+                flush=True,
+            )
     command = "python -m benchmarks.lean" + (" --quick" if args.quick else "")
     lines = [
         "## Lean layers: stock vs `jacmem.memory.lean`",
         "",
         f"`{command}` ("
-        + ("all in one process; " if args.quick else
-           "memory: each case in its own process; time: stock and lean alternated in one process; ")
+        + (
+            "all in one process; "
+            if args.quick
+            else "memory: each case in its own process; time: stock and lean alternated in one process; "
+        )
         + f"medians of {args.repeats} steps), "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, {machine(args)}.",
         "Peak: memory above the post-setup baseline during one forward + backward "
@@ -374,7 +408,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
 
 
 #: how to read the tables; the measured figures are above them
-NOTES: List[str] = [
+NOTES: list[str] = [
     "For reference, memsave (Bhatia & Dangel) reports ResNet-101 with input-only gradients at 7.83 -> 1.42 GB "
     "(5.5x) on a GPU. Where lean saves memory: conv/convT and eval-mode BatchNorm keep no input for a frozen "
     "weight; ReLU keeps 1 bit per element; dropout keeps a seed; max pooling keeps its int64 indices and no "

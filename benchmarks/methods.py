@@ -12,7 +12,7 @@ norms); ``torch.func``: ``vmap(grad)``.
 
 from __future__ import annotations
 
-from typing import Callable, Dict, Iterable, List
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import Tensor, nn
@@ -48,7 +48,7 @@ def _floor(model, X, y, lossfunc):
     return step
 
 
-def _jacmem(model, X, y, lossfunc, extension: str, strategy: str, log: Dict):
+def _jacmem(model, X, y, lossfunc, extension: str, strategy: str, log: dict):
     import jacmem
 
     ext = getattr(jacmem, extension)()
@@ -104,7 +104,7 @@ def _torch_func(model, X, y, lossfunc):
     frozen = {k: p.detach() for k, p in model.named_parameters() if not p.requires_grad}
     buffers = dict(model.named_buffers())
 
-    def loss_one(params: Dict[str, Tensor], x: Tensor, t: Tensor) -> Tensor:
+    def loss_one(params: dict[str, Tensor], x: Tensor, t: Tensor) -> Tensor:
         out = functional_call(model, ({**params, **frozen}, buffers), (x.unsqueeze(0),))
         return lossfunc(out, t.unsqueeze(0))
 
@@ -116,7 +116,7 @@ def _torch_func(model, X, y, lossfunc):
     return step
 
 
-def prepare(method: str, model: nn.Module, X: Tensor, y: Tensor, log: Dict) -> Callable[[], None]:
+def prepare(method: str, model: nn.Module, X: Tensor, y: Tensor, log: dict) -> Callable[[], None]:
     """A ``step()`` for ``method`` on ``(model, X, y)``; ``log`` receives notes (auto's
     choices)."""
     lossfunc = nn.CrossEntropyLoss()
@@ -143,7 +143,7 @@ def prepare(method: str, model: nn.Module, X: Tensor, y: Tensor, log: Dict) -> C
     return step
 
 
-def jacmem_strategies(model: nn.Module, extension: str) -> List[str]:
+def jacmem_strategies(model: nn.Module, extension: str) -> list[str]:
     """The strategy names worth comparing for ``extension`` on ``model``: those offered
     for the largest trainable parameter that jacmem supports, where it has a choice,
     plus ``auto``. Names that only change a summed ``grad`` are left out."""
@@ -166,7 +166,7 @@ def jacmem_strategies(model: nn.Module, extension: str) -> List[str]:
     return (names if len(names) > 1 else []) + ["auto"]
 
 
-def methods_for(model: nn.Module, compare: Iterable[str] = EXTENSIONS) -> List[str]:
+def methods_for(model: nn.Module, compare: Iterable[str] = EXTENSIONS) -> list[str]:
     """Every method name benchmarked on ``model``, plain first; jacmem with each
     strategy for the extensions in ``compare``, with ``auto`` alone for the others."""
     out = ["plain", "floor"]

@@ -5,8 +5,8 @@ Every builder is seeded, so each subprocess rebuilds the same model and batch.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable, Dict, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -35,9 +35,7 @@ def seed_cnn() -> nn.Module:
 
 def mlp(width: int) -> nn.Module:
     """[N, 784] -> [N, 10], two hidden layers of ``width``."""
-    return nn.Sequential(
-        nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10)
-    )
+    return nn.Sequential(nn.Linear(784, width), nn.ReLU(), nn.Linear(width, width), nn.ReLU(), nn.Linear(width, 10))
 
 
 class Block(nn.Module):
@@ -121,12 +119,12 @@ class Bench:
 
     description: str
     make: Callable[[bool], nn.Module]
-    input_shape: Callable[[bool], Tuple[int, ...]]  # quick -> [N, ...]
+    input_shape: Callable[[bool], tuple[int, ...]]  # quick -> [N, ...]
     #: extensions that jacmem runs here with each strategy, not only with auto
     #: (``--all-strategies``: all of them, everywhere)
-    compare_strategies: Tuple[str, ...] = ()
+    compare_strategies: tuple[str, ...] = ()
 
-    def build(self, quick: bool, batch: Optional[int] = None) -> Tuple[nn.Module, Tensor, Tensor]:
+    def build(self, quick: bool, batch: int | None = None) -> tuple[nn.Module, Tensor, Tensor]:
         """(model, X, y), the same in every process; ``batch`` overrides N."""
         torch.manual_seed(0)
         model = self.make(quick)
@@ -156,7 +154,7 @@ def has_batchnorm_derivative() -> bool:
     return nn.BatchNorm2d in REGISTRY
 
 
-MODELS: Dict[str, Bench] = {
+MODELS: dict[str, Bench] = {
     "seed-cnn-64": Bench(
         "seed CNN (4 convs 1-128-256-64-32, MaxPool, Linear 32-10), [64, 1, 28, 28]",
         lambda quick: seed_cnn(),
@@ -174,8 +172,7 @@ MODELS: Dict[str, Bench] = {
         lambda quick: (4 if quick else 128, 784),
     ),
     "resnet": Bench(
-        "ResNet-style CNN: conv, 3 residual blocks (16-32-32 channels) with BatchNorm in eval mode, "
-        "[64, 3, 32, 32]",
+        "ResNet-style CNN: conv, 3 residual blocks (16-32-32 channels) with BatchNorm in eval mode, [64, 3, 32, 32]",
         _resnet,
         lambda quick: (4 if quick else 64, 3, 32, 32),
     ),

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import re
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from benchmarks.methods import per_sample_quantity
 from benchmarks.models import MODELS, has_batchnorm_derivative
@@ -29,7 +28,7 @@ TARGETS = {
 MiB = 2**20
 
 
-def ratios(results: List[dict]) -> None:
+def ratios(results: list[dict]) -> None:
     """Add ``time_ratio`` and ``mem_ratio`` (extra peak above plain's, in units of the
     per-sample gradients' size) to each result, in place."""
     plain = {r["model"]: r for r in results if r["method"] == "plain" and "error" not in r}
@@ -43,7 +42,7 @@ def ratios(results: List[dict]) -> None:
             r["mem_ratio"] = r["extra_over_plain"] / r["per_sample_bytes"]
 
 
-def _fmt(x: Optional[float], spec: str) -> str:
+def _fmt(x: float | None, spec: str) -> str:
     return "n/a" if x is None else format(x, spec)
 
 
@@ -63,14 +62,14 @@ def _label(method: str) -> str:
     return names.get(method, method)
 
 
-def _auto_choices(explain: Optional[str]) -> str:
+def _auto_choices(explain: str | None) -> str:
     """The weight parameters' choices from ``ctx.explain()``, compactly."""
     if not explain:
         return ""
     return "; ".join(line.strip() for line in explain.splitlines() if line.strip())
 
 
-def targets_table(results: List[dict]) -> List[str]:
+def targets_table(results: list[dict]) -> list[str]:
     """One row per jacmem ``auto`` case; "floor" is the time of a plain step followed by
     writing zeros of the per-sample gradients' size: what storing the result costs at
     least."""
@@ -86,10 +85,17 @@ def targets_table(results: List[dict]) -> List[str]:
         t_goal, m_goal = TARGETS[args[0]]
         mem = r.get("mem_ratio")
         met = [r["time_ratio"] <= t_goal, mem is not None and mem <= m_goal]
-        verdict = "yes" if all(met) else ", ".join(
-            f"{what} +{(val / goal - 1) * 100:.0f}%"
-            for what, ok, val, goal in (("time", met[0], r["time_ratio"], t_goal), ("memory", met[1], mem or 0, m_goal))
-            if not ok
+        verdict = (
+            "yes"
+            if all(met)
+            else ", ".join(
+                f"{what} +{(val / goal - 1) * 100:.0f}%"
+                for what, ok, val, goal in (
+                    ("time", met[0], r["time_ratio"], t_goal),
+                    ("memory", met[1], mem or 0, m_goal),
+                )
+                if not ok
+            )
         )
         lines.append(
             f"| {r['model']} | {args[0]} | {r['time_ratio']:.2f}× | ≤ {t_goal}× | {_fmt(floor.get(r['model']), '.2f')}× | "
@@ -98,7 +104,7 @@ def targets_table(results: List[dict]) -> List[str]:
     return lines
 
 
-def model_section(name: str, rows: List[dict]) -> List[str]:
+def model_section(name: str, rows: list[dict]) -> list[str]:
     ok = [r for r in rows if "error" not in r]
     head = ok[0] if ok else rows[0]
     lines = [f"## {name}", "", MODELS[name].description + "."]
@@ -137,19 +143,22 @@ def model_section(name: str, rows: List[dict]) -> List[str]:
     return lines + [""]
 
 
-def markdown(results: List[dict], meta: dict) -> str:
-    busy = float(meta["load_before"].split()[0]) > 0.5 * meta["cores"] or float(
-        meta["load_after"].split()[0]
-    ) > 0.5 * meta["cores"]
+def markdown(results: list[dict], meta: dict) -> str:
+    busy = (
+        float(meta["load_before"].split()[0]) > 0.5 * meta["cores"]
+        or float(meta["load_after"].split()[0]) > 0.5 * meta["cores"]
+    )
     lines = [
         "# Benchmarks",
         "",
         "Per-sample quantities with jacmem, BackPACK 1.7.1, Opacus and torch.func, each beside a plain "
         "forward+backward of the same model. Written by `benchmarks/` (`make bench`); do not edit by hand.",
         "",
-        f"- Command: `{meta['command']}`" + (" (quick: tiny sizes, 1 repeat; not figures to quote)" if meta["quick"] else ""),
+        f"- Command: `{meta['command']}`"
+        + (" (quick: tiny sizes, 1 repeat; not figures to quote)" if meta["quick"] else ""),
         f"- Date: {meta['date']}; the run took {meta['minutes']:.0f} min.",
-        f"- Machine: {meta['cpu']}, {meta['cores']} cores" + (f", {meta['gpu']}" if meta.get("gpu") else "")
+        f"- Machine: {meta['cpu']}, {meta['cores']} cores"
+        + (f", {meta['gpu']}" if meta.get("gpu") else "")
         + f"; Python {meta['python']}, torch {meta['torch']}, {meta['threads']} torch threads per case; "
         f"device `{results[0]['device'] if results else 'cpu'}`.",
         f"- Load average (1, 5, 15 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
@@ -182,17 +191,27 @@ def markdown(results: List[dict], meta: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(results: List[dict], path: Path) -> None:
+def plot(results: list[dict], path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     models = list(dict.fromkeys(r["model"] for r in results))
-    colors = {"plain": "grey", "floor": "silver", "jacmem": "tab:blue", "backpack": "tab:orange", "opacus": "tab:green", "torch.func": "tab:red"}
+    colors = {
+        "plain": "grey",
+        "floor": "silver",
+        "jacmem": "tab:blue",
+        "backpack": "tab:orange",
+        "opacus": "tab:green",
+        "torch.func": "tab:red",
+    }
     heights = [max(1, len([r for r in results if r["model"] == m])) for m in models]
     fig, axes = plt.subplots(
-        len(models), 2, figsize=(13, 0.28 * sum(heights) + 1.2 * len(models)), squeeze=False,
+        len(models),
+        2,
+        figsize=(13, 0.28 * sum(heights) + 1.2 * len(models)),
+        squeeze=False,
         gridspec_kw=dict(height_ratios=heights),
     )
     for (ax_t, ax_m), name in zip(axes, models):
@@ -218,7 +237,7 @@ def plot(results: List[dict], path: Path) -> None:
     plt.close(fig)
 
 
-def write(results: List[dict], meta: dict, md_path: Path, png_path: Path) -> None:
+def write(results: list[dict], meta: dict, md_path: Path, png_path: Path) -> None:
     ratios(results)
     text = markdown(results, meta)
     if md_path.exists():

@@ -12,7 +12,6 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
-from typing import List, Optional
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -35,7 +34,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--plot", type=Path, help="plot path (default benchmarks/results.png; quick: out/benchmarks-quick/)")
     p.add_argument("--note", default="", help="a sentence for the report's header, e.g. what else ran meanwhile")
     p.add_argument(
-        "--from-json", type=Path, nargs="+",
+        "--from-json",
+        type=Path,
+        nargs="+",
         help="rewrite the report and plot from the results.json of one or more runs (the first has the metadata); run nothing",
     )
     args = p.parse_args(argv)
@@ -49,7 +50,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return args
 
 
-def cases(args) -> List[dict]:
+def cases(args) -> list[dict]:
     import torch
 
     from benchmarks.methods import EXTENSIONS, expected_extra, methods_for
@@ -73,12 +74,14 @@ def cases(args) -> List[dict]:
             case.update(warmup=args.warmup, repeats=args.repeats, seconds=args.seconds)
             expected = expected_extra(method, per_sample, has_conv) / 2**30
             if expected > args.memory_cap:
-                case["skip"] = f"skipped: would need about {expected:.1f} GiB above plain (--memory-cap {args.memory_cap:g})"
+                case["skip"] = (
+                    f"skipped: would need about {expected:.1f} GiB above plain (--memory-cap {args.memory_cap:g})"
+                )
             out.append(case)
     return out
 
 
-def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: Optional[dict] = None) -> dict:
+def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: dict | None = None) -> dict:
     """Run one case in a process of its own (``python <child> <case as JSON>``, with
     ``env`` added), and return the dict it prints after ``RESULT ``, or the case with
     an ``error``."""
@@ -176,7 +179,7 @@ def main(argv=None) -> None:
     args.plot.parent.mkdir(parents=True, exist_ok=True)  # results.partial.json goes there from the first case
     started, load_before = time.time(), load()
     print(f"{len(todo)} cases, each in its own process; load average {' '.join(load_before)}", file=sys.stderr)
-    results: List[dict] = [{}] * len(todo)
+    results: list[dict] = [{}] * len(todo)
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         futures = {pool.submit(measure, case, args.timeout): i for i, case in enumerate(todo)}
         for done, future in enumerate(as_completed(futures), 1):
@@ -186,7 +189,8 @@ def main(argv=None) -> None:
             partial.write_text(json.dumps([r for r in results if r], indent=1))
     args.plot.with_name("results.partial.json").unlink()
     meta = dict(
-        command="python -m benchmarks" + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
+        command="python -m benchmarks"
+        + ("" if argv is None and len(sys.argv) == 1 else " " + " ".join(sys.argv[1:] if argv is None else argv)),
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(started)),
         minutes=(time.time() - started) / 60,
         load_before=" ".join(load_before),

@@ -30,7 +30,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Dict, List, Optional
 
 from benchmarks import run
 
@@ -39,7 +38,7 @@ START, END = "<!-- secondorder:start -->", "<!-- secondorder:end -->"
 
 #: model -> extensions run on it (KFRA's dense [D, D] matrices do not fit for the CNN's
 #: 100,352-entry conv outputs, in either library)
-EXTENSIONS: Dict[str, List[str]] = {
+EXTENSIONS: dict[str, list[str]] = {
     "mlp": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR", "KFRA"],
     "cnn": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR"],
 }
@@ -120,7 +119,7 @@ def paired(case: dict) -> dict:
     for _ in range(case["warmup"]):
         for step in steps:
             step()
-    times: List[List[float]] = [[], []]
+    times: list[list[float]] = [[], []]
     begin = time.perf_counter()
     while len(times[0]) < case["repeats"] or (
         time.perf_counter() - begin < case["seconds"] and len(times[0]) < 10 * case["repeats"]
@@ -167,7 +166,7 @@ def run_case(case: dict, timeout: float) -> dict:
     return run.run_case(case, timeout, child=child, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
-def _mb(b: Optional[float]) -> str:
+def _mb(b: float | None) -> str:
     return "n/a" if b is None else f"{b / 2**20:.0f}"
 
 
@@ -179,7 +178,7 @@ def _cell(r: dict, key: str) -> str:
     return _mb(r[key]) if key == "extra_bytes" else f"{r[key]:.3f}" if key.endswith("_s") else f"{r[key]:.2f}"
 
 
-def table(results: List[dict], args) -> str:
+def table(results: list[dict], args) -> str:
     by = {(r["model"], r["lib"], r["ext"]): r for r in results}
     lines = [
         START,
@@ -213,7 +212,12 @@ def table(results: List[dict], args) -> str:
             t = by.get((model, "pair", ext), {})
             j, b = by.get((model, "jacmem", ext), {}), by.get((model, "backpack", ext), {})
             memory = "n/a"
-            if "error" not in j and "error" not in b and j.get("extra_bytes") is not None and (b.get("extra_bytes") or 0) >= 2**20:
+            if (
+                "error" not in j
+                and "error" not in b
+                and j.get("extra_bytes") is not None
+                and (b.get("extra_bytes") or 0) >= 2**20
+            ):
                 memory = f"{j['extra_bytes'] / b['extra_bytes']:.2f}"
             lines.append(
                 f"| {ext} | {_cell(t, 'jacmem_s')} | {_cell(t, 'backpack_s')} | {_cell(t, 'ratio')} | "
@@ -260,13 +264,17 @@ def main(argv=None) -> None:
     cases = []
     for model in args.models:
         cases.append(dict(model=model, lib="plain", ext="-"))
-        cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("pair", "jacmem", "backpack")]
+        cases += [
+            dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("pair", "jacmem", "backpack")
+        ]
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
     args.load_before = " ".join(run.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []
     for i, case in enumerate(cases, 1):
-        case.update(quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup, seconds=args.seconds)
+        case.update(
+            quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup, seconds=args.seconds
+        )
         r = run_case(case, args.timeout)
         results.append(r)
         if "error" in r:

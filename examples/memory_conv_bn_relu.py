@@ -68,10 +68,14 @@ def compare(title, before_model, after_model, x, y, quick):
     after = report(after_model, x)
     print(f"\nAfter the fix:\n{after}")
     print(f"\nMeasured ({title}):")
-    print(f"  saved for backward (report): before {fmt_bytes(before.saved_bytes)}, after {fmt_bytes(after.saved_bytes)}"
-          f" ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)")
-    print(f"  forward + backward, peak RSS: before {fmt_bytes(measure(before_model, x, y, quick))}, "
-          f"after {fmt_bytes(measure(after_model, x, y, quick))}\n")
+    print(
+        f"  saved for backward (report): before {fmt_bytes(before.saved_bytes)}, after {fmt_bytes(after.saved_bytes)}"
+        f" ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)"
+    )
+    print(
+        f"  forward + backward, peak RSS: before {fmt_bytes(measure(before_model, x, y, quick))}, "
+        f"after {fmt_bytes(measure(after_model, x, y, quick))}\n"
+    )
     return before, after
 
 
@@ -89,7 +93,7 @@ def main(argv=None):
     assert fused.state_dict().keys() == model.state_dict().keys()
     training = compare("training", model, fused, x, y, args.quick)
 
-    print(f"=== 2. Fine-tuning the head, frozen BatchNorm statistics, input gradients ===\n")
+    print("=== 2. Fine-tuning the head, frozen BatchNorm statistics, input gradients ===\n")
     model.eval()
     for p in model.parameters():
         p.requires_grad_(False)

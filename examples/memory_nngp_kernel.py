@@ -119,6 +119,7 @@ def main(argv=None):
         gp_loss(model(x), y).backward()
 
     print(f"NNGP kernel of {n} images of {size}x{size}, {depth} conv+ReLU layers, trainable variances\n")
+
     def peak(fn):
         """Peak RSS of fn(); None with --quick (tensors too small to show in the resident
         set, and measuring tunes malloc for the whole process)."""
@@ -145,8 +146,10 @@ def main(argv=None):
 
     print("\nMeasured:")
     print(f"  forward under no_grad, peak RSS:           {fmt_bytes(no_grad_peak)}")
-    print(f"  saved for backward (report): before {fmt_bytes(before.saved_bytes)}, after {fmt_bytes(after.saved_bytes)}"
-          f"  ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)")
+    print(
+        f"  saved for backward (report): before {fmt_bytes(before.saved_bytes)}, after {fmt_bytes(after.saved_bytes)}"
+        f"  ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less)"
+    )
     print(f"  forward + backward, peak RSS: before {fmt_bytes(peak_before)}, after {fmt_bytes(peak_after)}")
     print(f"  largest difference of the variances' gradients: {diff:.2e}")
     return {"before": before, "after": after, "grad_diff": diff, "shape": (n, size, depth)}

@@ -107,14 +107,23 @@ def main(argv=None):
     reference = report(gru, seq, h0[None])
     peak_gru = measure(gru, h0[None])
     print("\nMeasured:")
-    print(f"  saved for backward (report): hand-written {fmt_bytes(before.saved_bytes)}, checkpointed "
-          f"{fmt_bytes(after.saved_bytes)} ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less), "
-          f"nn.GRU {fmt_bytes(reference.saved_bytes)}")
-    print(f"  forward + backward, peak RSS: hand-written {fmt_bytes(peak_before)}, checkpointed "
-          f"{fmt_bytes(peak_after)}, nn.GRU {fmt_bytes(peak_gru)}")
+    print(
+        f"  saved for backward (report): hand-written {fmt_bytes(before.saved_bytes)}, checkpointed "
+        f"{fmt_bytes(after.saved_bytes)} ({before.saved_bytes / max(after.saved_bytes, 1):.1f}x less), "
+        f"nn.GRU {fmt_bytes(reference.saved_bytes)}"
+    )
+    print(
+        f"  forward + backward, peak RSS: hand-written {fmt_bytes(peak_before)}, checkpointed "
+        f"{fmt_bytes(peak_after)}, nn.GRU {fmt_bytes(peak_gru)}"
+    )
     print(f"  largest difference of the weight gradients, checkpointed vs not: {diff:.2e}")
-    return {"before": before, "after": after, "gru": reference, "grad_diff": diff,
-            "shape": (steps, batch, inputs, hidden)}
+    return {
+        "before": before,
+        "after": after,
+        "gru": reference,
+        "grad_diff": diff,
+        "shape": (steps, batch, inputs, hidden),
+    }
 
 
 if __name__ == "__main__":

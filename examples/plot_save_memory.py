@@ -45,7 +45,6 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Dict, List, Optional
 
 import psutil
 import torch
@@ -58,6 +57,7 @@ PLAIN = "plain"
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.run import MEMORY_MALLOC, TIME_MALLOC  # noqa: E402
+
 MiB = 2**20
 
 
@@ -90,7 +90,7 @@ def setup(batch: int, seed: int = 0):
     return X, y, model, nn.CrossEntropyLoss()
 
 
-def strategies() -> List[str]:
+def strategies() -> list[str]:
     """Every strategy Conv2d offers for its weight's per-sample gradients, then auto."""
     return [*REGISTRY[nn.Conv2d].strategies[("weight", "batch_grad")], "auto"]
 
@@ -103,7 +103,7 @@ def _peak_rss_bytes() -> int:
     return peak if sys.platform == "darwin" else peak * 1024  # Linux reports KiB
 
 
-def worker(strategy: str, batch: int, repeats: int, dump: Optional[str]) -> dict:
+def worker(strategy: str, batch: int, repeats: int, dump: str | None) -> dict:
     """Warm up, then time ``repeats`` forward+backward passes under ``strategy``, each
     paired with a plain pass just before it, so that their ratio holds while other work
     loads the machine. Saves the last pass's result to ``dump``, where given."""
@@ -144,7 +144,7 @@ def worker(strategy: str, batch: int, repeats: int, dump: Optional[str]) -> dict
 # -- parent: spawn, check, tabulate, plot ---------------------------------------------
 
 
-def run_worker(strategy: str, batch: int, repeats: int, dump: Optional[str], malloc: Dict[str, str]) -> dict:
+def run_worker(strategy: str, batch: int, repeats: int, dump: str | None, malloc: dict[str, str]) -> dict:
     """Run :func:`worker` for ``strategy`` in a fresh interpreter, with glibc settings
     ``malloc``; its JSON result."""
     cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(batch)]
@@ -170,7 +170,7 @@ def close(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.shape == b.shape and torch.allclose(a, b, rtol=1e-4, atol=1e-5 * float(b.abs().max()))
 
 
-def check(dumps: Dict[str, str], batch: int) -> int:
+def check(dumps: dict[str, str], batch: int) -> int:
     """Raise unless every strategy gives the same grad_batch, and it sums to the plain
     ``.grad``. Returns the size of the per-sample gradients in bytes."""
     grads = torch.load(dumps[PLAIN])
@@ -192,7 +192,7 @@ def check(dumps: Dict[str, str], batch: int) -> int:
     return sum(g.numel() * g.element_size() for g in reference.values())
 
 
-def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
+def table(results: dict[str, dict], grad_batch_bytes: int) -> list[dict]:
     """Print peak memory and median time per strategy, against plain; returns the rows."""
     plain = results[PLAIN]
     rows = []
@@ -228,7 +228,7 @@ def table(results: Dict[str, dict], grad_batch_bytes: int) -> List[dict]:
     return rows
 
 
-def plot(rows: List[dict], grad_batch_bytes: int, batch: int, path: Path) -> None:
+def plot(rows: list[dict], grad_batch_bytes: int, batch: int, path: Path) -> None:
     """Bar charts of peak memory above setup, and of time relative to plain, to ``path``."""
     import matplotlib
 
@@ -271,7 +271,7 @@ def main(argv=None) -> None:
 
     names = [PLAIN, *strategies()]
     print(f"BatchGrad on the example CNN, batch {args.batch}: {', '.join(names)}, each in its own process")
-    results: Dict[str, dict] = {}
+    results: dict[str, dict] = {}
     with tempfile.TemporaryDirectory() as tmp:
         dumps = {name: os.path.join(tmp, f"{name}.pt") for name in names}
         for name in names:

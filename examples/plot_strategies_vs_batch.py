@@ -38,8 +38,14 @@ sys.path.insert(0, str(ROOT))
 from benchmarks import run as harness  # noqa: E402
 
 MiB = 2**20
-COLORS = {"unfold": "tab:blue", "save_memory": "tab:orange", "grouped": "tab:purple", "ghost": "tab:green",
-          "ghost_gram": "tab:olive", "auto": "tab:red"}
+COLORS = {
+    "unfold": "tab:blue",
+    "save_memory": "tab:orange",
+    "grouped": "tab:purple",
+    "ghost": "tab:green",
+    "ghost_gram": "tab:olive",
+    "auto": "tab:red",
+}
 METHODS = {
     "BatchGrad": ["unfold", "save_memory", "grouped", "auto"],
     "BatchL2Grad": ["unfold", "save_memory", "grouped", "ghost", "ghost_gram", "auto"],

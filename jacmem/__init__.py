@@ -1,5 +1,6 @@
 """jacmem: more from PyTorch's backward pass, at a fraction of the memory."""
 
+from jacmem import memory, nn  # noqa: E402  (jacmem.memory.report/lean; jacmem.nn.Sum, Parallel, Residual, Scale)
 from jacmem.context import extend, track, untrack
 from jacmem.derivatives import Cost, layer, register
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
@@ -15,7 +16,6 @@ from jacmem.extensions.secondorder import (
     DiagHessian,
 )
 from jacmem.extensions.secondorder.backprop import ChainError
-from jacmem import memory, nn  # noqa: E402  (jacmem.memory.report/lean; jacmem.nn.Sum, Parallel, Residual, Scale)
 
 __all__ = [
     "extend",

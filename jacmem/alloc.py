@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import sys
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor

@@ -14,7 +14,7 @@ import sys
 import threading
 import warnings
 import weakref
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -22,29 +22,38 @@ from torch.nn.modules import module as module_hooks
 
 from jacmem import distributed, hooks
 from jacmem.extensions.firstorder import (
-    LINEAR_QUANTITIES, FirstOrderExtension, Plan, batch_size, derive, execute, itemsize, plan, plan_key, shapes,
+    LINEAR_QUANTITIES,
+    FirstOrderExtension,
+    Plan,
+    batch_size,
+    derive,
+    execute,
+    itemsize,
+    plan,
+    plan_key,
+    shapes,
 )
 from jacmem.extensions.secondorder import SecondOrderExtension
 from jacmem.extensions.secondorder.backprop import Engine
 from jacmem.strategies import AUTO, Decision, StrategyPlan, StrategySpec
 
-_ACTIVE: Optional["extend"] = None
+_ACTIVE: extend | None = None
 _LOCK = threading.Lock()
 
 #: models registered with track(): model -> Tracker
-_TRACKED: "weakref.WeakKeyDictionary[nn.Module, Tracker]" = weakref.WeakKeyDictionary()
+_TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
 #: itemsize -> (the plan, the decisions it took): a parameter's strategies are chosen
 #: once per call shape, not at every step of every block
-_PLANS: Dict[tuple, Tuple[Plan, Tuple[Decision, ...]]] = {}
+_PLANS: dict[tuple, tuple[Plan, tuple[Decision, ...]]] = {}
 #: how many plans ``_PLANS`` holds before it starts over
 _MAX_PLANS = 4096
 
 
-def _tracked_name(module: nn.Module) -> Optional[str]:
+def _tracked_name(module: nn.Module) -> str | None:
     if not _TRACKED:
         return None
     for tracker in _TRACKED.values():
@@ -57,11 +66,11 @@ class Tracker:
     """Forward hooks on one model's modules, for forwards that run outside a block."""
 
     def __init__(self, model: nn.Module):
-        self.names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
-        self.module_handles: List = []
-        self.tensor_handles: List = []
-        self.records: "weakref.WeakSet[hooks.Record]" = weakref.WeakSet()
+        self.module_handles: list = []
+        self.tensor_handles: list = []
+        self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         for name, module in model.named_modules():
             if next(module.parameters(recurse=False), None) is None:
                 continue
@@ -111,12 +120,12 @@ class _Staged:
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
-        self.quantities: Dict[str, Tensor] = {}
+        self.quantities: dict[str, Tensor] = {}
         #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
         #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
-        self.grad: Optional[Tensor] = None
+        self.grad: Tensor | None = None
 
-    def add(self, values: Dict[str, Tensor]) -> None:
+    def add(self, values: dict[str, Tensor]) -> None:
         for q, v in values.items():
             self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
 
@@ -132,13 +141,13 @@ class _Pass:
 
     __slots__ = ("block", "staged", "partial", "names", "__weakref__")
 
-    def __init__(self, block: "extend"):
+    def __init__(self, block: extend):
         self.block = block
-        self.staged: Dict[int, _Staged] = {}
+        self.staged: dict[int, _Staged] = {}
         #: records whose outputs got only some gradients so far
-        self.partial: List[hooks.Record] = []
+        self.partial: list[hooks.Record] = []
         #: id(parameter) -> the name of the (first) module it was computed for
-        self.names: Dict[int, str] = {}
+        self.names: dict[int, str] = {}
 
     def __call__(self) -> None:
         self.block._commit(self)
@@ -228,30 +237,30 @@ class extend:
         self.extensions = [e for e in extensions if isinstance(e, FirstOrderExtension)]
         #: second-order extensions, run by their own engine (see jacmem.extensions.secondorder)
         self.second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
-        self._engine: Optional[Engine] = None
+        self._engine: Engine | None = None
         self.quantities = {q for ext in self.extensions for q in ext.quantities}
         self.plan = StrategyPlan(strategy)
         self.strict = strict
         self.chunk_bytes = chunk_bytes
-        self._module_handles: List = []
-        self._tensor_handles: List = []
+        self._module_handles: list = []
+        self._tensor_handles: list = []
         #: when to drop the handles of freed graphs from ``_tensor_handles``
         self._prune_at = 64
-        self._names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.process_group = process_group
         self._depth = 0
         #: graph task id -> the pass, while autograd holds it
-        self._passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
-        self._records: "weakref.WeakSet[hooks.Record]" = weakref.WeakSet()
+        self._passes: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
+        self._records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the models called at depth 0 in the block, as weak references, in order
-        self._roots: List[weakref.ref] = []
-        self._owner: Optional[int] = None
+        self._roots: list[weakref.ref] = []
+        self._owner: int | None = None
         #: modules already warned about (weakly: a long block sees re-created modules)
-        self._warned: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self._warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # -- block -------------------------------------------------------------------
 
-    def __enter__(self) -> "extend":
+    def __enter__(self) -> extend:
         global _ACTIVE
         with _LOCK:
             if _ACTIVE is not None:
@@ -365,7 +374,7 @@ class extend:
 
     # -- backward ----------------------------------------------------------------
 
-    def _on_grad(self, rec: hooks.Record) -> Optional[Dict[str, Tensor]]:
+    def _on_grad(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A call's output gradients arrived: compute its quantities. Returns, for a
         call through :class:`hooks.ComputeOnce`, its parameters' summed gradients (the
         block computed them), or None where the block does not extend this backward."""
@@ -389,7 +398,7 @@ class extend:
         finally:
             rec.reset()
 
-    def _process(self, run: _Pass, rec: hooks.Record) -> Dict[str, Tensor]:
+    def _process(self, run: _Pass, rec: hooks.Record) -> dict[str, Tensor]:
         if rec.entry is None:
             self._unsupported(rec, sorted(rec.params))
             return {}
@@ -408,14 +417,14 @@ class extend:
                 f"strategy={{{rec.name!r}: name}} with a name among {sorted(rec.entry.names())}"
             ) from err
 
-    def _compute(self, run: _Pass, rec: hooks.Record) -> Dict[str, Tensor]:
+    def _compute(self, run: _Pass, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's quantities; returns each parameter's summed gradient where
         the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
         is planned), else nothing."""
         entry, hp = rec.entry, rec.hp
         supported = entry.params
         params = {n: p for n, p in rec.params.items() if n in supported and _gets_grad(rec.nodes[n])}
-        grads: Dict[str, Tensor] = {}
+        grads: dict[str, Tensor] = {}
         if not params:
             return grads
         dtype = _stable_dtype(params.values())
@@ -463,7 +472,7 @@ class extend:
             if cached is not None:
                 self.plan.remember(cached[1])
                 return cached[0]
-        made: List[Decision] = []
+        made: list[Decision] = []
 
         def choose(quantity, options):
             chosen = self.plan.choose(
@@ -508,12 +517,12 @@ class extend:
         for param, field, value in results:
             setattr(param, field, value)
 
-    def _groups(self) -> List[Tuple[Any, List[nn.Parameter]]]:
+    def _groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
         """(process group, its parameters in model order) for the models called in the
         block and the tracked ones: the ``process_group`` argument, or that of a
         ``DistributedDataParallel`` model."""
         models = [m for m in (ref() for ref in self._roots) if m is not None] + list(_TRACKED.keys())
-        groups: List[Tuple[Any, List[nn.Parameter]]] = []
+        groups: list[tuple[Any, list[nn.Parameter]]] = []
         seen = set()
         for model in models:
             group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
@@ -524,11 +533,11 @@ class extend:
             groups.append((group, params))
         return groups
 
-    def _warn_batch_sizes(self, names: Dict[int, str], sizes: Dict[int, int]) -> None:
+    def _warn_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """One warning per backward pass whose modules disagree on the batch size: a
         module whose axis 0 is not the batch (a sequence-first layer, a reshaped batch)
         would otherwise get quantities per row of axis 0, silently."""
-        by_size: Dict[int, List[str]] = {}
+        by_size: dict[int, list[str]] = {}
         for key, n in sizes.items():
             by_size.setdefault(n, []).append(names[key])
         if len(by_size) < 2:
@@ -545,7 +554,7 @@ class extend:
         )
 
     def _warn_nonfinite(
-        self, names: Dict[int, str], quantities: Dict[int, Dict[str, Tensor]], grads: Dict[int, Optional[Tensor]]
+        self, names: dict[int, str], quantities: dict[int, dict[str, Tensor]], grads: dict[int, Tensor | None]
     ) -> None:
         """One warning per backward pass, naming the modules whose quantities hold NaN or
         Inf: their input or output gradient did. It costs one sum per parameter, of its
@@ -553,7 +562,7 @@ class extend:
         the samples holds NaN or Inf wherever a sample does; summing the per-sample
         gradients took 12 of the 37 ms of the MLP's BatchGrad step), and one transfer
         per device."""
-        by_device: Dict[torch.device, List[int]] = {}
+        by_device: dict[torch.device, list[int]] = {}
         for key, q in quantities.items():
             if q:
                 by_device.setdefault(next(iter(q.values())).device, []).append(key)
@@ -580,7 +589,7 @@ class extend:
             stacklevel=2,
         )
 
-    def _unsupported(self, rec: hooks.Record, params: List[str]) -> None:
+    def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
         if rec.module in self._warned:
             return
         self._warned.add(rec.module)

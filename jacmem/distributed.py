@@ -25,7 +25,8 @@ extensions on the same parameters, as DDP itself requires.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable, List, Optional
+from collections.abc import Iterable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -36,7 +37,7 @@ GLOBAL_QUANTITIES = ("sum_grad_squared", "grad")
 _SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
 
 
-def process_group_of(module: nn.Module) -> Optional[Any]:
+def process_group_of(module: nn.Module) -> Any | None:
     """The process group of a ``DistributedDataParallel`` module; None for any other
     module, or when ``torch.distributed`` is not initialised."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
@@ -48,10 +49,10 @@ def process_group_of(module: nn.Module) -> Optional[Any]:
 
 def synchronize(
     group: Any,
-    params: List[nn.Parameter],
+    params: list[nn.Parameter],
     wanted: Iterable[str],
-    quantities: Dict[int, Dict[str, Tensor]],
-    sizes: Dict[int, int],
+    quantities: dict[int, dict[str, Tensor]],
+    sizes: dict[int, int],
 ) -> None:
     """Scale the quantities of ``params`` (``id(param) -> {quantity: tensor}``, only the
     parameters this rank computed) as DDP scales gradients, sum the global ones over
@@ -70,7 +71,7 @@ def synchronize(
         return  # the same decision on every rank, so that all or none call the collective
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device
-    parts: List[Tensor] = []
+    parts: list[Tensor] = []
     for p in params:
         q = quantities.get(id(p), {})
         for name in GLOBAL_QUANTITIES:

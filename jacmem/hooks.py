@@ -15,7 +15,8 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -32,17 +33,17 @@ _LIVE: Counter = Counter()
 
 #: what a record's owner does when the output gradients of a call have arrived; for a
 #: :class:`ComputeOnce` call it returns the parameters' summed gradients (or None)
-OnGrad = Callable[["Record"], Optional[Dict[str, Tensor]]]
+OnGrad = Callable[["Record"], dict[str, Tensor] | None]
 
 
-def _release(keys: List[int]) -> None:
+def _release(keys: list[int]) -> None:
     for key in keys:
         _LIVE[key] -= 1
         if _LIVE[key] <= 0:
             del _LIVE[key]
 
 
-def trainable(module: nn.Module, entry: Optional[LayerDerivatives] = None) -> Dict[str, nn.Parameter]:
+def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
     that ``entry`` declares by dotted name (those its forward uses itself)."""
     params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
@@ -62,25 +63,25 @@ class Record:
         "release", "once", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: List[Tensor]):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
         self.module: nn.Module = module
         self.name: str = name
-        self.entry: Optional[LayerDerivatives] = entry
+        self.entry: LayerDerivatives | None = entry
         #: the derivatives' keyword arguments, read off the module at forward time
-        self.hp: Dict[str, Any] = {} if entry is None else entry.hyperparams(module)
-        self.params: Dict[str, nn.Parameter] = params
+        self.hp: dict[str, Any] = {} if entry is None else entry.hyperparams(module)
+        self.params: dict[str, nn.Parameter] = params
         #: each parameter's AccumulateGrad node: the backward pass tells, through it,
         #: whether it computes that parameter's gradient (``backward(inputs=...)``);
         #: a call through :class:`ComputeOnce` has them as its node's inputs
-        self.nodes: Dict[str, Any] = {}
+        self.nodes: dict[str, Any] = {}
         self.x: Any = x if entry is None or x is None else entry.arrange_input(x, **self.hp)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
         self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
-        self.grads: List[Optional[Tensor]] = [None] * len(outputs)
+        self.grads: list[Tensor | None] = [None] * len(outputs)
         self.missing = len(outputs)
         #: the backward pass (graph task id) that the gradients in ``grads`` come from
-        self.task: Optional[int] = None
+        self.task: int | None = None
         #: the thread that ran the forward: a block extends only its own thread's graphs
         self.thread = threading.get_ident()
         keys = [id(p) for p in params.values()]
@@ -124,7 +125,7 @@ class Record:
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
 
 
-def _output_tensors(entry: Optional[LayerDerivatives], output) -> List[Tensor]:
+def _output_tensors(entry: LayerDerivatives | None, output) -> list[Tensor]:
     out = output if entry is None else entry.outputs(output)
     if isinstance(out, Tensor):
         return [out]
@@ -138,9 +139,9 @@ def record(
     output,
     name: str,
     on_grad: OnGrad,
-    handles: List[RemovableHandle],
+    handles: list[RemovableHandle],
     once: bool = False,
-) -> Tuple[Optional[Record], Any]:
+) -> tuple[Record | None, Any]:
     """The forward-hook body: record this call if it has trainable parameters; returns
     the record (or None), and the output, which is new where ``once`` lets the layer run
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
@@ -172,7 +173,6 @@ def record(
     for i, out in enumerate(outputs):
         handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
     return rec, output
-
 
 
 def _make_hook(rec: Record, index: int, on_grad: OnGrad):
@@ -245,7 +245,7 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
 
 
-def remove(handles: List[RemovableHandle]) -> None:
+def remove(handles: list[RemovableHandle]) -> None:
     """Take every hook off, freeing what their records kept."""
     for handle in handles:
         handle.remove()

@@ -12,8 +12,6 @@ architectures with these instead; they match BackPACK's ``custom_module`` ones::
 
 from __future__ import annotations
 
-from typing import Optional
-
 from torch import Tensor, nn
 
 from jacmem.derivatives.jacobians import passthrough
@@ -51,7 +49,7 @@ class Parallel(nn.Module):
     default (BackPACK's ``branching.Parallel``). ``nn.Identity()`` as a branch is the
     skip connection."""
 
-    def __init__(self, *branches: nn.Module, merge: Optional[nn.Module] = None):
+    def __init__(self, *branches: nn.Module, merge: nn.Module | None = None):
         super().__init__()
         self.branches = nn.ModuleList(branches)
         self.merge = Sum() if merge is None else merge

@@ -12,8 +12,8 @@ The rates are a CPU's order of magnitude; only their ratio matters.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
-from typing import Callable, Dict, Iterable, List, Mapping, Optional, Union
 
 from torch import nn
 
@@ -25,7 +25,7 @@ AUTO = "auto"
 FLOP_RATE = 5e10
 BYTE_RATE = 5e9
 
-StrategySpec = Union[str, Mapping[Union[type, str], str]]
+StrategySpec = str | Mapping[type | str, str]
 
 
 def estimated_seconds(cost: Cost, itemsize: int) -> float:
@@ -47,7 +47,7 @@ class Decision:
     quantity: str
     chosen: str
     reason: str
-    estimates: Dict[str, Optional[float]]
+    estimates: dict[str, float | None]
     kind: str = "direct"
     reuses: tuple = ()
 
@@ -93,7 +93,7 @@ class StrategyPlan:
                 raise ValueError(f"unknown strategy {name!r}{where}; valid strategies: {', '.join(valid)}")
             if key is not None and not isinstance(key, (str, type)):
                 raise TypeError(f"strategy keys are module types or module names, not {key!r}")
-        self.decisions: Dict[tuple, Decision] = {}
+        self.decisions: dict[tuple, Decision] = {}
 
     def requested(self, module: nn.Module, name: str) -> tuple:
         """(strategy name, whether it was asked for this module in particular)."""
@@ -124,7 +124,7 @@ class StrategyPlan:
         offered: set,
         param: str,
         quantity: str,
-        options: Dict[str, Optional[Cost]],
+        options: dict[str, Cost | None],
         itemsize: int,
     ) -> str:
         """Pick one of ``options`` (candidate name -> cost, ``None`` if it does not apply).
@@ -145,8 +145,14 @@ class StrategyPlan:
             reason = "auto: cheapest" if wanted == AUTO else f"auto, as {wanted!r} does not apply here"
         cost = options[chosen]
         self.decisions[(name, param, quantity)] = Decision(
-            name, param, quantity, chosen, reason, estimates,
-            kind=getattr(cost, "kind", "direct"), reuses=tuple(getattr(cost, "reuses", ())),
+            name,
+            param,
+            quantity,
+            chosen,
+            reason,
+            estimates,
+            kind=getattr(cost, "kind", "direct"),
+            reuses=tuple(getattr(cost, "reuses", ())),
         )
         return chosen
 
@@ -162,7 +168,7 @@ class StrategyPlan:
         unfold pass as sum_grad_squared``."""
         if not self.decisions:
             return "no decisions yet: run a backward pass inside the block"
-        lines: Dict[tuple, List[str]] = {}
+        lines: dict[tuple, list[str]] = {}
         for d in self.decisions.values():
             lines.setdefault((d.module, d.param), []).append(d.describe())
         return "\n".join(f"{module}.{param} {'; '.join(parts)}" for (module, param), parts in lines.items())

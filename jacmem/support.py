@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Callable, Dict, List, Tuple
 
 import jacmem
 from jacmem.derivatives import QUANTITIES, REGISTRY, LayerDerivatives
@@ -34,7 +34,7 @@ VARIES = "†"
 END = "<!-- support-table:end -->"
 
 
-def extensions() -> List[type]:
+def extensions() -> list[type]:
     """The public first-order extension classes, in ``jacmem.__all__`` order."""
     found = (getattr(jacmem, name) for name in jacmem.__all__)
     return [e for e in found if isinstance(e, type) and issubclass(e, FirstOrderExtension)]
@@ -52,7 +52,9 @@ def builtin(module_type: type, entry: LayerDerivatives) -> bool:
 
     Other types that share an entry (``jacmem.memory``'s lean layers, registered when
     that package is imported) stay out, so the table does not depend on imports."""
-    return module_type.__module__.startswith("torch.") and any(_origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values())
+    return module_type.__module__.startswith("torch.") and any(
+        _origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values()
+    )
 
 
 def layer_name(module_type: type) -> str:
@@ -61,7 +63,7 @@ def layer_name(module_type: type) -> str:
     return f"{module_type.__module__}.{module_type.__qualname__}"
 
 
-def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> Tuple[str, ...]:
+def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> tuple[str, ...]:
     """The strategies ``extension`` can use for ``param``: those of ``batch_grad``,
     from which every quantity can be derived, then those of its own quantities, as
     :func:`jacmem.extensions.firstorder.compute` offers them."""
@@ -71,16 +73,16 @@ def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> Tupl
     return tuple(names)
 
 
-def rows() -> List[Tuple[List[str], List[Tuple[List[str], Tuple[Tuple[str, ...], ...]]]]]:
+def rows() -> list[tuple[list[str], list[tuple[list[str], tuple[tuple[str, ...], ...]]]]]:
     """``[(layer names, [(param names, strategies per extension), ...]), ...]``, in
     registration order; layer names in Markdown, marked with ``VARIES`` where needed.
     Parameters of a layer with equal cells share a row, and layers with equal rows too."""
-    groups: Dict[tuple, List[str]] = {}
+    groups: dict[tuple, list[str]] = {}
     exts = extensions()
     for module_type, entry in REGISTRY.items():
         if not builtin(module_type, entry) or not entry.params:
             continue
-        params: Dict[tuple, List[str]] = {}
+        params: dict[tuple, list[str]] = {}
         for p in entry.params:
             params.setdefault(tuple(strategy_names(entry, p, e) for e in exts), []).append(p)
         key = tuple((tuple(names), cells) for cells, names in params.items())
@@ -128,7 +130,7 @@ def second_order() -> str:
     )
 
 
-def _split(text: str, path: str) -> Tuple[str, str, str]:
+def _split(text: str, path: str) -> tuple[str, str, str]:
     """(before and START, the block, END and after)."""
     if text.count(START) != 1 or text.count(END) != 1 or text.index(START) > text.index(END):
         raise ValueError(f"{path} needs one {START!r} line, then one {END!r} line, for the support table")

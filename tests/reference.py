@@ -22,8 +22,8 @@ and the checks built on it; :func:`run_backpack` gives BackPACK's answers beside
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import contextmanager
-from typing import Callable, Dict, Iterable, List, Sequence
 
 import torch
 from torch import Tensor, nn
@@ -46,14 +46,14 @@ def cross_entropy(out: Tensor, target: Tensor, reduction: str) -> Tensor:
     return F.cross_entropy(out, target, reduction=reduction)
 
 
-def trainable(model: nn.Module) -> List[nn.Parameter]:
+def trainable(model: nn.Module) -> list[nn.Parameter]:
     """The model's trainable parameters, each once (tied weights appear once)."""
     return [p for p in model.parameters() if p.requires_grad]
 
 
 def per_sample_grads(
     model: nn.Module, X: Tensor, y: Tensor, loss: LossFn, reduction: str = "mean"
-) -> Dict[nn.Parameter, Tensor]:
+) -> dict[nn.Parameter, Tensor]:
     """Per-sample gradients by a loop, one backward per sample:
     X [N, *], y [N, *] -> {param: [N, *param.shape]}, for every trainable parameter.
 
@@ -91,7 +91,7 @@ def variance(grad_batch: Tensor) -> Tensor:
     return sum_grad_squared(grad_batch) / n - (grad_batch.sum(0) / n) ** 2
 
 
-REFERENCE: Dict[str, Callable[[Tensor], Tensor]] = {
+REFERENCE: dict[str, Callable[[Tensor], Tensor]] = {
     "grad_batch": lambda grad_batch: grad_batch,
     "batch_l2": batch_l2,
     "sum_grad_squared": sum_grad_squared,
@@ -115,9 +115,7 @@ def assert_close(actual: Tensor, expected: Tensor, what: str = "") -> None:
     """float64 comparison, with an absolute floor scaled by the expected magnitude
     (variance is a difference of nearly equal terms)."""
     scale = expected.abs().max().item() if expected.numel() else 0.0
-    torch.testing.assert_close(
-        actual, expected, rtol=1e-9, atol=1e-11 * max(scale, 1.0), msg=lambda m: f"{what}: {m}"
-    )
+    torch.testing.assert_close(actual, expected, rtol=1e-9, atol=1e-11 * max(scale, 1.0), msg=lambda m: f"{what}: {m}")
 
 
 def clear(model: nn.Module) -> None:
@@ -166,7 +164,7 @@ def run_jacmem(
 
 def check_against(
     model: nn.Module,
-    reference: Dict[nn.Parameter, Tensor],
+    reference: dict[nn.Parameter, Tensor],
     savefields: Iterable[str],
     what: str = "",
     check_grad: bool = True,
@@ -231,8 +229,9 @@ def run_grid(model, X, y, loss, reduction, reference, extension_sets, strategy: 
 def check_dropout_raises_then_eval_works(model: nn.Module, X: Tensor, y: Tensor, match: str) -> None:
     """A model with dropout inside a layer jacmem recomputes: in training mode the backward
     raises an error matching ``match``; in eval mode BatchGrad equals the loop's."""
-    import jacmem
     import pytest
+
+    import jacmem
 
     with pytest.raises(RuntimeError, match=match):
         run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])

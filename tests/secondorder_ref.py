@@ -9,7 +9,6 @@ their blocks per parameter.
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Dict, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -26,7 +25,7 @@ def _split(model: nn.Module):
     theta = torch.cat([params[n].detach().flatten() for n in names])
     sizes = [s.numel() for s in shapes]
 
-    def unflat(t: Tensor) -> Dict[str, Tensor]:
+    def unflat(t: Tensor) -> dict[str, Tensor]:
         return {n: c.reshape(s) for n, c, s in zip(names, t.split(sizes), shapes)}
 
     return names, shapes, sizes, theta, unflat
@@ -53,7 +52,7 @@ def dense(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, per_sample: 
     return torch.stack([g for g, _ in parts]), torch.stack([h for _, h in parts])
 
 
-def _dense(model, lossf, X, y, theta, unflat) -> Tuple[Tensor, Tensor]:
+def _dense(model, lossf, X, y, theta, unflat) -> tuple[Tensor, Tensor]:
     def f(t):
         return functional_call(model, unflat(t), (X,))
 
@@ -64,14 +63,14 @@ def _dense(model, lossf, X, y, theta, unflat) -> Tuple[Tensor, Tensor]:
     return J.T @ Hz @ J, H
 
 
-def diagonals(model: nn.Module, M: Tensor) -> Dict[str, Tensor]:
+def diagonals(model: nn.Module, M: Tensor) -> dict[str, Tensor]:
     """The diagonal of ``M [(N,) P, P]`` split per parameter: name -> [(N,) *shape]."""
     names, shapes, sizes, _, _ = _split(model)
     d = torch.diagonal(M, dim1=-2, dim2=-1)
     return {n: c.reshape(*d.shape[:-1], *s) for n, c, s in zip(names, d.split(sizes, -1), shapes)}
 
 
-def blocks(model: nn.Module, M: Tensor) -> Dict[str, Tensor]:
+def blocks(model: nn.Module, M: Tensor) -> dict[str, Tensor]:
     """The diagonal blocks of ``M [P, P]`` per parameter: name -> [p, p]."""
     names, shapes, sizes, _, _ = _split(model)
     out, start = {}, 0

@@ -14,11 +14,6 @@ import itertools
 
 import pytest
 import torch
-from torch import nn
-from torch.nn import functional as F
-
-import jacmem
-from jacmem.derivatives import REGISTRY
 from reference import (
     FLOWS,
     SAVEFIELDS,
@@ -29,6 +24,11 @@ from reference import (
     recorded,
     run_jacmem,
 )
+from torch import nn
+from torch.nn import functional as F
+
+import jacmem
+from jacmem.derivatives import REGISTRY
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -172,7 +172,7 @@ def check_frozen(model: nn.Module) -> None:
 
 
 def strategies(name: str):
-    """"auto" and every strategy name offered by a layer type of the model."""
+    """ "auto" and every strategy name offered by a layer type of the model."""
     model = make(name)[0]
     offered = set().union(*(REGISTRY[type(m)].names() for m in model.modules() if type(m) in REGISTRY))
     return sorted(offered | {"auto"})
@@ -265,7 +265,10 @@ def test_training_loop(flow):
         jacmem.track(model)
     try:
         for step in range(3):
-            X, y = torch.randn(4 - step % 2, 2, 5, dtype=torch.float64), torch.randn(4 - step % 2, 3, dtype=torch.float64)
+            X, y = (
+                torch.randn(4 - step % 2, 2, 5, dtype=torch.float64),
+                torch.randn(4 - step % 2, 3, dtype=torch.float64),
+            )
             reference = per_sample_grads(model, X, y, loss, "sum")
             for p in model.parameters():
                 p.grad = None

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import REFERENCE
 from torch import nn
 from torch.nn.grad import conv2d_weight
 
 import jacmem
-from reference import REFERENCE
 
 FIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
 FLOAT32_RTOL = 1e-5

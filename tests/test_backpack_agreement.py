@@ -22,19 +22,18 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Dict
 
 import pytest
 import torch
 from backpack import backpack, extend, extensions
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, per_sample_grads, run_jacmem
+from test_architectures import make as make_architecture
+from test_firstorder_linear_conv import CONV_CASES, LINEAR_CASES, case, module_type, strategies
 from torch import nn
 from torch.nn import functional as F
 
 import jacmem
-from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, per_sample_grads, run_jacmem
-from test_architectures import make as make_architecture
-from test_firstorder_linear_conv import CONV_CASES, LINEAR_CASES, case, module_type, strategies
 
 EXTENSIONS = {
     "grad_batch": (jacmem.BatchGrad, extensions.BatchGrad),
@@ -54,13 +53,9 @@ def run_backpack(model: nn.Module, X, y, loss, reduction: str, save_memory: bool
     return bp_model
 
 
-def backpack_fields(bp_model: nn.Module) -> Dict[str, Dict[str, torch.Tensor]]:
+def backpack_fields(bp_model: nn.Module) -> dict[str, dict[str, torch.Tensor]]:
     """{parameter name: {savefield: BackPACK's value}}"""
-    return {
-        name: {f: getattr(p, f) for f in EXTENSIONS}
-        for name, p in bp_model.named_parameters()
-        if p.requires_grad
-    }
+    return {name: {f: getattr(p, f) for f in EXTENSIONS} for name, p in bp_model.named_parameters() if p.requires_grad}
 
 
 def compare_with_backpack(model, X, y, loss, reduction, strategy, expected, skip=()) -> None:
@@ -76,7 +71,9 @@ def compare_with_backpack(model, X, y, loss, reduction, strategy, expected, skip
                 for f in fields:
                     if (name, f) in skip:
                         continue
-                    assert_close(getattr(p, f), expected[name][f], f"[{strategy} {fields} {flow}] {name}.{f} vs BackPACK")
+                    assert_close(
+                        getattr(p, f), expected[name][f], f"[{strategy} {fields} {flow}] {name}.{f} vs BackPACK"
+                    )
 
 
 def backpack_limits(case_id: str, save_memory: bool) -> set:
@@ -90,7 +87,9 @@ def backpack_limits(case_id: str, save_memory: bool) -> set:
     if (im2col_or_higher_conv and isinstance(padding, str)) or (padding == "same" and dilated):
         return {"raises"}
     limits = set()
-    pads = padding != "valid" and (padding == "same" or any(p != 0 for p in (padding if isinstance(padding, tuple) else (padding,))))
+    pads = padding != "valid" and (
+        padding == "same" or any(p != 0 for p in (padding if isinstance(padding, tuple) else (padding,)))
+    )
     if kw.get("padding_mode", "zeros") != "zeros" and pads:
         limits.add("padding-mode")
     if kw.get("groups", 1) > 1:
@@ -166,7 +165,12 @@ class BackpackResidualNet(nn.Module):
 
 def backpack_residual():
     torch.manual_seed(1)
-    return BackpackResidualNet().double(), torch.randn(3, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (3,)), cross_entropy
+    return (
+        BackpackResidualNet().double(),
+        torch.randn(3, 2, 6, 6, dtype=torch.float64),
+        torch.randint(0, 3, (3,)),
+        cross_entropy,
+    )
 
 
 ARCHITECTURES = {

@@ -43,8 +43,16 @@ def test_cpu_time_and_memory_come_from_two_processes(monkeypatch):
         return dict(case, time_s=9.0, paired_ratio=None, rss_setup=2, rss_peak=5, extra_bytes=3)
 
     monkeypatch.setattr(run, "run_case", fake_run_case)
-    case = dict(model="m", method="jacmem:BatchGrad:auto", quick=False, device="cpu", threads=2,
-                warmup=1, repeats=7, seconds=4.0)
+    case = dict(
+        model="m",
+        method="jacmem:BatchGrad:auto",
+        quick=False,
+        device="cpu",
+        threads=2,
+        warmup=1,
+        repeats=7,
+        seconds=4.0,
+    )
     result = run.measure(case, timeout=10)
     assert [env for _, env in calls] == [run.TIME_MALLOC, run.MEMORY_MALLOC]
     assert calls[1][0]["paired"] is False and calls[1][0]["repeats"] == 2

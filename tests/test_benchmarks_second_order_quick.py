@@ -12,7 +12,9 @@ def test_quick_second_order_block(tmp_path, capsys):
     md.write_text("# report\n\n<!-- secondorder:start -->\nstale\n<!-- secondorder:end -->\n\nkept\n")
     main(["--quick", "--models", "mlp", "--only", r"^mlp (plain -|\w+ DiagGGNExact)$", "--markdown", str(md)])
     err = capsys.readouterr().err
-    assert re.search(r"\[2/4\] mlp pair DiagGGNExact: jacmem [\d.]+ s, BackPACK [\d.]+ s, paired ratio [\d.]+", err), err
+    assert re.search(r"\[2/4\] mlp pair DiagGGNExact: jacmem [\d.]+ s, BackPACK [\d.]+ s, paired ratio [\d.]+", err), (
+        err
+    )
     assert re.search(r"\[3/4\] mlp jacmem DiagGGNExact: [\d.]+ s, -?\d+ MB", err), err
     text = md.read_text()
     assert text.startswith("# report\n") and text.rstrip().endswith("kept") and "stale" not in text

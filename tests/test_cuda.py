@@ -15,12 +15,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from reference import REFERENCE, check_against, clear, mse, per_sample_grads, run_jacmem
+from test_autocast import FLOAT32_RTOL, Capture, per_sample
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import REFERENCE, check_against, clear, mse, per_sample_grads, run_jacmem
-from test_autocast import FLOAT32_RTOL, Capture, per_sample
 
 pytestmark = [
     pytest.mark.cuda,

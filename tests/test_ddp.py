@@ -27,10 +27,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from reference import REFERENCE, assert_close, clear, mse, per_sample_grads
 from torch import nn
 
 import jacmem
-from reference import REFERENCE, assert_close, clear, mse, per_sample_grads
 
 WORLD = 2
 PER_RANK = 3

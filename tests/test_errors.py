@@ -20,13 +20,13 @@ import warnings
 
 import pytest
 import torch
+from reference import check_against, cross_entropy, per_sample_grads, recorded, run_jacmem
 from torch import nn
 from torch.nn.modules import module as module_hooks
 
 import jacmem
 import jacmem.context
 from jacmem.derivatives import all_strategy_names, lookup
-from reference import check_against, cross_entropy, per_sample_grads, recorded, run_jacmem
 
 
 def small_net():

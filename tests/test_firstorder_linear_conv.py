@@ -18,15 +18,14 @@ several cases, in different combinations.
 from __future__ import annotations
 
 import itertools
-from typing import Dict, List, Tuple
 
 import pytest
 import torch
+from reference import FLOWS, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "BatchGrad": (jacmem.BatchGrad, "grad_batch"),
@@ -35,7 +34,7 @@ EXTENSIONS = {
     "Variance": (jacmem.Variance, "variance"),
 }
 #: each extension alone, then all together
-EXTENSION_SETS: List[Tuple[str, ...]] = [(name,) for name in EXTENSIONS] + [tuple(EXTENSIONS)]
+EXTENSION_SETS: list[tuple[str, ...]] = [(name,) for name in EXTENSIONS] + [tuple(EXTENSIONS)]
 
 #: the extension that asks for a quantity, and nothing that would plan a per-sample pass first
 ASKS_FOR = {
@@ -46,7 +45,7 @@ ASKS_FOR = {
 }
 
 
-def strategies(module_type: type) -> List[str]:
+def strategies(module_type: type) -> list[str]:
     """Every strategy name the registry has for this module type, and "auto"."""
     return sorted(REGISTRY[module_type].names() | {"auto"})
 
@@ -57,12 +56,17 @@ CONV = {1: nn.Conv1d, 2: nn.Conv2d, 3: nn.Conv3d}
 SPATIAL = {1: (11,), 2: (7, 6), 3: (5, 4, 5)}
 
 #: id -> (dimension, C_in, C_out, keyword arguments of the conv)
-CONV_CASES: Dict[str, tuple] = {
+CONV_CASES: dict[str, tuple] = {
     # Conv1d
     "1d-plain": (1, 2, 3, dict(kernel_size=3)),
     "1d-stride2-pad1-nobias": (1, 2, 3, dict(kernel_size=3, stride=2, padding=1, bias=False)),
     "1d-same-dil2-evenk-circular": (1, 2, 3, dict(kernel_size=4, padding="same", dilation=2, padding_mode="circular")),
-    "1d-depthwise-reflect-stride2": (1, 3, 6, dict(kernel_size=3, groups=3, padding=2, stride=2, padding_mode="reflect")),
+    "1d-depthwise-reflect-stride2": (
+        1,
+        3,
+        6,
+        dict(kernel_size=3, groups=3, padding=2, stride=2, padding_mode="reflect"),
+    ),
     "1d-valid-groups2-dil3": (1, 4, 2, dict(kernel_size=2, padding="valid", groups=2, dilation=3)),
     # Conv2d
     "2d-plain": (2, 2, 3, dict(kernel_size=3)),
@@ -77,18 +81,36 @@ CONV_CASES: Dict[str, tuple] = {
     "2d-replicate-tuple-stride2": (2, 2, 2, dict(kernel_size=3, padding=(1, 2), stride=2, padding_mode="replicate")),
     "2d-circular-same-evenk": (2, 2, 3, dict(kernel_size=(2, 4), padding="same", padding_mode="circular")),
     "2d-groups3-replicate-same-dil-nobias": (
-        2, 6, 3, dict(kernel_size=3, padding="same", dilation=(2, 1), groups=3, padding_mode="replicate", bias=False)
+        2,
+        6,
+        3,
+        dict(kernel_size=3, padding="same", dilation=(2, 1), groups=3, padding_mode="replicate", bias=False),
     ),
     # Conv3d
     "3d-plain": (3, 2, 2, dict(kernel_size=2)),
-    "3d-stride2-pad-tuple-groups2": (3, 4, 2, dict(kernel_size=(2, 3, 2), stride=(2, 1, 2), padding=(1, 0, 1), groups=2)),
-    "3d-same-dil2-replicate": (3, 2, 2, dict(kernel_size=(3, 2, 2), padding="same", dilation=(2, 1, 2), padding_mode="replicate")),
-    "3d-depthwise-circular-nobias": (3, 2, 4, dict(kernel_size=2, groups=2, padding=1, padding_mode="circular", bias=False)),
+    "3d-stride2-pad-tuple-groups2": (
+        3,
+        4,
+        2,
+        dict(kernel_size=(2, 3, 2), stride=(2, 1, 2), padding=(1, 0, 1), groups=2),
+    ),
+    "3d-same-dil2-replicate": (
+        3,
+        2,
+        2,
+        dict(kernel_size=(3, 2, 2), padding="same", dilation=(2, 1, 2), padding_mode="replicate"),
+    ),
+    "3d-depthwise-circular-nobias": (
+        3,
+        2,
+        4,
+        dict(kernel_size=2, groups=2, padding=1, padding_mode="circular", bias=False),
+    ),
     "3d-valid-reflect-dil": (3, 2, 2, dict(kernel_size=2, padding="valid", dilation=2, padding_mode="reflect")),
 }
 
 #: id -> (input shape without the batch axis, out_features, bias)
-LINEAR_CASES: Dict[str, tuple] = {
+LINEAR_CASES: dict[str, tuple] = {
     "rank2": ((5,), 4, True),
     "rank2-nobias": ((5,), 3, False),
     "rank3": ((4, 5), 3, True),
@@ -296,7 +318,16 @@ def test_larger_layers_in_uneven_chunks(module, shape):
     fields = [f for _, f in EXTENSIONS.values()]
     for strategy in strategies(type(model)):
         for chunk_bytes in (1, 3e3, 2e4, 6e4, 1.2e5):
-            ctx = run_jacmem(model, X, y, mse, "sum", [e() for e, _ in EXTENSIONS.values()], strategy=strategy, chunk_bytes=chunk_bytes)
+            ctx = run_jacmem(
+                model,
+                X,
+                y,
+                mse,
+                "sum",
+                [e() for e, _ in EXTENSIONS.values()],
+                strategy=strategy,
+                chunk_bytes=chunk_bytes,
+            )
             check_against(model, reference, fields, f"[{type(model).__name__} {strategy} {chunk_bytes}]")
             assert_used(ctx, strategy)
 

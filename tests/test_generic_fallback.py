@@ -9,15 +9,14 @@ BackPACK 1.7.1 has no such fallback: it cannot answer for any module below (its
 
 from __future__ import annotations
 
-
 import pytest
 import torch
+from reference import FLOWS, check_against, mse, per_sample_grads, recorded, run_jacmem
 from torch import nn
 from torch.nn import functional as F
 
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
-from reference import FLOWS, check_against, mse, per_sample_grads, recorded, run_jacmem
 
 EXTENSIONS = {
     "grad_batch": jacmem.BatchGrad,

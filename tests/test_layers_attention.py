@@ -22,15 +22,14 @@ comparison here; ``test_backpack_cannot_answer`` shows it.
 from __future__ import annotations
 
 import warnings
-from typing import Dict
 
 import pytest
 import torch
+from reference import FLOWS, check_against, check_dropout_raises_then_eval_works, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, check_against, check_dropout_raises_then_eval_works, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "grad_batch": jacmem.BatchGrad,
@@ -89,13 +88,16 @@ class Attend(nn.Module):
 
 
 #: id -> (MultiheadAttention keyword arguments, mask, use of the weights, frozen in-projection)
-CASES: Dict[str, tuple] = {
+CASES: dict[str, tuple] = {
     "packed-bf": (dict(batch_first=True), "", "unused", False),
     "packed-sf-nobias-no-weights": (dict(bias=False), "", "none", False),
     "kvdim-bf-bias-kv": (dict(kdim=4, vdim=3, batch_first=True, add_bias_kv=True), "kpm-bool", "avg", False),
     "kvdim-sf-zero-attn": (dict(kdim=5, vdim=7, add_zero_attn=True), "2d", "heads", False),
     "packed-bf-kpm-float-3d": (
-        dict(batch_first=True, add_bias_kv=True, add_zero_attn=True), "kpm-float 3d", "avg", False
+        dict(batch_first=True, add_bias_kv=True, add_zero_attn=True),
+        "kpm-float 3d",
+        "avg",
+        False,
     ),
     "packed-sf-causal": (dict(), "causal", "none", False),
     "packed-bf-3d-heads": (dict(batch_first=True), "3d", "heads", False),
@@ -129,7 +131,15 @@ def test_attention(case_id, strategy):
     runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
         ctx = run_jacmem(
-            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True,
+            model,
+            X,
+            y,
+            mse,
+            reduction,
+            [EXTENSIONS[f]() for f in fields],
+            flow,
+            strategy=strategy,
+            strict=True,
             **kwargs,
         )
         check_against(model, reference, fields, f"[{case_id} {strategy} {'+'.join(fields)} {flow} {kwargs}]")

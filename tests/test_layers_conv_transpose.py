@@ -11,15 +11,14 @@ dilation, groups, no bias, and ``output_size=`` given at call time.
 from __future__ import annotations
 
 import itertools
-from typing import Dict
 
 import pytest
 import torch
+from reference import FLOWS, assert_close, check_against, mse, per_sample_grads, run_backpack, run_jacmem
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, assert_close, check_against, mse, per_sample_grads, run_backpack, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -28,12 +27,17 @@ SPATIAL = {1: (6,), 2: (4, 5), 3: (3, 4, 3)}
 N = 3
 
 #: id -> (dimension, C_in, C_out, keyword arguments)
-CASES: Dict[str, tuple] = {
+CASES: dict[str, tuple] = {
     "1d-plain": (1, 2, 3, dict(kernel_size=3)),
     "1d-stride2-pad1-outpad1": (1, 2, 3, dict(kernel_size=3, stride=2, padding=1, output_padding=1)),
     "1d-groups2-dil2-outpad-above-stride": (1, 4, 2, dict(kernel_size=2, groups=2, dilation=3, output_padding=2)),
     "2d-plain-nobias": (2, 2, 3, dict(kernel_size=3, bias=False)),
-    "2d-tuple-stride-pad-outpad": (2, 2, 2, dict(kernel_size=(2, 3), stride=(2, 3), padding=(1, 2), output_padding=(1, 2))),
+    "2d-tuple-stride-pad-outpad": (
+        2,
+        2,
+        2,
+        dict(kernel_size=(2, 3), stride=(2, 3), padding=(1, 2), output_padding=(1, 2)),
+    ),
     "2d-depthwise-dil": (2, 3, 6, dict(kernel_size=3, groups=3, dilation=(2, 1), stride=2, padding=2)),
     "3d-plain": (3, 2, 2, dict(kernel_size=2)),
     "3d-groups2-stride-outpad": (3, 4, 2, dict(kernel_size=(2, 3, 2), stride=2, groups=2, output_padding=(1, 0, 1))),

@@ -24,16 +24,26 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from typing import Dict
 
 import pytest
 import torch
 from backpack import backpack, extend, extensions
+from reference import (
+    FLOWS,
+    REFERENCE,
+    assert_close,
+    check_against,
+    cross_entropy,
+    mse,
+    per_sample_grads,
+    run_backpack,
+    run_grid,
+    run_jacmem,
+)
 from torch import Tensor, nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_backpack, run_grid, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
@@ -49,7 +59,7 @@ def batch_counts(idx: Tensor, mask=None) -> Tensor:
     return torch.bincount(idx.flatten() if mask is None else idx[mask], minlength=V).clamp(min=1)
 
 
-def by_name(model: nn.Module, other: nn.Module, grads: Dict[nn.Parameter, Tensor]) -> Dict[nn.Parameter, Tensor]:
+def by_name(model: nn.Module, other: nn.Module, grads: dict[nn.Parameter, Tensor]) -> dict[nn.Parameter, Tensor]:
     """Per-sample gradients computed on ``other`` (a copy of ``model``), keyed by ``model``'s parameters."""
     names = {p: n for n, p in other.named_parameters()}
     return {model.get_parameter(names[p]): g for p, g in grads.items()}
@@ -58,7 +68,7 @@ def by_name(model: nn.Module, other: nn.Module, grads: Dict[nn.Parameter, Tensor
 # -- Embedding -----------------------------------------------------------------------
 
 #: id -> (input shape without the batch axis, Embedding keyword arguments)
-EMBEDDING_CASES: Dict[str, tuple] = {
+EMBEDDING_CASES: dict[str, tuple] = {
     "1d-input": ((), {}),
     "2d-input": ((6,), {}),
     "3d-input": ((2, 3), {}),
@@ -111,7 +121,9 @@ def test_sparse_gradients():
         assert model.weight.grad.is_sparse
         assert_close(model.weight.grad.to_dense(), reference[model.weight].sum(0), f"{flow} .grad")
         for e in EXTENSIONS:
-            assert_close(getattr(model.weight, e.savefield), REFERENCE[e.savefield](reference[model.weight]), e.savefield)
+            assert_close(
+                getattr(model.weight, e.savefield), REFERENCE[e.savefield](reference[model.weight]), e.savefield
+            )
 
 
 # -- EmbeddingBag --------------------------------------------------------------------
@@ -134,7 +146,7 @@ class Bags(nn.Module):
 #: layouts: "2d" (input [N, L]); "offsets" (1d input, offsets, bag 1 empty);
 #: "last" (1d, include_last_offset=True, bag 2 empty); "pairs" (2d, every index occurs
 #: exactly twice in the batch, sometimes twice in one bag, sometimes in two bags)
-BAG_CASES: Dict[str, tuple] = {
+BAG_CASES: dict[str, tuple] = {
     "sum-2d": ("2d", dict(mode="sum"), False),
     "sum-offsets-weights": ("offsets", dict(mode="sum"), True),
     "sum-last-padding": ("last", dict(mode="sum", include_last_offset=True, padding_idx=2), False),
@@ -172,7 +184,7 @@ def bag_inputs(layout: str, with_weights: bool):
     return (idx, offsets, weights), bags, split
 
 
-def bag_reference(model: Bags, bags, weights, y, reduction: str) -> Dict[nn.Parameter, Tensor]:
+def bag_reference(model: Bags, bags, weights, y, reduction: str) -> dict[nn.Parameter, Tensor]:
     """One bag at a time through a copy of the layer (scale_grad_by_freq off, then each
     row divided by its count in the whole batch); keyed by ``model``'s weight."""
     plain = copy.deepcopy(model.bag)
@@ -268,7 +280,9 @@ EMBEDDING_OPTION = {"padding_idx": 0, "max_norm": 1.0, "scale_grad_by_freq": Tru
 def test_backpack_cannot(layer):
     """Where BackPACK 1.7.1 gives no answer (so the loop is the only reference above):
     it raises on Embedding's options and computes nothing for EmbeddingBag."""
-    module = nn.EmbeddingBag(V, D) if layer == "EmbeddingBag" else nn.Embedding(V, D, **{layer: EMBEDDING_OPTION[layer]})
+    module = (
+        nn.EmbeddingBag(V, D) if layer == "EmbeddingBag" else nn.Embedding(V, D, **{layer: EMBEDDING_OPTION[layer]})
+    )
     model = extend(nn.Sequential(module.double()))
     X = torch.randint(0, V, (N, 3))
     with warnings.catch_warnings():
@@ -310,7 +324,9 @@ class TextNet(nn.Module):
 MODEL_GRID = [
     (tied, s)
     for tied in (False, True)
-    for s in sorted(set().union(*(REGISTRY[t].names() for t in (nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Linear))) | {"auto"})
+    for s in sorted(
+        set().union(*(REGISTRY[t].names() for t in (nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Linear))) | {"auto"}
+    )
 ]
 
 

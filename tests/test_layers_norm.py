@@ -21,23 +21,33 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from typing import Callable, Dict
+from collections.abc import Callable
 
 import pytest
 import torch
 from backpack import backpack, extend, extensions
+from reference import (
+    FLOWS,
+    assert_close,
+    check_against,
+    cross_entropy,
+    mse,
+    per_sample_grads,
+    run_backpack,
+    run_grid,
+    run_jacmem,
+)
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY
-from reference import FLOWS, assert_close, check_against, cross_entropy, mse, per_sample_grads, run_backpack, run_grid, run_jacmem
 
 EXTENSIONS = [jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance]
 EXTENSION_SETS = [[e] for e in EXTENSIONS] + [EXTENSIONS]
 N = 4
 
 #: id -> (layer factory, input shape without the batch axis, train mode?)
-CASES: Dict[str, tuple] = {
+CASES: dict[str, tuple] = {
     "bn1d-flat": (lambda: nn.BatchNorm1d(3), (3,), False),
     "bn1d-seq": (lambda: nn.BatchNorm1d(3), (3, 5), False),
     "bn2d": (lambda: nn.BatchNorm2d(3), (3, 4, 3), False),
@@ -84,9 +94,7 @@ def build(case_id: str):
     return model, X, y
 
 
-GRID = [
-    (c, s) for c, (factory, _, _) in CASES.items() for s in sorted(REGISTRY[type(factory())].names() | {"auto"})
-]
+GRID = [(c, s) for c, (factory, _, _) in CASES.items() for s in sorted(REGISTRY[type(factory())].names() | {"auto"})]
 
 
 @pytest.mark.parametrize("case_id,strategy", GRID, ids=[f"{c}-{s}" for c, s in GRID])
@@ -99,7 +107,7 @@ def test_norm(case_id, strategy):
 # -- BatchNorm with batch statistics -------------------------------------------------
 
 
-def _batch_statistics_cases() -> Dict[str, Callable[[], nn.Module]]:
+def _batch_statistics_cases() -> dict[str, Callable[[], nn.Module]]:
     frozen_weight = nn.BatchNorm2d(3)
     frozen_weight.weight.requires_grad_(False)
     return {

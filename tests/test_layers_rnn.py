@@ -22,16 +22,24 @@ from __future__ import annotations
 import copy
 import itertools
 import warnings
-from typing import Dict
 
 import pytest
 import torch
+from reference import (
+    FLOWS,
+    REFERENCE,
+    assert_close,
+    check_against,
+    check_dropout_raises_then_eval_works,
+    mse,
+    per_sample_grads,
+    run_jacmem,
+)
 from torch import nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
-from reference import FLOWS, REFERENCE, assert_close, check_against, check_dropout_raises_then_eval_works, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "grad_batch": jacmem.BatchGrad,
@@ -80,10 +88,13 @@ class Head(nn.Module):
 
 
 #: id -> (RNN class, its keyword arguments, what the head uses, h_0 given)
-CASES: Dict[str, tuple] = {
+CASES: dict[str, tuple] = {
     "rnn-tanh-bf": (nn.RNN, dict(batch_first=True), "output", False),
     "rnn-relu-2layers-bidir-sf-nobias": (
-        nn.RNN, dict(nonlinearity="relu", num_layers=2, bidirectional=True, bias=False), "all", True
+        nn.RNN,
+        dict(nonlinearity="relu", num_layers=2, bidirectional=True, bias=False),
+        "all",
+        True,
     ),
     "rnn-tanh-3layers-states-only": (nn.RNN, dict(num_layers=3, batch_first=True), "states", False),
     "gru-bf": (nn.GRU, dict(batch_first=True), "all", False),
@@ -126,7 +137,15 @@ def test_rnn_layers(case_id, strategy):
     runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
     for fields, flow, kwargs in runs:
         ctx = run_jacmem(
-            model, X, y, mse, reduction, [EXTENSIONS[f]() for f in fields], flow, strategy=strategy, strict=True,
+            model,
+            X,
+            y,
+            mse,
+            reduction,
+            [EXTENSIONS[f]() for f in fields],
+            flow,
+            strategy=strategy,
+            strict=True,
             **kwargs,
         )
         check_against(model, reference, fields, f"[{case_id} {strategy} {'+'.join(fields)} {flow} {kwargs}]")
@@ -251,7 +270,12 @@ def _backpack_fields(cls, seed: int):
     bp_model = extend(copy.deepcopy(model))
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        quantities = [extensions.BatchGrad(), extensions.BatchL2Grad(), extensions.SumGradSquared(), extensions.Variance()]
+        quantities = [
+            extensions.BatchGrad(),
+            extensions.BatchL2Grad(),
+            extensions.SumGradSquared(),
+            extensions.Variance(),
+        ]
         with backpack(*quantities):
             mse(bp_model(X), y, "mean").backward()
     return model, X, y, bp_model

@@ -59,4 +59,3 @@ def test_conv_bn_relu(capsys):
     assert leaned.saved_bytes == depth * -(-act // 4 // 8) + head_input  # 1 bit per element
     assert result["grad_diff"] < 1e-5
     assert out.count("peak RSS: before n/a, after n/a") == 2  # --quick measures no RSS
-

@@ -11,12 +11,12 @@ import itertools
 
 import pytest
 import torch
+from reference import cross_entropy, per_sample_grads
 from torch import nn
 
 import jacmem
 from jacmem.memory import BatchNormAct, lean, report, unlean
 from jacmem.memory.functions import pack_bits, unpack_bits
-from reference import cross_entropy, per_sample_grads
 
 #: every test here in float64 (conftest.py restores the default after each)
 pytestmark = pytest.mark.usefixtures("float64_default")
@@ -160,7 +160,9 @@ def test_relu_kernels_equal_the_stock_ops(n, inplace, dtype, monkeypatch):
     from jacmem.memory import kernels
 
     if kernels._library() is None:
-        pytest.skip("no compiled loops here (no C compiler, or JACMEM_NO_KERNELS=1): the stock-op path runs, and every other ReLU test covers it")
+        pytest.skip(
+            "no compiled loops here (no C compiler, or JACMEM_NO_KERNELS=1): the stock-op path runs, and every other ReLU test covers it"
+        )
     gen = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=gen, dtype=dtype)
     x[::3], x[1::7], x[2::11] = -0.0, float("nan"), 0.0
@@ -224,7 +226,12 @@ READERS = [
     ("conv", lambda: nn.Conv2d(4, 4, 3, padding=1), True, STOCK_RELU),
     ("conv frozen", lambda: nn.Conv2d(4, 4, 3, padding=1), False, MASK),
     ("conv bias only", lambda: nn.Conv2d(4, 4, 3, padding=1), "bias", MASK),
-    ("conv reflect", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"), False, STOCK_RELU),  # F.pad keeps it
+    (
+        "conv reflect",
+        lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="reflect"),
+        False,
+        STOCK_RELU,
+    ),  # F.pad keeps it
     ("conv circular", lambda: nn.Conv2d(4, 4, 3, padding=1, padding_mode="circular"), True, MASK),  # a padded copy
     ("conv same", lambda: nn.Conv2d(4, 4, 3, padding="same"), True, STOCK_RELU),
     ("conv same odd", lambda: nn.Conv2d(4, 4, 4, padding="same"), True, MASK),  # keeps a padded copy
@@ -623,8 +630,13 @@ def test_extend_batch_grad_on_lean_partly_frozen_model():
     backpack = pytest.importorskip("backpack")
     torch.manual_seed(1)
     stock = nn.Sequential(
-        nn.Conv2d(3, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(2),
-        nn.Conv2d(4, 5, 3), nn.ReLU(), nn.Flatten(), nn.Linear(5 * 2 * 2, 3),
+        nn.Conv2d(3, 4, 3, padding=1),
+        nn.ReLU(),
+        nn.MaxPool2d(2),
+        nn.Conv2d(4, 5, 3),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(5 * 2 * 2, 3),
     )
     for p in stock[3].parameters():
         p.requires_grad_(False)
@@ -652,8 +664,12 @@ def test_extend_batch_grad_through_lean_batchnorm_and_conv_transpose():
     layers too: per-sample gradients against an autograd loop on the stock model."""
     torch.manual_seed(2)
     stock = nn.Sequential(
-        nn.Conv2d(3, 4, 3), _batchnorm(nn.BatchNorm2d, 4), nn.ReLU(),
-        nn.ConvTranspose2d(4, 2, 3, stride=2), nn.Flatten(), nn.Linear(2 * 13 * 13, 3),
+        nn.Conv2d(3, 4, 3),
+        _batchnorm(nn.BatchNorm2d, 4),
+        nn.ReLU(),
+        nn.ConvTranspose2d(4, 2, 3, stride=2),
+        nn.Flatten(),
+        nn.Linear(2 * 13 * 13, 3),
     ).eval()
     for p in stock[0].parameters():
         p.requires_grad_(False)

@@ -14,8 +14,6 @@ from torch.nn.modules import module as module_hooks
 
 from jacmem.memory import report
 
-
-
 #: every test here in float64 (conftest.py restores the default after each)
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -9,11 +9,11 @@ what is tested is which plan runs, not the quantities, which other files compare
 
 import pytest
 import torch
+from reference import check_against, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
 from jacmem import context
-from reference import check_against, mse, per_sample_grads, run_jacmem
 
 EXTENSIONS = {
     "batch_l2": jacmem.BatchL2Grad,

@@ -16,11 +16,11 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from reference import FLOWS, check_against, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY, all_strategy_names
-from reference import FLOWS, check_against, mse, per_sample_grads, run_jacmem
 
 SETTINGS = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 STRATEGIES = sorted(all_strategy_names() | {"auto"})

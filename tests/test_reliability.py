@@ -29,13 +29,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
-from torch.nn.modules import module as module_hooks
-
-import jacmem
-import jacmem.context
-from jacmem import hooks
-from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy
 from reference import (
     REFERENCE,
     SAVEFIELDS,
@@ -47,6 +40,13 @@ from reference import (
     recorded,
     run_jacmem,
 )
+from torch import nn
+from torch.nn.modules import module as module_hooks
+
+import jacmem
+import jacmem.context
+from jacmem import hooks
+from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy
 
 FIRST_ORDER = (jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance)
 ALL_FIELDS = [e.savefield for e in FIRST_ORDER]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from secondorder_ref import blocks, check_exact, check_kronecker_blocks, dense, diagonals, run
+from secondorder_ref import check_exact, check_kronecker_blocks, dense, diagonals, run
 from torch import nn
 
 import jacmem
@@ -31,7 +31,9 @@ def test_residual_net_diagonals(reduction):
     """GGN and Hessian diagonals (BackPACK's DiagHessian cannot do ResNets) through skip
     connections, a three-way branch and a scaled branch."""
     torch.manual_seed(0)
-    check_exact(resnet(), nn.CrossEntropyLoss(reduction=reduction), torch.randn(4, 4, dtype=DT), torch.randint(0, 3, (4,)))
+    check_exact(
+        resnet(), nn.CrossEntropyLoss(reduction=reduction), torch.randn(4, 4, dtype=DT), torch.randint(0, 3, (4,))
+    )
 
 
 def residual_cnn():

@@ -54,7 +54,9 @@ def test_losses_with_trailing_dims(reduction):
     [N, T, F] from a Linear on a sequence, BCE on [N, T, F]."""
     torch.manual_seed(3)
     conv = nn.Sequential(nn.Conv1d(2, 3, 3, padding=1), nn.Sigmoid(), nn.Conv1d(3, 3, 1)).to(DT)
-    check_exact(conv, nn.CrossEntropyLoss(reduction=reduction), torch.randn(3, 2, 4, dtype=DT), torch.randint(0, 3, (3, 4)))
+    check_exact(
+        conv, nn.CrossEntropyLoss(reduction=reduction), torch.randn(3, 2, 4, dtype=DT), torch.randint(0, 3, (3, 4))
+    )
     seq = nn.Sequential(nn.Linear(4, 3), nn.Tanh(), nn.Linear(3, 2)).to(DT)
     X = torch.randn(3, 5, 4, dtype=DT)
     check_exact(seq, nn.MSELoss(reduction=reduction), X, torch.randn(3, 5, 2, dtype=DT))
@@ -131,7 +133,7 @@ def test_dropout_in_training_mode_uses_the_forward_mask():
     ref_model = nn.Sequential(model[0], model[1], Mask(), model[3])
     ggn, hess = dense(ref_model, nn.CrossEntropyLoss(), X, y)
     dg, dh = diagonals(ref_model, ggn), diagonals(ref_model, hess)
-    for (n, (g, h)), (rn, _) in zip(got.items(), ref_model.named_parameters()):
+    for (_, (g, h)), (rn, _) in zip(got.items(), ref_model.named_parameters()):
         torch.testing.assert_close(g, dg[rn])
         torch.testing.assert_close(h, dh[rn])
 
@@ -197,7 +199,9 @@ def test_equal_to_backpack(make, reduction):
     y = torch.randint(0, 3, (4,))
     lossf = nn.CrossEntropyLoss(reduction=reduction)
     run(model, lossf, X, y, DiagGGNExact(), BatchDiagGGNExact(), DiagHessian(), BatchDiagHessian())
-    ref = _backpack(model, lossf, X, y, bpe.DiagGGNExact(), bpe.BatchDiagGGNExact(), bpe.DiagHessian(), bpe.BatchDiagHessian())
+    ref = _backpack(
+        model, lossf, X, y, bpe.DiagGGNExact(), bpe.BatchDiagGGNExact(), bpe.DiagHessian(), bpe.BatchDiagHessian()
+    )
     for name, p in model.named_parameters():
         for field in ("diag_ggn_exact", "diag_ggn_exact_batch", "diag_h", "diag_h_batch"):
             torch.testing.assert_close(getattr(p, field), getattr(ref[name], field), msg=f"{field} {name}")
@@ -213,18 +217,26 @@ def test_conv_transpose_batchnorm_embedding(reduction):
     for bn in (bn2, bn1, bn3):
         bn.running_mean.uniform_(-1, 1)
         bn.running_var.uniform_(0.5, 2)
-    model = nn.Sequential(
-        nn.ConvTranspose2d(2, 4, 3, stride=2, output_padding=1, groups=2),
-        bn2,
-        nn.Tanh(),
-        nn.ConvTranspose2d(4, 2, 2, dilation=2),
-        nn.AdaptiveAvgPool2d(2),
-        nn.Flatten(),
-        nn.Linear(8, 3),
-        bn1,
-    ).to(DT).eval()
-    check_exact(model, nn.CrossEntropyLoss(reduction=reduction), torch.randn(3, 2, 3, 3, dtype=DT), torch.randint(0, 3, (3,)))
-    vol = nn.Sequential(nn.ConvTranspose3d(1, 2, 2), bn3, nn.Sigmoid(), nn.Flatten(), nn.Linear(2 * 27, 2)).to(DT).eval()
+    model = (
+        nn.Sequential(
+            nn.ConvTranspose2d(2, 4, 3, stride=2, output_padding=1, groups=2),
+            bn2,
+            nn.Tanh(),
+            nn.ConvTranspose2d(4, 2, 2, dilation=2),
+            nn.AdaptiveAvgPool2d(2),
+            nn.Flatten(),
+            nn.Linear(8, 3),
+            bn1,
+        )
+        .to(DT)
+        .eval()
+    )
+    check_exact(
+        model, nn.CrossEntropyLoss(reduction=reduction), torch.randn(3, 2, 3, 3, dtype=DT), torch.randint(0, 3, (3,))
+    )
+    vol = (
+        nn.Sequential(nn.ConvTranspose3d(1, 2, 2), bn3, nn.Sigmoid(), nn.Flatten(), nn.Linear(2 * 27, 2)).to(DT).eval()
+    )
     check_exact(vol, nn.MSELoss(reduction=reduction), torch.randn(2, 1, 2, 2, 2, dtype=DT), torch.randn(2, 2, dtype=DT))
     seq = nn.Sequential(nn.ConvTranspose1d(3, 2, 2), nn.Flatten(), nn.Linear(8, 2)).to(DT)
     check_exact(seq, nn.MSELoss(reduction=reduction), torch.randn(2, 3, 3, dtype=DT), torch.randn(2, 2, dtype=DT))

@@ -34,8 +34,9 @@ This package imports torch, einops and opt_einsum, and no other jacmem code.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -62,7 +63,7 @@ class Strategy:
     there and returns it, so that chunks need no copy into the whole result."""
 
     fn: Callable[..., Any]
-    cost: Optional[Callable[..., Optional[Cost]]] = None
+    cost: Callable[..., Cost | None] | None = None
     writes_out: bool = False
 
 
@@ -109,18 +110,18 @@ class LayerDerivatives:
         then covers.
     """
 
-    hyperparams: Callable[[nn.Module], Dict[str, Any]] = lambda module: {}
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
     keep: Callable[[tuple, dict], Any] = _first_input
     outputs: Callable[[Any], Any] = _identity
     arrange: Callable[..., Any] = lambda g, **hp: g
     arrange_input: Callable[..., Any] = lambda x, **hp: x
-    for_module: Optional[Callable[[nn.Module], "LayerDerivatives"]] = None
+    for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
-    strategies: Dict[Tuple[str, str], Dict[str, Strategy]] = field(default_factory=dict)
+    strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
 
     @property
-    def params(self) -> Tuple[str, ...]:
+    def params(self) -> tuple[str, ...]:
         """Names of the parameters that have at least a ``batch_grad``."""
         return tuple(p for p, q in self.strategies if q == "batch_grad")
 
@@ -141,26 +142,30 @@ def detached(x: Any) -> Any:
     return x
 
 
-REGISTRY: Dict[type, LayerDerivatives] = {}
+REGISTRY: dict[type, LayerDerivatives] = {}
 
 
 def layer(
     module_type: type,
     *,
-    hyperparams: Optional[Callable[[nn.Module], Dict[str, Any]]] = None,
-    keep: Optional[Callable[[tuple, dict], Any]] = None,
-    outputs: Optional[Callable[[Any], Any]] = None,
-    arrange: Optional[Callable[..., Any]] = None,
-    arrange_input: Optional[Callable[..., Any]] = None,
-    for_module: Optional[Callable[[nn.Module], LayerDerivatives]] = None,
-    input_free: Tuple[str, ...] = (),
+    hyperparams: Callable[[nn.Module], dict[str, Any]] | None = None,
+    keep: Callable[[tuple, dict], Any] | None = None,
+    outputs: Callable[[Any], Any] | None = None,
+    arrange: Callable[..., Any] | None = None,
+    arrange_input: Callable[..., Any] | None = None,
+    for_module: Callable[[nn.Module], LayerDerivatives] | None = None,
+    input_free: tuple[str, ...] = (),
     compute_once: bool = False,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
     given = dict(
-        hyperparams=hyperparams, keep=keep, outputs=outputs, arrange=arrange,
-        arrange_input=arrange_input, for_module=for_module,
+        hyperparams=hyperparams,
+        keep=keep,
+        outputs=outputs,
+        arrange=arrange,
+        arrange_input=arrange_input,
+        for_module=for_module,
     )
     for field_name, value in given.items():
         if value is not None:
@@ -176,7 +181,7 @@ def register(
     quantity: str = "batch_grad",
     strategy: str = "default",
     *,
-    cost: Optional[Callable[..., Optional[Cost]]] = None,
+    cost: Callable[..., Cost | None] | None = None,
     writes_out: bool = False,
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
@@ -197,7 +202,7 @@ def register(
     return decorate
 
 
-def lookup(module: nn.Module) -> Optional[LayerDerivatives]:
+def lookup(module: nn.Module) -> LayerDerivatives | None:
     """The entry for ``type(module)``, or for its nearest registered base class when
     the subclass keeps that class's ``forward`` (so its math is the same); otherwise the
     generic fallback for the module's own parameters (:func:`generic.fallback`), or

@@ -94,9 +94,7 @@ def _gelu_d2f(x: Tensor, out: Tensor, *, approximate: str) -> Tensor:
 
 
 passthrough(nn.ReLU, df=_relu_df, keep_output=True, keep_input=False)
-passthrough(
-    nn.LeakyReLU, df=_leaky_df, hyperparams=lambda m: {"negative_slope": m.negative_slope}
-)
+passthrough(nn.LeakyReLU, df=_leaky_df, hyperparams=lambda m: {"negative_slope": m.negative_slope})
 passthrough(nn.Sigmoid, df=_sigmoid_df, d2f=_sigmoid_d2f, keep_output=True, keep_input=False)
 passthrough(nn.Tanh, df=_tanh_df, d2f=_tanh_d2f, keep_output=True, keep_input=False)
 passthrough(nn.ELU, df=_elu_df, d2f=_elu_d2f, hyperparams=lambda m: {"alpha": m.alpha})
@@ -108,6 +106,4 @@ passthrough(
 )
 passthrough(nn.LogSigmoid, df=_logsigmoid_df, d2f=_logsigmoid_d2f)
 passthrough(nn.SiLU, df=_silu_df, d2f=_silu_d2f)
-passthrough(
-    nn.GELU, df=_gelu_df, d2f=_gelu_d2f, hyperparams=lambda m: {"approximate": m.approximate}
-)
+passthrough(nn.GELU, df=_gelu_df, d2f=_gelu_d2f, hyperparams=lambda m: {"approximate": m.approximate})

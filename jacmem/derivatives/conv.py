@@ -34,8 +34,8 @@ one thread).
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from math import prod
-from typing import List, Optional, Sequence, Tuple
 
 import torch
 from einops import rearrange
@@ -68,7 +68,7 @@ def conv_hyperparams(module: nn.modules.conv._ConvNd) -> dict:
     )
 
 
-def pad(x: Tensor, padding: Sequence[Tuple[int, int]], padding_mode: str) -> Tensor:
+def pad(x: Tensor, padding: Sequence[tuple[int, int]], padding_mode: str) -> Tensor:
     """[N, C, *S] -> [N, C, *S_padded], as the layer pads before it convolves."""
     flat = [side for pair in reversed(padding) for side in pair]
     if not any(flat):
@@ -76,7 +76,7 @@ def pad(x: Tensor, padding: Sequence[Tuple[int, int]], padding_mode: str) -> Ten
     return F.pad(x, flat, mode="constant" if padding_mode == "zeros" else padding_mode)
 
 
-def kernel_padding(padding, padding_mode) -> Optional[List[int]]:
+def kernel_padding(padding, padding_mode) -> list[int] | None:
     """The padding a convolution kernel applies itself (symmetric zeros) as one int per
     axis, or None where the input must be padded first."""
     if padding_mode == "zeros" and all(left == right for left, right in padding):
@@ -84,7 +84,7 @@ def kernel_padding(padding, padding_mode) -> Optional[List[int]]:
     return None
 
 
-def for_kernel(x: Tensor, padding, padding_mode) -> Tuple[Tensor, List[int]]:
+def for_kernel(x: Tensor, padding, padding_mode) -> tuple[Tensor, list[int]]:
     """``x`` and the padding to hand a convolution kernel: the kernel's own where it can
     pad (:func:`kernel_padding`), else ``x`` padded here and 0."""
     own = kernel_padding(padding, padding_mode)
@@ -204,8 +204,17 @@ def weight_batch_grad_grouped(x, g, *, kernel_size, stride, dilation, groups, pa
     shape = (n * o, c // groups, *kernel_size)
     weight = x.new_empty(()).expand(shape)  # only its shape is read
     grad = torch.ops.aten.convolution_backward(
-        g.reshape(1, n * o, *g.shape[2:]), x.reshape(1, n * c, *x.shape[2:]), weight, None,
-        stride, own, dilation, False, [0] * len(kernel_size), n * groups, [False, True, False],
+        g.reshape(1, n * o, *g.shape[2:]),
+        x.reshape(1, n * c, *x.shape[2:]),
+        weight,
+        None,
+        stride,
+        own,
+        dilation,
+        False,
+        [0] * len(kernel_size),
+        n * groups,
+        [False, True, False],
     )[1]
     return grad.view(n, o, *shape[1:])
 

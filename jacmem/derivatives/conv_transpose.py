@@ -24,7 +24,7 @@ output_size=...)``, which picks it per call, needs nothing more.
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from torch import nn
 

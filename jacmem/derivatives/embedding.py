@@ -53,7 +53,6 @@ Strategies: per-sample gradients are ``[N, V, D]``, large. Only ``batch_grad`` f
 from __future__ import annotations
 
 from math import log2, prod
-from typing import Optional, Tuple
 
 import torch
 from opt_einsum import contract
@@ -71,9 +70,9 @@ class Batch:
     (``None``: all).
     """
 
-    def __init__(self, idx: Tensor, mask: Optional[Tensor]):
+    def __init__(self, idx: Tensor, mask: Tensor | None):
         self.idx, self.mask = idx, mask
-        self._counts: Optional[Tensor] = None
+        self._counts: Tensor | None = None
 
     def counts(self, num_embeddings: int) -> Tensor:
         """How often each row occurs in the batch: ``[V]``, computed once."""
@@ -138,7 +137,7 @@ def bag_hyperparams(module: nn.EmbeddingBag) -> dict:
     )
 
 
-def _times(coef: Optional[Tensor], factor: Tensor) -> Tensor:
+def _times(coef: Tensor | None, factor: Tensor) -> Tensor:
     return factor if coef is None else coef * factor
 
 
@@ -180,7 +179,7 @@ def _keys(idx: Tensor, num_embeddings: int) -> Tensor:
     return (offsets + idx).flatten()
 
 
-def _dims(xs, gs, mode, num_embeddings) -> Tuple[int, int, int, int]:
+def _dims(xs, gs, mode, num_embeddings) -> tuple[int, int, int, int]:
     """Shapes of x and g -> (N, T, D, V)."""
     n = gs[0]
     t = prod(gs[1:-1]) if mode == "lookup" else xs[0][1]
@@ -225,7 +224,7 @@ def weight_batch_l2_ghost(x, g: Tensor, **hp) -> Tensor:
     return contract("nts,ntd,nsd->n", same, rows, rows)
 
 
-def segments(x, g: Tensor, **hp) -> Tuple[Tensor, Tensor]:
+def segments(x, g: Tensor, **hp) -> tuple[Tensor, Tensor]:
     """Sums of ``G`` over the positions of each (sample, row) pair that occurs:
     -> ``keys [U]`` (``n·V + v``), ``sums [U, D]``, ``U ≤ N·T``."""
     idx, rows = positions(x, g, **hp)

@@ -39,9 +39,10 @@ taken its own.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from functools import partial
 from math import prod
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -77,12 +78,12 @@ class SharedPass:
     is computed once.
     """
 
-    def __init__(self, sizes: Dict[str, int]):
+    def __init__(self, sizes: dict[str, int]):
         #: number of elements of each trainable parameter
         self.sizes = dict(sizes)
-        self.pending: List[Tuple[Any, Any, Dict[str, Tensor]]] = []
+        self.pending: list[tuple[Any, Any, dict[str, Tensor]]] = []
 
-    def take(self, name: str, x, g, compute: Callable[[Any, Any, Tuple[str, ...]], Dict[str, Tensor]]) -> Tensor:
+    def take(self, name: str, x, g, compute: Callable[[Any, Any, tuple[str, ...]], dict[str, Tensor]]) -> Tensor:
         """``compute(x, g, names) -> {name: [n, *shape]}`` runs once per chunk."""
         entry = next((e for e in self.pending if name in e[2] and _same(e[0], x) and _same(e[1], g)), None)
         if entry is None:
@@ -93,7 +94,7 @@ class SharedPass:
             self.pending = [e for e in self.pending if e is not entry]
         return value
 
-    def cost(self, name: str, cost: Optional[Cost], batch: int) -> Optional[Cost]:
+    def cost(self, name: str, cost: Cost | None, batch: int) -> Cost | None:
         """``cost`` of the whole pass, with the workspace of the other parameters'
         per-sample gradients held meanwhile: the engine adds ``name``'s own, so every
         parameter gets the same chunks."""
@@ -103,18 +104,18 @@ class SharedPass:
         return Cost(cost.flops, cost.workspace + batch * others)
 
 
-def shared_cost(cost: Callable[..., Optional[Cost]], param: str) -> Callable[..., Optional[Cost]]:
+def shared_cost(cost: Callable[..., Cost | None], param: str) -> Callable[..., Cost | None]:
     """The cost function of ``param``'s strategy whose work a :class:`SharedPass` shares:
     ``cost(xs, gs, **hp)`` for the whole pass, adjusted by :meth:`SharedPass.cost`."""
 
-    def adjusted(xs, gs, *, shared: SharedPass, **hp) -> Optional[Cost]:
+    def adjusted(xs, gs, *, shared: SharedPass, **hp) -> Cost | None:
         first = gs if isinstance(gs[0], int) else gs[0]
         return shared.cost(param, cost(xs, gs, **hp), first[0])
 
     return adjusted
 
 
-def trainable_sizes(module: nn.Module, names: Sequence[str]) -> Dict[str, int]:
+def trainable_sizes(module: nn.Module, names: Sequence[str]) -> dict[str, int]:
     """{name: numel} of those of ``names`` (dotted, or the module's own) that require a gradient."""
     params = ((n, _param(module, n)) for n in names)
     return {n: p.numel() for n, p in params if isinstance(p, nn.Parameter) and p.requires_grad}
@@ -126,11 +127,11 @@ def _param(module: nn.Module, name: str):
 
 
 def per_sample_vjp(
-    call: Callable[[Dict[str, Tensor], tuple], Any],
-    params: Dict[str, Tensor],
+    call: Callable[[dict[str, Tensor], tuple], Any],
+    params: dict[str, Tensor],
     batched: tuple,
     g: Any,
-) -> Dict[str, Tensor]:
+) -> dict[str, Tensor]:
     """Per-sample vector-Jacobian products w.r.t. ``params``.
 
     call: ``(params, samples) -> output``, with ``samples`` one sample of each tensor in
@@ -164,7 +165,7 @@ def track(t: Tensor) -> Tensor:
     return t if t.requires_grad else t.requires_grad_()
 
 
-def _module_params(module: nn.Module, names: Sequence[str]) -> Dict[str, Tensor]:
+def _module_params(module: nn.Module, names: Sequence[str]) -> dict[str, Tensor]:
     return {n: _param(module, n) for n in names}
 
 
@@ -186,7 +187,7 @@ def _mixes_samples(module: nn.Module) -> bool:
 _BATCHED = object()
 
 
-def _is_batched(leaf: Any, n: Optional[int]) -> bool:
+def _is_batched(leaf: Any, n: int | None) -> bool:
     return isinstance(leaf, Tensor) and leaf.dim() > 0 and leaf.shape[0] == n
 
 
@@ -212,7 +213,7 @@ def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedP
     return shared.take(param, x, g, partial(_fallback_all, module=module))
 
 
-def _fallback_all(x, g, names: Tuple[str, ...], *, module: nn.Module) -> Dict[str, Tensor]:
+def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module) -> dict[str, Tensor]:
     batched, call = x
     gs = (g,) if isinstance(g, Tensor) else tuple(g)
     if batched and batched[0].shape[0] != gs[0].shape[0]:
@@ -255,10 +256,10 @@ def recompute_cost(xs, gs, **_) -> Cost:
     return Cost(flops=6 * size, workspace=4 * size)
 
 
-_FALLBACKS: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
+_FALLBACKS: dict[tuple[type, tuple[str, ...]], LayerDerivatives] = {}
 
 
-def fallback(module: nn.Module) -> Optional[LayerDerivatives]:
+def fallback(module: nn.Module) -> LayerDerivatives | None:
     """The generic entry for ``module``'s own parameters, or ``None`` where it has none,
     or where a recomputation one sample at a time could differ from its forward."""
     names = tuple(n for n, _ in module.named_parameters(recurse=False))

@@ -23,15 +23,16 @@ register themselves at the bottom.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from math import prod
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 
-def _no_hyperparams(module: nn.Module) -> Dict[str, Any]:
+def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
     return {}
 
 
@@ -56,15 +57,15 @@ class Passthrough:
         (ReLU, Sigmoid and Tanh save their output, not their input).
     """
 
-    hyperparams: Callable[[nn.Module], Dict[str, Any]] = _no_hyperparams
-    jac_t: Optional[Callable[..., Tuple[Optional[Tensor], ...]]] = None
-    df: Optional[Callable[..., Tensor]] = None
-    d2f: Optional[Callable[..., Tensor]] = None
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    jac_t: Callable[..., tuple[Tensor | None, ...]] | None = None
+    df: Callable[..., Tensor] | None = None
+    d2f: Callable[..., Tensor] | None = None
     sample_independent: bool = False
     keep_output: bool = False
     keep_input: bool = True
 
-    def params(self, module: nn.Module) -> Dict[str, Any]:
+    def params(self, module: nn.Module) -> dict[str, Any]:
         hp = self.hyperparams(module)
         if self.jac_t is None and self.df is None:
             hp["forward"] = module.forward
@@ -74,7 +75,7 @@ class Passthrough:
     def elementwise(self) -> bool:
         return self.df is not None
 
-    def backprop(self, xs: Tuple[Tensor, ...], out: Optional[Tensor], S: Tensor, hp: dict, inplace: bool = False):
+    def backprop(self, xs: tuple[Tensor, ...], out: Tensor | None, S: Tensor, hp: dict, inplace: bool = False):
         """``S [V, N, *out]`` -> one ``[V, N, *in_i]`` (or ``None``) per input; an
         elementwise map overwrites ``S`` where ``inplace``."""
         if self.df is not None:
@@ -92,7 +93,7 @@ def diagonal_factor(d: Tensor) -> Tensor:
     return eye * d.unsqueeze(0)
 
 
-def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[Optional[Tensor], ...]:
+def vjp_generic(forward: Callable, xs: tuple[Tensor, ...], S: Tensor) -> tuple[Tensor | None, ...]:
     """``S [V, N, *out]`` -> ``J_iᵀ S`` per floating-point input, ``[V, N, *in_i]``;
     ``None`` for integer inputs.
 
@@ -112,7 +113,8 @@ def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[O
             y = forward(*_substitute(xs, diff, free))
             rows = [torch.autograd.grad((y * s).sum(), free, retain_graph=True, allow_unused=True) for s in S]
         grads = [
-            torch.stack([r[k] if r[k] is not None else torch.zeros_like(free[k]) for r in rows]) for k in range(len(free))
+            torch.stack([r[k] if r[k] is not None else torch.zeros_like(free[k]) for r in rows])
+            for k in range(len(free))
         ]
     else:
         with torch.enable_grad():
@@ -127,7 +129,7 @@ def vjp_generic(forward: Callable, xs: Tuple[Tensor, ...], S: Tensor) -> Tuple[O
 LOOP_V = 32
 
 
-def _substitute(xs: Tuple[Tensor, ...], at, values) -> list:
+def _substitute(xs: tuple[Tensor, ...], at, values) -> list:
     """``xs`` with ``values`` at the positions ``at``."""
     full = list(xs)
     for i, t in zip(at, values):
@@ -150,17 +152,17 @@ class LossHessian:
     check: Callable[[nn.Module], None]
     sqrt_hessian: Callable[..., Tensor]
     sampled: Callable[..., Tensor]
-    hyperparams: Callable[[nn.Module], Dict[str, Any]] = _no_hyperparams
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
 
-    def params(self, module: nn.Module) -> Dict[str, Any]:
+    def params(self, module: nn.Module) -> dict[str, Any]:
         self.check(module)
         hp = self.hyperparams(module)
         hp["forward"] = module.forward
         return hp
 
 
-PASSTHROUGH: Dict[type, Passthrough] = {}
-LOSSES: Dict[type, LossHessian] = {}
+PASSTHROUGH: dict[type, Passthrough] = {}
+LOSSES: dict[type, LossHessian] = {}
 
 
 def passthrough(*module_types: type, **fields) -> Passthrough:
@@ -181,22 +183,22 @@ def loss(module_type: type, entry: LossHessian) -> LossHessian:
     return entry
 
 
-def _lookup(table: Dict[type, Any], module: nn.Module):
+def _lookup(table: dict[type, Any], module: nn.Module):
     for cls in type(module).__mro__:
         if cls in table:
             return table[cls] if type(module).forward is cls.forward else None
     return None
 
 
-def lookup_passthrough(module: nn.Module) -> Optional[Passthrough]:
+def lookup_passthrough(module: nn.Module) -> Passthrough | None:
     return _lookup(PASSTHROUGH, module)
 
 
-def lookup_loss(module: nn.Module) -> Optional[LossHessian]:
+def lookup_loss(module: nn.Module) -> LossHessian | None:
     return _lookup(LOSSES, module)
 
 
-def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Optional[Tensor], out_shape, H: Tensor, hp: dict) -> Tensor:
+def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Tensor | None, out_shape, H: Tensor, hp: dict) -> Tensor:
     """KFRA's step ``1/N Σ_n J_nᵀ H J_n``: ``H [D_out, D_out] -> [D_in, D_in]``, with
     ``D`` the number of entries of one sample's output (input), ``out_shape`` that of
     the whole output; first input only."""
@@ -221,7 +223,7 @@ def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Optional[Tensor], out_shape, H
     return result / len(samples)
 
 
-def _eval_only(module: nn.Module) -> Dict[str, Any]:
+def _eval_only(module: nn.Module) -> dict[str, Any]:
     if module.training:
         raise NotImplementedError(
             f"second-order extensions need {type(module).__name__} in eval mode: in training mode it mixes "

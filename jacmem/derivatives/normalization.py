@@ -34,7 +34,6 @@ behaviour for every extension is easier to reason about than BackPACK's split.
 from __future__ import annotations
 
 from math import prod
-from typing import Tuple
 
 import torch
 from torch import Tensor, nn
@@ -46,7 +45,7 @@ class BatchStatisticsError(RuntimeError):
     """A BatchNorm used batch statistics: its samples interact."""
 
 
-def _running(module: nn.Module) -> Tuple[Tensor, Tensor]:
+def _running(module: nn.Module) -> tuple[Tensor, Tensor]:
     """Copies of the running mean and variance ``[C]``, as they were at forward time."""
     return module.running_mean.detach().clone(), module.running_var.detach().clone()
 

@@ -40,9 +40,7 @@ def max_pool_jac_t(xs, out, S: Tensor, *, dim: int, **hp):
     return (S_in.reshape(v, *x.shape),)
 
 
-passthrough(
-    nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, jac_t=max_pool_jac_t, hyperparams=_max_pool_hyperparams
-)
+passthrough(nn.MaxPool1d, nn.MaxPool2d, nn.MaxPool3d, jac_t=max_pool_jac_t, hyperparams=_max_pool_hyperparams)
 passthrough(
     nn.AvgPool1d,
     nn.AvgPool2d,

@@ -45,7 +45,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 from functools import partial
-from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -59,12 +58,12 @@ UNROLL, FUSED = "unroll", "fused"
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}
 
 
-def _suffixes(num_layers: int, bidirectional: bool) -> List[str]:
+def _suffixes(num_layers: int, bidirectional: bool) -> list[str]:
     """Parameter name suffixes in torch's order: layer-major, forward then reverse."""
     return [f"_l{k}{s}" for k in range(num_layers) for s in (("", "_reverse") if bidirectional else ("",))]
 
 
-def _names(module: nn.RNNBase) -> List[str]:
+def _names(module: nn.RNNBase) -> list[str]:
     return [n for n, _ in module.named_parameters()]
 
 
@@ -88,7 +87,7 @@ class Packing:
     gradient arrives without the input's ``batch_sizes``)."""
 
     def __init__(self):
-        self.layout: Optional[tuple] = None  # (batch_sizes, sorted_indices, unsorted_indices)
+        self.layout: tuple | None = None  # (batch_sizes, sorted_indices, unsorted_indices)
 
     def pad(self, data: Tensor) -> Tensor:
         """Packed [ΣT_n, F] -> padded [N, T, F], in the samples' original order, zeros past each end."""
@@ -135,7 +134,7 @@ def _arrange(g, *, batch_first: bool, packing: Packing, **_) -> tuple:
     return (out, *(s.transpose(0, 1) if s.dim() == 3 else s for s in states))
 
 
-def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> Tuple[Tensor, Tensor]:
+def _cell(mode: str, a: Tensor, b: Tensor, h: Tensor, c: Tensor) -> tuple[Tensor, Tensor]:
     """One step from the two linear maps ``a = W_ih x + b_ih`` and ``b = W_hh h + b_hh``:
     [N, G·H] ×2, h [N, H_out], c [N, H] (LSTM) -> new (r, c), with r [N, H] the state
     before any projection."""
@@ -176,7 +175,7 @@ def _prepare(x, g, *, mode: str, num_layers: int, bidirectional: bool, dropout: 
     return inp, h0, c0, lengths, g
 
 
-def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
+def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> dict[str, Tensor]:
     """Per-sample gradients of ``names`` (see the module docstring)."""
     inp, h0, c0, lengths, (g_out, g_hn, *g_cn) = _prepare(
         x, g, mode=mode, num_layers=num_layers, bidirectional=bidirectional, dropout=dropout, weights=weights
@@ -184,10 +183,11 @@ def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, drop
     if lengths is not None:  # its cost says so, and auto never picks it
         raise RuntimeError("strategy 'unroll' does not take packed sequences; strategy 'fused' does")
     steps = inp.shape[1]
-    tracked: Dict[str, Tuple[List[Tensor], List[Tensor]]] = {}  # name -> (maps' outputs, their inputs)
+    tracked: dict[str, tuple[list[Tensor], list[Tensor]]] = {}  # name -> (maps' outputs, their inputs)
     finals_h, finals_c = [], []
     with torch.enable_grad():
         layer_in = inp
+        forward_seq = None  # the forward direction's output of a bidirectional layer
         for k, suffix in enumerate(_suffixes(num_layers, bidirectional)):
             w = partial(_weight, weights, suffix)
             a = track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
@@ -219,7 +219,7 @@ def _unroll_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, drop
     return {name: _contract(name, delta[_map(name)], tracked[_map(name)][1]) for name in names}
 
 
-def _weight(weights: Dict[str, Tensor], suffix: str, kind: str):
+def _weight(weights: dict[str, Tensor], suffix: str, kind: str):
     return weights.get(kind + suffix)
 
 
@@ -228,7 +228,7 @@ def _map(name: str) -> str:
     return name.replace("bias_", "weight_")
 
 
-def _contract(name: str, deltas: List[Tensor], inputs: List[Tensor]) -> Tensor:
+def _contract(name: str, deltas: list[Tensor], inputs: list[Tensor]) -> Tensor:
     """Σ_t δ_t u_tᵀ (weights) or Σ_t δ_t (biases), from the maps' gradients and inputs,
     either one [N, T, ·] tensor each, or one [N, ·] per step."""
     delta = deltas[0] if len(deltas) == 1 else torch.stack(deltas, 1)
@@ -243,7 +243,7 @@ def _contract(name: str, deltas: List[Tensor], inputs: List[Tensor]) -> Tensor:
 _FUSED = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru, "LSTM": torch._VF.lstm}
 
 
-def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> Dict[str, Tensor]:
+def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> dict[str, Tensor]:
     """Per-sample gradients of ``names``, with torch's fused recurrence computing the δ's.
 
     Each layer and direction runs alone, on ``a = W_ih x + b_ih`` as its input, with the
@@ -264,6 +264,7 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
     finals_h, finals_c = [], []
     with torch.enable_grad():
         layer_in = inp
+        forward_seq = None  # the forward direction's output of a bidirectional layer
         for k, suffix in enumerate(_suffixes(num_layers, bidirectional)):
             w = partial(_weight, weights, suffix)
             a = track(F.linear(layer_in, w("weight_ih"), w("bias_ih")))  # [N, T, G·H]
@@ -319,7 +320,7 @@ def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropo
     return grads
 
 
-def _reverse(seq: Tensor, lengths: Optional[Tensor]) -> Tensor:
+def _reverse(seq: Tensor, lengths: Tensor | None) -> Tensor:
     """Each sequence reversed within its length: [N, T, F] -> [N, T, F] (steps past the
     end stay where they are)."""
     if lengths is None:
@@ -330,7 +331,7 @@ def _reverse(seq: Tensor, lengths: Optional[Tensor]) -> Tensor:
     return seq.gather(1, index[..., None].expand_as(seq))
 
 
-def _run(mode: str, seq: Tensor, lengths: Optional[Tensor], hx: tuple, params: List[Tensor], has_bias: bool):
+def _run(mode: str, seq: Tensor, lengths: Tensor | None, hx: tuple, params: list[Tensor], has_bias: bool):
     """One layer and direction of torch's fused recurrence, forward in time:
     seq [N, T, F], hx ([N, H_out], ([N, H])) -> (output [N, T, H_out], zeros past each
     end; final states ([N, H_out], ([N, H])))."""
@@ -412,14 +413,14 @@ def _fused_cost(xs, gs, *, num_layers, bidirectional, weights, **_) -> Cost:
 STRATEGIES = {UNROLL: (_unroll_all, _unroll_cost), FUSED: (_fused_all, _fused_cost)}
 
 
-def _strategies(name: str) -> Dict[str, Strategy]:
+def _strategies(name: str) -> dict[str, Strategy]:
     return {
         strategy: Strategy(partial(_batch_grad, param=name, compute_all=fn), shared_cost(cost, name))
         for strategy, (fn, cost) in STRATEGIES.items()
     }
 
 
-_ENTRIES: Dict[Tuple[type, Tuple[str, ...]], LayerDerivatives] = {}
+_ENTRIES: dict[tuple[type, tuple[str, ...]], LayerDerivatives] = {}
 
 
 def _for_module(module: nn.RNNBase) -> LayerDerivatives:

@@ -13,9 +13,9 @@ the batch so that temporary memory stays under a budget.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
-from typing import Callable, Dict, Iterable, List, Optional, Tuple
 
 import torch
 from torch import Tensor
@@ -32,9 +32,9 @@ class FirstOrderExtension:
     """Base class: ``savefield`` is the parameter attribute the result goes to."""
 
     savefield: str = ""
-    quantities: Tuple[str, ...] = ()
+    quantities: tuple[str, ...] = ()
 
-    def finalize(self, q: Dict[str, Tensor], batch_size: int) -> Tensor:
+    def finalize(self, q: dict[str, Tensor], batch_size: int) -> Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -92,7 +92,7 @@ _SQUARE_BLOCK_BYTES = 4 * 2**20
 _SAMPLE_LOOP_BYTES = 64 * 2**10
 
 
-def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> Tuple[Tensor, Optional[Tensor]]:
+def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> tuple[Tensor, Tensor | None]:
     """Σ_n g_n ⊙ g_n, and Σ_n g_n where ``with_sum`` (else None): [n, *shape] -> shape, shape.
 
     A sample of :data:`_SAMPLE_LOOP_BYTES` or more: one fused multiply-add per sample
@@ -120,7 +120,7 @@ def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> Tuple[Tensor, 
     return out, total
 
 
-def derive(batch_grad: Tensor, quantities: Iterable[str]) -> Dict[str, Tensor]:
+def derive(batch_grad: Tensor, quantities: Iterable[str]) -> dict[str, Tensor]:
     """Every quantity from (a chunk of) per-sample gradients ``[n, *shape]``."""
     wanted = set(quantities)
     out = {}
@@ -148,7 +148,7 @@ class Option(Cost):
     """
 
     kind: str = "direct"
-    reuses: Tuple[str, ...] = ()
+    reuses: tuple[str, ...] = ()
 
 
 def _take(obj, sl: slice):
@@ -215,14 +215,14 @@ class Chunked:
         for start in range(0, self.n, size):
             yield slice(start, min(start + size, self.n))
 
-    def run(self, fn, per_sample_bytes: float, reduce: Dict[str, str], into: Optional[Tensor] = None):
+    def run(self, fn, per_sample_bytes: float, reduce: dict[str, str], into: Tensor | None = None):
         """Call ``fn(x_chunk, g_chunk, out)`` per slice. ``reduce`` maps each output
         quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them.
         ``into`` (``[N, *shape]``, or None) is where ``batch_grad`` goes: ``fn`` gets its
         slice as ``out`` and writes there itself, so no chunk is copied."""
         if per_sample_bytes * self.n <= self.budget:
             return fn(self.x, self.g, into)
-        out: Dict[str, Tensor] = {} if into is None else {"batch_grad": into}
+        out: dict[str, Tensor] = {} if into is None else {"batch_grad": into}
         for sl in self.slices(per_sample_bytes):
             part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl])
             for q, value in part.items():
@@ -237,7 +237,7 @@ class Chunked:
         return out
 
 
-def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Optional[Cost]:
+def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Cost | None:
     """A strategy's cost on these shapes; one without a cost model counts as free."""
     return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
 
@@ -252,8 +252,8 @@ class Plan:
     per sample) for each chunked pass.
     """
 
-    direct: Tuple[Tuple[str, str, float], ...]
-    passes: Tuple[Tuple[str, Tuple[str, ...], float], ...]
+    direct: tuple[tuple[str, str, float], ...]
+    passes: tuple[tuple[str, tuple[str, ...], float], ...]
 
 
 def plan(
@@ -263,9 +263,9 @@ def plan(
     gs,
     item_bytes: int,
     param_name: str,
-    param_shape: Tuple[int, ...],
+    param_shape: tuple[int, ...],
     quantities: Iterable[str],
-    choose: Callable[[str, Dict[str, Optional[Cost]]], str],
+    choose: Callable[[str, dict[str, Cost | None]], str],
 ) -> Plan:
     """Which strategies give the requested quantities of one parameter, on the shapes
     ``xs`` of ``x`` and ``gs`` of ``g`` (batch axis first; ``item_bytes``: bytes per entry of
@@ -309,8 +309,8 @@ def plan(
     if "grad" in wanted:
         grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
         grad_flops = min((c.flops for c in grad_costs if c is not None), default=0)
-    passes: Dict[str, List[str]] = {}
-    direct_steps: List[Tuple[str, str, float]] = []
+    passes: dict[str, list[str]] = {}
+    direct_steps: list[tuple[str, str, float]] = []
     for q in order:
         direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
@@ -334,11 +334,11 @@ def plan(
 
 def execute(
     plan: Plan, entry: LayerDerivatives, hp: dict, x, g, param_name: str, param: Tensor, budget: float
-) -> Dict[str, Tensor]:
+) -> dict[str, Tensor]:
     """The quantities of one parameter for one call of its module, as ``plan`` says,
     chunked over the batch so that temporary memory stays under ``budget`` bytes."""
     chunked = Chunked(x, g, budget)
-    results: Dict[str, Tensor] = {}
+    results: dict[str, Tensor] = {}
     for q, name, per_sample in plan.direct:
         fn, reduce = entry.strategies[(param_name, q)][name].fn, "cat" if q in PER_SAMPLE else "sum"
         results.update(chunked.run(lambda xc, gc, _, fn=fn, q=q: {q: fn(xc, gc, **hp)}, per_sample, {q: reduce}))
@@ -370,9 +370,9 @@ def compute(
     param_name: str,
     param: Tensor,
     quantities: Iterable[str],
-    choose: Callable[[str, Dict[str, Optional[Cost]]], str],
+    choose: Callable[[str, dict[str, Cost | None]], str],
     budget: float,
-) -> Dict[str, Tensor]:
+) -> dict[str, Tensor]:
     """The requested quantities of one parameter for one call of its module: :func:`plan`
     on the shapes of ``x`` and ``g``, then :func:`execute`."""
     chosen = plan(entry, hp, shapes(x), shapes(g), itemsize(g), param_name, tuple(param.shape), quantities, choose)

@@ -280,4 +280,3 @@ class MaxPoolFunction(torch.autograd.Function):
         flat = grad.new_zeros((*shape[:-d], prod(shape[-d:])))
         flat.scatter_add_(-1, idx.flatten(-d), grad.flatten(-d))
         return flat.view(shape), None, None, None, None, None, None
-

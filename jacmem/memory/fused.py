@@ -41,7 +41,7 @@ class BatchNormActFunction(torch.autograd.Function):
             x, weight, bias, running_mean, running_var, training, momentum, eps
         )
         if not training:
-            mean, invstd = running_mean, torch.rsqrt(running_var + eps)
+            invstd = torch.rsqrt(running_var + eps)
         z = F.leaky_relu_(y, slope)
         ctx.training, ctx.slope = training, slope
         ctx.save_for_backward(z, weight, bias, invstd)
@@ -100,12 +100,18 @@ class BatchNormAct(nn.modules.batchnorm._BatchNorm):
         self.negative_slope = negative_slope
 
     @classmethod
-    def from_batchnorm(cls, bn: nn.modules.batchnorm._BatchNorm, negative_slope: float = 0.01) -> "BatchNormAct":
+    def from_batchnorm(cls, bn: nn.modules.batchnorm._BatchNorm, negative_slope: float = 0.01) -> BatchNormAct:
         """A BatchNormAct with ``bn``'s settings, parameters, buffers and mode."""
         like = next((t for t in bn.state_dict().values() if t.is_floating_point()), torch.empty(0))
         fused = cls(
-            bn.num_features, bn.eps, bn.momentum, bn.affine, bn.track_running_stats, negative_slope,
-            device=like.device, dtype=like.dtype,
+            bn.num_features,
+            bn.eps,
+            bn.momentum,
+            bn.affine,
+            bn.track_running_stats,
+            negative_slope,
+            device=like.device,
+            dtype=like.dtype,
         )
         fused.load_state_dict(bn.state_dict())
         return fused.train(bn.training)

@@ -36,7 +36,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional
 
 import torch
 from torch import Tensor
@@ -93,7 +92,7 @@ SELECT(select_f64, double, uint64_t)
 """
 
 _SUFFIX = {torch.float32: "f32", torch.float64: "f64"}
-_LIBRARY: Optional[ctypes.CDLL] = None
+_LIBRARY: ctypes.CDLL | None = None
 _TRIED = False
 
 
@@ -106,7 +105,7 @@ def _cpu() -> str:
         return platform.processor() or platform.machine()
 
 
-def _build() -> Optional[ctypes.CDLL]:
+def _build() -> ctypes.CDLL | None:
     """Compile (or find the cached build of) the loops; None where that fails."""
     if os.environ.get("JACMEM_NO_KERNELS") == "1":
         return None
@@ -123,7 +122,17 @@ def _build() -> Optional[ctypes.CDLL]:
                 src, lib = Path(tmp) / "relu_bits.c", Path(tmp) / "relu_bits.so"
                 src.write_text(_SOURCE)
                 for arch in (["-march=native"], []):  # the CPU's vector width: 1.6x faster packing
-                    command = [compiler, "-O3", *arch, "-fno-strict-aliasing", "-shared", "-fPIC", "-o", str(lib), str(src)]
+                    command = [
+                        compiler,
+                        "-O3",
+                        *arch,
+                        "-fno-strict-aliasing",
+                        "-shared",
+                        "-fPIC",
+                        "-o",
+                        str(lib),
+                        str(src),
+                    ]
                     if subprocess.run(command, capture_output=True, timeout=120).returncode == 0:
                         os.replace(lib, target)
                         break
@@ -138,7 +147,7 @@ def _build() -> Optional[ctypes.CDLL]:
     return library
 
 
-def _library() -> Optional[ctypes.CDLL]:
+def _library() -> ctypes.CDLL | None:
     global _LIBRARY, _TRIED
     if not _TRIED:
         _LIBRARY, _TRIED = _build(), True

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import weakref
-from typing import Dict, Iterable, Optional
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor, nn
@@ -79,7 +79,7 @@ def _explicit_padding(module: nn.modules.conv._ConvNd, x: Tensor):
 #: module, the output's version counter then; an output changed in place since is not its)
 _PRODUCER = "_jacmem_relu"
 #: lean ReLU -> the lean layers that read its output in its forward passes so far (weak both ways)
-_READERS: "weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet]" = weakref.WeakKeyDictionary()
+_READERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet] = weakref.WeakKeyDictionary()
 
 
 def _read(reader: nn.Module, input: Tensor) -> None:
@@ -93,7 +93,7 @@ def _read(reader: nn.Module, input: Tensor) -> None:
         readers.add(reader)
 
 
-def _frozen_weight_needs_lean(weight: Optional[Tensor], bias: Optional[Tensor], input: Tensor) -> bool:
+def _frozen_weight_needs_lean(weight: Tensor | None, bias: Tensor | None, input: Tensor) -> bool:
     """Whether the stock op would keep its input for nothing: a gradient is recorded,
     but not the weight's. (With a trainable weight, the stock op keeps what the
     weight's gradient needs and no more; with nothing to differentiate, nothing.)"""
@@ -137,7 +137,7 @@ class _LeanConvTransposeNd:
     def _keeps_input(self) -> bool:
         return self.weight.requires_grad
 
-    def forward(self, input: Tensor, output_size: Optional[list] = None) -> Tensor:
+    def forward(self, input: Tensor, output_size: list | None = None) -> Tensor:
         _read(self, input)
         if not _frozen_weight_needs_lean(self.weight, self.bias, input):
             return super().forward(input, output_size)
@@ -258,7 +258,7 @@ LeanMaxPool2d = _lean_type(nn.MaxPool2d, _LeanMaxPoolNd, _dims=2)
 LeanMaxPool3d = _lean_type(nn.MaxPool3d, _LeanMaxPoolNd, _dims=3)
 
 #: stock type -> lean type
-LEAN: Dict[type, type] = {
+LEAN: dict[type, type] = {
     nn.Conv1d: LeanConv1d,
     nn.Conv2d: LeanConv2d,
     nn.Conv3d: LeanConv3d,
@@ -274,7 +274,7 @@ LEAN: Dict[type, type] = {
     nn.MaxPool2d: LeanMaxPool2d,
     nn.MaxPool3d: LeanMaxPool3d,
 }
-STOCK: Dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
+STOCK: dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
 
 
 def _stock_vjp(xs, out, S, *, stock_forward, **_):
@@ -307,7 +307,7 @@ def share_derivatives() -> None:
             jacobians.PASSTHROUGH[lean_type] = entry
 
 
-def lean(model: nn.Module, types: Optional[Iterable[type]] = None) -> nn.Module:
+def lean(model: nn.Module, types: Iterable[type] | None = None) -> nn.Module:
     """Convert, in place, every module of ``model`` (itself included) whose type is a
     stock type in :data:`LEAN` (or in ``types``, a subset of it) to its lean version.
     Returns ``model``.

@@ -19,7 +19,7 @@ import ctypes
 import ctypes.util
 import gc
 import sys
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -68,7 +68,7 @@ def _cuda_peak(fn: Callable[[], object], device: torch.device) -> int:
     return torch.cuda.max_memory_allocated(device) - base
 
 
-def peak_memory(fn: Callable[[], object], device: Optional[torch.device] = None) -> int:
+def peak_memory(fn: Callable[[], object], device: torch.device | None = None) -> int:
     """Bytes of peak memory that ``fn()`` used on ``device`` (default CPU) beyond what
     was in use before it; ``fn``'s return value is dropped."""
     device = torch.device("cpu" if device is None else device)

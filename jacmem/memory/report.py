@@ -20,10 +20,11 @@ asked for (a conv's input, with the weight frozen) is *wasted*.
 from __future__ import annotations
 
 import weakref
-from math import prod
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from math import prod
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -31,13 +32,13 @@ from torch.nn.modules import module as module_hooks
 
 from jacmem.memory.lean import LEAN, STOCK
 
-Key = Tuple[str, int, int]
+Key = tuple[str, int, int]
 UNREACHED = "(off the graph)"
 
 #: op -> saved slot -> positions in ``next_functions`` (the op's differentiable
 #: inputs) whose gradients read that tensor; a callable takes the node. Ops not
 #: listed count as needing everything they keep.
-NEEDS: Dict[str, Dict[str, Any]] = {
+NEEDS: dict[str, dict[str, Any]] = {
     "ConvolutionBackward0": {"input": (1,), "weight": (0,)},
     "MmBackward0": {"self": (1,), "mat2": (0,)},
     "BmmBackward0": {"self": (1,), "mat2": (0,)},
@@ -56,8 +57,18 @@ NEEDS: Dict[str, Dict[str, Any]] = {
 SHAPE_ONLY = {name for name in NEEDS if name.startswith("MaxPool")}
 
 #: nodes through which a parameter keeps its name (``weight.t()`` in a linear layer)
-_VIEWS = ("TBackward0", "ViewBackward0", "ExpandBackward0", "PermuteBackward0", "TransposeBackward0",
-          "UnsqueezeBackward0", "SqueezeBackward0", "ReshapeAliasBackward0", "AliasBackward0", "UnsafeViewBackward0")
+_VIEWS = (
+    "TBackward0",
+    "ViewBackward0",
+    "ExpandBackward0",
+    "PermuteBackward0",
+    "TransposeBackward0",
+    "UnsqueezeBackward0",
+    "SqueezeBackward0",
+    "ReshapeAliasBackward0",
+    "AliasBackward0",
+    "UnsafeViewBackward0",
+)
 
 
 def _key(t: Tensor) -> Key:
@@ -70,7 +81,7 @@ def _ident(t: Tensor) -> tuple:
     return (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride())
 
 
-def _tensors(obj) -> List[Tensor]:
+def _tensors(obj) -> list[Tensor]:
     if isinstance(obj, Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
@@ -80,7 +91,7 @@ def _tensors(obj) -> List[Tensor]:
     return []
 
 
-def fmt_bytes(n: Optional[float]) -> str:
+def fmt_bytes(n: float | None) -> str:
     """1536 -> '1.5 KiB'; None -> 'n/a'."""
     if n is None:
         return "n/a"
@@ -98,12 +109,12 @@ class SavedTensor:
     module: str  #: qualified name of the innermost module running when it was saved
     op: str  #: the grad_fn that keeps it; UNREACHED if kept by something off the path from the outputs (checkpoint)
     slot: str  #: what the op saved it as ("input", "weight", "result", "saved_tensors[0]", ...)
-    shape: Tuple[int, ...]
+    shape: tuple[int, ...]
     dtype: str
     device: str
     nbytes: int  #: bytes of the whole storage it lives in
     kind: str  #: "activation", "output", "parameter", "buffer" or "input"
-    needed_for: Tuple[str, ...] = ()  #: gradients that read it (for ops in NEEDS)
+    needed_for: tuple[str, ...] = ()  #: gradients that read it (for ops in NEEDS)
     wasted: bool = False  #: read by no gradient that is computed
     why: str = ""  #: for a wasted tensor, why it is kept
     storage: Key = field(default=("", 0, 0), repr=False)
@@ -134,14 +145,14 @@ class MemoryReport:
     """
 
     def __init__(self, tensors, modules, parameter_bytes, trainable_bytes, output_bytes, input_bytes, suggestions):
-        self.tensors: List[SavedTensor] = tensors
-        self.modules: List[ModuleRow] = modules
+        self.tensors: list[SavedTensor] = tensors
+        self.modules: list[ModuleRow] = modules
         self.parameter_bytes, self.trainable_bytes = parameter_bytes, trainable_bytes
         self.output_bytes, self.input_bytes = output_bytes, input_bytes
-        self.suggestions: List[str] = suggestions
+        self.suggestions: list[str] = suggestions
 
-    def _storages(self, kinds=("activation",)) -> Dict[Key, List[SavedTensor]]:
-        out: Dict[Key, List[SavedTensor]] = {}
+    def _storages(self, kinds=("activation",)) -> dict[Key, list[SavedTensor]]:
+        out: dict[Key, list[SavedTensor]] = {}
         for t in self.tensors:
             if t.kind in kinds and t.nbytes:
                 out.setdefault(t.storage, []).append(t)
@@ -158,7 +169,7 @@ class MemoryReport:
         """Part of :attr:`saved_bytes` that no computed gradient reads."""
         return sum(ts[0].nbytes for ts in self._storages().values() if all(t.wasted for t in ts))
 
-    def by_op(self) -> List[Tuple[str, int, int]]:
+    def by_op(self) -> list[tuple[str, int, int]]:
         """(op, saved tensors, activation bytes charged to it), largest first."""
         count: Counter = Counter(t.op for t in self.tensors)
         size: Counter = Counter()
@@ -166,7 +177,7 @@ class MemoryReport:
             size[ts[0].op] += ts[0].nbytes
         return sorted(((op, count[op], size[op]) for op in count), key=lambda r: -r[2])
 
-    def to_dict(self) -> Dict[str, Any]:
+    def to_dict(self) -> dict[str, Any]:
         """Everything, as plain Python values."""
         return {
             "totals": {
@@ -221,9 +232,7 @@ class MemoryReport:
         if wasted:
             lines += ["", "Kept for no computed gradient:"]
             for t in wasted[:top]:
-                lines.append(
-                    f"  {t.module}: {t.op}.{t.slot} {list(t.shape)} {t.dtype} {fmt_bytes(t.nbytes)}: {t.why}"
-                )
+                lines.append(f"  {t.module}: {t.op}.{t.slot} {list(t.shape)} {t.dtype} {fmt_bytes(t.nbytes)}: {t.why}")
             if len(wasted) > top:
                 lines.append(f"  ... {len(wasted) - top} more")
         if self.suggestions:
@@ -250,22 +259,22 @@ class _Handle:
 class _Recorder:
     """The hooks of one report: module stack, saved tensors, graph walk."""
 
-    def __init__(self, root: Optional[nn.Module], root_label: str):
-        self.names: "weakref.WeakKeyDictionary[nn.Module, str]" = weakref.WeakKeyDictionary()
+    def __init__(self, root: nn.Module | None, root_label: str):
+        self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.root_label = root_label
         if root is not None:
             for name, sub in root.named_modules():
                 self.names[sub] = name or root_label
-        self.stack: List[str] = []
-        self.entries: List[SavedTensor] = []
-        self.rows: Dict[str, ModuleRow] = {}
-        self.call_order: List[str] = []
-        self.by_name: Dict[str, nn.Module] = {}
-        self.owned: Dict[Key, str] = {}  # storages that existed before: key -> kind
-        self.param_names: Dict[int, str] = {}
-        self.params: Dict[int, nn.Parameter] = {}
-        self.unpacked: List[Tuple[int, tuple]] = []  # (entry index, _ident of the tensor) per unpack
-        self.handles: List[weakref.ref] = []
+        self.stack: list[str] = []
+        self.entries: list[SavedTensor] = []
+        self.rows: dict[str, ModuleRow] = {}
+        self.call_order: list[str] = []
+        self.by_name: dict[str, nn.Module] = {}
+        self.owned: dict[Key, str] = {}  # storages that existed before: key -> kind
+        self.param_names: dict[int, str] = {}
+        self.params: dict[int, nn.Parameter] = {}
+        self.unpacked: list[tuple[int, tuple]] = []  # (entry index, _ident of the tensor) per unpack
+        self.handles: list[weakref.ref] = []
         if root is not None:
             self._own(root, "")
 
@@ -308,8 +317,17 @@ class _Recorder:
         if leaf:
             self.params.setdefault(id(t), t)
         self.entries.append(
-            SavedTensor(module, UNREACHED, "?", tuple(t.shape), str(t.dtype).replace("torch.", ""), str(t.device),
-                        key[2], kind, storage=key)
+            SavedTensor(
+                module,
+                UNREACHED,
+                "?",
+                tuple(t.shape),
+                str(t.dtype).replace("torch.", ""),
+                str(t.device),
+                key[2],
+                kind,
+                storage=key,
+            )
         )
         handle = _Handle(len(self.entries) - 1, t)
         self.handles.append(weakref.ref(handle))
@@ -321,13 +339,13 @@ class _Recorder:
 
     # -- after the forward -------------------------------------------------------
 
-    def _read(self, node, attr: str) -> List[Tuple[str, int]]:
+    def _read(self, node, attr: str) -> list[tuple[str, int]]:
         """(slot, entry index) of the tensors that ``node.attr`` holds. Reading may unpack
         other tensors too (a checkpointed region recomputes its forward from its saved
         inputs): only those handed back as the attribute's value count."""
         self.unpacked.clear()
         value = getattr(node, attr)
-        slot = attr[len("_saved_"):] if attr.startswith("_saved_") else attr
+        slot = attr[len("_saved_") :] if attr.startswith("_saved_") else attr
         got = {ident: idx for idx, ident in self.unpacked}
         if isinstance(value, (tuple, list)):
             found = [(i, got.get(_ident(v))) for i, v in enumerate(value) if isinstance(v, Tensor)]
@@ -380,8 +398,11 @@ class _Recorder:
             entry.why = "read only for its shape"
         else:
             frozen = [
-                f"{entry.module}.{_SLOT_PARAMS[(node.name(), i)]}" if (node.name(), i) in _SLOT_PARAMS
-                else f"the input of {entry.module}" if i == 0 else f"input {i} of {entry.module}"
+                f"{entry.module}.{_SLOT_PARAMS[(node.name(), i)]}"
+                if (node.name(), i) in _SLOT_PARAMS
+                else f"the input of {entry.module}"
+                if i == 0
+                else f"input {i} of {entry.module}"
                 for i in positions
             ]
             entry.why = f"read only for the gradient of {' and '.join(frozen)}, which is not computed"
@@ -399,10 +420,10 @@ _SLOT_PARAMS = {
 }
 
 
-def _rows(rec: _Recorder) -> List[ModuleRow]:
+def _rows(rec: _Recorder) -> list[ModuleRow]:
     """Per-module totals, largest first; each activation storage is charged to its first saver."""
     rows = rec.rows
-    storages: Dict[Key, List[SavedTensor]] = {}
+    storages: dict[Key, list[SavedTensor]] = {}
     for e in rec.entries:
         row = rows.setdefault(e.module, ModuleRow(e.module, e.module))
         row.tensors += 1
@@ -417,15 +438,16 @@ def _rows(rec: _Recorder) -> List[ModuleRow]:
     return sorted((r for r in rows.values() if r.tensors), key=lambda r: -r.bytes)
 
 
-def _freeable(rec: _Recorder, name: str) -> Tuple[int, int]:
+def _freeable(rec: _Recorder, name: str) -> tuple[int, int]:
     """(bytes, elements) of the activation storages module ``name`` saves that ``lean``
     would free: no other module saves them, or only for gradients that are not computed."""
-    storages: Dict[Key, List[SavedTensor]] = {}
+    storages: dict[Key, list[SavedTensor]] = {}
     for e in rec.entries:
         if e.kind == "activation":
             storages.setdefault(e.storage, []).append(e)
     free = [
-        ts for ts in storages.values()
+        ts
+        for ts in storages.values()
         if any(t.module == name for t in ts) and all(t.module == name or t.wasted for t in ts)
     ]
     return sum(ts[0].nbytes for ts in free), sum(max(prod(t.shape) for t in ts) for ts in free)
@@ -434,9 +456,9 @@ def _freeable(rec: _Recorder, name: str) -> Tuple[int, int]:
 _ACTIVATIONS = (nn.ReLU, nn.LeakyReLU)
 
 
-def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> List[str]:
+def _suggest(rec: _Recorder, rows: list[ModuleRow], total: int, top: int) -> list[str]:
     """One or more suggestions for each module that keeps at least 5% of ``total``."""
-    out: List[str] = []
+    out: list[str] = []
     follower = {a: b for a, b in zip(rec.call_order, rec.call_order[1:])}
     devices = {e.device for e in rec.entries if e.kind == "activation"}
     needed_only = None
@@ -467,7 +489,9 @@ def _suggest(rec: _Recorder, rows: List[ModuleRow], total: int, top: int) -> Lis
         nxt = rec.by_name.get(follower.get(row.name, ""))
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and isinstance(nxt, _ACTIVATIONS) and module.training:
             act = type(nxt).__name__
-            change = "" if isinstance(nxt, nn.LeakyReLU) else " (this swaps ReLU for LeakyReLU, which changes the model)"
+            change = (
+                "" if isinstance(nxt, nn.LeakyReLU) else " (this swaps ReLU for LeakyReLU, which changes the model)"
+            )
             out.append(
                 f"{here}: fuse it with the {act} that follows into jacmem.memory.BatchNormAct (InPlace-ABN), which "
                 f"keeps only its output and frees about {fmt_bytes(row.exclusive)}{change}."

@@ -40,9 +40,9 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import deque
+from collections.abc import Callable
 from fractions import Fraction
 from math import sqrt
-from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 from torch import Tensor, nn
@@ -96,9 +96,9 @@ class Node:
         "__weakref__",
     )
 
-    def __init__(self, module: nn.Module, name: str, loss: Optional[LossHessian], entry: Optional[Passthrough]):
+    def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
         self.module, self.name, self.loss, self.entry = module, name, loss, entry
-        self.untracked_consumers: List[str] = []
+        self.untracked_consumers: list[str] = []
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
@@ -110,14 +110,14 @@ class _Deposit:
     __slots__ = ("factors", "grads", "dense", "shares", "sources")
 
     def __init__(self):
-        self.factors: Dict[tuple, Factor] = {}
+        self.factors: dict[tuple, Factor] = {}
         #: the consumers' parts of the gradient w.r.t. the output (autograd's tensors)
-        self.grads: List[Tensor] = []
+        self.grads: list[Tensor] = []
         #: KFRA's batch-averaged GGN w.r.t. the output [D, D], where it arrived whole
-        self.dense: Optional[Tensor] = None
+        self.dense: Tensor | None = None
         #: key of a KFRA root factor -> the share of its merge's paths that arrived here
-        self.shares: Dict[tuple, Fraction] = {}
-        self.sources: List[str] = []
+        self.shares: dict[tuple, Fraction] = {}
+        self.sources: list[str] = []
 
 
 class _Pass:
@@ -125,11 +125,11 @@ class _Pass:
 
     __slots__ = ("engine", "deposits", "staged", "__weakref__")
 
-    def __init__(self, engine: "Engine"):
+    def __init__(self, engine: Engine):
         self.engine = engine
-        self.deposits: Dict[int, _Deposit] = {}
+        self.deposits: dict[int, _Deposit] = {}
         #: id(param) -> (param, owner node, {savefield: value})
-        self.staged: Dict[int, tuple] = {}
+        self.staged: dict[int, tuple] = {}
 
     def __call__(self) -> None:
         self.engine._commit(self)
@@ -145,7 +145,7 @@ class Engine:
 
     def __init__(
         self,
-        extensions: List[SecondOrderExtension],
+        extensions: list[SecondOrderExtension],
         name: Callable[[nn.Module], str],
         choose: Callable[..., str],
         budget: float,
@@ -154,12 +154,12 @@ class Engine:
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
         self.name, self.choose, self.budget, self.strict = name, choose, budget, strict
-        self.handles: List = []
+        self.handles: list = []
         self.producer = WeakTensorKeyDictionary()
-        self.passes: "weakref.WeakValueDictionary[int, _Pass]" = weakref.WeakValueDictionary()
+        self.passes: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
         self.warned: set = set()
         #: the modules whose forward the engine saw
-        self.seen: "weakref.WeakSet[nn.Module]" = weakref.WeakSet()
+        self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     def close(self) -> None:
         for h in self.handles:
@@ -216,7 +216,7 @@ class Engine:
         # the hook (so the graph) holds the node: it goes when the graph goes
         self.handles.append(output.register_hook(lambda grad: self._on_grad(node, grad)))
 
-    def _tap(self, node: Node, inputs: Tuple[Tensor, ...], output: Tensor) -> None:
+    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor) -> None:
         """Hooks on the autograd nodes of this call that take an input with a producer:
         in backward they hand that producer autograd's own part of its gradient (see
         the module docstring). ``node.row``: the search failed, the row it is."""
@@ -227,7 +227,7 @@ class Engine:
         for fn, ks in (edges or {}).items():
             self.handles.append(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
 
-    def _producer_of(self, x: Tensor) -> Optional[Node]:
+    def _producer_of(self, x: Tensor) -> Node | None:
         """The node whose output ``x`` is, also through identities that full backward
         hooks (``register_full_backward_hook``, BackPACK, Opacus) put around modules."""
         node = self.producer.get(x)
@@ -306,7 +306,7 @@ class Engine:
             else:
                 self._layer(run, node, grad)
 
-    def _on_tap(self, node: Node, edges: List[Tuple[int, int]], grad_inputs: tuple) -> None:
+    def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
         run = self._run()
@@ -328,7 +328,7 @@ class Engine:
                 "one (call backward on the loss, a positive multiple of it, or a sum of losses)"
             )
         hp = {k: v for k, v in node.hp.items() if k != "forward"}
-        factors: Dict[tuple, Factor] = {}
+        factors: dict[tuple, Factor] = {}
         dense = None
         if "exact" in self.kinds or "residual" in self.kinds or "dense" in self.kinds:
             S = node.loss.sqrt_hessian(x, y, **hp) * sqrt(c)
@@ -379,7 +379,7 @@ class Engine:
                 self._handover(run, node, i, residual if i == 0 else {}, row, dense_in, split)
 
     @staticmethod
-    def _kfra_whole(dep: _Deposit) -> Optional[Tensor]:
+    def _kfra_whole(dep: _Deposit) -> Tensor | None:
         """KFRA's matrix at this output: what arrived whole, plus the roots all of whose
         merge's paths met here, collapsed (kfac.py); the other roots stay in ``dep``."""
         dense = dep.dense
@@ -392,7 +392,7 @@ class Engine:
             dense = part if dense is None else dense + part
         return dense
 
-    def _backprop(self, entry: Passthrough, xs, out, S: Tensor, hp: dict) -> Tuple[Optional[Tensor], ...]:
+    def _backprop(self, entry: Passthrough, xs, out, S: Tensor, hp: dict) -> tuple[Tensor | None, ...]:
         """``Jᵀ S`` per input, in slices of ``V`` where ``S`` is larger than the budget;
         ``S`` is the engine's own (no one else holds it): elementwise maps overwrite it."""
         if entry.elementwise:
@@ -401,7 +401,7 @@ class Engine:
         step = max(1, int(self.budget // max(S[0].numel() * S.element_size() * 2, 1)))
         if step >= v:
             return entry.backprop(xs, out, S, hp)
-        outs: Optional[list] = None
+        outs: list | None = None
         for start in range(0, v, step):
             part = entry.backprop(xs, out, S[start : start + step], hp)
             if outs is None:
@@ -411,7 +411,7 @@ class Engine:
                     o[start : start + step] = t
         return tuple(outs)
 
-    def _residual(self, node: Node, grad: Tensor) -> Dict[tuple, Factor]:
+    def _residual(self, node: Node, grad: Tensor) -> dict[tuple, Factor]:
         """DiagHessian's residual of an elementwise activation at its input:
         ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
         entry = node.entry
@@ -424,7 +424,7 @@ class Engine:
                 out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
         return out
 
-    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Optional[Tensor], dense, shares: dict) -> None:
+    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
         """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
         call's part of its gradient, where it is a row (:func:`_tap`)."""
         p = node.producers[i]
@@ -445,14 +445,14 @@ class Engine:
         d.grads.append(g)
         d.sources.append(node.name)
 
-    def _deposit(self, run: _Pass, node: Node, i: int, key: tuple, kind: str, sign: float, S: Optional[Tensor]):
+    def _deposit(self, run: _Pass, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
         if S is None or node.producers[i] is None:
             return
         d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
         have = d.factors.get(key)
         d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
 
-    def _check_chain(self, node: Node, dep: Optional[_Deposit], grad: Tensor) -> None:
+    def _check_chain(self, node: Node, dep: _Deposit | None, grad: Tensor) -> None:
         fix = (
             " Second-order extensions follow a chain of modules from the loss back: write such "
             "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
@@ -480,7 +480,7 @@ class Engine:
                 f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
             )
 
-    def _compute(self, run: _Pass, node: Node, factors: List[Factor], dense: Optional[Tensor]) -> None:
+    def _compute(self, run: _Pass, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
         for pname, p in node.params.items():
             if id(p) in run.staged:
                 raise NotImplementedError(
@@ -504,7 +504,7 @@ class Engine:
             choose=lambda pname, quantity, options: self.choose(module, node.name, offered, pname, quantity, options),
             budget=self.budget,
         )
-        results: Dict[str, Dict[str, object]] = {pname: {} for pname in node.params}
+        results: dict[str, dict[str, object]] = {pname: {} for pname in node.params}
         for ext in self.extensions:
             try:
                 out = ext.compute(call)
@@ -530,12 +530,12 @@ class Engine:
                 setattr(p, field, value)
 
 
-def _input_edges(fn, taps: Dict[tuple, int], stop: set) -> Optional[Dict[object, List[Tuple[int, int]]]]:
+def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tuple[int, int]]] | None:
     """The autograd nodes of one module call that take its inputs: ``{node: [(position
     in its next_functions, input index)]}`` for the edges ``(grad_fn, output_nr)`` in
     ``taps``, searched from the call's output ``fn`` down to its inputs' grad_fns
     (``stop``) and tracked outputs; ``None`` past ``_TAP_NODES`` nodes."""
-    edges: Dict[object, List[Tuple[int, int]]] = {}
+    edges: dict[object, list[tuple[int, int]]] = {}
     seen, todo = set(), [fn]
     while todo:
         fn = todo.pop()
@@ -561,10 +561,12 @@ def _shape_of(x: Tensor) -> Tensor:
 
 def _same(a: Tensor, b: Tensor) -> bool:
     """The same numbers: one tensor, or views of the same memory alike."""
-    return a is b or (a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype)
+    return a is b or (
+        a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+    )
 
 
-def _owned(tensors: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...]:
+def _owned(tensors: tuple[Tensor | None, ...]) -> tuple[Tensor | None, ...]:
     """Each deposit owns its tensor (deposits are updated in place): a tensor handed to
     several inputs (a Sum's) is copied for all but the first."""
     seen: set = set()
@@ -573,4 +575,3 @@ def _owned(tensors: Tuple[Optional[Tensor], ...]) -> Tuple[Optional[Tensor], ...
         out.append(t.clone() if t is not None and id(t) in seen else t)
         seen.add(id(t))
     return tuple(out)
-

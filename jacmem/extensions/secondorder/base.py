@@ -21,8 +21,9 @@ and turns a :class:`Call` into its per-parameter results in ``compute``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any
 
 from torch import Tensor, nn
 
@@ -47,18 +48,18 @@ class Call:
 
     module: nn.Module
     name: str
-    params: Dict[str, nn.Parameter]
+    params: dict[str, nn.Parameter]
     entry: Any
-    hp: Dict[str, Any]
+    hp: dict[str, Any]
     x: Any
-    out_shape: Tuple[int, ...]
-    factors: List[Factor] = field(default_factory=list)
-    dense: Optional[Tensor] = None
+    out_shape: tuple[int, ...]
+    factors: list[Factor] = field(default_factory=list)
+    dense: Tensor | None = None
     #: ``(param, quantity, options) -> strategy name``, the block's choice for this module
-    choose: Optional[Callable[..., str]] = None
+    choose: Callable[..., str] | None = None
     budget: float = 64 * 2**20
 
-    def of_kind(self, *kinds: str) -> List[Factor]:
+    def of_kind(self, *kinds: str) -> list[Factor]:
         return [f for f in self.factors if f.kind in kinds]
 
 
@@ -73,9 +74,9 @@ class SecondOrderExtension:
     it needs (see the module docstring)."""
 
     savefield: str = ""
-    kinds: Tuple[str, ...] = ()
+    kinds: tuple[str, ...] = ()
 
-    def compute(self, call: Call) -> Dict[str, Any]:
+    def compute(self, call: Call) -> dict[str, Any]:
         """``{param name: result}`` for one call."""
         raise NotImplementedError
 

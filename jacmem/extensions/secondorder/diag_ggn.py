@@ -17,8 +17,8 @@ Scaling follows BackPACK 1.7.1: with ``reduction="mean"`` the loss Hessian carri
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from math import prod
-from typing import Dict, Iterable
 
 from opt_einsum import contract
 from torch import Tensor, nn
@@ -45,7 +45,7 @@ def _numel(obj) -> int:
     return 0
 
 
-def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
+def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> dict[str, Tensor]:
     """Linear on [N, I]: Σ_v (S[v] ⊗ x)² = (Σ_v S[v]²) ⊗ x², [V, N, O] -> [(N,) O, I]"""
     s2 = S.square().sum(0)  # [N, O]
     out = {}
@@ -58,13 +58,13 @@ def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
     return out
 
 
-def _conv_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
+def _conv_shortcut(call: Call, S: Tensor, batch: bool) -> dict[str, Tensor]:
     """Conv: (J_Wᵀ S[v])[n] = Σ_t S[v, n, :, t] a[n, :, t]ᵀ per group, from the unfolded
     input ``a`` [N, G, C_in/G·K, T]: [V, N, C_out, *T] -> [(N,) *weight.shape]"""
     hp, x = call.hp, call.x
     g = hp["groups"]
     v, n = S.shape[:2]
-    out: Dict[str, Tensor] = {}
+    out: dict[str, Tensor] = {}
     if "bias" in call.params:
         b = S.flatten(3).sum(3).square().sum(0)  # [N, C_out]
         out["bias"] = b if batch else b.sum(0)
@@ -89,10 +89,10 @@ def _conv_shortcut(call: Call, S: Tensor, batch: bool) -> Dict[str, Tensor]:
 _CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
 
 
-def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> Dict[str, Tensor]:
+def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str, Tensor]:
     """``Σ_factors sign · Σ_v (J_θᵀ S[v])²`` per parameter: summed over the samples
     (``p.shape``), or per sample (``[N, *p.shape]``) where ``batch``."""
-    totals: Dict[str, Tensor] = {}
+    totals: dict[str, Tensor] = {}
     for f in factors:
         S = f.S
         v, n = S.shape[:2]

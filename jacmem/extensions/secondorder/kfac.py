@@ -91,7 +91,6 @@ works (BackPACK refuses LeakyReLU, SELU, GELU and SiLU), as does every dtype.
 from __future__ import annotations
 
 from math import prod
-from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -159,8 +158,13 @@ def _conv_transpose_columns(call: Call) -> Tensor:
     kernel = rearrange(eye, "m (c k) -> c m k", k=k).repeat(g, 1, 1).reshape(c, c // g * k, *hp["kernel_size"])
     conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[d - 1]
     cols = conv_t(
-        x, kernel, stride=hp["stride"], padding=hp["padding"], output_padding=output_padding,
-        groups=g, dilation=hp["dilation"],
+        x,
+        kernel,
+        stride=hp["stride"],
+        padding=hp["padding"],
+        output_padding=output_padding,
+        groups=g,
+        dilation=hp["dilation"],
     )
     return cols.flatten(2)
 
@@ -201,7 +205,7 @@ def _channels(call: Call, S: Tensor) -> Tensor:
     return S if S.dim() == 3 else S.flatten(3).sum(3)
 
 
-def output_factor_sqrt(call: Call, kinds) -> Optional[Tensor]:
+def output_factor_sqrt(call: Call, kinds) -> Tensor | None:
     """``G = Σ_factors sign · Σ_{v,n} s sᵀ`` of the factors of ``kinds``: ``[O, O]``, or
     ``None`` if none arrived."""
     G = None
@@ -224,7 +228,7 @@ def output_factor_dense(call: Call, H: Tensor) -> Tensor:
     return rearrange(H, "(c s) (d t) -> c d s t", c=c, d=c).sum((2, 3))
 
 
-def kfra_roots(H: Tensor, n: int, out_shape: Tuple[int, ...]) -> List[Tuple[float, Tensor]]:
+def kfra_roots(H: Tensor, n: int, out_shape: tuple[int, ...]) -> list[tuple[float, Tensor]]:
     """``Ḡ [D, D]`` -> per-sample roots ``[(sign, S [r, N, *out])]`` with
     ``Σ sign · Σ_v S[v, n] S[v, n]ᵀ = Ḡ`` for every ``n``, by the eigendecomposition
     (eigenvalues within rounding of 0 dropped); ``out_shape`` is one sample's."""
@@ -257,10 +261,10 @@ def _contiguous_symmetric(M: Tensor) -> Tensor:
 
 
 class _KF(SecondOrderExtension):
-    def output_factor(self, call: Call) -> Optional[Tensor]:
+    def output_factor(self, call: Call) -> Tensor | None:
         return output_factor_sqrt(call, self.kinds)
 
-    def compute(self, call: Call) -> Dict[str, List[Tensor]]:
+    def compute(self, call: Call) -> dict[str, list[Tensor]]:
         _check(call, self)
         G = self.output_factor(call)
         if G is None:
@@ -305,7 +309,7 @@ class KFRA(_KF):
 
     savefield, kinds = "kfra", ("dense",)
 
-    def output_factor(self, call: Call) -> Optional[Tensor]:
+    def output_factor(self, call: Call) -> Tensor | None:
         G = None if call.dense is None else output_factor_dense(call, call.dense)
         roots = output_factor_sqrt(call, ("kfra",))
         if roots is not None:
