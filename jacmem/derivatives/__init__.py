@@ -29,12 +29,17 @@ same arguments' *shapes* and returns a :class:`Cost`, or ``None`` where the stra
 does not apply; ``auto`` picks the cheapest. A strategy without ``cost`` counts as
 free, so it always wins ``auto``.
 
+A class that stands for a stock layer (``jacmem.memory``'s lean layers, which keep
+less for the backward pass but compute the same function) declares it as a class
+attribute, ``stands_for = nn.Conv2d``: every lookup (:func:`registered_type`) then
+answers with the stock type's entries, and nothing is registered for it.
+
 This package imports torch, einops and opt_einsum, and no other jacmem code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -202,18 +207,48 @@ def register(
     return decorate
 
 
+def stands_for(module_type: type) -> type | None:
+    """The stock type whose function ``module_type`` computes, where it (or the base
+    class whose ``forward`` it keeps) declares ``stands_for``; else ``None``."""
+    for cls in module_type.__mro__:
+        if "stands_for" in cls.__dict__:
+            return cls.__dict__["stands_for"] if cls.forward is module_type.forward else None
+    return None
+
+
+def registered_type(table: Mapping[type, Any], module_type: type) -> type | None:
+    """The key of ``table`` whose entry describes ``module_type``: the type itself; else
+    the stock type it :func:`stands_for`; else its nearest base class in ``table``,
+    where the subclass keeps that class's ``forward`` (so its math is the same); else
+    ``None``. Every registry of jacmem (first-order, Jacobians, losses) looks up
+    through this one rule."""
+    forward = module_type.forward
+    for cls in module_type.__mro__:
+        stock = cls.__dict__.get("stands_for")
+        if cls in table or stock is not None:
+            if cls.forward is not forward:
+                return None
+            return cls if cls in table else registered_type(table, stock)
+    return None
+
+
+def forward_of(module: nn.Module) -> Callable:
+    """The ``forward`` whose derivatives the registries hold, bound to ``module``: its
+    own, or that of the stock type it :func:`stands_for` (a lean layer's own forward
+    runs autograd Functions that ``torch.func`` cannot transform)."""
+    stock = stands_for(type(module))
+    return module.forward if stock is None else stock.forward.__get__(module)
+
+
 def lookup(module: nn.Module) -> LayerDerivatives | None:
-    """The entry for ``type(module)``, or for its nearest registered base class when
-    the subclass keeps that class's ``forward`` (so its math is the same); otherwise the
-    generic fallback for the module's own parameters (:func:`generic.fallback`), or
-    ``None`` where that does not apply either."""
-    for cls in type(module).__mro__:
-        if cls in REGISTRY:
-            if type(module).forward is cls.forward:
-                entry = REGISTRY[cls]
-                return entry if entry.for_module is None else entry.for_module(module)
-            break
-    return generic.fallback(module)
+    """The entry for ``module``'s type (:func:`registered_type`); otherwise the generic
+    fallback for the module's own parameters (:func:`generic.fallback`), or ``None``
+    where that does not apply either."""
+    cls = registered_type(REGISTRY, type(module))
+    if cls is None:
+        return generic.fallback(module)
+    entry = REGISTRY[cls]
+    return entry if entry.for_module is None else entry.for_module(module)
 
 
 def all_strategy_names() -> set:
