@@ -163,6 +163,7 @@ def layer(
     compute_once: bool = False,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type; returns its entry."""
+    _changed()
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
     given = dict(
         hyperparams=hyperparams,
@@ -195,11 +196,16 @@ def register(
     This is also the public way to teach jacmem a module of your own, see
     ``examples/custom_module.py``. Declare the module's hyper-parameters and what to
     keep with :func:`layer` first, where the defaults do not fit.
+
+    ``param`` is checked against the module at the first lookup of an instance of
+    ``module_type`` (the type alone does not tell its parameters' names): a name the
+    module does not have raises a ``ValueError`` that lists the names it has.
     """
     if quantity not in QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
 
     def decorate(fn: Callable) -> Callable:
+        _changed()
         entry = REGISTRY.setdefault(module_type, LayerDerivatives())
         entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost, writes_out)
         return fn
@@ -243,12 +249,53 @@ def forward_of(module: nn.Module) -> Callable:
 def lookup(module: nn.Module) -> LayerDerivatives | None:
     """The entry for ``module``'s type (:func:`registered_type`); otherwise the generic
     fallback for the module's own parameters (:func:`generic.fallback`), or ``None``
-    where that does not apply either."""
+    where that does not apply either. Raises ``ValueError`` where a parameter name
+    registered for the type is not one of the module's (see :func:`register`)."""
     cls = registered_type(REGISTRY, type(module))
     if cls is None:
         return generic.fallback(module)
     entry = REGISTRY[cls]
-    return entry if entry.for_module is None else entry.for_module(module)
+    if entry.for_module is not None:
+        entry = entry.for_module(module)
+    key = (type(module), id(entry))
+    if _CHECKED.get(key) != _VERSION[0]:
+        check_names(module, cls, entry)
+        _CHECKED[key] = _VERSION[0]
+    return entry
+
+
+#: registrations so far; a lookup checks names again after any
+_VERSION = [0]
+#: (module type, id(entry)) -> the registration count when its names were checked
+_CHECKED: dict[tuple[type, int], int] = {}
+
+
+def _changed() -> None:
+    _VERSION[0] += 1
+
+
+def _has_parameter(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` (dotted for a submodule's) is a parameter of ``module``, or one
+    it declares absent (``bias=False`` registers ``bias`` as ``None``)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        sub = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return False
+    return leaf in sub._parameters or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
+
+
+def check_names(module: nn.Module, module_type: type, entry: LayerDerivatives) -> None:
+    """Raise ``ValueError`` if a parameter name registered for ``module_type`` is not
+    one of ``module``'s, naming the type, the bad name and the names it has."""
+    bad = sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
+    if bad:
+        names = [n for n, _ in module.named_parameters()]
+        raise ValueError(
+            f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
+            f"derivative is registered for it (for {module_type.__name__}); its parameters are {names}. "
+            "Register the derivative under one of those names"
+        )
 
 
 def all_strategy_names() -> set:
