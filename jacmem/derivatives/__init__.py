@@ -29,6 +29,10 @@ same arguments' *shapes* and returns a :class:`Cost`, or ``None`` where the stra
 does not apply; ``auto`` picks the cheapest. A strategy without ``cost`` counts as
 free, so it always wins ``auto``.
 
+A layer may also register optional capabilities on its entry, where the extensions
+look for them instead of testing the module's type: :class:`Kronecker` (the factor
+rules of KFAC, KFLR and KFRA) and ``squared_vjps`` (a direct form of the GGN diagonal).
+
 A class that stands for a stock layer (``jacmem.memory``'s lean layers, which keep
 less for the backward pass but compute the same function) declares it as a class
 attribute, ``stands_for = nn.Conv2d``: every lookup (:func:`registered_type`) then
@@ -72,6 +76,37 @@ class Strategy:
     writes_out: bool = False
 
 
+def _no_reason(**hp) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Kronecker:
+    """How KFAC, KFLR and KFRA factor the GGN block of a layer's weight as ``G ⊗ A``
+    (:mod:`jacmem.extensions.secondorder.kfac` gives the math); an optional capability
+    of a layer's entry.
+
+    input_factor: ``(x, out_shape, dtype, **hyperparams) -> A``, from what ``keep``
+        kept and the shape of the whole output: ``[I, I]``; ``[g, m, m]`` for a layer
+        in ``g`` groups (the weight's block is then ``block_diag(G[j] ⊗ A[j])``, with
+        ``G[j]`` the diagonal blocks of ``G``); or the diagonal ``[I]`` of a diagonal
+        ``A``. ``dtype``: the weight's. ``None``: the layer has no factors
+        (``why_not`` says why).
+    channels_last: the output is ``[N, *, O]``, with a factor per position (Linear);
+        otherwise ``[N, O, *]``, whose output factor sums over positions first
+        (convolutions).
+    refuse: ``(**hyperparams) -> str | None``: why a layer with factors has none with
+        these settings (``"with scale_grad_by_freq=True (...); construct it with ..."``),
+        or ``None``.
+    why_not: with ``input_factor=None``, why the layer has no factors.
+    """
+
+    input_factor: Callable[..., Tensor] | None = None
+    channels_last: bool = False
+    refuse: Callable[..., str | None] = _no_reason
+    why_not: str = ""
+
+
 def _first_input(args: tuple, kwargs: dict) -> Any:
     """The first positional input, or the first keyword one (``linear(input=x)``)."""
     return args[0] if args else next(iter(kwargs.values()))
@@ -108,6 +143,14 @@ class LayerDerivatives:
         instead of autograd computing the weight gradient a second time. The input
         gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
         which must then be registered.
+    kronecker: the layer's Kronecker factor rules (:class:`Kronecker`), or ``None``.
+    squared_vjps: ``(x, S, params, batch, budget, **hyperparams) -> {name: tensor} or
+        None``, a direct form of ``Σ_v (J_θᵀ S[v])²`` for the GGN and Hessian diagonals
+        (:mod:`jacmem.extensions.secondorder.diag_ggn`): ``S [V, N, *out]``, ``params``
+        the names and shapes of the parameters to compute, summed over the samples
+        (``p.shape``) or per sample where ``batch`` (``[N, *p.shape]``), temporary
+        memory under ``budget`` bytes; ``None`` where it does not apply to these
+        inputs (the extension then repeats the inputs over ``V``).
     strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
         of the module's own parameters, or the dotted name of a submodule's parameter
         that the module's forward uses itself (``MultiheadAttention`` calls its
@@ -123,6 +166,8 @@ class LayerDerivatives:
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
+    kronecker: Kronecker | None = None
+    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
 
     @property
@@ -161,8 +206,11 @@ def layer(
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None,
     input_free: tuple[str, ...] = (),
     compute_once: bool = False,
+    kronecker: Kronecker | None = None,
+    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
 ) -> LayerDerivatives:
-    """Declare (or update) how jacmem reads a module type; returns its entry."""
+    """Declare (or update) how jacmem reads a module type, and its optional
+    capabilities (``kronecker``, ``squared_vjps``); returns its entry."""
     _changed()
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
     given = dict(
@@ -172,6 +220,8 @@ def layer(
         arrange=arrange,
         arrange_input=arrange_input,
         for_module=for_module,
+        kronecker=kronecker,
+        squared_vjps=squared_vjps,
     )
     for field_name, value in given.items():
         if value is not None:
