@@ -48,10 +48,8 @@ def _origin(fn: Callable) -> str:
 
 
 def builtin(module_type: type, entry: LayerDerivatives) -> bool:
-    """Whether this is a stock torch layer that jacmem itself ships a derivative for.
-
-    Other types that share an entry (``jacmem.memory``'s lean layers, registered when
-    that package is imported) stay out, so the table does not depend on imports."""
+    """Whether this is a stock torch layer that jacmem itself ships a derivative for
+    (types registered by users stay out)."""
     return module_type.__module__.startswith("torch.") and any(
         _origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values()
     )
@@ -112,7 +110,7 @@ def table() -> str:
 
 def _names(types) -> str:
     """Markdown names of the stock module types among ``types``: torch's and
-    :mod:`jacmem.nn`'s (not the lean layers, which ``jacmem.memory`` adds on import)."""
+    :mod:`jacmem.nn`'s (not those registered by users)."""
     stock = [t for t in types if t.__module__.startswith("torch.") or t.__module__ == "jacmem.nn"]
     return ", ".join(f"`{layer_name(t)}`" for t in stock)
 

@@ -117,3 +117,10 @@ def test_each_listed_strategy_is_used(mtype, ext, param, name):
     chosen = {d.chosen for d in ctx.plan.decisions.values() if d.param == param}
     assert name in chosen, f"{ext.__name__} on {mtype.__name__}.{param} asked for {name!r}: {ctx.explain()}"
     assert hasattr(getattr(model, param), ext.savefield)
+
+
+@pytest.mark.skipif(not hasattr(nn, "RMSNorm"), reason="nn.RMSNorm came with torch 2.4")
+def test_rms_norm_row_lists_its_weight_alone():
+    """nn.RMSNorm has no bias: the table must not claim one."""
+    (row,) = [line for line in support.table().splitlines() if "`nn.RMSNorm`" in line]
+    assert "| `weight` |" in row and "`bias`" not in row

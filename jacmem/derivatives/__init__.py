@@ -29,12 +29,21 @@ same arguments' *shapes* and returns a :class:`Cost`, or ``None`` where the stra
 does not apply; ``auto`` picks the cheapest. A strategy without ``cost`` counts as
 free, so it always wins ``auto``.
 
+A layer may also register optional capabilities on its entry, where the extensions
+look for them instead of testing the module's type: :class:`Kronecker` (the factor
+rules of KFAC, KFLR and KFRA) and ``squared_vjps`` (a direct form of the GGN diagonal).
+
+A class that stands for a stock layer (``jacmem.memory``'s lean layers, which keep
+less for the backward pass but compute the same function) declares it as a class
+attribute, ``stands_for = nn.Conv2d``: every lookup (:func:`registered_type`) then
+answers with the stock type's entries, and nothing is registered for it.
+
 This package imports torch, einops and opt_einsum, and no other jacmem code.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,6 +74,37 @@ class Strategy:
     fn: Callable[..., Any]
     cost: Callable[..., Cost | None] | None = None
     writes_out: bool = False
+
+
+def _no_reason(**hp) -> str | None:
+    return None
+
+
+@dataclass(frozen=True)
+class Kronecker:
+    """How KFAC, KFLR and KFRA factor the GGN block of a layer's weight as ``G ⊗ A``
+    (:mod:`jacmem.extensions.secondorder.kfac` gives the math); an optional capability
+    of a layer's entry.
+
+    input_factor: ``(x, out_shape, dtype, **hyperparams) -> A``, from what ``keep``
+        kept and the shape of the whole output: ``[I, I]``; ``[g, m, m]`` for a layer
+        in ``g`` groups (the weight's block is then ``block_diag(G[j] ⊗ A[j])``, with
+        ``G[j]`` the diagonal blocks of ``G``); or the diagonal ``[I]`` of a diagonal
+        ``A``. ``dtype``: the weight's. ``None``: the layer has no factors
+        (``why_not`` says why).
+    channels_last: the output is ``[N, *, O]``, with a factor per position (Linear);
+        otherwise ``[N, O, *]``, whose output factor sums over positions first
+        (convolutions).
+    refuse: ``(**hyperparams) -> str | None``: why a layer with factors has none with
+        these settings (``"with scale_grad_by_freq=True (...); construct it with ..."``),
+        or ``None``.
+    why_not: with ``input_factor=None``, why the layer has no factors.
+    """
+
+    input_factor: Callable[..., Tensor] | None = None
+    channels_last: bool = False
+    refuse: Callable[..., str | None] = _no_reason
+    why_not: str = ""
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:
@@ -103,6 +143,14 @@ class LayerDerivatives:
         instead of autograd computing the weight gradient a second time. The input
         gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
         which must then be registered.
+    kronecker: the layer's Kronecker factor rules (:class:`Kronecker`), or ``None``.
+    squared_vjps: ``(x, S, params, batch, budget, **hyperparams) -> {name: tensor} or
+        None``, a direct form of ``Σ_v (J_θᵀ S[v])²`` for the GGN and Hessian diagonals
+        (:mod:`jacmem.extensions.secondorder.diag_ggn`): ``S [V, N, *out]``, ``params``
+        the names and shapes of the parameters to compute, summed over the samples
+        (``p.shape``) or per sample where ``batch`` (``[N, *p.shape]``), temporary
+        memory under ``budget`` bytes; ``None`` where it does not apply to these
+        inputs (the extension then repeats the inputs over ``V``).
     strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
         of the module's own parameters, or the dotted name of a submodule's parameter
         that the module's forward uses itself (``MultiheadAttention`` calls its
@@ -118,6 +166,8 @@ class LayerDerivatives:
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
+    kronecker: Kronecker | None = None
+    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
 
     @property
@@ -156,8 +206,12 @@ def layer(
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None,
     input_free: tuple[str, ...] = (),
     compute_once: bool = False,
+    kronecker: Kronecker | None = None,
+    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
 ) -> LayerDerivatives:
-    """Declare (or update) how jacmem reads a module type; returns its entry."""
+    """Declare (or update) how jacmem reads a module type, and its optional
+    capabilities (``kronecker``, ``squared_vjps``); returns its entry."""
+    _changed()
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
     given = dict(
         hyperparams=hyperparams,
@@ -166,6 +220,8 @@ def layer(
         arrange=arrange,
         arrange_input=arrange_input,
         for_module=for_module,
+        kronecker=kronecker,
+        squared_vjps=squared_vjps,
     )
     for field_name, value in given.items():
         if value is not None:
@@ -190,11 +246,16 @@ def register(
     This is also the public way to teach jacmem a module of your own, see
     ``examples/custom_module.py``. Declare the module's hyper-parameters and what to
     keep with :func:`layer` first, where the defaults do not fit.
+
+    ``param`` is checked against the module at the first lookup of an instance of
+    ``module_type`` (the type alone does not tell its parameters' names): a name the
+    module does not have raises a ``ValueError`` that lists the names it has.
     """
     if quantity not in QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
 
     def decorate(fn: Callable) -> Callable:
+        _changed()
         entry = REGISTRY.setdefault(module_type, LayerDerivatives())
         entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost, writes_out)
         return fn
@@ -202,18 +263,89 @@ def register(
     return decorate
 
 
+def stands_for(module_type: type) -> type | None:
+    """The stock type whose function ``module_type`` computes, where it (or the base
+    class whose ``forward`` it keeps) declares ``stands_for``; else ``None``."""
+    for cls in module_type.__mro__:
+        if "stands_for" in cls.__dict__:
+            return cls.__dict__["stands_for"] if cls.forward is module_type.forward else None
+    return None
+
+
+def registered_type(table: Mapping[type, Any], module_type: type) -> type | None:
+    """The key of ``table`` whose entry describes ``module_type``: the type itself; else
+    the stock type it :func:`stands_for`; else its nearest base class in ``table``,
+    where the subclass keeps that class's ``forward`` (so its math is the same); else
+    ``None``. Every registry of jacmem (first-order, Jacobians, losses) looks up
+    through this one rule."""
+    forward = module_type.forward
+    for cls in module_type.__mro__:
+        stock = cls.__dict__.get("stands_for")
+        if cls in table or stock is not None:
+            if cls.forward is not forward:
+                return None
+            return cls if cls in table else registered_type(table, stock)
+    return None
+
+
+def forward_of(module: nn.Module) -> Callable:
+    """The ``forward`` whose derivatives the registries hold, bound to ``module``: its
+    own, or that of the stock type it :func:`stands_for` (a lean layer's own forward
+    runs autograd Functions that ``torch.func`` cannot transform)."""
+    stock = stands_for(type(module))
+    return module.forward if stock is None else stock.forward.__get__(module)
+
+
 def lookup(module: nn.Module) -> LayerDerivatives | None:
-    """The entry for ``type(module)``, or for its nearest registered base class when
-    the subclass keeps that class's ``forward`` (so its math is the same); otherwise the
-    generic fallback for the module's own parameters (:func:`generic.fallback`), or
-    ``None`` where that does not apply either."""
-    for cls in type(module).__mro__:
-        if cls in REGISTRY:
-            if type(module).forward is cls.forward:
-                entry = REGISTRY[cls]
-                return entry if entry.for_module is None else entry.for_module(module)
-            break
-    return generic.fallback(module)
+    """The entry for ``module``'s type (:func:`registered_type`); otherwise the generic
+    fallback for the module's own parameters (:func:`generic.fallback`), or ``None``
+    where that does not apply either. Raises ``ValueError`` where a parameter name
+    registered for the type is not one of the module's (see :func:`register`)."""
+    cls = registered_type(REGISTRY, type(module))
+    if cls is None:
+        return generic.fallback(module)
+    entry = REGISTRY[cls]
+    if entry.for_module is not None:
+        entry = entry.for_module(module)
+    key = (type(module), id(entry))
+    if _CHECKED.get(key) != _VERSION[0]:
+        check_names(module, cls, entry)
+        _CHECKED[key] = _VERSION[0]
+    return entry
+
+
+#: registrations so far; a lookup checks names again after any
+_VERSION = [0]
+#: (module type, id(entry)) -> the registration count when its names were checked
+_CHECKED: dict[tuple[type, int], int] = {}
+
+
+def _changed() -> None:
+    _VERSION[0] += 1
+
+
+def _has_parameter(module: nn.Module, name: str) -> bool:
+    """Whether ``name`` (dotted for a submodule's) is a parameter of ``module``, or one
+    it declares absent (``bias=False`` registers ``bias`` as ``None``)."""
+    owner, _, leaf = name.rpartition(".")
+    try:
+        sub = module.get_submodule(owner) if owner else module
+    except AttributeError:
+        return False
+    return leaf in sub._parameters or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
+
+
+def check_names(module: nn.Module, module_type: type, entry: LayerDerivatives) -> None:
+    """Raise ``ValueError`` if a parameter name registered for ``module_type`` is not
+    one of ``module``'s, naming the type, the bad name and the names it has."""
+    bad = sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
+    if bad:
+        names = [n for n, _ in module.named_parameters()]
+        raise ValueError(
+            f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
+            f"derivative is registered for it (for {module_type.__name__}); its parameters are {names}. "
+            "Register the derivative under one of those names"
+        )
 
 
 def all_strategy_names() -> set:

@@ -39,10 +39,11 @@ from math import prod
 
 import torch
 from einops import rearrange
+from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, layer, register
+from jacmem.derivatives import Cost, Kronecker, layer, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
@@ -105,11 +106,24 @@ def unfold(x: Tensor, kernel_size, stride, dilation) -> Tensor:
     )
 
 
+def columns(x: Tensor, *, kernel_size, stride, dilation, groups, padding, padding_mode) -> Tensor:
+    """The im2col columns of the padded input, per group, as a view where the padding
+    allows: [N, C_in, *S_in] -> [N, G, C_in/G, *K, *S_out]. The one im2col of jacmem:
+    the per-sample gradients, the ghost norm, the Kronecker input factor and the GGN
+    diagonal all read it."""
+    return unfold(pad(x, padding, padding_mode), kernel_size, stride, dilation).unflatten(1, (groups, -1))
+
+
+def flat_columns(x: Tensor, **hp) -> Tensor:
+    """:func:`columns` as matrices, one per sample and group (a copy): [N, C_in, *S_in]
+    -> [N, G, C_in/G·K, T] (``K = prod(kernel_size)``, ``T = prod(S_out)``)."""
+    return columns(x, **hp).flatten(2, 1 + len(hp["kernel_size"]) + 1).flatten(3)
+
+
 def _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode):
     """Padded, unfolded input [N, G, C_in/G, *K, *S_out] and g as [N, G, C_out/G, *S_out]."""
-    cols = unfold(pad(x, padding, padding_mode), kernel_size, stride, dilation)
-    cols = cols.unflatten(1, (groups, -1))
-    return cols, g.unflatten(1, (groups, -1))
+    hp = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, groups=groups)
+    return columns(x, padding=padding, padding_mode=padding_mode, **hp), g.unflatten(1, (groups, -1))
 
 
 def _sizes(xs, gs, kernel_size, groups):
@@ -246,9 +260,9 @@ def _pair(aa: Tensor, g: Tensor) -> Tensor:
 def weight_batch_l2_ghost(x, g, *, kernel_size, stride, dilation, groups, padding, padding_mode):
     """Squared norms of the per-sample weight gradients, Σ_q ⟨A_q A_qᵀ, G_q G_qᵀ⟩, without
     forming them: [N, C_in, *S_in], [N, C_out, *S_out] -> [N]"""
-    cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
-    cols = cols.flatten(2, 2 + len(kernel_size)).flatten(3)  # [N, G, C_in/G·K, P]
-    return _pair(torch.einsum("nqcp,nqcr->nqpr", cols, cols), g)
+    hp = dict(kernel_size=kernel_size, stride=stride, dilation=dilation, groups=groups)
+    cols = flat_columns(x, padding=padding, padding_mode=padding_mode, **hp)  # [N, G, C_in/G·K, P]
+    return _pair(torch.einsum("nqcp,nqcr->nqpr", cols, cols), g.unflatten(1, (groups, -1)))
 
 
 def _ghost_gram_cost(xs, gs, *, kernel_size, groups, padding, **_):
@@ -293,8 +307,59 @@ def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
     return g.flatten(2).sum(2)
 
 
+# -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
+
+
+def group_gram(cols: Tensor) -> Tensor:
+    """KFAC's input factor from im2col columns ``[N, G, M, T]``: ``Σ_{n,t} a aᵀ / N`` per
+    group, ``[M, M]`` for one group, ``[G, M, M]`` for several."""
+    n = cols.shape[0]
+    if cols.shape[1] == 1:
+        return contract("nit,njt->ij", cols[:, 0], cols[:, 0]) / n
+    return contract("ngit,ngjt->gij", cols, cols) / n
+
+
+def kronecker_input(x: Tensor, out_shape, dtype, **hp) -> Tensor:
+    """``A = Σ_{n,t} a_t a_tᵀ / N`` over the im2col columns ``a_t [C_in·K]``: ``[C_in·K,
+    C_in·K]``, or ``[G, C_in/G·K, C_in/G·K]`` with ``G > 1`` groups"""
+    return group_gram(flat_columns(x, **hp))
+
+
+def squared_vjps(x: Tensor, S: Tensor, params, batch: bool, budget: float, **hp) -> dict[str, Tensor]:
+    """``Σ_v (J_θᵀ S[v])²`` with one im2col of the input shared by all ``V`` (BackPACK's
+    contraction, in chunks of ``V`` under ``budget`` bytes): ``(J_Wᵀ S[v])[n] = Σ_t
+    S[v, n, :, t] a[n, :, t]ᵀ`` per group: ``[V, N, C_out, *S_out]`` -> ``[(N,) *p.shape]``"""
+    g = hp["groups"]
+    v, n = S.shape[:2]
+    out: dict[str, Tensor] = {}
+    if "bias" in params:
+        b = S.flatten(3).sum(3).square().sum(0)  # [N, C_out]
+        out["bias"] = b if batch else b.sum(0)
+    if "weight" not in params:
+        return out
+    cols = flat_columns(x, **hp)  # [N, G, C/G·K, T]
+    S = S.flatten(3).unflatten(2, (g, -1))  # [V, N, G, O/G, T]
+    per_v = n * S.shape[3] * cols.shape[2] * g * S.element_size()
+    step = max(1, int(budget // max(per_v, 1)))
+    acc = None
+    for start in range(0, v, step):
+        js = contract("ngit,vngot->vngoi", cols, S[start : start + step]).square_()
+        part = js.sum(0) if batch else js.sum((0, 1))  # [(N,) G, O/G, C/G·K]
+        acc = part if acc is None else acc.add_(part)
+    shape = params["weight"]
+    out["weight"] = acc.reshape(n, *shape) if batch else acc.reshape(shape)
+    return out
+
+
 for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
-    layer(_module, hyperparams=conv_hyperparams, input_free=("bias",), compute_once=True)
+    layer(
+        _module,
+        hyperparams=conv_hyperparams,
+        input_free=("bias",),
+        compute_once=True,
+        kronecker=Kronecker(kronecker_input),
+        squared_vjps=squared_vjps,
+    )
     register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost, writes_out=True)(weight_batch_grad_unfold)
     register(_module, "weight", "batch_grad", "save_memory", cost=_save_memory_cost)(weight_batch_grad_save_memory)
     register(_module, "weight", "batch_grad", "grouped", cost=_grouped_cost)(weight_batch_grad_grouped)

@@ -25,10 +25,14 @@ output_size=...)``, which picks it per call, needs nothing more.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from math import prod
 
-from torch import nn
+import torch
+import torch.nn.functional as F
+from einops import rearrange
+from torch import Tensor, nn
 
-from jacmem.derivatives import conv, layer, register
+from jacmem.derivatives import Kronecker, conv, layer, register
 
 
 def conv_transpose_hyperparams(module: nn.modules.conv._ConvTransposeNd) -> dict:
@@ -83,6 +87,32 @@ def transposed_cost(conv_cost: Callable) -> Callable:
     return cost
 
 
+def columns(x: Tensor, out_shape, *, kernel_size, stride, dilation, groups, padding) -> Tensor:
+    """The transposed conv's input unfolded: ``[N, C_in, *S_in] -> [N, C_in·K, T]``
+    (channel-major, ``(c k)``; ``T = prod(S_out)``), by a transposed convolution with
+    one-hot kernels; groups stay contiguous in the channel axis. ``out_shape``: the
+    output's, which fixes ``output_padding``."""
+    k, g, c = prod(kernel_size), groups, x.shape[1]
+    d = len(kernel_size)
+    sizes = [
+        (si - 1) * s - 2 * p + dl * (kk - 1) + 1
+        for si, kk, s, dl, p in zip(x.shape[2:], kernel_size, stride, dilation, padding)
+    ]
+    output_padding = [so - s for so, s in zip(out_shape[2:], sizes)]
+    # kernel [C_in, C_in/g·K, *K]: input channel c' of a group writes its k-th kernel entry to column c'·K + k
+    eye = torch.eye(c // g * k, dtype=x.dtype, device=x.device)
+    kernel = rearrange(eye, "m (c k) -> c m k", k=k).repeat(g, 1, 1).reshape(c, c // g * k, *kernel_size)
+    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[d - 1]
+    cols = conv_t(x, kernel, stride=stride, padding=padding, output_padding=output_padding, groups=g, dilation=dilation)
+    return cols.flatten(2)
+
+
+def kronecker_input(x: Tensor, out_shape, dtype, **hp) -> Tensor:
+    """``A`` as for a conv, over the columns of :func:`columns`: ``[C_in·K, C_in·K]``, or
+    ``[G, C_in/G·K, C_in/G·K]`` with ``G > 1`` groups (the block of ``weight.transpose(0, 1)``)"""
+    return conv.group_gram(columns(x, out_shape, **hp).unflatten(1, (hp["groups"], -1)))
+
+
 _STRATEGIES = [
     ("weight", "batch_grad", "unfold", conv.weight_batch_grad_unfold, conv._unfold_cost),
     ("weight", "batch_grad", "save_memory", conv.weight_batch_grad_save_memory, conv._save_memory_cost),
@@ -92,7 +122,7 @@ _STRATEGIES = [
 ]
 
 for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    layer(_module, hyperparams=conv_transpose_hyperparams, input_free=("bias",))
+    layer(_module, hyperparams=conv_transpose_hyperparams, input_free=("bias",), kronecker=Kronecker(kronecker_input))
     for _param, _quantity, _name, _fn, _cost in _STRATEGIES:
         register(_module, _param, _quantity, _name, cost=transposed_cost(_cost))(transposed(_fn))
     # the bias gradient sums g over S_out, as for a conv

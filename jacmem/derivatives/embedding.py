@@ -58,7 +58,7 @@ import torch
 from opt_einsum import contract
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, layer, register
+from jacmem.derivatives import Cost, Kronecker, layer, register
 
 
 class Batch:
@@ -252,7 +252,33 @@ def weight_sum_grad_squared_segment(x, g: Tensor, **hp) -> Tensor:
     return sums.new_zeros(v, sums.shape[-1]).index_add_(0, keys % v, sums.square())
 
 
-layer(nn.Embedding, hyperparams=embedding_hyperparams, keep=keep_embedding)
+def kronecker_input(x: tuple, out_shape, dtype, *, num_embeddings, padding_idx, **_) -> Tensor:
+    """KFAC's input factor of a Linear on one-hot inputs, diagonal: ``a[v]`` = the count
+    of index ``v`` among the ``N·T`` positions ``/ (N·T)``, 0 for ``padding_idx``:
+    ``[V]`` (the layout of ``weight.T``)"""
+    n = out_shape[0]
+    idx = x[0][:n].reshape(-1)
+    if padding_idx is not None:
+        idx = idx[idx != padding_idx]
+    counts = torch.bincount(idx, minlength=num_embeddings)
+    return counts.to(dtype) / (n * prod(out_shape[1:-1]))
+
+
+def kronecker_refuse(*, scale_grad_by_freq, **_) -> str | None:
+    if scale_grad_by_freq:
+        return (
+            "with scale_grad_by_freq=True (autograd scales each row's gradient by its count in the whole batch, "
+            "so no per-sample Jacobian exists); construct it with scale_grad_by_freq=False"
+        )
+    return None
+
+
+layer(
+    nn.Embedding,
+    hyperparams=embedding_hyperparams,
+    keep=keep_embedding,
+    kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse),
+)
 layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag)
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)

@@ -17,8 +17,9 @@ Two kinds of entries:
   sample's input) or sampled (``[M, N, *x]`` for ``M`` Monte-Carlo samples), scaled
   as the reduction scales the loss.
 
-This module imports torch and einops, and no jacmem code but the layer files that
-register themselves at the bottom.
+This module imports torch and einops, and no jacmem code but the registry's lookup
+(:func:`jacmem.derivatives.registered_type`) and the layer files that register
+themselves at the bottom.
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from jacmem.derivatives import forward_of, registered_type
+
 
 def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
     return {}
@@ -41,7 +44,8 @@ class Passthrough:
     """How factors cross one module type.
 
     hyperparams: ``module -> dict`` of keyword arguments, read at forward time; the
-        generic path adds ``forward`` (the module's bound ``forward``).
+        generic path adds ``forward`` (the module's bound ``forward``, or the stock
+        type's for a type that stands for one: :func:`jacmem.derivatives.forward_of`).
     jac_t: ``(xs, out, S, **hp) -> tuple`` of ``[V, N, *in_i]`` (``None`` where input
         ``i`` needs nothing), from ``xs`` (the tensor inputs), ``out`` and
         ``S [V, N, *out]``. ``None``: the generic vjp of ``forward``.
@@ -68,7 +72,7 @@ class Passthrough:
     def params(self, module: nn.Module) -> dict[str, Any]:
         hp = self.hyperparams(module)
         if self.jac_t is None and self.df is None:
-            hp["forward"] = module.forward
+            hp["forward"] = forward_of(module)
         return hp
 
     @property
@@ -157,7 +161,7 @@ class LossHessian:
     def params(self, module: nn.Module) -> dict[str, Any]:
         self.check(module)
         hp = self.hyperparams(module)
-        hp["forward"] = module.forward
+        hp["forward"] = forward_of(module)
         return hp
 
 
@@ -183,19 +187,16 @@ def loss(module_type: type, entry: LossHessian) -> LossHessian:
     return entry
 
 
-def _lookup(table: dict[type, Any], module: nn.Module):
-    for cls in type(module).__mro__:
-        if cls in table:
-            return table[cls] if type(module).forward is cls.forward else None
-    return None
-
-
 def lookup_passthrough(module: nn.Module) -> Passthrough | None:
-    return _lookup(PASSTHROUGH, module)
+    """How factors cross ``module`` (:func:`jacmem.derivatives.registered_type`)."""
+    cls = registered_type(PASSTHROUGH, type(module))
+    return None if cls is None else PASSTHROUGH[cls]
 
 
 def lookup_loss(module: nn.Module) -> LossHessian | None:
-    return _lookup(LOSSES, module)
+    """The Hessian factors of the loss ``module`` (:func:`jacmem.derivatives.registered_type`)."""
+    cls = registered_type(LOSSES, type(module))
+    return None if cls is None else LOSSES[cls]
 
 
 def ea_jac_t_mat_jac(entry: Passthrough, xs, out: Tensor | None, out_shape, H: Tensor, hp: dict) -> Tensor:

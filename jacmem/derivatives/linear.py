@@ -17,9 +17,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, layer, register
-
-layer(nn.Linear, input_free=("bias",), compute_once=True)
+from jacmem.derivatives import Cost, Kronecker, layer, register
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -84,6 +82,41 @@ def weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
 def bias_batch_grad(x, g: Tensor) -> Tensor:
     """Per-sample bias gradients: [N, *, O] -> [N, O]"""
     return _flat(g).sum(1)
+
+
+# -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
+
+
+def kronecker_input(x: Tensor, out_shape, dtype, **_) -> Tensor:
+    """``A = Σ_{n,t} x_t x_tᵀ / (N·T)``, the middle axes flattened into the batch
+    (KFAC-expand): ``[N, *, I] -> [I, I]``"""
+    flat = x.reshape(-1, x.shape[-1])
+    return (flat.T @ flat).div_(flat.shape[0])  # two operands: a matmul, without opt_einsum's planning
+
+
+def squared_vjps(x, S: Tensor, params, batch: bool, budget: float, **_) -> dict[str, Tensor] | None:
+    """Without middle axes, ``Σ_v (S[v] ⊗ x)² = (Σ_v S[v]²) ⊗ x²``: ``x [N, I]``,
+    ``S [V, N, O]`` -> ``[(N,) O, I]`` and ``[(N,) O]``; ``None`` for other inputs"""
+    if not isinstance(x, Tensor) or x.dim() != 2:
+        return None
+    s2 = S.square().sum(0)  # [N, O]
+    out = {}
+    for name in params:
+        if name == "weight":  # two operands: a product, without opt_einsum's planning (~50 µs a call)
+            x2 = x.square()
+            out[name] = s2.unsqueeze(2) * x2.unsqueeze(1) if batch else s2.T @ x2
+        else:
+            out[name] = s2 if batch else s2.sum(0)
+    return out
+
+
+layer(
+    nn.Linear,
+    input_free=("bias",),
+    compute_once=True,
+    kronecker=Kronecker(kronecker_input, channels_last=True),
+    squared_vjps=squared_vjps,
+)
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------

@@ -38,7 +38,7 @@ from math import prod
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, layer, register
+from jacmem.derivatives import Cost, Kronecker, layer, register
 
 
 class BatchStatisticsError(RuntimeError):
@@ -163,10 +163,22 @@ _HYPERPARAMS = {
     nn.InstanceNorm3d: instance_norm_hyperparams,
     nn.GroupNorm: group_norm_hyperparams,
     nn.LayerNorm: layer_norm_hyperparams,
-    nn.RMSNorm: rms_norm_hyperparams,
 }
+#: nn.RMSNorm came with torch 2.4
+_RMS_NORM = getattr(nn, "RMSNorm", None)
 
 for _module, _hyperparams in _HYPERPARAMS.items():
     layer(_module, hyperparams=_hyperparams, input_free=("bias",))
     register(_module, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)
     register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)
+for _module in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
+    layer(
+        _module,
+        kronecker=Kronecker(
+            why_not="its parameters are per-channel vectors scaled by the normalised input, with no standard "
+            "Kronecker factorisation (BackPACK has none either)"
+        ),
+    )
+if _RMS_NORM is not None:  # a weight, and no bias
+    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams)
+    register(_RMS_NORM, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)

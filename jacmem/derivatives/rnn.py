@@ -51,7 +51,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
-from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register
+from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register, registered_type
 from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
 
 UNROLL, FUSED = "unroll", "fused"
@@ -425,7 +425,7 @@ _ENTRIES: dict[tuple[type, tuple[str, ...]], LayerDerivatives] = {}
 
 def _for_module(module: nn.RNNBase) -> LayerDerivatives:
     """The entry for this module's parameter names (they depend on its depth)."""
-    base = next(REGISTRY[cls] for cls in type(module).__mro__ if cls in REGISTRY)
+    base = REGISTRY[registered_type(REGISTRY, type(module))]
     key = (type(module), tuple(_names(module)))
     if key not in _ENTRIES:
         strategies = {(name, "batch_grad"): _strategies(name) for name in key[1]}

@@ -25,14 +25,14 @@ Where the stock op keeps nothing more than the gradients asked for need, the lea
 layer calls it, so it costs no time: a Python ``autograd.Function`` (with its
 overhead) runs only where it keeps less.
 
-The lean conv layers share jacmem's derivatives of the stock ones, so
-``jacmem.extend`` computes per-sample quantities on them; a frozen lean layer keeps
-nothing at all.
+Each lean type declares the stock type it stands for (``stands_for = nn.Conv2d``), so
+jacmem's derivatives of the stock layer serve it (:func:`jacmem.derivatives.registered_type`):
+``jacmem.extend`` computes per-sample quantities and curvature on lean layers, and a
+frozen lean layer keeps nothing at all. Nothing is registered for the lean types.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from collections.abc import Iterable
 
@@ -40,8 +40,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem import derivatives
-from jacmem.derivatives import jacobians
 from jacmem.memory.functions import (
     BatchNormEvalFunction,
     ConvFunction,
@@ -196,6 +194,8 @@ class LeanReLU(nn.ReLU):
     stock, where such a reader keeps the output.
     """
 
+    stands_for = nn.ReLU
+
     def forward(self, input: Tensor) -> Tensor:
         if not (torch.is_grad_enabled() and input.requires_grad):
             return super().forward(input)
@@ -211,6 +211,8 @@ class LeanReLU(nn.ReLU):
 class LeanDropout(nn.Dropout):
     """nn.Dropout keeping the seed of its mask (in training, for ``0 < p < 1``; otherwise
     the stock layer keeps nothing)."""
+
+    stands_for = nn.Dropout
 
     def _keeps_input(self) -> bool:
         return False
@@ -241,7 +243,7 @@ class _LeanMaxPoolNd:
 def _lean_type(base: type, mixin: type, **attrs) -> type:
     name = "Lean" + base.__name__
     doc = f"``nn.{base.__name__}`` that keeps only what the gradients asked for need; see :mod:`jacmem.memory.lean`."
-    return type(name, (mixin, base), {"__doc__": doc, "__module__": __name__, **attrs})
+    return type(name, (mixin, base), {"__doc__": doc, "__module__": __name__, "stands_for": base, **attrs})
 
 
 LeanConv1d = _lean_type(nn.Conv1d, _LeanConvNd)
@@ -259,52 +261,25 @@ LeanMaxPool3d = _lean_type(nn.MaxPool3d, _LeanMaxPoolNd, _dims=3)
 
 #: stock type -> lean type
 LEAN: dict[type, type] = {
-    nn.Conv1d: LeanConv1d,
-    nn.Conv2d: LeanConv2d,
-    nn.Conv3d: LeanConv3d,
-    nn.ConvTranspose1d: LeanConvTranspose1d,
-    nn.ConvTranspose2d: LeanConvTranspose2d,
-    nn.ConvTranspose3d: LeanConvTranspose3d,
-    nn.BatchNorm1d: LeanBatchNorm1d,
-    nn.BatchNorm2d: LeanBatchNorm2d,
-    nn.BatchNorm3d: LeanBatchNorm3d,
-    nn.ReLU: LeanReLU,
-    nn.Dropout: LeanDropout,
-    nn.MaxPool1d: LeanMaxPool1d,
-    nn.MaxPool2d: LeanMaxPool2d,
-    nn.MaxPool3d: LeanMaxPool3d,
+    lean_type.stands_for: lean_type
+    for lean_type in (
+        LeanConv1d,
+        LeanConv2d,
+        LeanConv3d,
+        LeanConvTranspose1d,
+        LeanConvTranspose2d,
+        LeanConvTranspose3d,
+        LeanBatchNorm1d,
+        LeanBatchNorm2d,
+        LeanBatchNorm3d,
+        LeanReLU,
+        LeanDropout,
+        LeanMaxPool1d,
+        LeanMaxPool2d,
+        LeanMaxPool3d,
+    )
 }
 STOCK: dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
-
-
-def _stock_vjp(xs, out, S, *, stock_forward, **_):
-    """The generic vjp, of the stock ``forward`` (the lean Functions are not ``torch.func``-transformable)."""
-    return jacobians.vjp_generic(stock_forward, xs, S)
-
-
-def share_derivatives() -> None:
-    """Give each lean type the jacmem derivatives of its stock type: the math is the
-    same, but jacmem's lookups accept a subclass only if it keeps the base
-    ``forward``, and these override it.
-
-    First-order entries are shared, not copied, so a strategy registered later for
-    the stock type applies to the lean one too. A second-order passthrough that
-    differentiates the module's ``forward`` gets the stock ``forward`` instead."""
-    for stock, lean_type in LEAN.items():
-        if stock in derivatives.REGISTRY:
-            derivatives.REGISTRY[lean_type] = derivatives.REGISTRY[stock]
-        entry = jacobians.PASSTHROUGH.get(stock)
-        if entry is not None and entry.jac_t is None and entry.df is None:
-            entry = dataclasses.replace(
-                entry,
-                jac_t=_stock_vjp,
-                hyperparams=lambda m, base=entry.hyperparams, stock=stock: {
-                    **base(m),
-                    "stock_forward": stock.forward.__get__(m),
-                },
-            )
-        if entry is not None:
-            jacobians.PASSTHROUGH[lean_type] = entry
 
 
 def lean(model: nn.Module, types: Iterable[type] | None = None) -> nn.Module:
@@ -330,7 +305,6 @@ def lean(model: nn.Module, types: Iterable[type] | None = None) -> nn.Module:
             f"lean has no version of {sorted(t.__name__ for t in unknown)}; it converts "
             f"{', '.join(t.__name__ for t in LEAN)}"
         )
-    share_derivatives()
     for module in model.modules():
         if type(module) in wanted:
             module.__class__ = LEAN[type(module)]
@@ -344,6 +318,3 @@ def unlean(model: nn.Module) -> nn.Module:
         if stock is not None:
             module.__class__ = stock
     return model
-
-
-share_derivatives()

@@ -7,9 +7,10 @@ output gradient. So the diagonal is the first-order ``sum_grad_squared`` over a 
 of ``V·N`` "samples", and its per-sample version sums the squares over ``V`` only:
 every first-order derivative (and strategy) of :mod:`jacmem.derivatives` serves here.
 The inputs are repeated over ``V``, in chunks of ``V`` that keep this under the
-block's ``chunk_bytes``. Two layers take shortcuts with no repetition: Linear
-without middle axes, ``Σ_v S² ⊗ x²``; convolutions, one im2col of the input shared by
-all ``V`` (BackPACK's contraction, in chunks of ``V``).
+block's ``chunk_bytes``. A layer may register a direct form with no repetition, its
+``squared_vjps`` (:class:`jacmem.derivatives.LayerDerivatives`): Linear without middle
+axes, ``Σ_v S² ⊗ x²``; convolutions, one im2col of the input shared by all ``V``
+(BackPACK's contraction, in chunks of ``V``).
 
 Scaling follows BackPACK 1.7.1: with ``reduction="mean"`` the loss Hessian carries
 ``1/N``, so ``diag_ggn_exact_batch.sum(0) == diag_ggn_exact``.
@@ -20,10 +21,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from math import prod
 
-from opt_einsum import contract
-from torch import Tensor, nn
+from torch import Tensor
 
-from jacmem.derivatives.conv import pad, unfold
 from jacmem.extensions.firstorder import compute
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
 
@@ -45,50 +44,6 @@ def _numel(obj) -> int:
     return 0
 
 
-def _linear_shortcut(call: Call, S: Tensor, batch: bool) -> dict[str, Tensor]:
-    """Linear on [N, I]: Σ_v (S[v] ⊗ x)² = (Σ_v S[v]²) ⊗ x², [V, N, O] -> [(N,) O, I]"""
-    s2 = S.square().sum(0)  # [N, O]
-    out = {}
-    for name in call.params:
-        if name == "weight":  # two operands: a product, without opt_einsum's planning (~50 µs a call)
-            x2 = call.x.square()
-            out[name] = s2.unsqueeze(2) * x2.unsqueeze(1) if batch else s2.T @ x2
-        else:
-            out[name] = s2 if batch else s2.sum(0)
-    return out
-
-
-def _conv_shortcut(call: Call, S: Tensor, batch: bool) -> dict[str, Tensor]:
-    """Conv: (J_Wᵀ S[v])[n] = Σ_t S[v, n, :, t] a[n, :, t]ᵀ per group, from the unfolded
-    input ``a`` [N, G, C_in/G·K, T]: [V, N, C_out, *T] -> [(N,) *weight.shape]"""
-    hp, x = call.hp, call.x
-    g = hp["groups"]
-    v, n = S.shape[:2]
-    out: dict[str, Tensor] = {}
-    if "bias" in call.params:
-        b = S.flatten(3).sum(3).square().sum(0)  # [N, C_out]
-        out["bias"] = b if batch else b.sum(0)
-    if "weight" not in call.params:
-        return out
-    cols = unfold(pad(x, hp["padding"], hp["padding_mode"]), hp["kernel_size"], hp["stride"], hp["dilation"])
-    cols = cols.flatten(2, 1 + len(hp["kernel_size"])).flatten(3).unflatten(1, (g, -1))  # [N, G, C/G, K, T]
-    cols = cols.flatten(2, 3)  # [N, G, C/G·K, T]
-    S = S.flatten(3).unflatten(2, (g, -1))  # [V, N, G, O/G, T]
-    per_v = n * S.shape[3] * cols.shape[2] * g * S.element_size()
-    step = max(1, int(call.budget // max(per_v, 1)))
-    acc = None
-    for start in range(0, v, step):
-        js = contract("ngit,vngot->vngoi", cols, S[start : start + step]).square_()
-        part = js.sum(0) if batch else js.sum((0, 1))  # [(N,) G, O/G, C/G·K]
-        acc = part if acc is None else acc.add_(part)
-    shape = call.params["weight"].shape
-    out["weight"] = acc.reshape(n, *shape) if batch else acc.reshape(shape)
-    return out
-
-
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
 def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str, Tensor]:
     """``Σ_factors sign · Σ_v (J_θᵀ S[v])²`` per parameter: summed over the samples
     (``p.shape``), or per sample (``[N, *p.shape]``) where ``batch``."""
@@ -96,11 +51,12 @@ def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str
     for f in factors:
         S = f.S
         v, n = S.shape[:2]
-        if type(call.module) is nn.Linear and isinstance(call.x, Tensor) and call.x.dim() == 2:
-            parts = _linear_shortcut(call, S, batch)
-        elif type(call.module) in _CONV:
-            parts = _conv_shortcut(call, S, batch)
-        else:
+        direct = getattr(call.entry, "squared_vjps", None)
+        parts = None
+        if direct is not None:
+            shapes = {name: p.shape for name, p in call.params.items()}
+            parts = direct(call.x, S, shapes, batch, call.budget, **call.hp)
+        if parts is None:
             parts = {}
             x_bytes = _numel(call.x) // max(n, 1)
             for name, p in call.params.items():

@@ -14,7 +14,9 @@ engine (:mod:`.backprop`) brings to the output:
   module, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``; ``G`` is read off ``Ḡ`` the way KFLR's is
   read off ``Σ_v Σ_n S Sᵀ`` (below, and the branches section).
 
-**Per layer** (``N`` samples; ``T`` positions: the middle axes of a Linear or
+**Per layer**, as each layer file registers its rules beside its derivatives
+(:class:`jacmem.derivatives.Kronecker`: the input factor, the output's layout, the
+settings it refuses); a layer without them raises :class:`.UnsupportedModule`. (``N`` samples; ``T`` positions: the middle axes of a Linear or
 Embedding input ``[N, *, ·]``, the output positions of a convolution; ``s_t`` the
 root's entries at position ``t``, ``[O]``):
 
@@ -90,48 +92,32 @@ works (BackPACK refuses LeakyReLU, SELU, GELU and SiLU), as does every dtype.
 
 from __future__ import annotations
 
-from math import prod
-
 import torch
-import torch.nn.functional as F
 from einops import rearrange
-from opt_einsum import contract
-from torch import Tensor, nn
+from torch import Tensor
 
-from jacmem.derivatives.conv import pad, unfold
+from jacmem.derivatives import REGISTRY, Kronecker
 from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, UnsupportedModule, mc_kind
 
-_CONV = (nn.Conv1d, nn.Conv2d, nn.Conv3d)
-_CONV_T = (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d)
-#: layers whose output has its channels last, ``[N, *, O]``, and a factor per position
-_FEATURES_LAST = (nn.Linear, nn.Embedding)
 
-
-def _check(call: Call, ext: SecondOrderExtension) -> None:
-    module = call.module
-    if isinstance(module, nn.Embedding) and call.hp.get("scale_grad_by_freq"):
+def _rule(call: Call, ext: SecondOrderExtension) -> Kronecker:
+    """The layer's Kronecker rules (registered with its derivatives); raises
+    :class:`UnsupportedModule` where it has none, or none with these settings."""
+    rule = getattr(call.entry, "kronecker", None)
+    kind = type(call.module).__name__
+    if rule is None or rule.input_factor is None:
+        why = f": {rule.why_not}" if rule is not None and rule.why_not else ""
+        supported = ", ".join(t.__name__ for t, e in REGISTRY.items() if e.kronecker and e.kronecker.input_factor)
         raise UnsupportedModule(
-            f"{ext!r} has no Kronecker factors for Embedding module {call.name!r} with scale_grad_by_freq=True "
-            "(autograd scales each row's gradient by its count in the whole batch, so no per-sample "
-            "Jacobian exists); construct it with scale_grad_by_freq=False or use DiagGGNExact"
+            f"{ext!r} has no Kronecker factors for {kind} (module {call.name!r}){why}; "
+            f"supported: {supported}. Freeze its parameters (requires_grad=False) or use DiagGGNExact"
         )
-    if not isinstance(module, _FEATURES_LAST + _CONV + _CONV_T):
-        why = (
-            ": its parameters are per-channel vectors scaled by the normalised input, with no standard "
-            "Kronecker factorisation (BackPACK has none either)"
-            if isinstance(module, nn.modules.batchnorm._BatchNorm)
-            else ""
-        )
+    why = rule.refuse(**call.hp)
+    if why:
         raise UnsupportedModule(
-            f"{ext!r} has no Kronecker factors for {type(module).__name__} (module {call.name!r}){why}; "
-            "supported: Linear, Conv1d/2d/3d, ConvTranspose1d/2d/3d, Embedding. Freeze its parameters "
-            "(requires_grad=False) or use DiagGGNExact"
+            f"{ext!r} has no Kronecker factors for {kind} module {call.name!r} {why} or use DiagGGNExact"
         )
-
-
-def _positions(call: Call) -> int:
-    """T: the middle axes of a Linear's or Embedding's output ``[N, *, O]`` (1 if none)."""
-    return prod(call.out_shape[1:-1])
+    return rule
 
 
 def _group_blocks(M: Tensor, groups: int) -> Tensor:
@@ -141,66 +127,19 @@ def _group_blocks(M: Tensor, groups: int) -> Tensor:
     return torch.diagonal(M.unflatten(0, (groups, -1)).unflatten(2, (groups, -1)), dim1=0, dim2=2).permute(2, 0, 1)
 
 
-def _conv_transpose_columns(call: Call) -> Tensor:
-    """The transposed conv's input unfolded: ``[N, C_in·K, T]`` (channel-major,
-    ``(c k)``), by a transposed convolution with one-hot kernels; groups stay
-    contiguous in the channel axis."""
-    x, hp = call.x, call.hp
-    k, g, c = prod(hp["kernel_size"]), hp["groups"], x.shape[1]
-    d = len(hp["kernel_size"])
-    sizes = [
-        (si - 1) * s - 2 * p + dl * (kk - 1) + 1
-        for si, kk, s, dl, p in zip(x.shape[2:], hp["kernel_size"], hp["stride"], hp["dilation"], hp["padding"])
-    ]
-    output_padding = [so - s for so, s in zip(call.out_shape[2:], sizes)]
-    # kernel [C_in, C_in/g·K, *K]: input channel c' of a group writes its k-th kernel entry to column c'·K + k
-    eye = torch.eye(c // g * k, dtype=x.dtype, device=x.device)
-    kernel = rearrange(eye, "m (c k) -> c m k", k=k).repeat(g, 1, 1).reshape(c, c // g * k, *hp["kernel_size"])
-    conv_t = (F.conv_transpose1d, F.conv_transpose2d, F.conv_transpose3d)[d - 1]
-    cols = conv_t(
-        x,
-        kernel,
-        stride=hp["stride"],
-        padding=hp["padding"],
-        output_padding=output_padding,
-        groups=g,
-        dilation=hp["dilation"],
-    )
-    return cols.flatten(2)
-
-
 def input_factor(call: Call) -> Tensor:
-    """``A``: ``[I, I]`` for Linear; ``[C_in·K, C_in·K]`` for a convolution (``[g,
-    C_in/g·K, C_in/g·K]`` with ``g > 1`` groups); the diagonal ``[V]`` for Embedding."""
-    x, module = call.x, call.module
-    n = call.out_shape[0]
-    if isinstance(module, nn.Linear):
-        flat = x.reshape(-1, x.shape[-1])
-        return (flat.T @ flat).div_(flat.shape[0])  # two operands: a matmul, without opt_einsum's planning
-    if isinstance(module, nn.Embedding):
-        idx = x[0][:n].reshape(-1)
-        if call.hp["padding_idx"] is not None:
-            idx = idx[idx != call.hp["padding_idx"]]
-        counts = torch.bincount(idx, minlength=call.hp["num_embeddings"])
-        return counts.to(call.params["weight"].dtype) / (n * _positions(call))
-    hp = call.hp
-    if isinstance(module, _CONV_T):
-        cols = _conv_transpose_columns(call)
-    else:
-        cols = unfold(pad(x, hp["padding"], hp["padding_mode"]), hp["kernel_size"], hp["stride"], hp["dilation"])
-        cols = cols.flatten(1, 1 + len(hp["kernel_size"])).flatten(2)  # [N, C_in·K, T]
-    g = hp["groups"]
-    if g == 1:
-        return contract("nit,njt->ij", cols, cols) / n
-    cols = cols.unflatten(1, (g, -1))
-    return contract("ngit,ngjt->gij", cols, cols) / n
+    """``A``, by the layer's rule (:class:`jacmem.derivatives.Kronecker`): ``[I, I]`` for
+    Linear; ``[C_in·K, C_in·K]`` for a convolution (``[g, C_in/g·K, C_in/g·K]`` with
+    ``g > 1`` groups); the diagonal ``[V]`` for Embedding."""
+    rule = call.entry.kronecker
+    return rule.input_factor(call.x, call.out_shape, call.params["weight"].dtype, **call.hp)
 
 
 def _channels(call: Call, S: Tensor) -> Tensor:
     """A root ``[V, N, *out]`` -> the vectors whose outer products make ``G``:
     ``[V, N·T, O]`` per position (channels last), or ``[V, N, O]`` summed over
     positions (convolutions)."""
-    if isinstance(call.module, _FEATURES_LAST):
+    if call.entry.kronecker.channels_last:
         return S.reshape(S.shape[0], -1, S.shape[-1])
     return S if S.dim() == 3 else S.flatten(3).sum(3)
 
@@ -221,7 +160,7 @@ def output_factor_dense(call: Call, H: Tensor) -> Tensor:
     """KFRA's ``G`` from ``Ḡ [D, D]``: the sum of its diagonal position blocks for
     channels-last layers (``D = T·O``), of all its position blocks for a convolution
     (``D = O·T``): ``[O, O]``."""
-    if isinstance(call.module, _FEATURES_LAST):
+    if call.entry.kronecker.channels_last:
         blocks = rearrange(H, "(t o) (s p) -> t s o p", o=call.out_shape[-1], p=call.out_shape[-1])
         return torch.diagonal(blocks, dim1=0, dim2=1).sum(-1)
     c = call.out_shape[1]
@@ -265,17 +204,18 @@ class _KF(SecondOrderExtension):
         return output_factor_sqrt(call, self.kinds)
 
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
-        _check(call, self)
+        rule = _rule(call, self)
         G = self.output_factor(call)
         if G is None:
-            o = call.out_shape[-1 if isinstance(call.module, _FEATURES_LAST) else 1]
+            o = call.out_shape[-1 if rule.channels_last else 1]
             G = torch.zeros(o, o, dtype=call.params["weight"].dtype, device=call.params["weight"].device)
         G = _contiguous_symmetric(G)
         out = {}
         for name in call.params:
             if name == "weight":
-                blocks = _contiguous_symmetric(_group_blocks(G, call.hp.get("groups", 1)))
-                out[name] = [blocks, _contiguous_symmetric(input_factor(call))]
+                A = input_factor(call)
+                blocks = _contiguous_symmetric(_group_blocks(G, A.shape[0] if A.dim() == 3 else 1))
+                out[name] = [blocks, _contiguous_symmetric(A)]
             else:
                 out[name] = [G]
         return out
