@@ -131,8 +131,8 @@ def test_build_is_cached_and_named_by_key_and_digest(cache, compiler, monkeypatc
     first = kernels._build()
     assert first is not None
     (path,) = cache.glob("relu_bits-*.so")
-    tier = path.name.split("-")[1]
-    assert tier == kernels.tiers(os.uname().machine, kernels.cpu_features())[0][0]
+    tier = path.name.split("-")[1]  # the best tier this CPU runs and this compiler builds
+    assert tier in [name for name, _, _ in kernels.tiers(os.uname().machine, kernels.cpu_features())]
     loads = _loads(monkeypatch)
     mtime = path.stat().st_mtime_ns
     assert kernels._build() is not None
