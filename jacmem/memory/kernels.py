@@ -280,11 +280,11 @@ def _build() -> ctypes.CDLL | None:
             if path is None:
                 continue
             library = ctypes.CDLL(str(path))
-        except (OSError, subprocess.SubprocessError):
+            for suffix in _SUFFIX.values():
+                getattr(library, f"relu_pack_{suffix}").argtypes = (ctypes.c_void_p,) * 3 + (ctypes.c_int64,)
+                getattr(library, f"select_{suffix}").argtypes = (ctypes.c_void_p,) * 3 + (ctypes.c_int64,)
+        except (OSError, AttributeError, subprocess.SubprocessError):  # AttributeError: a symbol is missing
             continue
-        for suffix in _SUFFIX.values():
-            getattr(library, f"relu_pack_{suffix}").argtypes = (ctypes.c_void_p,) * 3 + (ctypes.c_int64,)
-            getattr(library, f"select_{suffix}").argtypes = (ctypes.c_void_p,) * 3 + (ctypes.c_int64,)
         return library
     return None
 
