@@ -1,5 +1,5 @@
 # Two commands on a fresh machine: `make demo` and `make test`.
-# Each creates .venv if missing and installs what it needs, torch pinned by constraints.txt.
+# Each creates .venv if missing and installs what it needs, pinned by constraints.txt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -7,9 +7,12 @@ STAMP := $(VENV)/.installed
 
 .PHONY: demo test lint bench clean
 
-$(STAMP): pyproject.toml constraints.txt
+# The torchvision shim goes in only where `import torchvision` fails for want of its C++
+# ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
+$(STAMP): pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) tools/torchvision_cpu_shim.py install
 	touch $(STAMP)
 
 demo: $(STAMP)
