@@ -24,8 +24,8 @@ from opt_einsum import contract
 from torch import Tensor, nn
 
 from jacmem.derivatives.conv import pad, unfold
-from jacmem.extensions.firstorder import compute
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
+from jacmem.planner import compute
 
 
 def _repeat(obj, v: int):
