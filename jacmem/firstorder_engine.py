@@ -101,7 +101,7 @@ class FirstOrder(Engine):
         engine computed them), or None where the block does not extend this backward."""
         if rec.thread != self.owner:
             return None  # a graph another thread built, or the block has ended: not this block's
-        run = self.passes.current().state(self)
+        run = self.passes.state(self)
         if rec.missing:
             run.partial.append(rec)
             return None

@@ -114,6 +114,14 @@ class Passes:
             self.started += 1
         return run
 
+    def state(self, engine: Engine):
+        """``engine``'s state in the running backward pass (:meth:`current`)."""
+        run = self._live.get(compat.current_graph_task_id()) or self.current()
+        st = run.states.get(engine)
+        if st is None:
+            st = run.states[engine] = engine.new_state()
+        return st
+
     def close(self) -> None:
         """Drop every pass's state: a pass still queued in autograd then writes nothing."""
         for run in list(self._live.values()):

@@ -10,11 +10,13 @@ inputs cast by :func:`cast`; each result is returned in its parameter's dtype
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Iterable
 
 import torch
 from torch import Tensor
+
+#: 16-bit dtypes: what an engine keeps in one of them it computes with in float32
+LOW = (torch.bfloat16, torch.float16)
 
 
 def compute_dtype(tensors: Iterable[Tensor]) -> torch.dtype:
@@ -46,20 +48,32 @@ def device_of(obj) -> torch.device:
     return next(device_of(o) for o in obj if isinstance(o, (Tensor, tuple, list)))
 
 
-def computing(device: torch.device | str):
-    """Where an engine computes: no graph, autocast off on ``device``'s type."""
-    kind = device if isinstance(device, str) else device.type
-    stack = contextlib.ExitStack()
-    stack.enter_context(torch.no_grad())
-    stack.enter_context(torch.autocast(kind, enabled=False))
-    return stack
+class computing:
+    """Where an engine computes: no graph, and autocast off on ``device``'s type where
+    it is on (a backward called inside the autocast region)."""
+
+    __slots__ = ("_no_grad", "_autocast")
+
+    def __init__(self, device: torch.device):
+        self._no_grad = torch.no_grad()
+        self._autocast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else None
+
+    def __enter__(self) -> None:
+        self._no_grad.__enter__()
+        if self._autocast is not None:
+            self._autocast.__enter__()
+
+    def __exit__(self, *exc) -> None:
+        if self._autocast is not None:
+            self._autocast.__exit__(*exc)
+        self._no_grad.__exit__(*exc)
 
 
 def result(value, param: Tensor):
     """A result in ``param``'s dtype: a tensor, or each tensor of a tuple or list (a
     Kronecker factor pair); the rest passes."""
     if isinstance(value, Tensor):
-        return value.to(param.dtype) if value.is_floating_point() else value
+        return value.to(param.dtype) if value.dtype != param.dtype and value.is_floating_point() else value
     if isinstance(value, (tuple, list)):
         return type(value)(result(v, param) for v in value)
     return value

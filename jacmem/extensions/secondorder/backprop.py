@@ -103,6 +103,10 @@ class Node:
     def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
         self.module, self.name, self.loss, self.entry = module, name, loss, entry
         self.untracked_consumers: list[str] = []
+        #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
+        self.cast = False
+        #: the dtype it computes in, where that is not what autograd hands it
+        self.dtype: torch.dtype | None = None
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
@@ -218,9 +222,10 @@ class Engine(_Engine):
                 node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
                 x = fo.keep(args, {})
                 node.fo_x = fo.arrange_input(detached(x), **node.fo_hp)
-        dtype = precision.compute_dtype((*inputs, output, *node.params.values()))
-        node.dtype = dtype
-        node.cast = any(t.dtype != dtype for t in (*inputs, output, *node.params.values()) if t.is_floating_point())
+        # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
+        node.cast = output.dtype in precision.LOW
+        for x in inputs:
+            node.cast = node.cast or x.dtype in precision.LOW
         self.producer[output] = node
         if output.grad_fn is not None:
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
@@ -309,32 +314,17 @@ class Engine(_Engine):
     # -- backward ------------------------------------------------------------------
 
     def _on_grad(self, node: Node, grad: Tensor) -> None:
-        run = self.passes.current().state(self)
+        run = self.passes.state(self)
         with precision.computing(grad.device):
             if node.loss is not None:
-                self._loss(run, node, self._in_compute_dtype(node, grad))
+                self._loss(run, node, _in_compute_dtype(node, grad) if node.cast or node.dtype else grad)
             else:
                 self._layer(run, node, grad)
-
-    @staticmethod
-    def _in_compute_dtype(node: Node, grad: Tensor) -> Tensor:
-        """``grad`` in the node's compute dtype (:mod:`jacmem.precision`); the first time,
-        also what the node kept (an autocast forward keeps bf16 or fp16 tensors)."""
-        if node.cast:
-            dtype = node.dtype
-            node.inputs = tuple(_kept_as(x, dtype) for x in node.inputs)
-            node.out = None if node.out is None else node.out.to(dtype)
-            node.hp = precision.cast(node.hp, dtype)
-            if node.params:
-                node.fo_x = precision.cast(node.fo_x, dtype)
-                node.fo_hp = precision.cast(node.fo_hp, dtype)
-            node.cast = False
-        return grad if grad.dtype == node.dtype else grad.to(node.dtype)
 
     def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
-        run = self.passes.current().state(self)
+        run = self.passes.state(self)
         for k, i in edges:
             if grad_inputs[k] is not None:
                 self._deposit_grad(run, node, i, grad_inputs[k])
@@ -371,7 +361,8 @@ class Engine(_Engine):
     def _layer(self, run: _State, node: Node, grad: Tensor) -> None:
         dep = run.deposits.pop(id(node), None)
         self._check_chain(node, dep, grad)  # in autograd's dtype, with its tolerance
-        grad = self._in_compute_dtype(node, grad)
+        if node.cast or node.dtype:
+            grad = _in_compute_dtype(node, grad)
         factors, dense, shares = dep.factors, self._kfra_whole(dep), dep.shares
         if node.params:
             self._compute(run, node, list(factors.values()), dense)
@@ -567,6 +558,21 @@ def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list
         return f"jacmem: {reason}. Its parameters get no {ext.savefield}.{others}"
 
     return say
+
+
+def _in_compute_dtype(node: Node, grad: Tensor) -> Tensor:
+    """``grad`` in the node's compute dtype (:mod:`jacmem.precision`); the first time,
+    also what the node kept (an autocast forward keeps bf16 or fp16 tensors)."""
+    if node.cast:
+        node.dtype = dtype = precision.compute_dtype((*node.inputs, *node.params.values()))
+        node.inputs = tuple(_kept_as(x, dtype) for x in node.inputs)
+        node.out = None if node.out is None else node.out.to(dtype)
+        node.hp = precision.cast(node.hp, dtype)
+        if node.params:
+            node.fo_x = precision.cast(node.fo_x, dtype)
+            node.fo_hp = precision.cast(node.fo_hp, dtype)
+        node.cast = False
+    return grad if node.dtype is None or grad.dtype == node.dtype else grad.to(node.dtype)
 
 
 def _kept_as(x: Tensor, dtype: torch.dtype) -> Tensor:
