@@ -18,6 +18,7 @@ __all__ = [
     "WeakTensorKeyDictionary",
     "current_graph_task_id",
     "functorch_transforms_active",
+    "handle_alive",
     "is_backward_hook_node",
     "queue_callback",
     "will_engine_execute_node",
@@ -68,3 +69,12 @@ def is_backward_hook_node(fn) -> bool:
     class name ``BackwardHookFunctionBackward`` (``torch.utils.hooks.BackwardHook``),
     which torch has used since 1.8; torch exports no type to test against."""
     return fn is not None and type(fn).__name__ == _BACKWARD_HOOK_NODE
+
+
+def handle_alive(handle) -> bool:
+    """Whether the hook of a ``RemovableHandle`` can still run: False once the tensor or
+    autograd node it was set on is freed. Reads ``RemovableHandle.hooks_dict_ref``, an
+    undocumented attribute (a weak reference to the hooks dict) that torch has had since
+    1.0; were it gone, every handle counts as alive (kept until the block ends)."""
+    ref = getattr(handle, "hooks_dict_ref", None)
+    return ref is None or ref() is not None

@@ -258,7 +258,7 @@ class Handles(list):
     def add(self, handle: RemovableHandle) -> None:
         self.append(handle)
         if len(self) > self._prune_at:
-            self[:] = [h for h in self if h.hooks_dict_ref() is not None]
+            self[:] = [h for h in self if compat.handle_alive(h)]
             self._prune_at = 2 * len(self) + 64
 
 
