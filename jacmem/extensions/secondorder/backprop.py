@@ -139,6 +139,34 @@ class _State:
         #: id(param) -> (param, owner node, {savefield: value})
         self.staged: dict[int, tuple] = {}
 
+    def handover(self, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
+        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
+        call's part of its gradient, where it is a row (:func:`_tap`)."""
+        p = node.producers[i]
+        if p is None:
+            return
+        d = self.deposits.setdefault(id(p), _Deposit())
+        if g is not None:
+            self.deposit_grad(node, i, g)
+        for key, f in factors.items():
+            self.deposit(node, i, key, f.kind, f.sign, f.S)
+        if dense is not None:
+            d.dense = dense if d.dense is None else d.dense + dense
+        for key, share in shares.items():
+            d.shares[key] = d.shares.get(key, 0) + share
+
+    def deposit_grad(self, node: Node, i: int, g: Tensor) -> None:
+        d = self.deposits.setdefault(id(node.producers[i]), _Deposit())
+        d.grads.append(g)
+        d.sources.append(node.name)
+
+    def deposit(self, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
+        if S is None or node.producers[i] is None:
+            return
+        d = self.deposits.setdefault(id(node.producers[i]), _Deposit())
+        have = d.factors.get(key)
+        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
+
 
 def _tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance of the chain check: rounding of two orders of summation."""
@@ -327,7 +355,7 @@ class Engine(_Engine):
         run = self.passes.state(self)
         for k, i in edges:
             if grad_inputs[k] is not None:
-                self._deposit_grad(run, node, i, grad_inputs[k])
+                run.deposit_grad(node, i, grad_inputs[k])
 
     def _loss(self, run: _State, node: Node, grad: Tensor) -> None:
         x, y = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
@@ -356,11 +384,11 @@ class Engine(_Engine):
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.row else None
-        self._handover(run, node, 0, factors, g, dense, {})
+        run.handover(node, 0, factors, g, dense, {})
 
     def _layer(self, run: _State, node: Node, grad: Tensor) -> None:
         dep = run.deposits.pop(id(node), None)
-        self._check_chain(node, dep, grad)  # in autograd's dtype, with its tolerance
+        _check_chain(node, dep, grad)  # in autograd's dtype, with its tolerance
         if node.cast or node.dtype:
             grad = _in_compute_dtype(node, grad)
         factors, dense, shares = dep.factors, self._kfra_whole(dep), dep.shares
@@ -379,10 +407,10 @@ class Engine(_Engine):
             for key in list(factors):
                 f = factors.pop(key)  # freed once it has crossed
                 for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, f.S, hp))):
-                    self._deposit(run, node, i, key, f.kind, f.sign, S_in)
+                    run.deposit(node, i, key, f.kind, f.sign, S_in)
                 del f
             rows = entry.backprop(xs, node.out, grad.unsqueeze(0), hp) if node.row else [None] * len(xs)
-            residual = self._residual(node, grad) if "residual" in self.kinds else {}
+            residual = _residual(node, grad) if "residual" in self.kinds else {}
             dense_in = None if dense is None else ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, dense, hp)
         except (ChainError, NotImplementedError):
             raise
@@ -393,7 +421,7 @@ class Engine(_Engine):
         for i, p in enumerate(node.producers):
             if p is not None:
                 row = None if rows[i] is None else rows[i][0]
-                self._handover(run, node, i, residual if i == 0 else {}, row, dense_in, split)
+                run.handover(node, i, residual if i == 0 else {}, row, dense_in, split)
 
     @staticmethod
     def _kfra_whole(dep: _Deposit) -> Tensor | None:
@@ -427,75 +455,6 @@ class Engine(_Engine):
                 if o is not None:
                     o[start : start + step] = t
         return tuple(outs)
-
-    def _residual(self, node: Node, grad: Tensor) -> dict[tuple, Factor]:
-        """DiagHessian's residual of an elementwise activation at its input:
-        ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
-        entry = node.entry
-        if entry.d2f is None:
-            return {}
-        r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
-        out = {}
-        for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
-            if bool(part.any()):
-                out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
-        return out
-
-    def _handover(self, run: _State, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
-        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
-        call's part of its gradient, where it is a row (:func:`_tap`)."""
-        p = node.producers[i]
-        if p is None:
-            return
-        d = run.deposits.setdefault(id(p), _Deposit())
-        if g is not None:
-            self._deposit_grad(run, node, i, g)
-        for key, f in factors.items():
-            self._deposit(run, node, i, key, f.kind, f.sign, f.S)
-        if dense is not None:
-            d.dense = dense if d.dense is None else d.dense + dense
-        for key, share in shares.items():
-            d.shares[key] = d.shares.get(key, 0) + share
-
-    def _deposit_grad(self, run: _State, node: Node, i: int, g: Tensor) -> None:
-        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
-        d.grads.append(g)
-        d.sources.append(node.name)
-
-    def _deposit(self, run: _State, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
-        if S is None or node.producers[i] is None:
-            return
-        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
-        have = d.factors.get(key)
-        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
-
-    def _check_chain(self, node: Node, dep: _Deposit | None, grad: Tensor) -> None:
-        fix = (
-            " Second-order extensions follow a chain of modules from the loss back: write such "
-            "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
-            "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
-            "(nn.CrossEntropyLoss(), ...) inside the block."
-        )
-        downstream = ""
-        if node.untracked_consumers:
-            names = ", ".join(dict.fromkeys(node.untracked_consumers))
-            downstream = f" on its way to {names}"
-        if dep is None:
-            raise ChainError(
-                f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
-                f"backpropagate curvature through{downstream}." + fix
-            )
-        if len(dep.grads) == 1 and _same(dep.grads[0], grad):
-            return  # one consumer, whose part autograd passed on as it was: nothing else added to it
-        diff = float((sum(dep.grads) - grad).norm()) if dep.grads else float(grad.norm())
-        scale = sum(float(g.norm()) for g in dep.grads) + float(grad.norm())
-        if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
-            raise ChainError(
-                f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
-                f"backpropagate curvature through{downstream}, besides the tracked modules "
-                f"{', '.join(map(repr, dict.fromkeys(dep.sources)))} (the gradient they pass back differs "
-                f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
-            )
 
     def _compute(self, run: _State, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
         for pname, p in node.params.items():
@@ -545,6 +504,49 @@ class Engine(_Engine):
         staged, run.staged = run.staged, {}
         run.deposits.clear()
         return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+
+
+def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
+    """DiagHessian's residual of an elementwise activation at its input:
+    ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
+    entry = node.entry
+    if entry.d2f is None:
+        return {}
+    r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
+    out = {}
+    for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
+        if bool(part.any()):
+            out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
+    return out
+
+
+def _check_chain(node: Node, dep: _Deposit | None, grad: Tensor) -> None:
+    fix = (
+        " Second-order extensions follow a chain of modules from the loss back: write such "
+        "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
+        "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
+        "(nn.CrossEntropyLoss(), ...) inside the block."
+    )
+    downstream = ""
+    if node.untracked_consumers:
+        names = ", ".join(dict.fromkeys(node.untracked_consumers))
+        downstream = f" on its way to {names}"
+    if dep is None:
+        raise ChainError(
+            f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
+            f"backpropagate curvature through{downstream}." + fix
+        )
+    if len(dep.grads) == 1 and _same(dep.grads[0], grad):
+        return  # one consumer, whose part autograd passed on as it was: nothing else added to it
+    diff = float((sum(dep.grads) - grad).norm()) if dep.grads else float(grad.norm())
+    scale = sum(float(g.norm()) for g in dep.grads) + float(grad.norm())
+    if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
+        raise ChainError(
+            f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
+            f"backpropagate curvature through{downstream}, besides the tracked modules "
+            f"{', '.join(map(repr, dict.fromkeys(dep.sources)))} (the gradient they pass back differs "
+            f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
+        )
 
 
 def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list[str]], str]:
