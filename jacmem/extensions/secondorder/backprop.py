@@ -59,7 +59,7 @@ from jacmem.derivatives.jacobians import (
 )
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
-from jacmem.notices import listing
+from jacmem.notices import LIMIT, listing
 from jacmem.passes import Engine as _Engine
 from jacmem.passes import Setup, Write
 
@@ -314,7 +314,7 @@ class Engine(_Engine):
         first = f"{self.name(module)!r} ({type(module).__name__})"
 
         def say(modules: list[str]) -> str:
-            others = f" (also {listing(modules[1:])})" if len(modules) > 1 else ""
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
             return (
                 f"jacmem: module {first}{others} is not supported by {exts}: its parameters get nothing, and "
                 "curvature cannot pass through it (a backward through it raises)."
@@ -330,7 +330,7 @@ class Engine(_Engine):
         first = str(node)
 
         def say(modules: list[str]) -> str:
-            others = f" (also {listing(modules[1:])})" if len(modules) > 1 else ""
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
             return (
                 f"jacmem: module {first}{others} has trainable parameters that {exts} cannot handle; they "
                 "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
@@ -556,7 +556,7 @@ def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list
 
     def say(modules: list[str]) -> str:
         more = len(modules) - 1
-        others = f" The same holds for {more} more module(s): {listing(modules[1:])}." if more else ""
+        others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
         return f"jacmem: {reason}. Its parameters get no {ext.savefield}.{others}"
 
     return say
