@@ -22,6 +22,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
+from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
 
@@ -105,7 +106,7 @@ class Record:
 
     def receive(self, index: int, grad: Tensor) -> None:
         """The gradient of output ``index`` arrived, in the running backward pass."""
-        task = torch._C._current_graph_task_id()
+        task = compat.current_graph_task_id()
         if self.task != task:  # what an earlier, failed backward left is stale
             self.reset()
             self.task = task
@@ -139,7 +140,7 @@ def record(
     output,
     name: str,
     on_grad: OnGrad,
-    handles: list[RemovableHandle],
+    handles: Handles | list[RemovableHandle],
     once: bool = False,
 ) -> tuple[Record | None, Any]:
     """The forward-hook body: record this call if it has trainable parameters; returns
@@ -150,7 +151,7 @@ def record(
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
-    if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+    if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
     entry = lookup(module)
     params = trainable(module, entry)
@@ -171,7 +172,8 @@ def record(
         return rec, fused
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
     for i, out in enumerate(outputs):
-        handles.append(out.register_hook(_make_hook(rec, i, on_grad)))
+        handle = out.register_hook(_make_hook(rec, i, on_grad))
+        (handles.add if isinstance(handles, Handles) else handles.append)(handle)
     return rec, output
 
 
@@ -243,6 +245,21 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
         return None
     hp = jac.params(rec.module)
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
+
+
+class Handles(list):
+    """The handles of hooks set on tensors and autograd nodes, to take off at the end.
+    In a block open for many steps, those of freed graphs are dropped now and then."""
+
+    def __init__(self):
+        super().__init__()
+        self._prune_at = 64
+
+    def add(self, handle: RemovableHandle) -> None:
+        self.append(handle)
+        if len(self) > self._prune_at:
+            self[:] = [h for h in self if compat.handle_alive(h)]
+            self._prune_at = 2 * len(self) + 64
 
 
 def remove(handles: list[RemovableHandle]) -> None:

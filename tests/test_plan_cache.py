@@ -1,4 +1,4 @@
-"""The plans that ``auto`` makes are kept across steps and blocks (``jacmem.context._PLANS``).
+"""The plans that ``auto`` makes are kept across steps and blocks (``jacmem.planner._PLANS``).
 
 A kept plan must be used only where it is still right: each test changes, between two
 steps, one thing a plan depends on (the shapes, the strategy asked for, the quantities
@@ -13,7 +13,7 @@ from reference import check_against, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
-from jacmem import context
+from jacmem import planner
 
 EXTENSIONS = {
     "batch_l2": jacmem.BatchL2Grad,
@@ -26,9 +26,9 @@ EXTENSIONS = {
 @pytest.fixture(autouse=True)
 def empty_cache():
     """Each test starts with no plan kept, so that its first step makes them."""
-    context._PLANS.clear()
+    planner._PLANS.clear()
     yield
-    context._PLANS.clear()
+    planner._PLANS.clear()
 
 
 def sequence_model() -> nn.Module:
@@ -123,7 +123,7 @@ def test_a_kept_plan_still_explains_itself():
     model = sequence_model()
     X, y = batch(3, 1)
     first = step(model, X, y, ["variance"])
-    assert context._PLANS, "the first step keeps its plans"
+    assert planner._PLANS, "the first step keeps its plans"
     assert step(model, X, y, ["variance"]) == first
 
 
@@ -132,6 +132,6 @@ def test_plans_are_made_once_per_shape(monkeypatch):
     X, y = batch(3, 1)
     step(model, X, y, ["batch_l2"])
     made = []
-    monkeypatch.setattr(context, "plan", lambda *args: made.append(args) or pytest.fail("planned again"))
+    monkeypatch.setattr(planner, "plan", lambda *args: made.append(args) or pytest.fail("planned again"))
     step(model, X, y, ["batch_l2"])
     assert not made

@@ -37,7 +37,6 @@ Hessian of anything else is not the GGN's.)
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -46,8 +45,8 @@ from math import sqrt
 
 import torch
 from torch import Tensor, nn
-from torch.utils.weak import WeakTensorKeyDictionary
 
+from jacmem import compat, hooks, precision
 from jacmem.derivatives import detached, lookup
 from jacmem.derivatives.jacobians import (
     LossHessian,
@@ -60,6 +59,9 @@ from jacmem.derivatives.jacobians import (
 )
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
+from jacmem.notices import LIMIT, listing
+from jacmem.passes import Engine as _Engine
+from jacmem.passes import Setup, Write
 
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
@@ -93,12 +95,18 @@ class Node:
         "fo_x",
         "untracked_consumers",
         "row",
+        "dtype",
+        "cast",
         "__weakref__",
     )
 
     def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
         self.module, self.name, self.loss, self.entry = module, name, loss, entry
         self.untracked_consumers: list[str] = []
+        #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
+        self.cast = False
+        #: the dtype it computes in, where that is not what autograd hands it
+        self.dtype: torch.dtype | None = None
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
@@ -120,43 +128,64 @@ class _Deposit:
         self.sources: list[str] = []
 
 
-class _Pass:
-    """One backward pass: deposits in flight, results staged until its end."""
+class _State:
+    """The engine's state in one backward pass: deposits in flight, results staged
+    until its end."""
 
-    __slots__ = ("engine", "deposits", "staged", "__weakref__")
+    __slots__ = ("deposits", "staged")
 
-    def __init__(self, engine: Engine):
-        self.engine = engine
+    def __init__(self):
         self.deposits: dict[int, _Deposit] = {}
         #: id(param) -> (param, owner node, {savefield: value})
         self.staged: dict[int, tuple] = {}
 
-    def __call__(self) -> None:
-        self.engine._commit(self)
+    def handover(self, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
+        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
+        call's part of its gradient, where it is a row (:func:`_tap`)."""
+        p = node.producers[i]
+        if p is None:
+            return
+        d = self.deposits.setdefault(id(p), _Deposit())
+        if g is not None:
+            self.deposit_grad(node, i, g)
+        for key, f in factors.items():
+            self.deposit(node, i, key, f.kind, f.sign, f.S)
+        if dense is not None:
+            d.dense = dense if d.dense is None else d.dense + dense
+        for key, share in shares.items():
+            d.shares[key] = d.shares.get(key, 0) + share
+
+    def deposit_grad(self, node: Node, i: int, g: Tensor) -> None:
+        d = self.deposits.setdefault(id(node.producers[i]), _Deposit())
+        d.grads.append(g)
+        d.sources.append(node.name)
+
+    def deposit(self, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
+        if S is None or node.producers[i] is None:
+            return
+        d = self.deposits.setdefault(id(node.producers[i]), _Deposit())
+        have = d.factors.get(key)
+        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
 
 
 def _tolerance(dtype: torch.dtype) -> float:
     """Relative tolerance of the chain check: rounding of two orders of summation."""
-    return 1e-8 if dtype == torch.float64 else 1e-3
+    if dtype == torch.float64:
+        return 1e-8
+    return 1e-3 if dtype == torch.float32 else 3e-2  # bfloat16, float16 (autocast)
 
 
-class Engine:
-    """Second-order extensions for one :func:`jacmem.extend` block."""
+class Engine(_Engine):
+    """Second-order extensions for one :func:`jacmem.extend` block (the interface is
+    :class:`jacmem.passes.Engine`)."""
 
-    def __init__(
-        self,
-        extensions: list[SecondOrderExtension],
-        name: Callable[[nn.Module], str],
-        choose: Callable[..., str],
-        budget: float,
-        strict: bool,
-    ):
+    def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
-        self.name, self.choose, self.budget, self.strict = name, choose, budget, strict
-        self.handles: list = []
-        self.producer = WeakTensorKeyDictionary()
-        self.passes: weakref.WeakValueDictionary[int, _Pass] = weakref.WeakValueDictionary()
+        self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
+        self.passes, self.notices = setup.passes, setup.notices
+        self.handles = hooks.Handles()
+        self.producer = compat.WeakTensorKeyDictionary()
         self.warned: set = set()
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -165,13 +194,24 @@ class Engine:
         for h in self.handles:
             h.remove()
         self.handles.clear()
-        self.producer = WeakTensorKeyDictionary()
-        self.passes = weakref.WeakValueDictionary()
+        self.producer = compat.WeakTensorKeyDictionary()
+
+    def new_state(self) -> _State:
+        return _State()
+
+    def on_record(self, rec) -> None:
+        """A call recorded by :func:`jacmem.track` (forward outside the block) reached
+        the backward: curvature needs the forward inside the block."""
+        if rec.module not in self.seen:
+            raise RuntimeError(
+                f"jacmem: second-order extensions need the forward pass inside the block, but module "
+                f"{rec.name!r} ran it outside (with jacmem.track): run the forward inside jacmem.extend(...)"
+            )
 
     # -- forward -------------------------------------------------------------------
 
-    def on_forward(self, module: nn.Module, args: tuple, output) -> None:
-        if not torch.is_grad_enabled() or torch._C._are_functorch_transforms_active():
+    def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
         loss = lookup_loss(module)
         entry = None if loss is not None else lookup_passthrough(module)
@@ -210,11 +250,15 @@ class Engine:
                 node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
                 x = fo.keep(args, {})
                 node.fo_x = fo.arrange_input(detached(x), **node.fo_hp)
+        # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
+        node.cast = output.dtype in precision.LOW
+        for x in inputs:
+            node.cast = node.cast or x.dtype in precision.LOW
         self.producer[output] = node
         if output.grad_fn is not None:
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
         # the hook (so the graph) holds the node: it goes when the graph goes
-        self.handles.append(output.register_hook(lambda grad: self._on_grad(node, grad)))
+        self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
 
     def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor) -> None:
         """Hooks on the autograd nodes of this call that take an input with a producer:
@@ -225,14 +269,14 @@ class Engine:
         edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if found else {}
         node.row = edges is None
         for fn, ks in (edges or {}).items():
-            self.handles.append(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
+            self.handles.add(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
 
     def _producer_of(self, x: Tensor) -> Node | None:
         """The node whose output ``x`` is, also through identities that full backward
         hooks (``register_full_backward_hook``, BackPACK, Opacus) put around modules."""
         node = self.producer.get(x)
         fn, index = x.grad_fn, x.output_nr
-        while node is None and fn is not None and type(fn).__name__ == "BackwardHookFunctionBackward":
+        while node is None and compat.is_backward_hook_node(fn):
             fn, index = fn.next_functions[index]
             ref = fn.metadata.get("jacmem") if fn is not None else None
             node = ref() if ref is not None else None
@@ -266,55 +310,54 @@ class Engine:
         if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
             return
         self.warned.add(module)
-        self._say(
-            f"jacmem: module {self.name(module)!r} ({type(module).__name__}) is not supported by "
-            f"{', '.join(map(repr, self.extensions))}: its parameters get nothing, and curvature cannot "
-            "pass through it (a backward through it raises)."
-        )
+        exts = ", ".join(map(repr, self.extensions))
+        first = f"{self.name(module)!r} ({type(module).__name__})"
+
+        def say(modules: list[str]) -> str:
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
+            return (
+                f"jacmem: module {first}{others} is not supported by {exts}: its parameters get nothing, and "
+                "curvature cannot pass through it (a backward through it raises)."
+            )
+
+        self.notices.add(("second-order unsupported module",), self.name(module), say)
 
     def _unsupported(self, node: Node) -> None:
         if node.module in self.warned:
             return
         self.warned.add(node.module)
-        self._say(
-            f"jacmem: module {node} has trainable parameters that {', '.join(map(repr, self.extensions))} "
-            "cannot handle; they get nothing. Register their first-order derivatives (jacmem.register), "
-            "or freeze them (requires_grad=False)."
-        )
+        exts = ", ".join(map(repr, self.extensions))
+        first = str(node)
 
-    def _say(self, msg: str) -> None:
-        if self.strict:
-            raise RuntimeError(msg)
-        warnings.warn(msg, stacklevel=3)
+        def say(modules: list[str]) -> str:
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
+            return (
+                f"jacmem: module {first}{others} has trainable parameters that {exts} cannot handle; they "
+                "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
+                "(requires_grad=False)."
+            )
+
+        self.notices.add(("second-order unsupported parameters",), node.name, say)
 
     # -- backward ------------------------------------------------------------------
 
-    def _run(self) -> _Pass:
-        """The running backward pass's state, made on its first hook."""
-        task = torch._C._current_graph_task_id()
-        run = self.passes.get(task)
-        if run is None:
-            run = self.passes[task] = _Pass(self)
-            torch.autograd.Variable._execution_engine.queue_callback(run)
-        return run
-
     def _on_grad(self, node: Node, grad: Tensor) -> None:
-        run = self._run()
-        with torch.no_grad():
+        run = self.passes.state(self)
+        with precision.computing(grad.device):
             if node.loss is not None:
-                self._loss(run, node, grad)
+                self._loss(run, node, _in_compute_dtype(node, grad) if node.cast or node.dtype else grad)
             else:
                 self._layer(run, node, grad)
 
     def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
-        run = self._run()
+        run = self.passes.state(self)
         for k, i in edges:
             if grad_inputs[k] is not None:
-                self._deposit_grad(run, node, i, grad_inputs[k])
+                run.deposit_grad(node, i, grad_inputs[k])
 
-    def _loss(self, run: _Pass, node: Node, grad: Tensor) -> None:
+    def _loss(self, run: _State, node: Node, grad: Tensor) -> None:
         x, y = node.inputs[0], node.inputs[1] if len(node.inputs) > 1 else None
         if len(node.producers) > 1 and node.producers[1] is not None:
             raise NotImplementedError(
@@ -341,11 +384,13 @@ class Engine:
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.row else None
-        self._handover(run, node, 0, factors, g, dense, {})
+        run.handover(node, 0, factors, g, dense, {})
 
-    def _layer(self, run: _Pass, node: Node, grad: Tensor) -> None:
+    def _layer(self, run: _State, node: Node, grad: Tensor) -> None:
         dep = run.deposits.pop(id(node), None)
-        self._check_chain(node, dep, grad)
+        _check_chain(node, dep, grad)  # in autograd's dtype, with its tolerance
+        if node.cast or node.dtype:
+            grad = _in_compute_dtype(node, grad)
         factors, dense, shares = dep.factors, self._kfra_whole(dep), dep.shares
         if node.params:
             self._compute(run, node, list(factors.values()), dense)
@@ -362,10 +407,10 @@ class Engine:
             for key in list(factors):
                 f = factors.pop(key)  # freed once it has crossed
                 for i, S_in in enumerate(_owned(self._backprop(entry, xs, node.out, f.S, hp))):
-                    self._deposit(run, node, i, key, f.kind, f.sign, S_in)
+                    run.deposit(node, i, key, f.kind, f.sign, S_in)
                 del f
             rows = entry.backprop(xs, node.out, grad.unsqueeze(0), hp) if node.row else [None] * len(xs)
-            residual = self._residual(node, grad) if "residual" in self.kinds else {}
+            residual = _residual(node, grad) if "residual" in self.kinds else {}
             dense_in = None if dense is None else ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, dense, hp)
         except (ChainError, NotImplementedError):
             raise
@@ -376,7 +421,7 @@ class Engine:
         for i, p in enumerate(node.producers):
             if p is not None:
                 row = None if rows[i] is None else rows[i][0]
-                self._handover(run, node, i, residual if i == 0 else {}, row, dense_in, split)
+                run.handover(node, i, residual if i == 0 else {}, row, dense_in, split)
 
     @staticmethod
     def _kfra_whole(dep: _Deposit) -> Tensor | None:
@@ -411,76 +456,7 @@ class Engine:
                     o[start : start + step] = t
         return tuple(outs)
 
-    def _residual(self, node: Node, grad: Tensor) -> dict[tuple, Factor]:
-        """DiagHessian's residual of an elementwise activation at its input:
-        ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
-        entry = node.entry
-        if entry.d2f is None:
-            return {}
-        r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
-        out = {}
-        for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
-            if bool(part.any()):
-                out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
-        return out
-
-    def _handover(self, run: _Pass, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
-        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
-        call's part of its gradient, where it is a row (:func:`_tap`)."""
-        p = node.producers[i]
-        if p is None:
-            return
-        d = run.deposits.setdefault(id(p), _Deposit())
-        if g is not None:
-            self._deposit_grad(run, node, i, g)
-        for key, f in factors.items():
-            self._deposit(run, node, i, key, f.kind, f.sign, f.S)
-        if dense is not None:
-            d.dense = dense if d.dense is None else d.dense + dense
-        for key, share in shares.items():
-            d.shares[key] = d.shares.get(key, 0) + share
-
-    def _deposit_grad(self, run: _Pass, node: Node, i: int, g: Tensor) -> None:
-        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
-        d.grads.append(g)
-        d.sources.append(node.name)
-
-    def _deposit(self, run: _Pass, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
-        if S is None or node.producers[i] is None:
-            return
-        d = run.deposits.setdefault(id(node.producers[i]), _Deposit())
-        have = d.factors.get(key)
-        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
-
-    def _check_chain(self, node: Node, dep: _Deposit | None, grad: Tensor) -> None:
-        fix = (
-            " Second-order extensions follow a chain of modules from the loss back: write such "
-            "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
-            "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
-            "(nn.CrossEntropyLoss(), ...) inside the block."
-        )
-        downstream = ""
-        if node.untracked_consumers:
-            names = ", ".join(dict.fromkeys(node.untracked_consumers))
-            downstream = f" on its way to {names}"
-        if dep is None:
-            raise ChainError(
-                f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
-                f"backpropagate curvature through{downstream}." + fix
-            )
-        if len(dep.grads) == 1 and _same(dep.grads[0], grad):
-            return  # one consumer, whose part autograd passed on as it was: nothing else added to it
-        diff = float((sum(dep.grads) - grad).norm()) if dep.grads else float(grad.norm())
-        scale = sum(float(g.norm()) for g in dep.grads) + float(grad.norm())
-        if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
-            raise ChainError(
-                f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
-                f"backpropagate curvature through{downstream}, besides the tracked modules "
-                f"{', '.join(map(repr, dict.fromkeys(dep.sources)))} (the gradient they pass back differs "
-                f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
-            )
-
-    def _compute(self, run: _Pass, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
+    def _compute(self, run: _State, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
         for pname, p in node.params.items():
             if id(p) in run.staged:
                 raise NotImplementedError(
@@ -501,7 +477,9 @@ class Engine:
             out_shape=node.out_shape,
             factors=factors,
             dense=dense,
-            choose=lambda pname, quantity, options: self.choose(module, node.name, offered, pname, quantity, options),
+            choose=lambda pname, quantity, options: self.strategies.choose(
+                module, node.name, offered, pname, quantity, options, 4
+            ),
             budget=self.budget,
         )
         results: dict[str, dict[str, object]] = {pname: {} for pname in node.params}
@@ -511,23 +489,101 @@ class Engine:
             except UnsupportedModule as err:
                 if (node.module, type(ext)) not in self.warned:
                     self.warned.add((node.module, type(ext)))
-                    self._say(f"jacmem: {err}. Its parameters get no {ext.savefield}.")
+                    self.notices.add(("second-order unsupported", ext), node.name, _unsupported_by(ext, err))
                 continue
             except NotImplementedError:
                 raise
             except Exception as err:
                 raise RuntimeError(f"jacmem: computing {ext!r} for module {node} failed: {err}") from err
             for pname, value in out.items():
-                results[pname][ext.savefield] = value
+                results[pname][ext.savefield] = precision.result(value, node.params[pname])
         for pname, p in node.params.items():
             run.staged[id(p)] = (p, node, results[pname])
 
-    def _commit(self, run: _Pass) -> None:
+    def finish(self, run: _State) -> list[Write]:
         staged, run.staged = run.staged, {}
         run.deposits.clear()
-        for p, _, values in staged.values():
-            for field, value in values.items():
-                setattr(p, field, value)
+        return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+
+
+def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
+    """DiagHessian's residual of an elementwise activation at its input:
+    ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
+    entry = node.entry
+    if entry.d2f is None:
+        return {}
+    r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
+    out = {}
+    for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
+        if bool(part.any()):
+            out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
+    return out
+
+
+def _check_chain(node: Node, dep: _Deposit | None, grad: Tensor) -> None:
+    fix = (
+        " Second-order extensions follow a chain of modules from the loss back: write such "
+        "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
+        "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
+        "(nn.CrossEntropyLoss(), ...) inside the block."
+    )
+    downstream = ""
+    if node.untracked_consumers:
+        names = ", ".join(dict.fromkeys(node.untracked_consumers))
+        downstream = f" on its way to {names}"
+    if dep is None:
+        raise ChainError(
+            f"jacmem: the output of module {node} reaches the loss only through operations jacmem cannot "
+            f"backpropagate curvature through{downstream}." + fix
+        )
+    if len(dep.grads) == 1 and _same(dep.grads[0], grad):
+        return  # one consumer, whose part autograd passed on as it was: nothing else added to it
+    diff = float((sum(dep.grads) - grad).norm()) if dep.grads else float(grad.norm())
+    scale = sum(float(g.norm()) for g in dep.grads) + float(grad.norm())
+    if diff == diff and diff > _tolerance(grad.dtype) * scale:  # NaN passes: nothing to compare
+        raise ChainError(
+            f"jacmem: the output of module {node} reaches the loss through operations jacmem cannot "
+            f"backpropagate curvature through{downstream}, besides the tracked modules "
+            f"{', '.join(map(repr, dict.fromkeys(dep.sources)))} (the gradient they pass back differs "
+            f"from autograd's by {diff / max(scale, 1e-300):.2e}, relative)." + fix
+        )
+
+
+def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list[str]], str]:
+    """How to say that ``ext`` has nothing for the modules gathered: the first one's
+    reason in full, then how many others, and a few of their names."""
+    reason = str(err).strip().rstrip(".")
+
+    def say(modules: list[str]) -> str:
+        more = len(modules) - 1
+        others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
+        return f"jacmem: {reason}. Its parameters get no {ext.savefield}.{others}"
+
+    return say
+
+
+def _in_compute_dtype(node: Node, grad: Tensor) -> Tensor:
+    """``grad`` in the node's compute dtype (:mod:`jacmem.precision`); the first time,
+    also what the node kept (an autocast forward keeps bf16 or fp16 tensors)."""
+    if node.cast:
+        node.dtype = dtype = precision.compute_dtype((*node.inputs, *node.params.values()))
+        node.inputs = tuple(_kept_as(x, dtype) for x in node.inputs)
+        node.out = None if node.out is None else node.out.to(dtype)
+        node.hp = precision.cast(node.hp, dtype)
+        if node.params:
+            node.fo_x = precision.cast(node.fo_x, dtype)
+            node.fo_hp = precision.cast(node.fo_hp, dtype)
+        node.cast = False
+    return grad if node.dtype is None or grad.dtype == node.dtype else grad.to(node.dtype)
+
+
+def _kept_as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A kept input in ``dtype``: a stand-in for its shape (:func:`_shape_of`) stays one."""
+    if x.dtype == dtype or not x.is_floating_point():
+        return x
+    if x.dim() and all(s == 0 for s in x.stride()):
+        return x.new_zeros((), dtype=dtype).expand(x.shape)
+    return x.to(dtype)
 
 
 def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tuple[int, int]]] | None:

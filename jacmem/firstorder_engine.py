@@ -1,0 +1,294 @@
+"""The first-order engine: per-sample quantities from each call's input and output gradient.
+
+Inside a block, its :class:`jacmem.recorder.Recorder` records every call of a module with
+trainable parameters; calls of tracked models come from their tracker
+(:meth:`FirstOrder.on_record`). When a call's output gradients have arrived, the
+engine computes its parameters' quantities with the strategies the planner chose
+(:mod:`jacmem.planner`), in the dtype of :mod:`jacmem.precision`, and stages them in
+the pass's state (:class:`Staging`). A parameter used by several calls (a module called
+twice, tied weights) sums its per-sample gradients over them first. At the end of the
+pass, :meth:`FirstOrder.finish` turns the staged quantities into each extension's
+result, sums over the ranks what is global (:mod:`jacmem.distributed`), warns where
+the results hold NaN or modules disagree on the batch size, and returns the writes.
+"""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+
+import torch
+from torch import Tensor, nn
+
+from jacmem import compat, distributed, hooks, precision
+from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
+from jacmem.notices import LIMIT, listing
+from jacmem.passes import Engine, Setup, Write
+from jacmem.planner import ContractError, batch_size, execute, itemsize, planned, shapes
+from jacmem.recorder import Recorder, tracked_name
+
+
+class _Staged:
+    """What one backward pass has computed so far for one parameter."""
+
+    __slots__ = ("param", "batch_size", "quantities", "summed", "grad")
+
+    def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
+        self.param, self.batch_size, self.summed = param, batch_size, summed
+        self.quantities: dict[str, Tensor] = {}
+        #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
+        #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
+        self.grad: Tensor | None = None
+
+    def add(self, values: dict[str, Tensor]) -> None:
+        for q, v in values.items():
+            self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
+
+
+class Staging:
+    """The first-order engine's state in one backward pass."""
+
+    __slots__ = ("staged", "partial", "names")
+
+    def __init__(self):
+        self.staged: dict[int, _Staged] = {}
+        #: records whose outputs got only some gradients so far
+        self.partial: list[hooks.Record] = []
+        #: id(parameter) -> the name of the (first) module it was computed for
+        self.names: dict[int, str] = {}
+
+
+class FirstOrder(Engine):
+    """First-order extensions for one block (the interface is :class:`jacmem.passes.Engine`)."""
+
+    def __init__(self, extensions: list[FirstOrderExtension], setup: Setup):
+        self.extensions = extensions
+        self.quantities = {q for ext in extensions for q in ext.quantities}
+        self.strategies, self.chunk_bytes = setup.strategies, setup.chunk_bytes
+        self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
+        self.owner: int | None = setup.owner
+        #: the block's own calls; a layer that allows it runs through ComputeOnce
+        self.recorder = Recorder(self._on_grad, once=True)
+        #: modules already warned about (weakly: a long block sees re-created modules)
+        self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+    # -- forward -------------------------------------------------------------------
+
+    def on_forward(self, module, args, kwargs, output):
+        if tracked_name(module) is not None:
+            return None  # its tracker records it
+        return self.recorder.record(module, args, kwargs, output, self.name(module))
+
+    def on_record(self, rec: hooks.Record):
+        return self._on_grad(rec)
+
+    @property
+    def handles(self) -> list:
+        return self.recorder.tensor_handles
+
+    def close(self) -> None:
+        self.recorder.close()
+        self.owner = None
+
+    # -- backward ------------------------------------------------------------------
+
+    def new_state(self) -> Staging:
+        return Staging()
+
+    def _on_grad(self, rec: hooks.Record) -> dict[str, Tensor] | None:
+        """A call's output gradients arrived: compute its quantities. Returns, for a
+        call through :class:`hooks.ComputeOnce`, its parameters' summed gradients (the
+        engine computed them), or None where the block does not extend this backward."""
+        if rec.thread != self.owner:
+            return None  # a graph another thread built, or the block has ended: not this block's
+        run = self.passes.state(self)
+        if rec.missing:
+            run.partial.append(rec)
+            return None
+        try:
+            return self._process(run, rec)
+        finally:
+            rec.reset()
+
+    def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
+        if rec.entry is None:
+            self._unsupported(rec, sorted(rec.params))
+            return {}
+        supported = rec.entry.params
+        missing = [p for p in rec.params if p not in supported]
+        if missing:
+            self._unsupported(rec, missing)
+        self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
+        try:
+            with precision.computing(precision.device_of(rec.grads)):
+                return self._compute(run, rec)
+        except ContractError:
+            raise
+        except Exception as err:
+            raise RuntimeError(self._failed(rec, err)) from err
+
+    def _failed(self, rec: hooks.Record, err: Exception) -> str:
+        """The message for a computation that raised: the module, the strategy, the
+        other strategies it offers (none where there is no other)."""
+        failed = getattr(err, "jacmem_strategy", None)
+        text = str(err).strip().rstrip(".")
+        where = f" (strategy {failed!r})" if failed is not None else ""
+        others = sorted(rec.entry.names() - {failed})
+        hint = (
+            f" Another implementation may work: strategy={{{rec.name!r}: name}} with a name among {others}."
+            if others
+            else " It has no other strategy to try."
+        )
+        return (
+            f"jacmem: computing {', '.join(map(repr, self.extensions))} for module {rec.name!r} "
+            f"({type(rec.module).__name__}) failed: {text}{where}." + hint
+        )
+
+    def _compute(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
+        """Stage the call's quantities; returns each parameter's summed gradient where
+        the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
+        is planned), else nothing."""
+        entry, hp = rec.entry, rec.hp
+        supported = entry.params
+        params = {
+            n: p for n, p in rec.params.items() if n in supported and compat.will_engine_execute_node(rec.nodes[n])
+        }
+        grads: dict[str, Tensor] = {}
+        if not params:
+            return grads
+        dtype = precision.compute_dtype(params.values())
+        x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
+        n = batch_size(g)
+        xs, gs = shapes(x), shapes(g)
+        for pname, param in params.items():
+            staged = run.staged.get(id(param))
+            summed = rec.shared(param) or (staged is not None and staged.summed)
+            if staged is None:
+                staged = run.staged[id(param)] = _Staged(param, n, summed)
+                run.names[id(param)] = rec.name
+            elif staged.batch_size != n:
+                raise ValueError(
+                    f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
+                    "backward pass; per-sample quantities need one batch size"
+                )
+            elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
+                raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
+            wanted = {"batch_grad"} if summed else self.quantities
+            extra = {"grad"} - wanted if rec.once else set()
+            if n == 0:  # an empty batch: empty per-sample quantities, zero sums
+                values = derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted | extra)
+            else:
+                chosen = planned(
+                    self.strategies, rec.module, rec.name, entry, hp, xs, gs, itemsize(g), pname, param, wanted | extra
+                )
+                values = execute(chosen, entry, hp, x, g, pname, param, self.chunk_bytes, rec.name)
+            if rec.once:
+                grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
+                staged.grad = grads[pname] if staged.grad is None else staged.grad + grads[pname]
+            staged.add(values)
+        return grads
+
+    def finish(self, run: Staging) -> list[Write]:
+        """End of the backward pass: finish the partial records and the summed
+        parameters, sum over the ranks what is global; the results, unwritten."""
+        for rec in dict.fromkeys(r for r in run.partial if any(g is not None for g in r.grads)):
+            rec.complete()
+            try:
+                self._process(run, rec)
+            finally:
+                rec.reset()
+        run.partial.clear()
+        staged, run.staged = run.staged, {}
+        quantities = {
+            key: derive(s.quantities["batch_grad"], self.quantities) if s.summed else dict(s.quantities)
+            for key, s in staged.items()
+        }
+        sizes = {key: s.batch_size for key, s in staged.items()}
+        self._warn_batch_sizes(run.names, sizes)
+        self._warn_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
+        for group, params in self.groups():
+            distributed.synchronize(group, params, self.quantities, quantities, sizes)
+        return [
+            (s.param, ext.savefield, precision.result(ext.finalize(quantities[key], sizes[key]), s.param))
+            for key, s in staged.items()
+            for ext in self.extensions
+        ]
+
+    # -- warnings ------------------------------------------------------------------
+
+    def _warn_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
+        """One warning per backward pass whose modules disagree on the batch size: a
+        module whose axis 0 is not the batch (a sequence-first layer, a reshaped batch)
+        would otherwise get quantities per row of axis 0, silently."""
+        by_size: dict[int, list[str]] = {}
+        for key, n in sizes.items():
+            by_size.setdefault(n, []).append(names[key])
+        if len(by_size) < 2:
+            return
+        seen = "; ".join(f"{n}: {listing(mods)}" for n, mods in by_size.items())
+        warnings.warn(
+            f"jacmem: the modules of one backward pass see different batch sizes ({seen}). Per-sample "
+            "quantities take axis 0 of a module's input as the batch, so a module whose axis 0 is not "
+            "the batch (batch_first=False, e.g. nn.TransformerEncoderLayer; or a batch reshaped into "
+            "another axis) gets them per row of axis 0, not per sample. Put the batch first "
+            "(batch_first=True), or ignore this if the block really holds several batches.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _warn_nonfinite(
+        self, names: dict[int, str], quantities: dict[int, dict[str, Tensor]], grads: dict[int, Tensor | None]
+    ) -> None:
+        """One warning per backward pass, naming the modules whose quantities hold NaN or
+        Inf: their input or output gradient did. It costs one sum per parameter, of its
+        smallest quantity or of its summed gradient where ``grads`` has it (a sum over
+        the samples holds NaN or Inf wherever a sample does; summing the per-sample
+        gradients took 12 of the 37 ms of the MLP's BatchGrad step), and one transfer
+        per device."""
+        by_device: dict[torch.device, list[int]] = {}
+        for key, q in quantities.items():
+            if q:
+                by_device.setdefault(next(iter(q.values())).device, []).append(key)
+        bad = set()
+        for keys in by_device.values():
+            sums = []
+            for k in keys:
+                candidates = list(quantities[k].values())
+                if grads.get(k) is not None:
+                    candidates.append(grads[k])
+                sums.append(min(candidates, key=Tensor.numel).sum())
+            sums = torch.stack(sums)
+            bad.update(k for k, finite in zip(keys, sums.isfinite().tolist()) if not finite)
+        if not bad:
+            return
+        modules = list(dict.fromkeys(names[k] for k in reversed(list(quantities)) if k in bad))  # forward order, about
+        warnings.warn(
+            f"jacmem: the {', '.join(e.savefield for e in self.extensions)} of module(s) "
+            f"{listing(modules)} hold NaN or Inf, as their input or the gradient of the loss "
+            f"w.r.t. their output does. If it came with the data, it entered at {modules[0]!r}: check the "
+            "data with torch.isfinite(X).all(); otherwise check the loss (log of 0, division by 0) or lower "
+            "the learning rate.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+
+    def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
+        """A module with parameters the extensions cannot handle: one notice, gathered
+        with the others of the pass into one warning."""
+        if rec.module in self.warned:
+            return
+        self.warned.add(rec.module)
+        exts = ", ".join(map(repr, self.extensions))
+        fields = ", ".join(e.savefield for e in self.extensions)
+        label = f"{rec.name!r} ({type(rec.module).__name__})"
+        what = f"{label} has trainable parameters {params}"
+
+        def say(modules: list[str]) -> str:
+            more = len(modules) - 1
+            others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
+            return (
+                f"jacmem: module {what} that {exts} cannot handle; they get no {fields}. Register a "
+                "derivative with jacmem.register(...), or freeze them (requires_grad=False)." + others
+            )
+
+        self.notices.add(("first-order unsupported",), rec.name, say)

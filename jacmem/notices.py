@@ -1,0 +1,52 @@
+"""Warnings that name modules, gathered and given once.
+
+A model with twenty BatchNorms that KFAC cannot handle gets one warning naming a few
+of them and the count, not twenty. An engine adds a notice per module
+(:meth:`Notices.add`); the block gives each kind of notice once
+(:meth:`Notices.flush`) at the end of the forward pass, of each backward pass and of
+the block. With ``strict=True``, the first notice raises instead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable, Sequence
+
+#: how many modules a warning names before it gives the count of the others
+LIMIT = 3
+
+
+def listing(names: Sequence[str], limit: int = LIMIT) -> str:
+    """``'a', 'b', 'c' and 17 more``: at most ``limit`` names, quoted, then the count."""
+    names = list(dict.fromkeys(names))
+    shown = ", ".join(map(repr, names[:limit]))
+    return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+class Notices:
+    """Pending warnings: one per key, each with the modules it is about."""
+
+    def __init__(self, strict: bool = False):
+        self.strict = strict
+        #: key -> (the modules, in order; how to say it about them; the category)
+        self.pending: dict[object, tuple[list[str], Callable[[list[str]], str], type[Warning]]] = {}
+
+    def add(
+        self, key: object, module: str, say: Callable[[list[str]], str], category: type[Warning] = UserWarning
+    ) -> None:
+        """A notice of kind ``key`` about ``module``. ``say(modules)`` words it for the
+        modules gathered (the ``say`` of the first notice of a kind is used). With
+        ``strict``, raise ``RuntimeError(say([module]))`` now."""
+        if self.strict:
+            raise RuntimeError(say([module]))
+        entry = self.pending.get(key)
+        if entry is None:
+            self.pending[key] = ([module], say, category)
+        elif module not in entry[0]:
+            entry[0].append(module)
+
+    def flush(self) -> None:
+        """Give each pending kind of notice as one warning."""
+        pending, self.pending = self.pending, {}
+        for modules, say, category in pending.values():
+            warnings.warn(say(modules), category, stacklevel=3)

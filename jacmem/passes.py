@@ -1,0 +1,149 @@
+"""The per-backward pass, and the interface every engine implements.
+
+An engine (first order: :mod:`jacmem.firstorder_engine`; second order:
+:mod:`jacmem.extensions.secondorder.backprop`) sees a block's forward calls and, in
+each backward pass, computes what its extensions ask for. What it computes in one pass
+it keeps in that pass's state (:meth:`Pass.state`), never on the parameters: when the
+pass ends, :meth:`Pass.__call__` asks each engine for its results
+(:meth:`Engine.finish`) and only then writes them all. autograd holds the pass as the
+backward's final callback and the engine only a weak reference, so a pass that fails
+never commits, and its state goes with it: nothing is written.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from jacmem import compat
+
+#: (object, attribute, value): one result to write at the end of a pass
+Write = tuple[Any, str, Any]
+
+
+class Engine:
+    """What a block asks of an engine. Every method is called in the block's thread.
+
+    - ``on_forward(module, args, kwargs, output)``: a module's forward returned inside
+      the block; return a replacement output, or None to keep it.
+    - ``on_record(record)``: the output gradients of a call recorded by
+      :func:`jacmem.track` arrived (the block's own calls reach the engine by the hooks
+      it set); return the summed gradients where the engine computed them, or None.
+    - ``new_state()``: this engine's state for one backward pass.
+    - ``finish(state)``: the pass ended; compute the final results from ``state``, write
+      nothing, and return them as ``(object, attribute, value)``.
+    - ``close()``: the block ends; drop every hook and everything kept.
+
+    ``handles``: the hooks it holds on tensors and autograd nodes (those of freed graphs
+    are dropped now and then, see :class:`jacmem.hooks.Handles`).
+    """
+
+    handles: list = []
+
+    def on_forward(self, module, args: tuple, kwargs: dict, output) -> Any:
+        return None
+
+    def on_record(self, record) -> dict | None:
+        return None
+
+    def new_state(self) -> Any:
+        return None
+
+    def finish(self, state) -> list[Write]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+class Pass:
+    """One backward pass (one autograd graph task) through a block: each engine's state,
+    committed when the pass ends."""
+
+    __slots__ = ("states", "on_end", "__weakref__")
+
+    def __init__(self, on_end: Callable[[], None] | None):
+        #: engine -> its state for this pass
+        self.states: dict[Engine, Any] = {}
+        self.on_end = on_end
+
+    def state(self, engine: Engine):
+        """``engine``'s state for this pass, made on first use."""
+        st = self.states.get(engine)
+        if st is None:
+            st = self.states[engine] = engine.new_state()
+        return st
+
+    def __call__(self) -> None:
+        """The pass ended: every engine finishes, then every result is written, all at
+        once (a failure before writes nothing)."""
+        states, self.states = self.states, {}
+        writes = [w for engine, st in states.items() for w in engine.finish(st)]
+        for obj, field, value in writes:
+            setattr(obj, field, value)
+        if self.on_end is not None:
+            self.on_end()
+
+    def drop(self) -> None:
+        self.states.clear()
+
+
+class Passes:
+    """The passes running through one block: graph task id -> :class:`Pass`, held weakly
+    (autograd holds each pass until it ends).
+
+    ``on_end``: called after each pass has written its results (the block's warnings).
+    ``started`` counts the passes begun, so that the block can tell whether a backward
+    reached any of its hooks."""
+
+    def __init__(self, on_end: Callable[[], None] | None = None):
+        self._live: weakref.WeakValueDictionary[int, Pass] = weakref.WeakValueDictionary()
+        self.on_end = on_end
+        self.started = 0
+
+    def current(self) -> Pass:
+        """The running backward pass, begun (and queued to commit at its end) on its
+        first hook. Call only from inside a backward."""
+        task = compat.current_graph_task_id()
+        run = self._live.get(task)
+        if run is None:
+            run = self._live[task] = Pass(self.on_end)
+            compat.queue_callback(run)
+            self.started += 1
+        return run
+
+    def state(self, engine: Engine):
+        """``engine``'s state in the running backward pass (:meth:`current`)."""
+        run = self._live.get(compat.current_graph_task_id()) or self.current()
+        st = run.states.get(engine)
+        if st is None:
+            st = run.states[engine] = engine.new_state()
+        return st
+
+    def close(self) -> None:
+        """Drop every pass's state: a pass still queued in autograd then writes nothing."""
+        for run in list(self._live.values()):
+            run.drop()
+            run.on_end = None
+        self._live = weakref.WeakValueDictionary()
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What a block gives each engine it starts: ``engine_class(extensions, setup)``."""
+
+    #: the block's :class:`jacmem.strategies.StrategyPlan`
+    strategies: Any
+    #: temporary memory a strategy may use at once
+    chunk_bytes: float
+    passes: Passes
+    #: the block's :class:`jacmem.notices.Notices`
+    notices: Any
+    #: ``name(module)``: the module's qualified name
+    name: Callable
+    #: ``groups()``: (process group, its parameters) to sum global quantities over
+    groups: Callable
+    #: the thread that entered the block
+    owner: int

@@ -1,0 +1,410 @@
+"""The planner: which strategies compute a parameter's quantities, and running them.
+
+For one call of one module and one parameter, :func:`plan` chooses a strategy per
+quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.strategies`),
+:class:`Planner` keeps the plans it made under :func:`plan_key`, and :func:`execute`
+runs them, chunking over the batch so that temporary memory stays under a budget.
+Both engines use it: the first-order one for every recorded call, the second-order
+extensions for the per-sample Jacobian products they need (:func:`compute`).
+
+:func:`execute` is also where the registry's contract is checked: every strategy's
+result must have the shape and dtype its quantity promises (:func:`check_result`),
+or an error names the module, the parameter and the strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from math import prod
+
+import torch
+from torch import Tensor
+
+from jacmem import alloc
+from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
+from jacmem.extensions.firstorder import PER_SAMPLE, derive
+from jacmem.strategies import Decision, StrategyPlan
+
+
+@dataclass(frozen=True)
+class Option(Cost):
+    """One candidate for one quantity, as :func:`compute` offers it to ``choose``.
+
+    ``kind``: ``"direct"``, a strategy of the quantity's own (the ghost norm, say);
+    ``"pass"``, per-sample gradients by this ``batch_grad`` strategy, reduced, whose
+    cost includes writing and reading them; ``"reuse"``, a pass already planned for the
+    quantities ``reuses``, which costs one more read of the per-sample gradients.
+    """
+
+    kind: str = "direct"
+    reuses: tuple[str, ...] = ()
+
+
+def _take(obj, sl: slice):
+    """Slice the batch axis of a tensor, or of each tensor in a tuple (None passes)."""
+    if isinstance(obj, Tensor):
+        return obj[sl]
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_take(o, sl) for o in obj)
+    return obj
+
+
+def shapes(obj):
+    """The shape of a tensor, or of each tensor in a tuple or list (the rest passes)."""
+    if isinstance(obj, Tensor):
+        return tuple(obj.shape)
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(shapes(o) for o in obj)
+    return obj
+
+
+def _first(g) -> Tensor:
+    """The output gradient, or the first one that is not None."""
+    return g if isinstance(g, Tensor) else next(t for t in g if t is not None)
+
+
+def batch_size(g) -> int:
+    """N, from the output gradient(s)."""
+    return _first(g).shape[0]
+
+
+def itemsize(g) -> int:
+    """Bytes per entry of the output gradient(s)."""
+    return _first(g).element_size()
+
+
+def _batch_size_of(gs) -> int:
+    """N, from the shape(s) of the output gradient(s) (see :func:`shapes`)."""
+    return gs[0] if isinstance(gs[0], int) else next(s for s in gs if s is not None)[0]
+
+
+#: On CPU, chunks of this size stay in cache: the seed CNN's per-sample conv gradients
+#: (unfold), reduced to norms, run twice as fast in chunks of 8 to 16 MiB as in chunks
+#: of 64 MiB (2 threads; ``benchmarks/chunks.py``)
+CPU_CHUNK_BYTES = 16 * 2**20
+
+
+class Chunked:
+    """Runs strategy functions over slices of the batch and assembles their results.
+
+    A slice holds as many samples as fit ``budget`` bytes of temporary memory, and on
+    CPU at most :data:`CPU_CHUNK_BYTES`.
+    """
+
+    def __init__(self, x, g, budget: float):
+        first = _first(g)
+        self.x, self.g = x, g
+        self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget
+        self.n = batch_size(g)
+        self.itemsize = first.element_size()
+        self.dtype, self.device = first.dtype, first.device
+
+    def slices(self, bytes_per_sample: float):
+        size = max(1, int(self.budget // max(bytes_per_sample, 1)))
+        for start in range(0, self.n, size):
+            yield slice(start, min(start + size, self.n))
+
+    def run(self, fn, per_sample_bytes: float, reduce: dict[str, str], into: Tensor | None = None):
+        """Call ``fn(x_chunk, g_chunk, out)`` per slice. ``reduce`` maps each output
+        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them.
+        ``into`` (``[N, *shape]``, or None) is where ``batch_grad`` goes: ``fn`` gets its
+        slice as ``out`` and writes there itself, so no chunk is copied."""
+        if per_sample_bytes * self.n <= self.budget:
+            return fn(self.x, self.g, into)
+        out: dict[str, Tensor] = {} if into is None else {"batch_grad": into}
+        for sl in self.slices(per_sample_bytes):
+            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl])
+            for q, value in part.items():
+                if reduce[q] == "sum":
+                    out[q] = value if q not in out else out[q] + value
+                    continue
+                if into is not None and q == "batch_grad":
+                    continue  # written in place
+                if q not in out:
+                    out[q] = alloc.empty((self.n, *value.shape[1:]), value.dtype, value.device)
+                out[q][sl] = value
+        return out
+
+
+def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Cost | None:
+    """A strategy's cost on these shapes; one without a cost model counts as free."""
+    return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How :func:`execute` gets the quantities of one parameter, as :func:`plan` chose them.
+
+    ``direct``: (quantity, strategy name, temporary bytes per sample) for each quantity
+    that a strategy of its own computes; ``passes``: (``batch_grad`` strategy name, the
+    quantities reduced from its per-sample gradients, their strategy's temporary bytes
+    per sample) for each chunked pass.
+    """
+
+    direct: tuple[tuple[str, str, float], ...]
+    passes: tuple[tuple[str, tuple[str, ...], float], ...]
+
+
+def plan(
+    entry: LayerDerivatives,
+    hp: dict,
+    xs,
+    gs,
+    item_bytes: int,
+    param_name: str,
+    param_shape: tuple[int, ...],
+    quantities: Iterable[str],
+    choose: Callable[[str, dict[str, Cost | None]], str],
+) -> Plan:
+    """Which strategies give the requested quantities of one parameter, on the shapes
+    ``xs`` of ``x`` and ``gs`` of ``g`` (batch axis first; ``item_bytes``: bytes per entry of
+    ``g``).
+
+    ``choose(quantity, options)`` picks a strategy name among ``options`` (name ->
+    Cost, or None where it does not apply). A quantity is computed either by a strategy
+    of its own, or derived from per-sample gradients; all quantities derived from one
+    ``batch_grad`` strategy share one chunked pass, and once such a pass is planned,
+    the remaining quantities may ride along for the cost of reading its result once
+    more (``auto`` weighs that against their direct strategies; a direct strategy
+    asked for by name is used).
+    """
+    wanted = set(quantities)
+    n = _batch_size_of(gs)
+    bg_table = entry.strategies[(param_name, "batch_grad")]
+    bg_costs = {name: _estimate(s, xs, gs, hp) for name, s in bg_table.items()}
+    # a pass also writes the per-sample gradients and reads them back to reduce them
+    result = n * prod(param_shape)
+    pass_options = {
+        name: None if c is None else Option(c.flops + 2 * result, c.workspace + 2 * result, kind="pass")
+        for name, c in bg_costs.items()
+    }
+
+    def per_sample_bytes(c: Cost) -> float:
+        return c.workspace * item_bytes / max(n, 1)
+
+    def applicable_direct(q: str) -> int:
+        table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
+        return sum(_estimate(s, xs, gs, hp) is not None for s in table.values())
+
+    # Quantities that need a pass plan it first, so the others can ride along. The
+    # summed gradient comes last: a pass gives it for free, so a direct strategy for
+    # another quantity leaves it to be computed on its own (its FLOPs count against that
+    # strategy). Planned first, it would take its own direct strategy before a pass that
+    # could have given it with the rest.
+    order = sorted(
+        (q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", q == "grad", applicable_direct(q))
+    )
+    grad_flops = 0
+    if "grad" in wanted:
+        grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
+        grad_flops = min((c.flops for c in grad_costs if c is not None), default=0)
+    passes: dict[str, list[str]] = {}
+    direct_steps: list[tuple[str, str, float]] = []
+    for q in order:
+        direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
+        direct = {name: s for name, s in direct.items() if name not in passes}
+        if passes:  # reducing the pass's per-sample gradients once more reads them
+            options = {name: Option(0, result, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
+        else:
+            options = dict(pass_options)
+        unshared = 0 if passes or q == "grad" else grad_flops
+        for name, s in direct.items():
+            c = _estimate(s, xs, gs, hp)
+            options[name] = None if c is None else Option(c.flops + unshared, c.workspace)
+        name = choose(q, options)
+        if name in direct:
+            direct_steps.append((q, name, per_sample_bytes(options[name])))
+        else:
+            passes.setdefault(name, []).append(q)
+    return Plan(
+        tuple(direct_steps), tuple((name, tuple(qs), per_sample_bytes(bg_costs[name])) for name, qs in passes.items())
+    )
+
+
+class ContractError(RuntimeError):
+    """A strategy's result has not the shape or dtype its quantity promises."""
+
+
+#: each quantity's shape, from the batch size and the parameter's shape
+_EXPECTED = {
+    "batch_grad": lambda n, shape: (n, *shape),
+    "batch_l2": lambda n, shape: (n,),
+    "sum_grad_squared": lambda n, shape: tuple(shape),
+    "grad": lambda n, shape: tuple(shape),
+}
+_SPELLED = {
+    "batch_grad": "[N, *param.shape]",
+    "batch_l2": "[N]",
+    "sum_grad_squared": "param.shape",
+    "grad": "param.shape",
+}
+
+
+def check_result(value, quantity: str, n: int, param: Tensor, dtype: torch.dtype, where: tuple[str, str, str]):
+    """``value`` if it is what ``quantity`` promises for ``n`` samples of ``param``: a
+    tensor of shape ``[N, *param.shape]`` (``batch_grad``), ``[N]`` (``batch_l2``) or
+    ``param.shape`` (the sums), in the compute dtype ``dtype``. Else a
+    :class:`ContractError` naming ``where``: (module, parameter, strategy)."""
+    expected = _EXPECTED[quantity](n, param.shape)
+    if isinstance(value, Tensor) and tuple(value.shape) == expected and value.dtype == dtype:
+        return value
+    module, pname, strategy = where
+    got = f"shape {list(value.shape)} and dtype {value.dtype}" if isinstance(value, Tensor) else repr(type(value))
+    raise ContractError(
+        f"jacmem: strategy {strategy!r} for {quantity} of parameter {pname!r} of module {module!r} returned {got}; "
+        f"{quantity} must be {_SPELLED[quantity]} = {list(expected)} in the compute dtype {dtype}. "
+        "Fix the function registered with jacmem.register (or use another strategy)."
+    )
+
+
+def _blame(err: BaseException, strategy: str) -> None:
+    """Note on ``err`` which strategy raised it, for the engine's message."""
+    if not isinstance(err, ContractError) and getattr(err, "jacmem_strategy", None) is None:
+        try:
+            err.jacmem_strategy = strategy
+        except AttributeError:
+            pass
+
+
+def execute(
+    plan: Plan,
+    entry: LayerDerivatives,
+    hp: dict,
+    x,
+    g,
+    param_name: str,
+    param: Tensor,
+    budget: float,
+    module: str = "?",
+) -> dict[str, Tensor]:
+    """The quantities of one parameter for one call of its module (named ``module``, for
+    errors), as ``plan`` says, chunked over the batch so that temporary memory stays
+    under ``budget`` bytes. Each strategy's result is checked (:func:`check_result`);
+    an exception a strategy raises carries its name as ``jacmem_strategy``."""
+    chunked = Chunked(x, g, budget)
+    dtype = chunked.dtype
+    results: dict[str, Tensor] = {}
+    for q, name, per_sample in plan.direct:
+        fn, reduce = entry.strategies[(param_name, q)][name].fn, "cat" if q in PER_SAMPLE else "sum"
+        where = (module, param_name, name)
+
+        def direct(xc, gc, _, fn=fn, q=q, where=where):
+            return {q: check_result(fn(xc, gc, **hp), q, batch_size(gc), param, dtype, where)}
+
+        try:
+            results.update(chunked.run(direct, per_sample, {q: reduce}))
+        except Exception as err:
+            _blame(err, name)
+            raise
+
+    for name, qs, per_sample in plan.passes:
+        strategy = entry.strategies[(param_name, "batch_grad")][name]
+        # Chunks of per-sample gradients are temporaries (reduced, or copied into the
+        # result), so they count, unless the result is asked for and the strategy
+        # writes into it, or needs no workspace (then one call writes the result).
+        into = None
+        if "batch_grad" in qs and strategy.writes_out:
+            into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
+        elif "batch_grad" not in qs or per_sample > 0:
+            per_sample += prod(param.shape) * chunked.itemsize
+        reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
+        where = (module, param_name, name)
+
+        def one(xc, gc, out, fn=strategy.fn, qs=qs, where=where):
+            bg = fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp)
+            return derive(check_result(bg, "batch_grad", batch_size(gc), param, dtype, where), qs)
+
+        try:
+            results.update(chunked.run(one, per_sample, reduce, into))
+        except Exception as err:
+            _blame(err, name)
+            raise
+    return results
+
+
+def compute(
+    entry: LayerDerivatives,
+    hp: dict,
+    x,
+    g,
+    param_name: str,
+    param: Tensor,
+    quantities: Iterable[str],
+    choose: Callable[[str, dict[str, Cost | None]], str],
+    budget: float,
+    module: str = "?",
+) -> dict[str, Tensor]:
+    """The requested quantities of one parameter for one call of its module: :func:`plan`
+    on the shapes of ``x`` and ``g``, then :func:`execute`."""
+    chosen = plan(entry, hp, shapes(x), shapes(g), itemsize(g), param_name, tuple(param.shape), quantities, choose)
+    return execute(chosen, entry, hp, x, g, param_name, param, budget, module)
+
+
+def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_name: str, param_shape, quantities):
+    """Everything :func:`plan` depends on but ``choose``: the parameter's strategies, the
+    shapes, the hyper-parameters; ``None`` where a hyper-parameter or an entry of ``xs``
+    is not a plain value (a tensor, a module, a dict), so that a plan kept under it could
+    not be trusted."""
+    if not (_plain(xs) and _plain(gs) and all(_plain(v) for v in hp.values())):
+        return None
+    tables = tuple(tuple(entry.strategies.get((param_name, q), {}).items()) for q in QUANTITIES)
+    return tables, tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, frozenset(quantities)
+
+
+def _plain(value) -> bool:
+    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them."""
+    if isinstance(value, tuple):
+        return all(map(_plain, value))
+    return value is None or isinstance(value, (int, float, str))
+
+
+#: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
+#: itemsize -> (the plan, the decisions it took): a parameter's strategies are chosen
+#: once per call shape, not at every step of every block
+_PLANS: dict[tuple, tuple[Plan, tuple[Decision, ...]]] = {}
+#: how many plans ``_PLANS`` holds before it starts over
+_MAX_PLANS = 4096
+
+
+def planned(
+    strategies: StrategyPlan,
+    module,
+    name: str,
+    entry: LayerDerivatives,
+    hp: dict,
+    xs,
+    gs,
+    size: int,
+    pname: str,
+    param: Tensor,
+    quantities: set,
+) -> Plan:
+    """How to compute ``quantities`` of ``param`` in a call of ``module`` (named
+    ``name``), whose input and output gradient have the shapes ``xs`` and ``gs`` and
+    ``size`` bytes per entry, as the block's ``strategies`` choose.
+
+    Made once and kept in ``_PLANS`` under everything it depends on (where its
+    hyper-parameters are plain values); its decisions go to ``strategies`` either way,
+    for ``explain()``."""
+    shape = tuple(param.shape)
+    key = plan_key(entry, hp, xs, gs, size, pname, shape, quantities)
+    if key is not None:
+        key += (name, strategies.requested(module, name), param.element_size())
+        cached = _PLANS.get(key)
+        if cached is not None:
+            strategies.remember(cached[1])
+            return cached[0]
+    made: list[Decision] = []
+
+    def choose(quantity, options):
+        chosen = strategies.choose(module, name, entry.names(), pname, quantity, options, param.element_size())
+        made.append(strategies.decisions[(name, pname, quantity)])
+        return chosen
+
+    result = plan(entry, hp, xs, gs, size, pname, shape, quantities, choose)
+    if key is not None:
+        if len(_PLANS) >= _MAX_PLANS:
+            _PLANS.clear()
+        _PLANS[key] = (result, tuple(made))
+    return result
