@@ -55,6 +55,9 @@ class extend:
             ``sum_grad_squared`` and the gradient of ``variance``, for every model
             called in the block; by default, that of a ``DistributedDataParallel``
             model, none for any other (see :mod:`jacmem.distributed`).
+        autotune: choose each layer's strategies by timing them, once per call shape,
+            on the real tensors, rather than by the cost model (see
+            :mod:`jacmem.strategies`); ``explain()`` then says "timed".
 
     ``as ctx`` gives the block; ``ctx.explain()`` says what each layer chose, and why.
 
@@ -85,6 +88,7 @@ class extend:
         strict: bool = False,
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
         process_group: Any = None,
+        autotune: bool = False,
     ):
         kinds = tuple(kind for kind, _ in ENGINES)
         for ext in extensions:
@@ -103,7 +107,7 @@ class extend:
         self._kinds = [(cls, exts) for cls, exts in self._kinds if exts]
         self.extensions = [e for e in extensions if isinstance(e, FirstOrderExtension)]
         self.second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
-        self.plan = StrategyPlan(strategy)
+        self.plan = StrategyPlan(strategy, autotune=autotune)
         self.strict = strict
         self.chunk_bytes = chunk_bytes
         self.process_group = process_group

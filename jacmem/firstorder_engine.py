@@ -179,8 +179,9 @@ class FirstOrder(Engine):
                 values = derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted | extra)
             else:
                 chosen = planned(
-                    self.strategies, rec.module, rec.name, entry, hp, xs, gs, itemsize(g), pname, param, wanted | extra
-                )
+                    self.strategies, rec.module, rec.name, entry, hp, xs, gs, itemsize(g), pname, param, wanted | extra,
+                    x, g, self.chunk_bytes,
+                )  # fmt: skip
                 values = execute(chosen, entry, hp, x, g, pname, param, self.chunk_bytes, rec.name)
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)

@@ -367,6 +367,31 @@ _PLANS: dict[tuple, tuple[Plan, tuple[Decision, ...]]] = {}
 _MAX_PLANS = 4096
 
 
+def trial(
+    entry: LayerDerivatives, hp: dict, x, g, pname: str, param: Tensor, quantity: str, options, size: int, budget
+):
+    """For autotune: candidate name -> a thunk that computes ``quantity`` once by that
+    candidate on the real ``x`` and ``g`` (a strategy of its own, or a pass of per-sample
+    gradients, reduced), or ``None`` for a candidate that rides a pass already planned
+    (its cost is reading that pass's result: left to the estimate)."""
+    n = batch_size(g)
+
+    def thunk(name: str):
+        option = options[name]
+        kind = getattr(option, "kind", "direct")
+        if kind == "reuse":
+            return None
+        per_sample = option.workspace * size / max(n, 1)
+        one = (
+            Plan(((quantity, name, per_sample),), ())
+            if kind == "direct"
+            else Plan((), ((name, (quantity,), per_sample),))
+        )
+        return lambda: execute(one, entry, hp, x, g, pname, param, budget)
+
+    return thunk
+
+
 def planned(
     strategies: StrategyPlan,
     module,
@@ -379,10 +404,15 @@ def planned(
     pname: str,
     param: Tensor,
     quantities: set,
+    x=None,
+    g=None,
+    budget: float = float("inf"),
 ) -> Plan:
     """How to compute ``quantities`` of ``param`` in a call of ``module`` (named
     ``name``), whose input and output gradient have the shapes ``xs`` and ``gs`` and
-    ``size`` bytes per entry, as the block's ``strategies`` choose.
+    ``size`` bytes per entry, as the block's ``strategies`` choose: by the cost model
+    of the parameter's device, or, with ``strategies.autotune``, by timing each
+    candidate once on ``x`` and ``g`` (chunked under ``budget``), see :func:`trial`.
 
     Made once and kept in ``_PLANS`` under everything it depends on (where its
     hyper-parameters are plain values); its decisions go to ``strategies`` either way,
@@ -390,15 +420,19 @@ def planned(
     shape = tuple(param.shape)
     key = plan_key(entry, hp, xs, gs, size, pname, shape, quantities)
     if key is not None:
-        key += (name, strategies.requested(module, name), param.element_size())
+        key += (name, strategies.requested(module, name), param.element_size(), param.device, strategies.autotune)
         cached = _PLANS.get(key)
         if cached is not None:
             strategies.remember(cached[1])
             return cached[0]
     made: list[Decision] = []
+    timed = strategies.autotune and x is not None and g is not None
 
     def choose(quantity, options):
-        chosen = strategies.choose(module, name, entry.names(), pname, quantity, options, param.element_size())
+        tried = trial(entry, hp, x, g, pname, param, quantity, options, size, budget) if timed else None
+        chosen = strategies.choose(
+            module, name, entry.names(), pname, quantity, options, param.element_size(), param.device, tried
+        )
         made.append(strategies.decisions[(name, pname, quantity)])
         return chosen
 

@@ -14,6 +14,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from reference import SAVEFIELDS, check_against, cross_entropy, per_sample_grads, run_jacmem
 from torch import nn
 
 from jacmem import strategies
@@ -383,3 +384,35 @@ def test_timed_reuse_says_so():
 def test_autotune_must_be_a_bool():
     with pytest.raises(TypeError, match="autotune must be True or False"):
         StrategyPlan(autotune="yes")  # type: ignore[arg-type]
+
+
+def test_autotune_through_the_block_takes_the_fastest_measured_and_stays_exact():
+    """``jacmem.extend(..., autotune=True)``: every choice among several candidates is
+    timed, the chosen one is the fastest measured, explain() says so, and the results
+    equal the per-sample loop's."""
+    import jacmem
+    from jacmem.planner import _PLANS
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()
+    X, y = torch.randn(5, 2, 6, 6, dtype=torch.float64), torch.randint(0, 3, (5,))
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    _PLANS.clear()
+    extensions = [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()]
+    ctx = run_jacmem(model, X, y, cross_entropy, "mean", extensions, autotune=True)
+    check_against(model, reference, SAVEFIELDS, "[autotune]")
+    timed = [d for d in ctx.plan.decisions.values() if d.timed]
+    assert timed, ctx.explain()
+    for d in timed:
+        measured = {k: t for k, t in d.measured.items() if t is not None}
+        assert d.chosen == min(measured, key=measured.get), str(d)
+    assert "autotune: fastest measured" in ctx.explain()
+    # the plan is kept: the next block with the same shapes times nothing again
+    calls = []
+    real = strategies.measure
+    strategies.measure = lambda *a, **k: calls.append(1) or real(*a, **k)
+    try:
+        run_jacmem(model, X, y, cross_entropy, "mean", extensions, autotune=True)
+    finally:
+        strategies.measure = real
+    assert not calls
