@@ -153,7 +153,7 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    entry = lookup(module)
+    entry = lookup(module, args[0] if args else None, output)
     params = trainable(module, entry)
     if not params:
         return None, output

@@ -13,7 +13,7 @@ import warnings
 
 import pytest
 import torch
-from reference import SAVEFIELDS, check_against, cross_entropy, per_sample_grads, run_jacmem
+from reference import SAVEFIELDS, check_against, cross_entropy, mse, per_sample_grads, run_jacmem
 from torch import Tensor, nn
 
 import jacmem
@@ -125,3 +125,61 @@ def test_hf_loss_from_labels():
         expected = torch.stack([row[i] for row in rows])
         torch.testing.assert_close(p.grad_batch, expected, rtol=1e-9, atol=1e-12)
         torch.testing.assert_close(p.batch_l2, expected.flatten(1).square().sum(1), rtol=1e-9, atol=1e-12)
+
+
+class DoubledLayerNorm(nn.LayerNorm):
+    """A subclass whose forward is *not* LayerNorm's function."""
+
+    def forward(self, x):
+        return 2 * super().forward(x)
+
+
+def _norm_model(norm: nn.Module, dtype: torch.dtype):
+    torch.manual_seed(0)
+    norm = norm.to(dtype)
+    with torch.no_grad():
+        norm.weight.normal_()
+    model = nn.Sequential(nn.Linear(4, 4), norm).to(dtype)
+    return model, torch.randn(N, 2, 4, dtype=dtype), torch.randn(N, 2, 4, dtype=dtype)
+
+
+def _norm_chosen(ctx) -> set:
+    return {d.chosen for d in ctx.plan.decisions.values() if d.module == "1"}
+
+
+@pytest.mark.parametrize(
+    "make, native", [(lambda: timm.layers.LayerNorm(4), True), (lambda: DoubledLayerNorm(4), False)]
+)
+def test_norm_subclasses_are_recognised_by_what_they_compute(make, native):
+    """A subclass that overrides ``forward`` takes the norm's own derivatives where its
+    output on the first call equals the norm's function (timm's LayerNorm), and the
+    exact recomputation otherwise."""
+    model, X, y = _norm_model(make(), DT)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    ctx = run_jacmem(model, X, y, mse, "mean", EXTENSIONS)
+    check_against(model, reference, SAVEFIELDS, f"[{type(model[1]).__name__}]")
+    assert ("vmap" not in _norm_chosen(ctx)) == native, ctx.explain()
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: transformers.models.llama.modeling_llama.LlamaRMSNorm(4, eps=1e-5),
+        lambda: transformers.models.t5.modeling_t5.T5LayerNorm(4),
+    ],
+)
+def test_hf_rms_norms_are_recognised_where_they_compute_rms_norm(make):
+    """HF's RMSNorms compute in float32 whatever the input: in float32 they are
+    ``F.rms_norm`` and take its derivatives; in float64 they are not (their rounding is
+    float32's), so they take the exact recomputation."""
+    model, X, y = _norm_model(make(), torch.float32)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    ctx = run_jacmem(model, X, y, mse, "mean", EXTENSIONS)
+    assert "vmap" not in _norm_chosen(ctx), ctx.explain()
+    for p, gb in reference.items():
+        torch.testing.assert_close(p.grad_batch, gb, rtol=1e-4, atol=1e-6)
+    model, X, y = _norm_model(make(), DT)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    ctx = run_jacmem(model, X, y, mse, "mean", EXTENSIONS)
+    assert _norm_chosen(ctx) == {"vmap"}, ctx.explain()
+    check_against(model, reference, SAVEFIELDS, f"[{type(model[1]).__name__} float64]")
