@@ -183,3 +183,32 @@ def test_hf_rms_norms_are_recognised_where_they_compute_rms_norm(make):
     ctx = run_jacmem(model, X, y, mse, "mean", EXTENSIONS)
     assert _norm_chosen(ctx) == {"vmap"}, ctx.explain()
     check_against(model, reference, SAVEFIELDS, f"[{type(model[1]).__name__} float64]")
+
+
+class OwnAttention(nn.Module):
+    """A module that uses its own projection in a matrix product, then fused attention:
+    only the recomputation gives its per-sample gradients."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.proj = nn.Parameter(torch.randn(d, d, dtype=DT) / d**0.5)
+
+    def forward(self, x):  # [N, T, d]
+        h = (x @ self.proj).unsqueeze(1)  # one head: [N, 1, T, d]
+        return nn.functional.scaled_dot_product_attention(h, h, h).squeeze(1)
+
+
+def test_torch_func_performance_warnings_are_attributed():
+    """torch.func's "performance drop" warning (no batching rule for fused attention)
+    comes out once, naming the module and the fix, not as torch's bare warning."""
+    torch.manual_seed(0)
+    model, X, y = OwnAttention(4), torch.randn(N, 3, 4, dtype=DT), torch.randn(N, 3, 4, dtype=DT)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
+    check_against(model, reference, ["grad_batch"], "[own attention]")
+    texts = [str(w.message) for w in caught]
+    assert not any(t.startswith("There is a performance drop") for t in texts), texts
+    ours = [t for t in texts if "module type 'OwnAttention'" in t]
+    assert len(ours) == 1 and "scaled_dot_product" in ours[0] and "jacmem.register" in ours[0], texts
