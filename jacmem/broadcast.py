@@ -58,13 +58,14 @@ class Origin:
     padded with leading ones to the rank of the batched operand, then axis 0 expanded
     from 1 to ``N``); its gradient, once it arrives, is that use's per-sample gradient.
     ``on_unsafe(op)``: an op read it (or a view derived from it) in a way that may mix
-    the samples; ``unsafe`` lists those ops.
+    the samples; ``unsafe`` lists those ops, ``uses`` counts the expansions.
     """
 
     tensor: Tensor
     on_use: Callable[[Tensor], None]
     on_unsafe: Callable[[str], None] = lambda op: None
     unsafe: list[str] = field(default_factory=list)
+    uses: int = 0
 
 
 class _Watched(Tensor):
@@ -174,6 +175,7 @@ def _expand(origin: Origin, rank: int, n: int) -> Tensor:
     t = origin.tensor
     padded = t.reshape((1,) * (rank - t.dim()) + tuple(t.shape))
     expanded = padded.expand(n, *padded.shape[1:])
+    origin.uses += 1
     origin.on_use(expanded)
     return expanded
 

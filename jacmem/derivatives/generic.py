@@ -207,15 +207,20 @@ def _module_params(module: nn.Module, names: Sequence[str]) -> dict[str, Tensor]
 # -- the fallback ---------------------------------------------------------------------
 
 
+def normalises_over_batch(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is a BatchNorm that uses batch statistics (in
+    training mode, or without running statistics): there, the samples mix."""
+    return any(
+        isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or sub.running_mean is None)
+        for sub in module.modules()
+    )
+
+
 def _mixes_samples(module: nn.Module) -> bool:
     """Whether a recomputation one sample at a time could differ from the forward: some
     submodule holds buffers in training mode, or normalises with batch statistics."""
-    for sub in module.modules():
-        if sub.training and next(sub.buffers(recurse=False), None) is not None:
-            return True
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or sub.running_mean is None):
-            return True
-    return False
+    held = any(sub.training and next(sub.buffers(recurse=False), None) is not None for sub in module.modules())
+    return held or normalises_over_batch(module)
 
 
 #: marks, among the kept arguments, the slot of a batched tensor
