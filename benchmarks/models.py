@@ -113,6 +113,42 @@ class Transformer(nn.Module):
         return self.head(self.blocks(self.embed(x)).mean(1))
 
 
+class CausalLM(nn.Module):
+    """HF GPT-2 (``GPT2LMHeadModel``, tied embeddings, default ``[1, T]`` position ids),
+    random weights: token ids [N, T] -> logits [N, V, T], as ``nn.CrossEntropyLoss``
+    takes them against the next tokens [N, T]."""
+
+    def __init__(self, layers: int, d: int, heads: int, vocab: int, positions: int):
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        config = GPT2Config(
+            n_layer=layers, n_embd=d, n_head=heads, vocab_size=vocab, n_positions=positions,
+            bos_token_id=0, eos_token_id=0, attn_implementation="sdpa",
+        )  # fmt: skip
+        self.lm = GPT2LMHeadModel(config).eval()  # no dropout: every method computes the same function
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.lm(ids).logits.transpose(1, 2)
+
+
+def vit_tiny(quick: bool) -> nn.Module:
+    """timm's ``vit_tiny_patch16_224`` at 32x32 with 4x4 patches, 10 classes, random
+    weights (its own ``cls_token`` and ``pos_embed``; fused attention)."""
+    import timm
+
+    kwargs = dict(depth=1, embed_dim=16, num_heads=2) if quick else {}
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=32, patch_size=4, num_classes=10, **kwargs
+    ).eval()
+
+
+def _tokens(shape: tuple[int, ...], vocab: int) -> tuple[Tensor, Tensor]:
+    """Random token ids [N, T + 1]: the inputs, and the next tokens as targets."""
+    ids = torch.randint(0, vocab, (shape[0], shape[1] + 1))
+    return ids[:, :-1], ids[:, 1:]
+
+
 @dataclass(frozen=True)
 class Bench:
     """One benchmark problem: a model, a batch shape and a description."""
@@ -123,13 +159,18 @@ class Bench:
     #: extensions that jacmem runs here with each strategy, not only with auto
     #: (``--all-strategies``: all of them, everywhere)
     compare_strategies: tuple[str, ...] = ()
+    #: ``(quick, [N, ...]) -> (X, y)``: the batch; by default Gaussian inputs and 10 classes
+    data: Callable[[bool, tuple[int, ...]], tuple[Tensor, Tensor]] | None = None
 
     def build(self, quick: bool, batch: int | None = None) -> tuple[nn.Module, Tensor, Tensor]:
         """(model, X, y), the same in every process; ``batch`` overrides N."""
         torch.manual_seed(0)
         model = self.make(quick)
         shape = self.input_shape(quick)
-        X = torch.randn((batch or shape[0], *shape[1:]))
+        shape = (batch or shape[0], *shape[1:])
+        if self.data is not None:
+            return (model, *self.data(quick, shape))
+        X = torch.randn(shape)
         y = torch.randint(0, 10, (X.shape[0],))
         return model, X, y
 
@@ -189,5 +230,18 @@ MODELS: dict[str, Bench] = {
         lambda quick: Transformer(8 if quick else 32, 16 if quick else 128, 1 if quick else 2),
         lambda quick: (4 if quick else 64, 8 if quick else 64, 8 if quick else 32),
         compare_strategies=("BatchL2Grad",),  # ghost norm versus per-sample gradients
+    ),
+    "gpt2": Bench(
+        "HF GPT-2 (transformers' GPT2LMHeadModel, random init): 4 layers, d=256, 4 heads, vocabulary "
+        "2048, tied embeddings, default position ids, next-token loss; [16, T=128] token ids",
+        lambda quick: CausalLM(1, 16, 2, 64, 16) if quick else CausalLM(4, 256, 4, 2048, 128),
+        lambda quick: (2, 8) if quick else (16, 128),
+        data=lambda quick, shape: _tokens(shape, 64 if quick else 2048),
+    ),
+    "vit-tiny": Bench(
+        "timm ViT-tiny (vit_tiny_patch16_224, random init) at 32x32, patch 4: 12 blocks, d=192, 3 heads, "
+        "65 tokens; [32, 3, 32, 32]",
+        vit_tiny,
+        lambda quick: (2, 3, 32, 32) if quick else (32, 3, 32, 32),
     ),
 }

@@ -191,11 +191,15 @@ class extend:
                 self._names.setdefault(sub, name or type(sub).__name__)
             self._roots.append(weakref.ref(module))
         self._depth += 1
+        for engine in self._engines:
+            engine.on_enter(module)
 
     def _leave_module(self, module, args, output):
         if threading.get_ident() != self._owner:
             return
         self._depth = max(self._depth - 1, 0)
+        for engine in self._engines:
+            engine.on_leave(module, self._depth == 0)
         err = sys.exc_info()[1]
         if output is None and err is not None:  # the forward raised: say why, where we can
             self._explain_dtype(module, args, err)

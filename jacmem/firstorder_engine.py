@@ -58,6 +58,19 @@ class Staging:
         self.names: dict[int, str] = {}
 
 
+def _check_broadcast(rec: hooks.Record) -> None:
+    """A call on a batch of one whose output met the batch (:mod:`jacmem.broadcast`): its
+    uses' records are exact only where no other op read the output."""
+    ops = rec.broadcast.unsafe
+    if ops:
+        raise RuntimeError(
+            f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) ran on a batch of one, and its output met "
+            f"the batch, but was also read by {', '.join(dict.fromkeys(ops))}, which jacmem cannot follow per "
+            "sample: its per-sample quantities would mix the samples. Give its input the batch axis (e.g. "
+            "position_ids.expand(batch_size, -1)), or freeze its parameters."
+        )
+
+
 class FirstOrder(Engine):
     """First-order extensions for one block (the interface is :class:`jacmem.passes.Engine`)."""
 
@@ -73,6 +86,13 @@ class FirstOrder(Engine):
         self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # -- forward -------------------------------------------------------------------
+
+    def on_enter(self, module):
+        if module._parameters and tracked_name(module) is None:
+            self.recorder.enter(module, self.name(module))
+
+    def on_leave(self, module, outermost):
+        self.recorder.leave(module, outermost)
 
     def on_forward(self, module, args, kwargs, output):
         if tracked_name(module) is not None:
@@ -99,8 +119,11 @@ class FirstOrder(Engine):
         """A call's output gradients arrived: compute its quantities. Returns, for a
         call through :class:`hooks.ComputeOnce`, its parameters' summed gradients (the
         engine computed them), or None where the block does not extend this backward."""
-        if rec.thread != self.owner:
+        if rec.thread != self.owner or rec.void:
             return None  # a graph another thread built, or the block has ended: not this block's
+        if rec.broadcast is not None and rec.broadcast.uses:
+            _check_broadcast(rec)
+            return None  # the records of its uses give its per-sample quantities
         run = self.passes.state(self)
         if rec.missing:
             run.partial.append(rec)
@@ -220,12 +243,24 @@ class FirstOrder(Engine):
     def _warn_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """One warning per backward pass whose modules disagree on the batch size: a
         module whose axis 0 is not the batch (a sequence-first layer, a reshaped batch)
-        would otherwise get quantities per row of axis 0, silently."""
+        would otherwise get quantities per row of axis 0, silently. A module on a batch
+        of one beside larger batches is an error: its input was broadcast over the batch
+        in a way jacmem could not follow, and its "per-sample" quantities would be the
+        batch's sums."""
         by_size: dict[int, list[str]] = {}
         for key, n in sizes.items():
             by_size.setdefault(n, []).append(names[key])
         if len(by_size) < 2:
             return
+        if 1 in by_size:
+            largest = max(by_size)
+            raise RuntimeError(
+                f"jacmem: module(s) {listing(by_size[1])} ran on a batch of one while {listing(by_size[largest])} "
+                f"ran on {largest} samples in the same backward pass: their input was shared by the samples and "
+                "broadcast over the batch after them in a way jacmem cannot follow per sample, so their "
+                f"{', '.join(e.savefield for e in self.extensions)} would be the batch's sums. Give their input "
+                f"the batch axis (e.g. position_ids.expand({largest}, -1)), or freeze their parameters."
+            )
         seen = "; ".join(f"{n}: {listing(mods)}" for n, mods in by_size.items())
         warnings.warn(
             f"jacmem: the modules of one backward pass see different batch sizes ({seen}). Per-sample "

@@ -15,7 +15,7 @@ from __future__ import annotations
 import threading
 import weakref
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -23,6 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
+from jacmem.broadcast import Origin
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
 
@@ -61,7 +62,7 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "once", "__weakref__",
+        "release", "once", "broadcast", "void", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
@@ -92,6 +93,11 @@ class Record:
         self.release = weakref.finalize(self, _release, keys)
         #: whether the call runs through :class:`ComputeOnce`
         self.once = False
+        #: a call on a batch of one whose output is watched (:mod:`jacmem.broadcast`):
+        #: where it met the batch, records of its uses give the per-sample quantities
+        self.broadcast: Origin | None = None
+        #: a record to ignore: a use of a tensor whose other uses mixed the samples
+        self.void = False
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
@@ -142,9 +148,11 @@ def record(
     on_grad: OnGrad,
     handles: Handles | list[RemovableHandle],
     once: bool = False,
+    exclude: Collection[str] = (),
 ) -> tuple[Record | None, Any]:
-    """The forward-hook body: record this call if it has trainable parameters; returns
-    the record (or None), and the output, which is new where ``once`` lets the layer run
+    """The forward-hook body: record this call if it has trainable parameters (but those
+    in ``exclude``, whose uses are recorded apart: :func:`record_use`); returns the
+    record (or None), and the output, which is new where ``once`` lets the layer run
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
     gradients, or None).
 
@@ -153,8 +161,8 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    entry = lookup(module)
-    params = trainable(module, entry)
+    entry = lookup(module, args[0] if args else None, output)
+    params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
     if not params:
         return None, output
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
@@ -170,11 +178,36 @@ def record(
         rec.once = True
         rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
         return rec, fused
-    rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in params.items()}
+    _hook(rec, outputs, on_grad, handles)
+    return rec, output
+
+
+def record_use(
+    module: nn.Module,
+    name: str,
+    entry: LayerDerivatives,
+    params: dict[str, nn.Parameter],
+    x,
+    expanded: Tensor,
+    on_grad: OnGrad,
+    handles: Handles | list[RemovableHandle],
+) -> Record:
+    """A record of one use of a tensor broadcast over the batch (:mod:`jacmem.broadcast`):
+    a parameter of ``module`` read directly, or the output of a call on a batch of one
+    (``x``: that call's kept input, arranged, expanded to the batch); its per-sample
+    gradient arrives at ``expanded``."""
+    rec = Record(module, name, entry, params, None, [expanded])
+    rec.x = x
+    _hook(rec, [expanded], on_grad, handles)
+    return rec
+
+
+def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles) -> None:
+    """Hooks on ``outputs`` that hand ``rec`` to ``on_grad`` once all their gradients arrived."""
+    rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in rec.params.items()}
     for i, out in enumerate(outputs):
         handle = out.register_hook(_make_hook(rec, i, on_grad))
         (handles.add if isinstance(handles, Handles) else handles.append)(handle)
-    return rec, output
 
 
 def _make_hook(rec: Record, index: int, on_grad: OnGrad):

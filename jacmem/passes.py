@@ -26,6 +26,9 @@ Write = tuple[Any, str, Any]
 class Engine:
     """What a block asks of an engine. Every method is called in the block's thread.
 
+    - ``on_enter(module)``: a module's forward is about to run inside the block.
+    - ``on_leave(module, outermost)``: it ended, returning or raising (before
+      ``on_forward``); ``outermost``: no other module's forward is running.
     - ``on_forward(module, args, kwargs, output)``: a module's forward returned inside
       the block; return a replacement output, or None to keep it.
     - ``on_record(record)``: the output gradients of a call recorded by
@@ -41,6 +44,12 @@ class Engine:
     """
 
     handles: list = []
+
+    def on_enter(self, module) -> None:
+        pass
+
+    def on_leave(self, module, outermost: bool) -> None:
+        pass
 
     def on_forward(self, module, args: tuple, kwargs: dict, output) -> Any:
         return None

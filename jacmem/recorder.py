@@ -18,31 +18,124 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
+from torch import Tensor, nn
 
 from jacmem import compat, hooks
+from jacmem.broadcast import Origin, swap_in, watch
+from jacmem.derivatives import REGISTRY, registered_type
+from jacmem.derivatives.broadcast import use_entry
+from jacmem.derivatives.generic import normalises_over_batch
 
 
 class Recorder:
     """Records forward calls; ``close()`` removes every hook it set and frees the records.
 
     ``once``: let a layer run through :class:`jacmem.hooks.ComputeOnce` where the layer
-    allows it (``on_grad`` then returns its parameters' summed gradients)."""
+    allows it (``on_grad`` then returns its parameters' summed gradients).
+
+    Broadcasts over the batch are made explicit (:mod:`jacmem.broadcast`), so that what
+    meets the batch gets per-sample quantities without recomputing a module per sample:
+
+    * a module of no registered type reads its own trainable parameters as watched
+      views during its forward (:meth:`enter`, :meth:`leave`): each use that meets the
+      batch is recorded apart (:func:`jacmem.hooks.record_use`); if any use may mix the
+      samples, the views' uses are dropped and the module's own record (the generic
+      recomputation) covers them;
+    * a call on a batch of one, after calls on a larger batch (an embedding of ``[1, T]``
+      position ids), returns a watched view of its output: each use that meets the batch
+      is a record of the module with its input expanded to that batch.
+    """
 
     def __init__(self, on_grad: hooks.OnGrad, once: bool = False):
         self.on_grad = on_grad
         self.once = once
         self.tensor_handles = hooks.Handles()
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
+        #: the batch of the latest call on more than one sample, in the running forward of
+        #: the outermost module (a call on a batch of one after it may be broadcast)
+        self.batch = 1
+        #: module -> its parameters' origins and their use records, from enter to record
+        self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
+
+    def enter(self, module: nn.Module, name: str) -> None:
+        """Before ``module``'s forward: where its type is registered nowhere, its own
+        trainable parameters become watched views until :meth:`leave` (not where a
+        BatchNorm inside it mixes the samples)."""
+        if registered_type(REGISTRY, type(module)) is not None or module in self.direct:
+            return
+        if normalises_over_batch(module):
+            return
+        params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active():
+            return
+        uses: list[hooks.Record] = []
+
+        def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
+            entry = use_entry(pname, tuple(p.shape))
+            uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
+
+        origins = {n: Origin(p, functools.partial(on_use, n, p)) for n, p in params.items()}
+        restore = swap_in(module, {n: watch(o) for n, o in origins.items()})
+        self.direct[module] = (restore, origins, uses)
+
+    def leave(self, module: nn.Module, outermost: bool) -> None:
+        """After ``module``'s forward (however it ended): its parameters are back; after
+        the outermost module's, the next forward starts afresh."""
+        state = self.direct.get(module)
+        if state is not None:
+            state[0]()
+        if outermost:
+            self.batch = 1
+
+    def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
+        """The parameters of ``module`` whose uses in the forward just ended were each
+        recorded apart; those with a use that may have mixed the samples are left to the
+        module's own record (their use records are dropped)."""
+        state = self.direct.pop(module, None)
+        if state is None:
+            return ()
+        _, origins, uses = state
+        exact = tuple(n for n, o in origins.items() if not o.unsafe)
+        for rec in uses:
+            if next(iter(rec.params)) in exact:
+                self.records.add(rec)
+            else:
+                rec.void = True
+                rec.release()
+        return exact
+
+    @property
+    def _sink(self) -> tuple:
+        return self.on_grad, self.tensor_handles
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
         """Record one call; returns the output to use (new where it runs through
-        ComputeOnce), or None to keep it."""
-        rec, new = hooks.record(module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once)
+        ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
+        exclude = self._direct_uses(module)
+        rec, new = hooks.record(
+            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude
+        )
         if rec is None:
             return None
         self.records.add(rec)
+        n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
+        if n > 1:
+            self.batch = n
+        elif n == 1 and self.batch > 1 and isinstance(new, Tensor):
+            new = self._broadcast(rec, new)
         return None if new is output else new
+
+    def _broadcast(self, rec: hooks.Record, output: Tensor) -> Tensor:
+        """A watched view of ``output`` (a call on a batch of one): each use that meets
+        the batch records the call again, its input expanded to that batch."""
+
+        def on_use(expanded: Tensor) -> None:
+            rec.release()  # its uses give the per-sample quantities now
+            x = _expand_batch(rec.x, expanded.shape[0])
+            self.records.add(hooks.record_use(rec.module, rec.name, rec.entry, rec.params, x, expanded, *self._sink))
+
+        rec.broadcast = Origin(output, on_use)
+        return watch(rec.broadcast)
 
     def close(self) -> None:
         hooks.remove(self.tensor_handles)
@@ -50,6 +143,18 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _expand_batch(x, n: int):
+    """``x`` (a tensor, or tensors in tuples, lists and dicts) with each axis 0 of size
+    one expanded to ``n``, as a view."""
+    if isinstance(x, Tensor):
+        return x.expand(n, *x.shape[1:]) if x.dim() and x.shape[0] == 1 else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_expand_batch(t, n) for t in x)
+    if isinstance(x, dict):
+        return {k: _expand_batch(v, n) for k, v in x.items()}
+    return x
 
 
 class Tracker(Recorder):
@@ -64,10 +169,20 @@ class Tracker(Recorder):
             if next(module.parameters(recurse=False), None) is None:
                 continue
             self.names[module] = name or type(module).__name__
-            self.module_handles.append(module.register_forward_hook(self._on_forward, with_kwargs=True))
+            self.module_handles += [
+                module.register_forward_pre_hook(self._on_enter),
+                module.register_forward_hook(self._on_leave, always_call=True),
+                module.register_forward_hook(self._on_forward, with_kwargs=True),
+            ]
+
+    def _on_enter(self, module, args):
+        self.enter(module, self.names[module])
+
+    def _on_leave(self, module, args, output):
+        self.leave(module, module is self.model())
 
     def _on_forward(self, module, args, kwargs, output):
-        self.record(module, args, kwargs, output, self.names[module])
+        return self.record(module, args, kwargs, output, self.names[module])
 
     def close(self) -> None:
         hooks.remove(self.module_handles)

@@ -47,15 +47,23 @@ def _origin(fn: Callable) -> str:
     return getattr(fn, "__module__", None) or ""
 
 
-def builtin(module_type: type, entry: LayerDerivatives) -> bool:
-    """Whether this is a stock torch layer that jacmem itself ships a derivative for
-    (types registered by users stay out)."""
-    return module_type.__module__.startswith("torch.") and any(
+def builtin(module_type: type | str, entry: LayerDerivatives) -> bool:
+    """Whether this is a stock torch layer, or a library's layer known by its qualified
+    name, that jacmem itself ships a derivative for (types registered by users stay out)."""
+    return shipped(module_type) and any(
         _origin(s.fn).startswith("jacmem.") for table in entry.strategies.values() for s in table.values()
     )
 
 
-def layer_name(module_type: type) -> str:
+def shipped(module_type: type | str) -> bool:
+    """Whether jacmem ships this type's entry: torch's and :mod:`jacmem.nn`'s types, and
+    library types registered by qualified name (not those registered by users)."""
+    return isinstance(module_type, str) or module_type.__module__.startswith(("torch.", "jacmem.nn"))
+
+
+def layer_name(module_type: type | str) -> str:
+    if isinstance(module_type, str):
+        return module_type
     if module_type.__module__.startswith("torch.nn"):
         return f"nn.{module_type.__qualname__}"
     return f"{module_type.__module__}.{module_type.__qualname__}"
@@ -111,7 +119,7 @@ def table() -> str:
 def _names(types) -> str:
     """Markdown names of the stock module types among ``types``: torch's and
     :mod:`jacmem.nn`'s (not those registered by users)."""
-    stock = [t for t in types if t.__module__.startswith("torch.") or t.__module__ == "jacmem.nn"]
+    stock = [t for t in types if shipped(t)]
     return ", ".join(f"`{layer_name(t)}`" for t in stock)
 
 

@@ -117,8 +117,9 @@ def test_not_an_extension():
 
 
 class RunningScale(nn.Module):
-    """A trainable scale that also updates a running statistic in training mode, so a
-    per-sample recomputation could not reproduce its forward: [N, *] -> [N, *]."""
+    """A trainable scale, used through ``exp`` (which jacmem's explicit broadcast does not
+    follow), that also updates a running statistic in training mode, so a per-sample
+    recomputation could not reproduce its forward: [N, *] -> [N, *]."""
 
     def __init__(self):
         super().__init__()
@@ -128,7 +129,7 @@ class RunningScale(nn.Module):
     def forward(self, x):
         if self.training:
             self.running.mul_(0.9).add_(0.1 * x.detach().mean())
-        return x * self.scale
+        return x * self.scale.exp()
 
 
 def unsupported_net():

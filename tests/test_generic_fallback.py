@@ -126,7 +126,9 @@ def test_container_is_not_recorded_and_children_are():
             out = model(X)
             seen = sorted(type(r().module).__name__ for r in records)
             del out
-    assert seen == ["Linear", "Linear", "ScaledLinear"]
+    # ScaledLinear: the use of ``scale`` (a broadcast made explicit), and the fallback for
+    # ``shift`` (read as shift[0], which the broadcast does not follow)
+    assert seen == ["Linear", "Linear", "ScaledLinear", "ScaledLinear"]
     reference = per_sample_grads(model, X, y, mse, "sum")
     for flow in FLOWS:
         run_jacmem(model, X, y, mse, "sum", [jacmem.BatchGrad()], flow, strict=True)
@@ -134,17 +136,19 @@ def test_container_is_not_recorded_and_children_are():
 
 
 class WithBuffer(nn.Module):
-    """A parameter and a buffer that the forward updates in training mode."""
+    """A parameter, used in a matrix product (only a recomputation gives its per-sample
+    gradients), and a buffer that the forward updates in training mode."""
 
-    def __init__(self):
+    def __init__(self, broadcast: bool = False):
         super().__init__()
+        self.broadcast = broadcast
         self.weight = nn.Parameter(torch.randn(F_))
         self.register_buffer("seen", torch.zeros(()))
 
     def forward(self, x):
         if self.training:
             self.seen += 1
-        return x * self.weight
+        return x * self.weight if self.broadcast else x @ torch.diag(self.weight)
 
 
 class WithBatchNorm(nn.Module):
@@ -157,6 +161,18 @@ class WithBatchNorm(nn.Module):
 
     def forward(self, x):
         return self.norm(x * self.weight)
+
+
+def test_a_broadcast_parameter_needs_no_recomputation():
+    """The same module with its weight broadcast over the batch (``x * weight``): each use
+    of the weight is recorded apart, so the buffer it updates does not matter and
+    training mode works, exactly."""
+    model = nn.Sequential(nn.Linear(F_, F_), WithBuffer(broadcast=True)).double()
+    X, y = torch.randn(N, F_, dtype=torch.float64), torch.randn(N, F_, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    ctx = run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], strict=True)
+    check_against(model, reference, EXTENSIONS, "[broadcast weight]")
+    assert {d.chosen for d in ctx.plan.decisions.values() if d.module == "1"} == {"expand"}, ctx.explain()
 
 
 @pytest.mark.parametrize("cls", [WithBuffer, WithBatchNorm])
@@ -179,13 +195,16 @@ def test_refused_in_training_mode_works_in_eval(cls):
 
 
 class WithDropout(nn.Module):
+    """Dropout after a matrix product with its weight: the recomputation must repeat the
+    forward's random draws."""
+
     def __init__(self):
         super().__init__()
         self.weight = nn.Parameter(torch.randn(F_))
         self.drop = nn.Dropout(0.5)
 
     def forward(self, x):
-        return self.drop(x * self.weight)
+        return self.drop(x @ torch.diag(self.weight))
 
 
 def test_random_forward_raises_naming_the_fix():

@@ -69,6 +69,13 @@ def _cross_attention():
     return torch.randn(N, 4, 6, dtype=DT), torch.randn(N, 5, 3, dtype=DT), torch.randn(N, 5, 2, dtype=DT)
 
 
+def _hf_conv1d(nf: int, nx: int) -> nn.Module:
+    """HF transformers' ``Conv1D`` (GPT-2's linear layer, registered by qualified name)."""
+    from transformers.pytorch_utils import Conv1D
+
+    return Conv1D(nf, nx)
+
+
 def _eval_bn(module: nn.modules.batchnorm._BatchNorm) -> nn.Module:
     """Eval mode, with running statistics that are not the defaults."""
     module.running_mean.copy_(torch.randn(module.num_features))
@@ -84,6 +91,8 @@ CASES: dict[str, Case] = {
     "linear": Case(lambda: nn.Linear(4, 3), _float(N, 4)),
     "linear-seq": Case(lambda: nn.Linear(4, 3), _float(N, 5, 4)),
     "linear-seq2-nobias": Case(lambda: nn.Linear(4, 3, bias=False), _float(N, 2, 3, 4)),
+    "hf-conv1d": Case(lambda: _hf_conv1d(3, 4), _float(N, 4)),
+    "hf-conv1d-seq": Case(lambda: _hf_conv1d(3, 4), _float(N, 5, 4)),
     "conv1d-groups-stride": Case(lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), _float(N, 4, 9)),
     "conv1d-depthwise": Case(lambda: nn.Conv1d(3, 3, 3, groups=3, padding="same"), _float(N, 3, 7)),
     "conv2d": Case(lambda: nn.Conv2d(2, 3, 3), _float(N, 2, 6, 6)),

@@ -43,8 +43,9 @@ This package imports torch, einops and opt_einsum, and no other jacmem code.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor, nn
@@ -151,6 +152,11 @@ class LayerDerivatives:
         (``p.shape``) or per sample where ``batch`` (``[N, *p.shape]``), temporary
         memory under ``budget`` bytes; ``None`` where it does not apply to these
         inputs (the extension then repeats the inputs over ``V``).
+    recognise: ``(module, x, output) -> hyperparams or None``, for a module of no
+        registered type that may compute this layer's function (a subclass that
+        overrides ``forward``, as timm's ``LayerNorm``; HF's ``LlamaRMSNorm``): the
+        hyper-parameters where, on this call's kept input ``x``, the layer's function
+        gives ``output`` to rounding; ``None`` otherwise (see :func:`recognised`).
     strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
         of the module's own parameters, or the dotted name of a submodule's parameter
         that the module's forward uses itself (``MultiheadAttention`` calls its
@@ -168,6 +174,7 @@ class LayerDerivatives:
     compute_once: bool = False
     kronecker: Kronecker | None = None
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
+    recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
 
     @property
@@ -192,7 +199,10 @@ def detached(x: Any) -> Any:
     return x
 
 
-REGISTRY: dict[type, LayerDerivatives] = {}
+#: module type -> its entry; a key may also be a type's qualified name,
+#: ``"package.module.Class"`` (:func:`qualified_name`), for a type of a library that
+#: jacmem does not import (``"transformers.pytorch_utils.Conv1D"``)
+REGISTRY: dict[type | str, LayerDerivatives] = {}
 
 
 def layer(
@@ -208,6 +218,7 @@ def layer(
     compute_once: bool = False,
     kronecker: Kronecker | None = None,
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
+    recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type, and its optional
     capabilities (``kronecker``, ``squared_vjps``); returns its entry."""
@@ -222,6 +233,7 @@ def layer(
         for_module=for_module,
         kronecker=kronecker,
         squared_vjps=squared_vjps,
+        recognise=recognise,
     )
     for field_name, value in given.items():
         if value is not None:
@@ -272,19 +284,25 @@ def stands_for(module_type: type) -> type | None:
     return None
 
 
-def registered_type(table: Mapping[type, Any], module_type: type) -> type | None:
-    """The key of ``table`` whose entry describes ``module_type``: the type itself; else
-    the stock type it :func:`stands_for`; else its nearest base class in ``table``,
-    where the subclass keeps that class's ``forward`` (so its math is the same); else
-    ``None``. Every registry of jacmem (first-order, Jacobians, losses) looks up
-    through this one rule."""
+def qualified_name(module_type: type) -> str:
+    """``"package.module.Class"``, as a registry key for a type jacmem does not import."""
+    return f"{module_type.__module__}.{module_type.__qualname__}"
+
+
+def registered_type(table: Mapping[type | str, Any], module_type: type) -> type | str | None:
+    """The key of ``table`` whose entry describes ``module_type``: the type itself (or its
+    :func:`qualified_name`); else the stock type it :func:`stands_for`; else its nearest
+    base class in ``table``, where the subclass keeps that class's ``forward`` (so its
+    math is the same); else ``None``. Every registry of jacmem (first-order, Jacobians,
+    losses) looks up through this one rule."""
     forward = module_type.forward
     for cls in module_type.__mro__:
         stock = cls.__dict__.get("stands_for")
-        if cls in table or stock is not None:
+        key = cls if cls in table else qualified_name(cls)
+        if key in table or stock is not None:
             if cls.forward is not forward:
                 return None
-            return cls if cls in table else registered_type(table, stock)
+            return key if key in table else registered_type(table, stock)
     return None
 
 
@@ -296,14 +314,17 @@ def forward_of(module: nn.Module) -> Callable:
     return module.forward if stock is None else stock.forward.__get__(module)
 
 
-def lookup(module: nn.Module) -> LayerDerivatives | None:
-    """The entry for ``module``'s type (:func:`registered_type`); otherwise the generic
-    fallback for the module's own parameters (:func:`generic.fallback`), or ``None``
-    where that does not apply either. Raises ``ValueError`` where a parameter name
-    registered for the type is not one of the module's (see :func:`register`)."""
+def lookup(module: nn.Module, x: Any = None, output: Any = None) -> LayerDerivatives | None:
+    """The entry for ``module``'s type (:func:`registered_type`); otherwise, given a call's
+    kept input ``x`` and ``output``, the entry of a layer whose function it computes
+    (:func:`recognised`); otherwise the generic fallback for the module's own parameters
+    (:func:`generic.fallback`), or ``None`` where that does not apply either. Raises
+    ``ValueError`` where a parameter name registered for the type is not one of the
+    module's (see :func:`register`)."""
     cls = registered_type(REGISTRY, type(module))
     if cls is None:
-        return generic.fallback(module)
+        found = None if output is None else recognised(module, x, output)
+        return found or generic.fallback(module)
     entry = REGISTRY[cls]
     if entry.for_module is not None:
         entry = entry.for_module(module)
@@ -312,6 +333,26 @@ def lookup(module: nn.Module) -> LayerDerivatives | None:
         check_names(module, cls, entry)
         _CHECKED[key] = _VERSION[0]
     return entry
+
+
+#: module -> the entry :func:`recognised` found for it (``None``: none), on its first call
+_RECOGNISED: weakref.WeakKeyDictionary[nn.Module, LayerDerivatives | None] = weakref.WeakKeyDictionary()
+
+
+def recognised(module: nn.Module, x: Any, output: Any) -> LayerDerivatives | None:
+    """The entry of the registered layer whose function ``module`` computes, as its
+    ``recognise`` verifies on the module's first call (input ``x``, ``output``), with the
+    hyper-parameters found then; ``None`` where no layer's does. One check per module:
+    a forward of the candidate's function, without a graph."""
+    if module not in _RECOGNISED:
+        found = None
+        for entry in REGISTRY.values():
+            hp = None if entry.recognise is None else entry.recognise(module, x, output)
+            if hp is not None:
+                found = replace(entry, hyperparams=lambda m, hp=hp: hp, recognise=None)
+                break
+        _RECOGNISED[module] = found
+    return _RECOGNISED[module]
 
 
 #: registrations so far; a lookup checks names again after any
@@ -335,7 +376,7 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
     return leaf in sub._parameters or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
 
 
-def check_names(module: nn.Module, module_type: type, entry: LayerDerivatives) -> None:
+def check_names(module: nn.Module, module_type: type | str, entry: LayerDerivatives) -> None:
     """Raise ``ValueError`` if a parameter name registered for ``module_type`` is not
     one of ``module``'s, naming the type, the bad name and the names it has."""
     bad = sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
@@ -343,7 +384,7 @@ def check_names(module: nn.Module, module_type: type, entry: LayerDerivatives) -
         names = [n for n, _ in module.named_parameters()]
         raise ValueError(
             f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
-            f"derivative is registered for it (for {module_type.__name__}); its parameters are {names}. "
+            f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are {names}. "
             "Register the derivative under one of those names"
         )
 

@@ -151,7 +151,7 @@ def _vmap_all(x, g, names, *, module: nn.MultiheadAttention, batch_first: bool, 
         return (out.squeeze(b), *([weights.squeeze(0)] if len(gs) == 2 else []))
 
     params = {n: module.get_parameter(n) for n in names}
-    return per_sample_vjp(run, params, (q, k, v, key_padding_mask, attn_mask), gs)
+    return per_sample_vjp(run, params, (q, k, v, key_padding_mask, attn_mask), gs, "nn.MultiheadAttention")
 
 
 def _outer_all(x, g, names, *, module: nn.MultiheadAttention, dropout: float, **_):

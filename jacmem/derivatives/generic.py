@@ -39,6 +39,8 @@ taken its own.
 
 from __future__ import annotations
 
+import re
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from math import prod
@@ -131,6 +133,7 @@ def per_sample_vjp(
     params: dict[str, Tensor],
     batched: tuple,
     g: Any,
+    what: str,
 ) -> dict[str, Tensor]:
     """Per-sample vector-Jacobian products w.r.t. ``params``.
 
@@ -138,6 +141,8 @@ def per_sample_vjp(
         ``batched`` (``None`` stays ``None``), batch axis removed; its output (a tensor
         or a tuple of them) matches ``g`` with the batch axis removed.
     batched: tensors ``[N, ...]`` or ``None``. g: tensor or tuple of tensors ``[N, ...]``.
+    what: what is recomputed (``"module type 'Attention'"``), for the warning that says
+        so where torch.func has no batching rule for one of its ops (:func:`_attributed`).
     Returns ``{name: [N, *params[name].shape]}``.
     """
     in_dims = tuple(None if t is None else 0 for t in batched)
@@ -148,8 +153,9 @@ def per_sample_vjp(
         return pull(g_n)[0]
 
     try:
-        with torch.no_grad():  # no graph outside the transform
-            return vmap(one, in_dims=(in_dims, 0))(batched, g)
+        with torch.no_grad(), warnings.catch_warnings(record=True) as caught:  # no graph outside the transform
+            warnings.simplefilter("always")
+            out = vmap(one, in_dims=(in_dims, 0))(batched, g)
     except RuntimeError as err:
         if "random" not in str(err):
             raise
@@ -158,6 +164,35 @@ def per_sample_vjp(
             "recomputation cannot reproduce it; put the random submodules in eval mode (or set "
             "their dropout to 0), or register a derivative with jacmem.register(...)"
         ) from err
+    _attributed(caught, what)
+    return out
+
+
+#: torch.func's warning for an op it runs sample by sample, for want of a batching rule
+_NO_BATCHING_RULE = re.compile(r"not yet implemented the batching rule for (\S+?)\.")
+#: (what, op) already warned about, so that a long training run warns once
+_WARNED: set[tuple[str, str]] = set()
+
+
+def _attributed(caught: list, what: str) -> None:
+    """Warnings raised inside a recomputation, passed on; torch.func's "performance drop"
+    warnings become one naming what jacmem recomputed, the ops, and the fix (once per op)."""
+    ops = []
+    for w in caught:
+        found = _NO_BATCHING_RULE.search(str(w.message))
+        if found is None:
+            warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        elif (what, found[1]) not in _WARNED:
+            _WARNED.add((what, found[1]))
+            ops.append(found[1])
+    if ops:
+        warnings.warn(
+            f"jacmem: {what} has no derivative of its own, so its per-sample gradients are recomputed with "
+            f"torch.func, which has no batching rule for {', '.join(ops)} and runs it sample by sample (slow). "
+            "Register a derivative for it (jacmem.register), or freeze its parameters.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
 
 
 def track(t: Tensor) -> Tensor:
@@ -172,15 +207,20 @@ def _module_params(module: nn.Module, names: Sequence[str]) -> dict[str, Tensor]
 # -- the fallback ---------------------------------------------------------------------
 
 
+def normalises_over_batch(module: nn.Module) -> bool:
+    """Whether ``module`` or a submodule is a BatchNorm that uses batch statistics (in
+    training mode, or without running statistics): there, the samples mix."""
+    return any(
+        isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or sub.running_mean is None)
+        for sub in module.modules()
+    )
+
+
 def _mixes_samples(module: nn.Module) -> bool:
     """Whether a recomputation one sample at a time could differ from the forward: some
     submodule holds buffers in training mode, or normalises with batch statistics."""
-    for sub in module.modules():
-        if sub.training and next(sub.buffers(recurse=False), None) is not None:
-            return True
-        if isinstance(sub, nn.modules.batchnorm._BatchNorm) and (sub.training or sub.running_mean is None):
-            return True
-    return False
+    held = any(sub.training and next(sub.buffers(recurse=False), None) is not None for sub in module.modules())
+    return held or normalises_over_batch(module)
 
 
 #: marks, among the kept arguments, the slot of a batched tensor
@@ -236,7 +276,8 @@ def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module) -> dict[st
             )
         return tuple(o.squeeze(0) for o in outs)
 
-    return per_sample_vjp(run, _module_params(module, names), batched, gs)
+    what = f"module type {type(module).__name__!r}"
+    return per_sample_vjp(run, _module_params(module, names), batched, gs, what)
 
 
 def numel(shapes: Any) -> int:

@@ -1,6 +1,8 @@
-"""nn.Linear on inputs of any rank.
+"""nn.Linear on inputs of any rank, and HF transformers' ``Conv1D`` (GPT-2's linear layer).
 
-Shapes: ``x [N, *, I]``, ``g [N, *, O]``, ``weight [O, I]``, ``bias [O]``. The middle
+Shapes: ``x [N, *, I]``, ``g [N, *, O]``, ``weight [O, I]``, ``bias [O]``. ``Conv1D``
+computes ``x @ weight + bias`` with ``weight [I, O]``: the transposed layout, the same
+math; it is registered by its qualified name, so transformers is never imported. The middle
 axes ``*`` (a sequence, say) are flattened to one axis ``T``; each sample's gradient sums
 over them.
 
@@ -18,6 +20,9 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from jacmem.derivatives import Cost, Kronecker, layer, register
+
+#: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
+CONV1D = "transformers.pytorch_utils.Conv1D"
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -79,9 +84,35 @@ def weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
 
 
 @register(nn.Linear, "bias", "batch_grad", "sum")
+@register(CONV1D, "bias", "batch_grad", "sum")
 def bias_batch_grad(x, g: Tensor) -> Tensor:
     """Per-sample bias gradients: [N, *, O] -> [N, O]"""
     return _flat(g).sum(1)
+
+
+# -- HF Conv1D: weight [I, O] --------------------------------------------------------
+
+
+@register(CONV1D, "weight", "batch_grad", "outer", cost=_outer_cost, writes_out=True)
+def conv1d_weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
+    """Per-sample gradients Σ_t x_t g_tᵀ: [N, *, I], [N, *, O] -> [N, I, O], written
+    into ``out`` where given"""
+    return torch.bmm(_flat(x).transpose(1, 2), _flat(g), out=out)
+
+
+@register(CONV1D, "weight", "grad", "direct", cost=_outer_cost)
+def conv1d_weight_grad(x: Tensor, g: Tensor) -> Tensor:
+    """Summed gradient: [N, *, I], [N, *, O] -> [I, O]"""
+    return torch.einsum("nti,nto->io", _flat(x), _flat(g))
+
+
+register(CONV1D, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)  # a norm: layout-free
+
+
+@register(CONV1D, "weight", "sum_grad_squared", "squares", cost=_squares_cost)
+def conv1d_weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
+    """Σ_n (x_n g_nᵀ)²: [N, I], [N, O] -> [I, O]"""
+    return torch.einsum("ni,no->io", _flat(x).squeeze(1).square(), _flat(g).squeeze(1).square())
 
 
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
@@ -132,3 +163,5 @@ def jac_t(xs, out, S: Tensor, *, weight: Tensor):
 
 
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
+passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
+layer(CONV1D, input_free=("bias",), compute_once=True)

@@ -33,10 +33,13 @@ behaviour for every extension is easier to reason about than BackPACK's split.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from math import prod
+from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.nn import functional as F
 
 from jacmem.derivatives import Cost, Kronecker, layer, register
 
@@ -179,6 +182,36 @@ for _module in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):
             "Kronecker factorisation (BackPACK has none either)"
         ),
     )
+
+
+def _recognise(center: bool) -> Callable[[nn.Module, Any, Any], dict | None]:
+    """LayerNorm's (RMSNorm's, without ``center``) ``recognise``: a module whose only
+    parameters are ``weight`` (and, centred, ``bias``) over the input's trailing axes,
+    with ``eps`` or ``variance_epsilon`` (HF's name), whose output on this call equals
+    ``F.layer_norm`` (``F.rms_norm``) of its input to rounding."""
+
+    def recognise(module: nn.Module, x: Any, output: Any) -> dict | None:
+        params = dict(module.named_parameters(recurse=False))
+        weight, bias = params.pop("weight", None), params.pop("bias", None)
+        eps = getattr(module, "eps", getattr(module, "variance_epsilon", None))
+        plain = isinstance(x, Tensor) and isinstance(output, Tensor) and x.shape == output.shape
+        if params or weight is None or (bias is not None and not center) or not isinstance(eps, float) or not plain:
+            return None
+        shape = tuple(weight.shape)
+        if x.shape[x.dim() - len(shape) :] != shape or (bias is not None and bias.shape != weight.shape):
+            return None
+        with torch.no_grad():
+            ref = F.layer_norm(x, shape, weight, bias, eps) if center else F.rms_norm(x, shape, weight, eps)
+            tol = 8 * torch.finfo(output.dtype).eps
+            scale = max(float(output.abs().max()), 1.0)
+            if not torch.allclose(ref.to(output.dtype), output, rtol=tol, atol=tol * scale):
+                return None
+        return dict(eps=eps, center=center, trailing=len(shape), groups=None, running=None, batch_statistics=False)
+
+    return recognise
+
+
+layer(nn.LayerNorm, recognise=_recognise(center=True))
 if _RMS_NORM is not None:  # a weight, and no bias
-    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams)
+    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams, recognise=_recognise(center=False))
     register(_RMS_NORM, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)
