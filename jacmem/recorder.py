@@ -41,9 +41,10 @@ class Recorder:
       batch is recorded apart (:func:`jacmem.hooks.record_use`); if any use may mix the
       samples, the views' uses are dropped and the module's own record (the generic
       recomputation) covers them;
-    * a call on a batch of one, after calls on a larger batch (an embedding of ``[1, T]``
-      position ids), returns a watched view of its output: each use that meets the batch
-      is a record of the module with its input expanded to that batch.
+    * a call on a batch of one, after calls on a larger batch in the same outermost
+      forward, or on integer ids (an embedding of ``[1, T]`` position ids), returns a
+      watched view of its output: each use that meets the batch is a record of the
+      module with its input expanded to that batch.
     """
 
     def __init__(self, on_grad: hooks.OnGrad, once: bool = False):
@@ -121,7 +122,7 @@ class Recorder:
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
-        elif n == 1 and self.batch > 1 and isinstance(new, Tensor):
+        elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
             new = self._broadcast(rec, new)
         return None if new is output else new
 
@@ -143,6 +144,13 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _indices(x) -> bool:
+    """Whether the kept input is an integer tensor (an embedding's ids, as ``[1, T]``
+    position ids; first of a tuple), which may be broadcast over a batch that comes later."""
+    first = x[0] if isinstance(x, (tuple, list)) and x else x
+    return isinstance(first, Tensor) and not (first.is_floating_point() or first.is_complex())
 
 
 def _expand_batch(x, n: int):

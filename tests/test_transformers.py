@@ -206,3 +206,48 @@ def test_torch_func_performance_warnings_are_attributed():
     assert not any(t.startswith("There is a performance drop") for t in texts), texts
     ours = [t for t in texts if "module type 'OwnAttention'" in t]
     assert len(ours) == 1 and "scaled_dot_product" in ours[0] and "jacmem.register" in ours[0], texts
+
+
+class SharedPositions(nn.Module):
+    """Token and position embeddings, the positions ``[1, T]`` shared by the batch;
+    ``use`` says how the position embedding meets the tokens'."""
+
+    def __init__(self, use: str):
+        super().__init__()
+        self.use = use
+        self.tok, self.pos = nn.Embedding(V, 4), nn.Embedding(T, 4)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, ids):  # [N, T] -> [N, 3, T]
+        pos = self.pos(torch.arange(ids.shape[1])[None])  # [1, T, 4]
+        if self.use == "add":
+            h = self.tok(ids) + pos
+        elif self.use == "slice-add":
+            h = self.tok(ids) + pos[:, : ids.shape[1]].to(DT)
+        else:  # squeezed: the batch axis is gone before the broadcast
+            h = self.tok(ids) + pos.squeeze(0)
+        return self.head(h).transpose(1, 2)
+
+
+@pytest.mark.parametrize("use", ["add", "slice-add"])
+def test_position_ids_shared_by_the_batch_are_exact(use):
+    torch.manual_seed(0)
+    model, (X, y) = SharedPositions(use).to(DT), tokens(None)
+    y = torch.randint(0, 3, (N, T))
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    for flow in ("inside", "track"):
+        run_jacmem(model, X, y, cross_entropy, "mean", EXTENSIONS, flow)
+        check_against(model, reference, SAVEFIELDS, f"[{use} {flow}]")
+
+
+def test_a_broadcast_jacmem_cannot_follow_raises_naming_the_module_and_the_fix():
+    """``pos.squeeze(0)`` drops the batch axis before the broadcast: the per-sample
+    quantities of ``pos`` cannot be told apart, so the backward raises, writes nothing,
+    and names the module and the fix, with or without strict."""
+    torch.manual_seed(0)
+    model, (X, _) = SharedPositions("squeeze").to(DT), tokens(None)
+    y = torch.randint(0, 3, (N, T))
+    for strict in (False, True):
+        with pytest.raises(RuntimeError, match=r"'pos'.*batch of one.*expand"):
+            run_jacmem(model, X, y, cross_entropy, "mean", EXTENSIONS, strict=strict)
+        assert not any(hasattr(p, "grad_batch") for p in model.parameters())
