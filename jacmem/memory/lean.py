@@ -18,7 +18,8 @@ BatchNorm1d/2d/3d       in eval mode with a frozen weight: no input; otherwise
 ReLU                    a 1-bit mask instead of the float output, unless a
                         lean layer reading the output keeps it anyway
 Dropout                 the RNG seed instead of the mask
-MaxPool1d/2d/3d         the indices, not the input
+MaxPool1d/2d/3d         the argmax's offset in its window (1 byte up to 256
+                        window elements), not the input nor int64 indices
 ======================  ======================================================
 
 Where the stock op keeps nothing more than the gradients asked for need, the lean
@@ -223,7 +224,7 @@ class LeanDropout(nn.Dropout):
 
 
 class _LeanMaxPoolNd:
-    """Mixin for MaxPool1d/2d/3d: keeps the indices only."""
+    """Mixin for MaxPool1d/2d/3d: keeps the argmax offsets only (see :class:`MaxPoolFunction`)."""
 
     _dims: int
 
