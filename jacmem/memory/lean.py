@@ -34,6 +34,7 @@ nothing at all.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import weakref
 from collections.abc import Iterable
 
@@ -50,6 +51,7 @@ from jacmem.memory.functions import (
     MaxPoolFunction,
     ReLUFunction,
 )
+from jacmem.memory.transformer import LinearOfActFunction, NormFunction, hf_attention
 
 
 def _same_totals(module: nn.modules.conv._ConvNd) -> list:
@@ -239,6 +241,94 @@ class _LeanMaxPoolNd:
         return (out, idx) if self.return_indices else out
 
 
+# -- transformer layers ----------------------------------------------------------------
+
+#: the attribute a lean GELU/SiLU output carries, for a lean Linear that reads it: (the
+#: activation's input, the activation as a function, the input's and the output's version
+#: counters then)
+_ACTIVATION = "_jacmem_activation"
+
+
+def _readers_keep(producer: nn.Module) -> bool:
+    """Whether any lean layer that read ``producer``'s output so far keeps it."""
+    readers = _READERS.get(producer)
+    return readers is not None and any(r._keeps_input() for r in readers)
+
+
+class _LeanNorm:
+    """Mixin for LayerNorm and RMSNorm: where a lean layer reading the output keeps it
+    anyway (a Linear with a trainable weight, a LoRA adapter's down-projection), keeps
+    that output and the per-row rstd instead of the input (:class:`NormFunction`
+    rebuilds ``x̂ = (y - b) / w``; a weight with a zero entry runs the stock layer).
+    RMSNorm otherwise keeps its input and rstd (stock's composite keeps the input and the
+    normalised input). LayerNorm otherwise runs the stock op (input, mean, rstd)."""
+
+    _rms: bool
+
+    def _keeps_input(self) -> bool:
+        return True  # the stock op keeps it, and so may this one (a ReLU before it keeps its output)
+
+    def forward(self, input: Tensor) -> Tensor:
+        _read(self, input)
+        params = [p for p in (self.weight, getattr(self, "bias", None)) if p is not None]
+        if not (torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params))):
+            return super().forward(input)
+        if input.dtype not in (torch.float32, torch.float64) or any(p.dtype != input.dtype for p in params):
+            return super().forward(input)
+        shared = _readers_keep(self) and (self.weight is None or not bool((self.weight == 0).any()))
+        if shared or self._rms:
+            d = len(self.normalized_shape)
+            if tuple(input.shape[-d:]) != tuple(self.normalized_shape):
+                return super().forward(input)  # let the stock layer raise its error
+            eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
+            bias = getattr(self, "bias", None)
+            out = NormFunction.apply(input, self.weight, bias, d, eps, self._rms, "output" if shared else "input")
+        else:
+            out = super().forward(input)
+        setattr(out, _PRODUCER, (self, out._version))
+        return out
+
+
+class _LeanActivation:
+    """Mixin for GELU and SiLU: the stock op (it keeps its input), whose output tells a
+    lean Linear that reads it how to recompute it from that input, so that the Linear
+    keeps no copy of it (:class:`LinearOfActFunction`)."""
+
+    def _keeps_input(self) -> bool:
+        return True
+
+    def _function(self):
+        if isinstance(self, nn.GELU):
+            return functools.partial(F.gelu, approximate=self.approximate)
+        return F.silu
+
+    def forward(self, input: Tensor) -> Tensor:
+        _read(self, input)
+        out = super().forward(input)
+        if torch.is_grad_enabled() and input.requires_grad and out is not input:
+            setattr(out, _ACTIVATION, (input, self._function(), input._version, out._version))
+        return out
+
+
+class _LeanLinear:
+    """Mixin for Linear: the stock op (with a frozen weight it keeps no input already),
+    except after a lean GELU or SiLU with a trainable weight: then it keeps the
+    activation's input (which the activation keeps anyway) instead of its output, and
+    recomputes the activation for the weight's gradient."""
+
+    def _keeps_input(self) -> bool:
+        return self.weight.requires_grad
+
+    def forward(self, input: Tensor) -> Tensor:
+        _read(self, input)
+        tag = getattr(input, _ACTIVATION, None)
+        if tag is not None and self.weight.requires_grad and torch.is_grad_enabled():
+            pre, function, pre_version, version = tag
+            if pre._version == pre_version and input._version == version:
+                return LinearOfActFunction.apply(input, pre.detach(), function, self.weight, self.bias)
+        return super().forward(input)
+
+
 def _lean_type(base: type, mixin: type, **attrs) -> type:
     name = "Lean" + base.__name__
     doc = f"``nn.{base.__name__}`` that keeps only what the gradients asked for need; see :mod:`jacmem.memory.lean`."
@@ -257,6 +347,11 @@ LeanBatchNorm3d = _lean_type(nn.BatchNorm3d, _LeanBatchNorm)
 LeanMaxPool1d = _lean_type(nn.MaxPool1d, _LeanMaxPoolNd, _dims=1)
 LeanMaxPool2d = _lean_type(nn.MaxPool2d, _LeanMaxPoolNd, _dims=2)
 LeanMaxPool3d = _lean_type(nn.MaxPool3d, _LeanMaxPoolNd, _dims=3)
+LeanLayerNorm = _lean_type(nn.LayerNorm, _LeanNorm, _rms=False)
+LeanRMSNorm = _lean_type(nn.RMSNorm, _LeanNorm, _rms=True)
+LeanGELU = _lean_type(nn.GELU, _LeanActivation)
+LeanSiLU = _lean_type(nn.SiLU, _LeanActivation)
+LeanLinear = _lean_type(nn.Linear, _LeanLinear)
 
 #: stock type -> lean type
 LEAN: dict[type, type] = {
@@ -274,6 +369,11 @@ LEAN: dict[type, type] = {
     nn.MaxPool1d: LeanMaxPool1d,
     nn.MaxPool2d: LeanMaxPool2d,
     nn.MaxPool3d: LeanMaxPool3d,
+    nn.LayerNorm: LeanLayerNorm,
+    nn.RMSNorm: LeanRMSNorm,
+    nn.GELU: LeanGELU,
+    nn.SiLU: LeanSiLU,
+    nn.Linear: LeanLinear,
 }
 STOCK: dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
 
@@ -335,7 +435,30 @@ def lean(model: nn.Module, types: Iterable[type] | None = None) -> nn.Module:
     for module in model.modules():
         if type(module) in wanted:
             module.__class__ = LEAN[type(module)]
+    if types is None:
+        _hf_attention(model, lean=True)
     return model
+
+
+#: the name jacmem's attention has in transformers' attention registry
+HF_ATTENTION = "jacmem_lean"
+
+
+def _hf_attention(model: nn.Module, lean: bool) -> None:
+    """transformers models choose their attention by ``config._attn_implementation``:
+    ``lean`` switches "sdpa" and "eager" to :func:`jacmem.memory.transformer.hf_attention`
+    (registered as ``HF_ATTENTION``), ``unlean`` switches back."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    for config in configs.values():
+        current = getattr(config, "_attn_implementation", None)
+        if lean and current in ("sdpa", "eager"):
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(HF_ATTENTION, hf_attention)
+            config._jacmem_attention = current
+            config._attn_implementation = HF_ATTENTION
+        elif not lean and current == HF_ATTENTION:
+            config._attn_implementation = config.__dict__.pop("_jacmem_attention", "sdpa")
 
 
 def unlean(model: nn.Module) -> nn.Module:
@@ -344,6 +467,7 @@ def unlean(model: nn.Module) -> nn.Module:
         stock = STOCK.get(type(module))
         if stock is not None:
             module.__class__ = stock
+    _hf_attention(model, lean=False)
     return model
 
 
