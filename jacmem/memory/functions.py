@@ -47,7 +47,8 @@ class ConvFunction(torch.autograd.Function):
     """``torch.convolution`` (plain or transposed) with a frozen weight: x [N, C_in, *S_in],
     weight [C_out, C_in/G, *K] (transposed: [C_in, C_out/G, *K]), bias [C_out] ->
     [N, C_out, *S_out]. Keeps the weight (for x's gradient) and no x: x's gradient is
-    the adjoint convolution of the output's, the bias's its sum.
+    stock's ``convolution_backward`` of the output's (bit for bit stock's), the bias's
+    its sum.
     """
 
     @staticmethod
@@ -55,7 +56,7 @@ class ConvFunction(torch.autograd.Function):
         if ctx.needs_input_grad[1]:
             raise RuntimeError("ConvFunction is for a frozen weight; call the stock convolution for a trainable one")
         ctx.conf = (stride, padding, dilation, transposed, output_padding, groups)
-        ctx.x_shape = x.shape
+        ctx.x_layout = (x.shape, x.stride())
         ctx.save_for_backward(weight if ctx.needs_input_grad[0] else None)
         return torch.convolution(x, weight, bias, stride, padding, dilation, transposed, output_padding, groups)
 
@@ -63,22 +64,19 @@ class ConvFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad):
         (weight,) = ctx.saved_tensors
-        gx = _conv_adjoint(grad, weight, ctx.x_shape, *ctx.conf) if ctx.needs_input_grad[0] else None
+        gx = None
+        if ctx.needs_input_grad[0]:
+            # stock's kernel, which reads x for its shape and layout only: on CPU an
+            # uninitialised buffer of x's strides (its pages are never touched, so never
+            # resident), elsewhere a zero-stride view
+            shape, strides = ctx.x_layout
+            if grad.device.type == "cpu":
+                like = torch.empty_strided(shape, strides, dtype=grad.dtype)
+            else:
+                like = grad.new_empty(()).expand(shape)
+            gx = torch.ops.aten.convolution_backward(grad, like, weight, None, *ctx.conf, [True, False, False])[0]
         gb = grad.sum([0, *range(2, grad.dim())]) if ctx.needs_input_grad[2] else None
         return gx, None, gb, None, None, None, None, None, None
-
-
-def _conv_adjoint(grad, weight, x_shape, stride, padding, dilation, transposed, output_padding, groups):
-    """The input gradient of a (transposed) convolution: grad [N, C_out, *S_out] -> [N, C_in, *S_in],
-    by the transposed (plain) convolution with the same weight."""
-    if transposed:
-        return torch.convolution(grad, weight, None, stride, padding, dilation, False, [0] * len(stride), groups)
-    # the transposed convolution's output size, less the rows that stride skipped
-    extra = [
-        x - ((g - 1) * s - 2 * p + d * (k - 1) + 1)
-        for x, g, s, p, d, k in zip(x_shape[2:], grad.shape[2:], stride, padding, dilation, weight.shape[2:])
-    ]
-    return torch.convolution(grad, weight, None, stride, padding, dilation, True, extra, groups)
 
 
 # -- batch norm in eval mode ---------------------------------------------------------
