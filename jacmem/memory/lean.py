@@ -22,6 +22,16 @@ MaxPool1d/2d/3d         the argmax's offset in its window (1 byte up to 256
                         window elements), not the input nor int64 indices
 ======================  ======================================================
 
+torch.compile: inside a compiled region every lean layer runs its stock ``forward``, so
+a lean model compiles with the graph breaks of the stock one (none, for these layers).
+What is kept is then decided by the compiler: AOTAutograd partitions the joint
+forward/backward graph itself, saving some tensors and recomputing cheap elementwise
+ops, and it would re-decide whatever a lean layer chose. The lean Functions cannot be
+traced as they are: ReLU's mask loop is a ctypes call, dropout draws its seed as a
+Python int, and a norm checks its weight for zeros (a data-dependent branch); each is a
+graph break (``torch._dynamo.explain`` counted 4-7 on small models). Lean layers save
+memory in eager mode.
+
 Where the stock op keeps nothing more than the gradients asked for need, the lean
 layer calls it, so it costs no time: a Python ``autograd.Function`` (with its
 overhead) runs only where it keeps less.
@@ -121,6 +131,8 @@ class _LeanConvNd:
         return self.padding != "same" or not any(t % 2 for t in _same_totals(self))
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not _frozen_weight_needs_lean(self.weight, self.bias, input):
             return super().forward(input)
@@ -141,6 +153,8 @@ class _LeanConvTransposeNd:
         return self.weight.requires_grad
 
     def forward(self, input: Tensor, output_size: list | None = None) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input, output_size)
         _read(self, input)
         if not _frozen_weight_needs_lean(self.weight, self.bias, input):
             return super().forward(input, output_size)
@@ -177,6 +191,8 @@ class _LeanBatchNorm:
         return not self._eval_stats() or (self.weight is not None and self.weight.requires_grad)
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not (self._eval_stats() and _frozen_weight_needs_lean(self.weight, self.bias, input)):
             return super().forward(input)
@@ -200,6 +216,8 @@ class LeanReLU(nn.ReLU):
     """
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         if not (torch.is_grad_enabled() and input.requires_grad):
             return super().forward(input)
         readers = _READERS.get(self)
@@ -219,6 +237,8 @@ class LeanDropout(nn.Dropout):
         return False
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not (self.training and 0 < self.p < 1):
             return super().forward(input)
@@ -234,6 +254,8 @@ class _LeanMaxPoolNd:
         return False
 
     def forward(self, input: Tensor):
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         out, idx = MaxPoolFunction.apply(
             input, self._dims, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode
@@ -269,6 +291,8 @@ class _LeanNorm:
         return True  # the stock op keeps it, and so may this one (a ReLU before it keeps its output)
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         params = [p for p in (self.weight, getattr(self, "bias", None)) if p is not None]
         if not (torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params))):
@@ -303,6 +327,8 @@ class _LeanActivation:
         return F.silu
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         out = super().forward(input)
         if torch.is_grad_enabled() and input.requires_grad and out is not input:
@@ -320,6 +346,8 @@ class _LeanLinear:
         return self.weight.requires_grad
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         tag = getattr(input, _ACTIVATION, None)
         if tag is not None and self.weight.requires_grad and torch.is_grad_enabled():

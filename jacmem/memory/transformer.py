@@ -195,7 +195,8 @@ def attention(q, k, v, mask=None, dropout_p: float = 0.0, scale: float | None = 
     q, k, v, the row log-sum-exp and a dropout seed (see :class:`AttentionFunction`).
     Without dropout the stock op runs (its backend keeps what it needs, no more)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    if dropout_p == 0 or not torch.is_grad_enabled() or not (q.requires_grad or k.requires_grad or v.requires_grad):
+    needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if dropout_p == 0 or not needs_grad or torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale)
     return AttentionFunction.apply(q, k, v, mask, dropout_p, scale, is_causal)
 
