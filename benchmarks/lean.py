@@ -575,27 +575,33 @@ def main(argv: list[str] | None = None) -> dict:
 
 #: how to read the tables; the measured figures are above them
 NOTES: list[str] = [
-    "For reference, memsave (Bhatia & Dangel) reports ResNet-101 with input-only gradients at 7.83 -> 1.42 GB "
-    "(5.5x) on a GPU. Where lean saves memory: conv/convT and eval-mode BatchNorm keep no input for a frozen "
-    "weight; ReLU keeps 1 bit per element; dropout keeps a seed; max pooling keeps its int64 indices and no "
-    "input. Where it cannot: a trainable conv or linear layer keeps its input, so in `all` the ReLU outputs stay "
-    "(the next conv keeps them). A lean ReLU then keeps its output as stock does (it learns, in its first "
-    "forward pass, which lean layers read its output, and asks them at each pass whether they keep it); "
-    "`jacmem.memory.report` shows which case a model is in.",
+    "memsave's figures (Bhatia & Dangel's poster, as quoted in issue 18) are lean/stock saved activations on "
+    "their own models and a GPU: ResNet-101 input-only with BatchNorm in eval 0.18x, EfficientNet-v2-L 0.39x, "
+    "T5 0.88x, Mistral-7B 0.94x; the issue names the setting for the first only. Compare them with the graph "
+    "column (what autograd keeps at the end of the forward, counted per storage), which does not depend on the "
+    "allocator; the peak column adds the backward pass's own buffers and the allocator's behaviour.",
     "",
-    "Time: where the stock op keeps nothing more than the gradients need (a trainable conv or BatchNorm weight, "
-    "nothing to differentiate, a ReLU whose reader keeps its output), lean calls the stock op and costs nothing. "
-    "What it adds elsewhere: (1) ReLU's bit mask. On CPU two loops compiled from C at first use "
-    "(`jacmem/memory/kernels.py`) compute the output and its bits in one pass (0.60 ms for 2M floats, against "
-    "0.58 ms for `torch.relu` alone) and apply the bits to the gradient in one (0.72 ms, against 0.89 ms for "
-    "stock's ReLU backward); with stock ops (CUDA, other dtypes, no C compiler) the packing took three passes "
-    "and the unpacking two, and `norm` measured 1.08-1.11x stock. (2) About 10-25 us of Python per lean "
-    "autograd.Function call, forward and backward (ReLU 9 us forward and 8 us backward over stock's), about 1% "
-    "of the CNN's step at 40-60 calls. Dropout draws its mask twice, with `uniform_` into the output's own "
-    "buffer; each draw costs about half of stock's `bernoulli_`, so dropout costs about what stock's does. "
-    "Ratios from a shared machine moved by a few percent between runs (the quartiles show the spread within "
-    "one; runs of the CNN's `norm` alone gave 1.03 to 1.06, of `surgical` 1.02 to 1.06); no GPU was available to measure CUDA. "
-    "`lean(model, types=...)` leaves ReLU stock where its time matters more than its memory.",
+    "Where lean saves memory: conv/convT and eval-mode BatchNorm keep no input for a frozen weight; ReLU keeps "
+    "1 bit per element; dropout keeps a seed; max pooling keeps each argmax as a 1-byte offset in its window. "
+    "LayerNorm/RMSNorm keep their output and a rstd per row where the next layer (a trainable Linear, a LoRA "
+    "down-projection) keeps that output anyway; a trainable Linear after GELU/SiLU keeps no copy of the "
+    "activation's output (it recomputes it from the input the activation keeps); HF attention with dropout "
+    "keeps q, k, v, a log-sum-exp and a seed instead of the softmax, the dropout mask and the dropped softmax "
+    "(BERT's sdpa path with dropout runs the math backend on CPU, which keeps all three). Where it cannot: a "
+    "trainable conv or Linear keeps its input (so in `all` the ReLU outputs stay); a GELU/SiLU keeps its "
+    "input for its own gradient; in the LLaMA-style block the SwiGLU product `silu(gate) * up` is a functional "
+    "multiply that keeps both of its operands (no module for lean to replace), and SDPA's flash backend keeps "
+    "q, k, v and its output: that is why its `input` and `lora` rows save little (memsave: 0.94x on Mistral).",
+    "",
+    "Time: the ratios are medians of per-pair ratios, stock and lean steps alternated in one process (CPU time "
+    "of the process), on a 2-core machine shared with three other jobs (load average about 3 during the run); "
+    "runs of the same case moved by a few percent. Where the stock op keeps nothing more than the gradients "
+    "need, lean calls it and costs nothing. What it adds elsewhere: ReLU's bit mask (two loops compiled from "
+    "C, each one pass), about 10-25 us of Python per lean autograd.Function call forward and backward (ResNet-50 "
+    "has about 150 such calls in `input`), dropout drawing its mask twice with `uniform_`, a Linear after GELU "
+    "recomputing the GELU in backward, and attention recomputing the softmax in backward (about 3% of a "
+    "BERT-base layer's FLOPs). `lean(model, types=...)` leaves a layer type stock where its time matters more "
+    "than its memory.",
 ]
 
 if __name__ == "__main__":

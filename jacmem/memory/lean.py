@@ -20,7 +20,27 @@ ReLU                    a 1-bit mask instead of the float output, unless a
 Dropout                 the RNG seed instead of the mask
 MaxPool1d/2d/3d         the argmax's offset in its window (1 byte up to 256
                         window elements), not the input nor int64 indices
+LayerNorm, RMSNorm      where a lean layer reading the output keeps it (a
+                        trainable Linear, a LoRA down-projection): that output
+                        and a rstd per row, not the input (x̂ = (y - b) / w;
+                        a zero weight entry runs the stock op); RMSNorm
+                        otherwise its input and rstd (stock: input and x̂)
+GELU, SiLU              the stock op (it keeps its input), telling a lean
+                        Linear that reads its output how to recompute it
+Linear                  the stock op (a frozen weight keeps no input already);
+                        after a lean GELU/SiLU with a trainable weight, no
+                        copy of the activation's output: it keeps the
+                        activation's input, which the activation keeps anyway
+(HF attention)          transformers models using "sdpa" or "eager" attention
+                        switch to jacmem's (config._attn_implementation): with
+                        dropout, q, k, v, the row log-sum-exp and a seed, not
+                        the softmax, the mask and the dropped softmax
 ======================  ======================================================
+
+Frozen ``nn.Embedding`` and frozen ``nn.Linear`` keep nothing of their input in stock
+PyTorch already (tests/test_memory_transformer.py checks it); a LoRA adapter (frozen
+Linear + trainable low-rank pair) then keeps only its down-projection's input, which
+a lean norm before it shares.
 
 torch.compile: inside a compiled region every lean layer runs its stock ``forward``, so
 a lean model compiles with the graph breaks of the stock one (none, for these layers).

@@ -193,10 +193,12 @@ def _sum_to(t, shape):
 def attention(q, k, v, mask=None, dropout_p: float = 0.0, scale: float | None = None, is_causal: bool = False):
     """``F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale)`` that keeps
     q, k, v, the row log-sum-exp and a dropout seed (see :class:`AttentionFunction`).
-    Without dropout the stock op runs (its backend keeps what it needs, no more)."""
+    Without dropout, or with a mask that needs a gradient, the stock op runs (its
+    backend keeps what it needs, no more)."""
     scale = q.shape[-1] ** -0.5 if scale is None else scale
     needs_grad = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    if dropout_p == 0 or not needs_grad or torch.compiler.is_compiling():
+    learned_mask = mask is not None and mask.requires_grad  # a position bias: its gradient is stock's business
+    if dropout_p == 0 or not needs_grad or learned_mask or torch.compiler.is_compiling():
         return F.scaled_dot_product_attention(q, k, v, mask, dropout_p, is_causal, scale=scale)
     return AttentionFunction.apply(q, k, v, mask, dropout_p, scale, is_causal)
 
@@ -207,7 +209,7 @@ def hf_attention(module, query, key, value, attention_mask, dropout: float = 0.0
     if key.shape[1] != query.shape[1]:  # grouped-query attention: repeat the key/value heads
         reps = query.shape[1] // key.shape[1]
         key, value = key.repeat_interleave(reps, 1), value.repeat_interleave(reps, 1)
-    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", False))
+    causal = bool(is_causal if is_causal is not None else getattr(module, "is_causal", True))  # as HF's sdpa
     causal = causal and attention_mask is None and query.shape[2] > 1
     if attention_mask is not None and attention_mask.dim() == 4:
         attention_mask = attention_mask[:, :, :, : key.shape[-2]]
