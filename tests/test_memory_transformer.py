@@ -312,3 +312,24 @@ def test_hf_bert_lean_matches_stock():
         for n in grads[0]:
             torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
     assert unlean(leaned).config._attn_implementation == "sdpa"
+
+
+def test_extend_batch_grad_through_lean_norm_and_activation_linear():
+    """jacmem.extend(BatchGrad()) on lean LayerNorm -> Linear -> GELU -> Linear equals it
+    on the stock model (the Linear after the GELU keeps the GELU's input, not its output)."""
+    import jacmem
+
+    torch.manual_seed(0)
+    stock = nn.Sequential(_randomised(nn.LayerNorm(6)), nn.Linear(6, 8), nn.GELU(), nn.Linear(8, 3))
+    leaned = lean(copy.deepcopy(stock))
+    x, y = torch.randn(5, 6), torch.randint(0, 3, (5,))
+    grads = []
+    for model in (stock, leaned):
+        for _ in range(2):  # the second pass: lean layers know their readers
+            for p in model.parameters():
+                p.grad = None
+            with jacmem.extend(jacmem.BatchGrad()):
+                F.cross_entropy(model(x), y).backward()
+        grads.append({n: p.grad_batch for n, p in model.named_parameters()})
+    for n in grads[0]:
+        torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
