@@ -25,6 +25,7 @@ def _models():
     return [("cnn", cnn, torch.randn(2, 3, 10, 10)), ("transformer mlp", mlp, torch.randn(2, 5, 8))]
 
 
+@pytest.mark.heavy  # compiling takes a few seconds per model on CPU
 @pytest.mark.parametrize("case", range(2), ids=["cnn", "transformer mlp"])
 def test_lean_compiles_without_graph_breaks_and_matches_stock(case):
     name, stock, x = _models()[case]
