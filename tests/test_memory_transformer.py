@@ -113,13 +113,20 @@ def test_norm_keeps_output_where_the_linear_keeps_it(rms):
     assert type(unlean(leaned).norm) in (nn.LayerNorm, nn.RMSNorm)
 
 
-def test_norm_with_a_zero_weight_runs_stock():
-    stock = NormThen(_randomised(nn.LayerNorm(6)), 6)
+@pytest.mark.parametrize("rms", [False, True])
+def test_norm_with_a_zero_weight_keeps_its_input(rms):
+    """x̂ cannot be rebuilt from the output where a weight entry is 0: the input is kept
+    (LayerNorm: the stock op), and the gradients are stock's."""
+    stock = NormThen(_randomised(nn.RMSNorm(6) if rms else nn.LayerNorm(6)), 6)
     with torch.no_grad():
         stock.norm.weight[2] = 0
     leaned = _compare_every_pattern(stock, torch.randn(4, 6))
     x = torch.randn(4, 6, requires_grad=True)
-    assert any(t.op == "NativeLayerNormBackward0" for t in report(leaned, x).tensors)
+    slots = {(t.op, t.slot) for t in report(leaned, x, lean=False).tensors}
+    if rms:
+        assert ("NormFunctionBackward", "saved_tensors[0]") in slots  # keep="input": x * 1
+    else:
+        assert ("NativeLayerNormBackward0", "input") in slots
 
 
 @pytest.mark.parametrize("act", [nn.GELU(), nn.GELU("tanh"), nn.SiLU()], ids=["gelu", "gelu-tanh", "silu"])
@@ -312,6 +319,28 @@ def test_hf_bert_lean_matches_stock():
         for n in grads[0]:
             torch.testing.assert_close(grads[1][n], grads[0][n], rtol=1e-9, atol=1e-12, msg=n)
     assert unlean(leaned).config._attn_implementation == "sdpa"
+
+
+def test_hf_bert_lean_with_dropout_runs_attention_function():
+    """Train mode with dropout: the attention runs AttentionFunction (its node is in the
+    graph), backward gives finite gradients for every parameter, and the attention
+    modules keep less than stock's."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.BertConfig(
+        vocab_size=50, hidden_size=16, num_hidden_layers=1, num_attention_heads=2, intermediate_size=32
+    )
+    torch.manual_seed(0)
+    stock = transformers.BertModel(cfg, add_pooling_layer=False).double().train()
+    leaned = lean(copy.deepcopy(stock))
+    ids = torch.randint(0, 50, (2, 7))
+    leaned(ids)
+    r = report(leaned, ids, lean=False)
+    assert any(t.op == "AttentionFunctionBackward" for t in r.tensors)
+    leaned(ids).last_hidden_state.pow(2).sum().backward()
+    assert all(p.grad is not None and bool(torch.isfinite(p.grad).all()) for p in leaned.encoder.parameters())
+    name = "encoder.layer.0.attention.self"
+    kept = {m.name: m.bytes for m in r.modules}[name]
+    assert kept < {m.name: m.bytes for m in report(stock, ids, lean=False).modules}[name]
 
 
 def test_extend_batch_grad_through_lean_norm_and_activation_linear():
