@@ -59,3 +59,14 @@ def test_conv_bn_relu(capsys):
     assert leaned.saved_bytes == depth * -(-act // 4 // 8) + head_input  # 1 bit per element
     assert result["grad_diff"] < 1e-5
     assert out.count("peak RSS: before n/a, after n/a") == 2  # --quick measures no RSS
+
+
+def test_transformer_finetune(capsys):
+    import pytest
+
+    pytest.importorskip("transformers")
+    result, out = _run("memory_transformer_finetune", capsys)
+    before, after = result["before"], result["after"]
+    assert after.saved_bytes == before.lean_saved_bytes  # the report's forecast is what lean keeps
+    assert after.saved_bytes < 0.6 * before.saved_bytes
+    assert "Largest savers" in out and "encoder.layer.0" in out and "memsave on T5" in out

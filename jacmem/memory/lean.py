@@ -18,8 +18,39 @@ BatchNorm1d/2d/3d       in eval mode with a frozen weight: no input; otherwise
 ReLU                    a 1-bit mask instead of the float output, unless a
                         lean layer reading the output keeps it anyway
 Dropout                 the RNG seed instead of the mask
-MaxPool1d/2d/3d         the indices, not the input
+MaxPool1d/2d/3d         the argmax's offset in its window (1 byte up to 256
+                        window elements), not the input nor int64 indices
+LayerNorm, RMSNorm      where a lean layer reading the output keeps it (a
+                        trainable Linear, a LoRA down-projection): that output
+                        and a rstd per row, not the input (x̂ = (y - b) / w;
+                        a zero weight entry runs the stock op); RMSNorm
+                        otherwise its input and rstd (stock: input and x̂)
+GELU, SiLU              the stock op (it keeps its input), telling a lean
+                        Linear that reads its output how to recompute it
+Linear                  the stock op (a frozen weight keeps no input already);
+                        after a lean GELU/SiLU with a trainable weight, no
+                        copy of the activation's output: it keeps the
+                        activation's input, which the activation keeps anyway
+(HF attention)          transformers models using "sdpa" or "eager" attention
+                        switch to jacmem's (config._attn_implementation): with
+                        dropout, q, k, v, the row log-sum-exp and a seed, not
+                        the softmax, the mask and the dropped softmax
 ======================  ======================================================
+
+Frozen ``nn.Embedding`` and frozen ``nn.Linear`` keep nothing of their input in stock
+PyTorch already (tests/test_memory_transformer.py checks it); a LoRA adapter (frozen
+Linear + trainable low-rank pair) then keeps only its down-projection's input, which
+a lean norm before it shares.
+
+torch.compile: inside a compiled region every lean layer runs its stock ``forward``, so
+a lean model compiles with the graph breaks of the stock one (none, for these layers).
+What is kept is then decided by the compiler: AOTAutograd partitions the joint
+forward/backward graph itself, saving some tensors and recomputing cheap elementwise
+ops, and it would re-decide whatever a lean layer chose. The lean Functions cannot be
+traced as they are: ReLU's mask loop is a ctypes call, dropout draws its seed as a
+Python int, and a norm checks its weight for zeros (a data-dependent branch); each is a
+graph break (``torch._dynamo.explain`` counted 4-7 on small models). Lean layers save
+memory in eager mode.
 
 Where the stock op keeps nothing more than the gradients asked for need, the lean
 layer calls it, so it costs no time: a Python ``autograd.Function`` (with its
@@ -33,6 +64,7 @@ frozen lean layer keeps nothing at all. Nothing is registered for the lean types
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Iterable
 
@@ -47,6 +79,7 @@ from jacmem.memory.functions import (
     MaxPoolFunction,
     ReLUFunction,
 )
+from jacmem.memory.transformer import LinearOfActFunction, NormFunction, hf_attention
 
 
 def _same_totals(module: nn.modules.conv._ConvNd) -> list:
@@ -116,6 +149,8 @@ class _LeanConvNd:
         return self.padding != "same" or not any(t % 2 for t in _same_totals(self))
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not _frozen_weight_needs_lean(self.weight, self.bias, input):
             return super().forward(input)
@@ -136,6 +171,8 @@ class _LeanConvTransposeNd:
         return self.weight.requires_grad
 
     def forward(self, input: Tensor, output_size: list | None = None) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input, output_size)
         _read(self, input)
         if not _frozen_weight_needs_lean(self.weight, self.bias, input):
             return super().forward(input, output_size)
@@ -172,6 +209,8 @@ class _LeanBatchNorm:
         return not self._eval_stats() or (self.weight is not None and self.weight.requires_grad)
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not (self._eval_stats() and _frozen_weight_needs_lean(self.weight, self.bias, input)):
             return super().forward(input)
@@ -197,6 +236,8 @@ class LeanReLU(nn.ReLU):
     stands_for = nn.ReLU
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         if not (torch.is_grad_enabled() and input.requires_grad):
             return super().forward(input)
         readers = _READERS.get(self)
@@ -218,6 +259,8 @@ class LeanDropout(nn.Dropout):
         return False
 
     def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         if not (self.training and 0 < self.p < 1):
             return super().forward(input)
@@ -225,7 +268,7 @@ class LeanDropout(nn.Dropout):
 
 
 class _LeanMaxPoolNd:
-    """Mixin for MaxPool1d/2d/3d: keeps the indices only."""
+    """Mixin for MaxPool1d/2d/3d: keeps the argmax offsets only (see :class:`MaxPoolFunction`)."""
 
     _dims: int
 
@@ -233,11 +276,107 @@ class _LeanMaxPoolNd:
         return False
 
     def forward(self, input: Tensor):
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
         _read(self, input)
         out, idx = MaxPoolFunction.apply(
             input, self._dims, self.kernel_size, self.stride, self.padding, self.dilation, self.ceil_mode
         )
         return (out, idx) if self.return_indices else out
+
+
+# -- transformer layers ----------------------------------------------------------------
+
+#: the attribute a lean GELU/SiLU output carries, for a lean Linear that reads it: (the
+#: activation's input, the activation as a function, the input's and the output's version
+#: counters then)
+_ACTIVATION = "_jacmem_activation"
+
+
+def _readers_keep(producer: nn.Module) -> bool:
+    """Whether any lean layer that read ``producer``'s output so far keeps it."""
+    readers = _READERS.get(producer)
+    return readers is not None and any(r._keeps_input() for r in readers)
+
+
+class _LeanNorm:
+    """Mixin for LayerNorm and RMSNorm: where a lean layer reading the output keeps it
+    anyway (a Linear with a trainable weight, a LoRA adapter's down-projection), keeps
+    that output and the per-row rstd instead of the input (:class:`NormFunction`
+    rebuilds ``x̂ = (y - b) / w``; a weight with a zero entry runs the stock layer).
+    RMSNorm otherwise keeps its input and rstd (stock's composite keeps the input and the
+    normalised input). LayerNorm otherwise runs the stock op (input, mean, rstd)."""
+
+    _rms: bool
+
+    def _keeps_input(self) -> bool:
+        return True  # the stock op keeps it, and so may this one (a ReLU before it keeps its output)
+
+    def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
+        _read(self, input)
+        params = [p for p in (self.weight, getattr(self, "bias", None)) if p is not None]
+        if not (torch.is_grad_enabled() and (input.requires_grad or any(p.requires_grad for p in params))):
+            return super().forward(input)
+        if input.dtype not in (torch.float32, torch.float64) or any(p.dtype != input.dtype for p in params):
+            return super().forward(input)
+        shared = _readers_keep(self) and (self.weight is None or not bool((self.weight == 0).any()))
+        if shared or self._rms:
+            d = len(self.normalized_shape)
+            if tuple(input.shape[-d:]) != tuple(self.normalized_shape):
+                return super().forward(input)  # let the stock layer raise its error
+            eps = self.eps if self.eps is not None else torch.finfo(input.dtype).eps
+            bias = getattr(self, "bias", None)
+            out = NormFunction.apply(input, self.weight, bias, d, eps, self._rms, "output" if shared else "input")
+        else:
+            out = super().forward(input)
+        setattr(out, _PRODUCER, (self, out._version))
+        return out
+
+
+class _LeanActivation:
+    """Mixin for GELU and SiLU: the stock op (it keeps its input), whose output tells a
+    lean Linear that reads it how to recompute it from that input, so that the Linear
+    keeps no copy of it (:class:`LinearOfActFunction`)."""
+
+    def _keeps_input(self) -> bool:
+        return True
+
+    def _function(self):
+        if isinstance(self, nn.GELU):
+            return functools.partial(F.gelu, approximate=self.approximate)
+        return F.silu
+
+    def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
+        _read(self, input)
+        out = super().forward(input)
+        if torch.is_grad_enabled() and input.requires_grad and out is not input:
+            setattr(out, _ACTIVATION, (input, self._function(), input._version, out._version))
+        return out
+
+
+class _LeanLinear:
+    """Mixin for Linear: the stock op (with a frozen weight it keeps no input already),
+    except after a lean GELU or SiLU with a trainable weight: then it keeps the
+    activation's input (which the activation keeps anyway) instead of its output, and
+    recomputes the activation for the weight's gradient."""
+
+    def _keeps_input(self) -> bool:
+        return self.weight.requires_grad
+
+    def forward(self, input: Tensor) -> Tensor:
+        if torch.compiler.is_compiling():  # see "torch.compile" in the module docstring
+            return super().forward(input)
+        _read(self, input)
+        tag = getattr(input, _ACTIVATION, None)
+        if tag is not None and self.weight.requires_grad and torch.is_grad_enabled():
+            pre, function, pre_version, version = tag
+            if pre._version == pre_version and input._version == version:
+                return LinearOfActFunction.apply(input, pre.detach(), function, self.weight, self.bias)
+        return super().forward(input)
 
 
 def _lean_type(base: type, mixin: type, **attrs) -> type:
@@ -258,6 +397,11 @@ LeanBatchNorm3d = _lean_type(nn.BatchNorm3d, _LeanBatchNorm)
 LeanMaxPool1d = _lean_type(nn.MaxPool1d, _LeanMaxPoolNd, _dims=1)
 LeanMaxPool2d = _lean_type(nn.MaxPool2d, _LeanMaxPoolNd, _dims=2)
 LeanMaxPool3d = _lean_type(nn.MaxPool3d, _LeanMaxPoolNd, _dims=3)
+LeanLayerNorm = _lean_type(nn.LayerNorm, _LeanNorm, _rms=False)
+LeanRMSNorm = _lean_type(nn.RMSNorm, _LeanNorm, _rms=True)
+LeanGELU = _lean_type(nn.GELU, _LeanActivation)
+LeanSiLU = _lean_type(nn.SiLU, _LeanActivation)
+LeanLinear = _lean_type(nn.Linear, _LeanLinear)
 
 #: stock type -> lean type
 LEAN: dict[type, type] = {
@@ -277,6 +421,11 @@ LEAN: dict[type, type] = {
         LeanMaxPool1d,
         LeanMaxPool2d,
         LeanMaxPool3d,
+        LeanLayerNorm,
+        LeanRMSNorm,
+        LeanGELU,
+        LeanSiLU,
+        LeanLinear,
     )
 }
 STOCK: dict[type, type] = {lean_type: stock for stock, lean_type in LEAN.items()}
@@ -308,7 +457,30 @@ def lean(model: nn.Module, types: Iterable[type] | None = None) -> nn.Module:
     for module in model.modules():
         if type(module) in wanted:
             module.__class__ = LEAN[type(module)]
+    if types is None:
+        _hf_attention(model, lean=True)
     return model
+
+
+#: the name jacmem's attention has in transformers' attention registry
+HF_ATTENTION = "jacmem_lean"
+
+
+def _hf_attention(model: nn.Module, lean: bool) -> None:
+    """transformers models choose their attention by ``config._attn_implementation``:
+    ``lean`` switches "sdpa" and "eager" to :func:`jacmem.memory.transformer.hf_attention`
+    (registered as ``HF_ATTENTION``), ``unlean`` switches back."""
+    configs = {id(c): c for m in model.modules() if (c := getattr(m, "config", None)) is not None}
+    for config in configs.values():
+        current = getattr(config, "_attn_implementation", None)
+        if lean and current in ("sdpa", "eager"):
+            from transformers import AttentionInterface
+
+            AttentionInterface.register(HF_ATTENTION, hf_attention)
+            config._jacmem_attention = current
+            config._attn_implementation = HF_ATTENTION
+        elif not lean and current == HF_ATTENTION:
+            config._attn_implementation = config.__dict__.pop("_jacmem_attention", "sdpa")
 
 
 def unlean(model: nn.Module) -> nn.Module:
@@ -317,4 +489,5 @@ def unlean(model: nn.Module) -> nn.Module:
         stock = STOCK.get(type(module))
         if stock is not None:
             module.__class__ = stock
+    _hf_attention(model, lean=False)
     return model

@@ -133,6 +133,22 @@ class ModuleRow:
     wasted: int = 0  #: storages that every saver keeps for no computed gradient
     input_bytes: int = 0  #: activation storages among the inputs of its calls
     ops: Counter = field(default_factory=Counter)
+    #: gradient -> bytes of this module's storages that it reads ("input", or a parameter's name)
+    kept_for: Counter = field(default_factory=Counter)
+    #: what the same module keeps after ``jacmem.memory.lean`` (None: not measured)
+    lean_bytes: int | None = None
+
+
+@dataclass
+class BlockRow:
+    """A repeated block (a member of an ``nn.ModuleList`` or ``nn.Sequential`` with
+    submodules of its own): what it keeps, and what checkpointing it would keep."""
+
+    name: str
+    type: str
+    bytes: int  #: activation storages first saved inside the block
+    input_bytes: int  #: activation storages among its inputs: what ``checkpoint`` keeps instead
+    checkpoint_saves: int  #: ``bytes - input_bytes`` (at least 0), at the cost of one more forward of it
 
 
 class MemoryReport:
@@ -150,6 +166,35 @@ class MemoryReport:
         self.parameter_bytes, self.trainable_bytes = parameter_bytes, trainable_bytes
         self.output_bytes, self.input_bytes = output_bytes, input_bytes
         self.suggestions: list[str] = suggestions
+        self.blocks: list[BlockRow] = []  #: repeated blocks, largest checkpoint saving first
+        self.lean_saved_bytes: int | None = None  #: :attr:`saved_bytes` of a lean copy (None: not measured)
+
+    def savers(self, top: int = 10) -> list[dict[str, Any]]:
+        """The modules where the most can be saved, largest first: for each, what it keeps
+        (bytes), what for (gradient -> bytes), what a lean copy of it keeps, and what
+        checkpointing the repeated block that contains it would save (the whole block's
+        figure)."""
+        blocks = sorted(self.blocks, key=lambda b: -len(b.name))
+        rows = []
+        for m in self.modules:
+            if not m.bytes:
+                continue
+            block = next((b for b in blocks if m.name == b.name or m.name.startswith(b.name + ".")), None)
+            lean_saves = m.bytes - m.lean_bytes if m.lean_bytes is not None else 0
+            rows.append(
+                {
+                    "module": m.name,
+                    "type": m.type,
+                    "bytes": m.bytes,
+                    "kept_for": dict(m.kept_for.most_common()),
+                    "lean_bytes": m.lean_bytes,
+                    "lean_saves": lean_saves,
+                    "block": block.name if block else None,
+                    "checkpoint_saves": block.checkpoint_saves if block else 0,
+                }
+            )
+        rows.sort(key=lambda r: (-r["lean_saves"], -r["bytes"]))
+        return rows[:top]
 
     def _storages(self, kinds=("activation",)) -> dict[Key, list[SavedTensor]]:
         out: dict[Key, list[SavedTensor]] = {}
@@ -189,10 +234,13 @@ class MemoryReport:
                 "input_bytes": self.input_bytes,
                 "saved_tensors": len(self.tensors),
             },
-            "modules": [{**asdict(m), "ops": dict(m.ops)} for m in self.modules],
+            "modules": [{**asdict(m), "ops": dict(m.ops), "kept_for": dict(m.kept_for)} for m in self.modules],
             "ops": [{"op": op, "tensors": n, "bytes": b} for op, n, b in self.by_op()],
             "tensors": [asdict(t) for t in self.tensors],
             "suggestions": list(self.suggestions),
+            "blocks": [asdict(b) for b in self.blocks],
+            "lean_saved_bytes": self.lean_saved_bytes,
+            "savers": self.savers(),
         }
 
     def table(self, top: int = 12) -> str:
@@ -235,6 +283,36 @@ class MemoryReport:
                 lines.append(f"  {t.module}: {t.op}.{t.slot} {list(t.shape)} {t.dtype} {fmt_bytes(t.nbytes)}: {t.why}")
             if len(wasted) > top:
                 lines.append(f"  ... {len(wasted) - top} more")
+        savers = self.savers(top)
+        if savers:
+            lean_total = (
+                f" (a lean copy keeps {fmt_bytes(self.lean_saved_bytes)} in all, "
+                f"{fmt_bytes(self.saved_bytes - self.lean_saved_bytes)} less)"
+                if self.lean_saved_bytes is not None
+                else ""
+            )
+            lines += [
+                "",
+                f"Largest savers, by module: what each keeps, for which gradients, and what jacmem.memory.lean "
+                f"keeps instead{lean_total}:",
+                f"  {'module':<40} {'kept':>10} {'lean keeps':>10}  kept for",
+            ]
+            for r in savers:
+                for_ = ", ".join(f"{_short(k, r['module'])} {fmt_bytes(v)}" for k, v in list(r["kept_for"].items())[:3])
+                lean_b = fmt_bytes(r["lean_bytes"]) if r["lean_bytes"] is not None else "n/a"
+                lines.append(f"  {r['module'][-40:]:<40} {fmt_bytes(r['bytes']):>10} {lean_b:>10}  {for_}")
+        if self.blocks:
+            lines += [
+                "",
+                "Checkpointing a repeated block (torch.utils.checkpoint: keeps its inputs, runs its forward again "
+                "in backward):",
+                f"  {'block':<40} {'kept':>10} {'inputs':>10} {'saves':>10}",
+            ]
+            for blk in self.blocks[:top]:
+                lines.append(
+                    f"  {blk.name[-40:]:<40} {fmt_bytes(blk.bytes):>10} {fmt_bytes(blk.input_bytes):>10} "
+                    f"{fmt_bytes(blk.checkpoint_saves):>10}"
+                )
         if self.suggestions:
             lines += ["", "Suggestions:"]
             lines += [f"  {i}. {s}" for i, s in enumerate(self.suggestions, 1)]
@@ -245,6 +323,13 @@ class MemoryReport:
 
     def __repr__(self) -> str:
         return f"<MemoryReport: {fmt_bytes(self.saved_bytes)} kept, {fmt_bytes(self.wasted_bytes)} wasted>"
+
+
+def _short(target: str, module: str) -> str:
+    """A gradient's name, relative to the module that keeps the tensor for it."""
+    if target == "input":
+        return "input grad"
+    return "grad of " + (target[len(module) + 1 :] if target.startswith(module + ".") else target)
 
 
 class _Handle:
@@ -432,6 +517,8 @@ def _rows(rec: _Recorder) -> list[ModuleRow]:
             storages.setdefault(e.storage, []).append(e)
     for ts in storages.values():
         row, nbytes = rows[ts[0].module], ts[0].nbytes
+        for target in dict.fromkeys(g for t in ts for g in t.needed_for):
+            row.kept_for[target] += nbytes
         row.bytes += nbytes
         row.exclusive += nbytes if all(t.module == row.name for t in ts) else 0
         row.wasted += nbytes if all(t.wasted for t in ts) else 0
@@ -451,6 +538,48 @@ def _freeable(rec: _Recorder, name: str) -> tuple[int, int]:
         if any(t.module == name for t in ts) and all(t.module == name or t.wasted for t in ts)
     ]
     return sum(ts[0].nbytes for ts in free), sum(max(prod(t.shape) for t in ts) for ts in free)
+
+
+def _blocks(rec: _Recorder, root: nn.Module | None) -> list[BlockRow]:
+    """The repeated blocks of ``root`` (members of a ModuleList or Sequential that have
+    submodules), with what they keep and what checkpointing each would save."""
+    if root is None:
+        return []
+    first_saver: dict[Key, str] = {}
+    for e in rec.entries:
+        if e.kind == "activation":
+            first_saver.setdefault(e.storage, e.module)
+    out = []
+    for name, container in root.named_modules():
+        if not isinstance(container, (nn.ModuleList, nn.Sequential)):
+            continue
+        for child_name, child in container.named_children():
+            full = f"{name}.{child_name}" if name else child_name
+            if not any(True for _ in child.children()) or full not in rec.rows:
+                continue
+            kept = sum(
+                nbytes
+                for (dev, ptr, nbytes), saver in first_saver.items()
+                if saver == full or saver.startswith(full + ".")
+            )
+            inputs = rec.rows[full].input_bytes
+            out.append(BlockRow(full, type(child).__name__, kept, inputs, max(kept - inputs, 0)))
+    return sorted(out, key=lambda b: -b.checkpoint_saves)
+
+
+def _lean_rows(model: nn.Module, inputs, kwargs) -> tuple[dict[str, int], int]:
+    """Per module name, the activation bytes a lean copy of ``model`` keeps, and its total
+    (the copy runs once first: lean layers learn which layers read their outputs)."""
+    import copy
+
+    from jacmem.memory.lean import lean
+
+    twin = lean(copy.deepcopy(model))
+    with torch.random.fork_rng(devices=[]):
+        twin(*inputs, **kwargs)
+        r = report(twin, *inputs, lean=False, **kwargs)
+    del twin
+    return {m.name: m.bytes for m in r.modules}, r.saved_bytes
 
 
 _ACTIVATIONS = (nn.ReLU, nn.LeakyReLU)
@@ -519,7 +648,7 @@ def _suggest(rec: _Recorder, rows: list[ModuleRow], total: int, top: int) -> lis
     return out
 
 
-def report(fn_or_model: Callable, *inputs, top: int = 5, **kwargs) -> MemoryReport:
+def report(fn_or_model: Callable, *inputs, top: int = 5, lean: bool | None = None, **kwargs) -> MemoryReport:
     """Run ``fn_or_model(*inputs, **kwargs)`` once, with gradients enabled, and report what
     autograd keeps for the backward pass.
 
@@ -527,6 +656,16 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, **kwargs) -> MemoryRepo
     method of one (``model.propagate``), or any callable (modules that it runs are
     named ``Type@i``). ``top``: how many hot spots get suggestions. Nothing of the
     forward pass is kept: the graph is freed when the report returns.
+
+    ``lean``: also run a lean copy of the model (``copy.deepcopy``, then
+    :func:`jacmem.memory.lean`; the RNG state is restored after it) and give, per module,
+    what it would keep (``ModuleRow.lean_bytes``, ``MemoryReport.lean_saved_bytes``).
+    Default: when ``fn_or_model`` is an ``nn.Module``. Repeated blocks (members of a
+    ModuleList or Sequential) get what checkpointing each would save
+    (``MemoryReport.blocks``); :meth:`MemoryReport.savers` puts it together. A storage
+    that lean layers share (a norm's output that the next Linear keeps too) is charged
+    to its first saver, so per-module figures may move between modules; the totals
+    are exact.
     """
     root = fn_or_model if isinstance(fn_or_model, nn.Module) else getattr(fn_or_model, "__self__", None)
     root = root if isinstance(root, nn.Module) else None
@@ -563,4 +702,22 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, **kwargs) -> MemoryRepo
         [],
     )
     result.suggestions = _suggest(rec, rows, result.saved_bytes, top)
+    result.blocks = _blocks(rec, root)
+    if lean if lean is not None else isinstance(fn_or_model, nn.Module):
+        if not isinstance(fn_or_model, nn.Module):
+            raise ValueError("report(..., lean=True) needs the model itself, to copy it")
+        try:
+            per_module, result.lean_saved_bytes = _lean_rows(fn_or_model, inputs, kwargs)
+        except RuntimeError:  # a model that does not deep-copy (non-leaf tensors as attributes)
+            per_module = None
+        for row in rows if per_module is not None else ():
+            row.lean_bytes = per_module.get(row.name, 0)
+        less = result.saved_bytes - (result.lean_saved_bytes or result.saved_bytes)
+        if less >= 0.05 * result.saved_bytes > 0:
+            result.suggestions.insert(
+                0,
+                f"jacmem.memory.lean(model) keeps {fmt_bytes(result.lean_saved_bytes)} instead of "
+                f"{fmt_bytes(result.saved_bytes)} ({result.lean_saved_bytes / result.saved_bytes:.2f}x), with the "
+                "same outputs and gradients; 'Largest savers' above shows where.",
+            )
     return result
