@@ -62,9 +62,10 @@ class Recorder:
         """Before ``module``'s forward: where its type is registered nowhere, its own
         trainable parameters become watched views until :meth:`leave` (not where a
         BatchNorm inside it mixes the samples)."""
-        if registered_type(REGISTRY, type(module)) is not None or module in self.direct:
-            return
-        if normalises_over_batch(module):
+        stale = self.direct.pop(module, None)  # what a forward that raised left behind
+        if stale is not None:
+            _void(stale[2])
+        if registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active():
@@ -97,12 +98,8 @@ class Recorder:
             return ()
         _, origins, uses = state
         exact = tuple(n for n, o in origins.items() if not o.unsafe)
-        for rec in uses:
-            if next(iter(rec.params)) in exact:
-                self.records.add(rec)
-            else:
-                rec.void = True
-                rec.release()
+        _void([rec for rec in uses if next(iter(rec.params)) not in exact])
+        self.records.update(rec for rec in uses if next(iter(rec.params)) in exact)
         return exact
 
     @property
@@ -140,10 +137,21 @@ class Recorder:
 
     def close(self) -> None:
         hooks.remove(self.tensor_handles)
+        for restore, _, _ in self.direct.values():
+            restore()
+        self.direct.clear()
         for rec in list(self.records):
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _void(records: list[hooks.Record]) -> None:
+    """Records of uses to ignore: their parameter's uses are not all known, or not all
+    exact."""
+    for rec in records:
+        rec.void = True
+        rec.release()
 
 
 def _indices(x) -> bool:

@@ -3,8 +3,10 @@ against a per-sample autograd loop in float64."""
 
 import pytest
 import torch
+from reference import check_against, mse, per_sample_grads, run_jacmem
 from torch import nn
 
+import jacmem
 from jacmem.broadcast import Origin, swap_in, watch
 
 DT = torch.float64
@@ -93,3 +95,32 @@ def test_forward_values_unchanged():
         out = model(X)
         restore()
         assert torch.equal(out, model(X))
+
+
+class Flaky(nn.Module):
+    """A learnable scale used as a broadcast, whose forward raises once."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = nn.Parameter(torch.randn(D, dtype=DT))
+        self.fail = True
+
+    def forward(self, x):
+        y = x * self.scale
+        if self.fail:
+            self.fail = False
+            raise RuntimeError("once")
+        return y
+
+
+def test_a_forward_that_raised_leaves_nothing_behind():
+    """The parameters are back after a forward that raised, and the next forward's
+    per-sample gradients are exact (nothing of the failed one counts)."""
+    torch.manual_seed(0)
+    model, X, y = nn.Sequential(Flaky()), torch.randn(N, T, D, dtype=DT), torch.randn(N, T, D, dtype=DT)
+    with jacmem.extend(jacmem.BatchGrad()), pytest.raises(RuntimeError, match="once"):
+        model(X)
+    assert isinstance(model[0]._parameters["scale"], nn.Parameter)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
+    check_against(model, reference, ["grad_batch"], "[after a failed forward]")
