@@ -46,7 +46,8 @@ _BROADCASTING = frozenset(
 #: ops that act on each entry alone, keep the leading axis, and pass gradients back
 #: unchanged (a cast, a copy)
 _IDENTITY = frozenset({"to", "contiguous", "clone", "type_as", "float", "double", "half", "bfloat16"})
-#: ops that only read metadata
+#: ops that only read metadata; an attribute (``__get__``) that gives a tensor (``.T``,
+#: ``.mT``, ``.data``) is a use like any other
 _METADATA = frozenset({"__get__", "size", "dim", "numel", "element_size", "is_floating_point", "__len__"})
 
 
@@ -103,7 +104,12 @@ def _dispatch(func, args: tuple, kwargs: dict):
     flat, spec = tree_flatten((args, kwargs))
     hits = [(i, w) for i, w in ((i, _watched(a)) for i, a in enumerate(flat)) if w is not None]
     if name in _METADATA:
-        return func(*args, **kwargs)
+        out = func(*args, **kwargs)
+        if isinstance(out, Tensor):
+            attribute = getattr(getattr(func, "__self__", None), "__name__", name)
+            for _, (origin, _) in hits:
+                _unsafe(origin, f".{attribute}")
+        return out
     if len(hits) == 1 and hits[0][0] == 0:
         derived = _derive(func, name, hits[0][1], args, kwargs)
         if derived is not None:

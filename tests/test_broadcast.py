@@ -124,3 +124,39 @@ def test_a_forward_that_raised_leaves_nothing_behind():
     reference = per_sample_grads(model, X, y, mse, "mean")
     run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
     check_against(model, reference, ["grad_batch"], "[after a failed forward]")
+
+
+def test_an_attribute_that_gives_a_tensor_is_a_use():
+    """``x @ p.T`` reads ``p`` through an attribute, not an op: reported, so that its
+    per-sample gradients come from elsewhere (the sum of the uses it saw would miss it)."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(D, D, dtype=DT))
+    unsafe = []
+    view = watch(Origin(p, lambda e: None, unsafe.append))
+    x = torch.randn(N, T, D, dtype=DT)
+    (x @ view.T).sum().backward()
+    assert view.shape == p.shape  # metadata is no use
+    assert unsafe == [".T"], unsafe
+
+
+class TransposedLinear(nn.Module):
+    """A weight read through ``.T`` (left to the recomputation) and a bias broadcast
+    (recorded use by use), in one module."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(D, D, dtype=DT))
+        self.b = nn.Parameter(torch.randn(D, dtype=DT))
+
+    def forward(self, x):
+        return x @ self.w.T + self.b
+
+
+def test_a_weight_read_through_an_attribute_stays_exact():
+    torch.manual_seed(0)
+    model, X, y = nn.Sequential(TransposedLinear()), torch.randn(N, T, D, dtype=DT), torch.randn(N, T, D, dtype=DT)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    ctx = run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad(), jacmem.BatchL2Grad()])
+    check_against(model, reference, ["grad_batch", "batch_l2"], "[.T and a broadcast]")
+    chosen = {d.param: d.chosen for d in ctx.plan.decisions.values() if d.quantity == "batch_grad"}
+    assert chosen == {"w": "vmap", "b": "expand"}, ctx.explain()
