@@ -19,8 +19,8 @@ an elementwise op, the origin is expanded to the batch first:
   still arrives there.
 
 Any other op that reads a watched view (a matrix product, a reduction, ``pos_embed[0]``)
-may mix the samples' paths: :attr:`Origin.on_unsafe` is told the op's name, and the
-caller must not trust the per-sample gradients of that origin (it falls back to
+may mix the samples' paths: :attr:`Origin.unsafe` gets the op's name, and the caller
+must not trust the per-sample gradients of that origin (it falls back to
 recomputation, or raises). Reading metadata (``.shape``, ``.dtype``) is safe. Results
 are plain tensors, except derived views.
 
@@ -58,23 +58,22 @@ class Origin:
     ``on_use(expanded)``: a use expanded it, ``expanded: [N, *shape]`` (``shape``
     padded with leading ones to the rank of the batched operand, then axis 0 expanded
     from 1 to ``N``); its gradient, once it arrives, is that use's per-sample gradient.
-    ``on_unsafe(op)``: an op read it (or a view derived from it) in a way that may mix
-    the samples; ``unsafe`` lists those ops, ``uses`` counts the expansions.
+    ``unsafe``: the ops that read it (or a view derived from it) in a way that may mix
+    the samples; ``uses`` counts the expansions.
     """
 
     tensor: Tensor
     on_use: Callable[[Tensor], None]
-    on_unsafe: Callable[[str], None] = lambda op: None
     unsafe: list[str] = field(default_factory=list)
     uses: int = 0
 
 
 class _Watched(Tensor):
     """A view of an origin, or of what ops derived from it entry by entry; ``_jacmem``:
-    ``(origin, replay)``, with ``replay(t)`` the same ops applied to ``t`` (``None`` for
-    the origin's own view)."""
+    ``(origin, replay)``, with ``replay(t)`` the same ops applied to ``t`` (:func:`_same`
+    for the origin's own view)."""
 
-    _jacmem: tuple[Origin, Callable[[Tensor], Tensor] | None]
+    _jacmem: tuple[Origin, Callable[[Tensor], Tensor]]
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
@@ -86,10 +85,14 @@ class _Watched(Tensor):
 def watch(origin: Origin) -> Tensor:
     """A view of ``origin.tensor`` whose uses by the batch are made explicit (its
     autograd history goes on through the view)."""
-    return _derived(origin.tensor, origin, None)
+    return _derived(origin.tensor, origin, _same)
 
 
-def _derived(t: Tensor, origin: Origin, replay: Callable[[Tensor], Tensor] | None) -> Tensor:
+def _same(t: Tensor) -> Tensor:
+    return t
+
+
+def _derived(t: Tensor, origin: Origin, replay: Callable[[Tensor], Tensor]) -> Tensor:
     view = t.as_subclass(_Watched)
     view._jacmem = (origin, replay)
     return view
@@ -108,7 +111,7 @@ def _dispatch(func, args: tuple, kwargs: dict):
         if isinstance(out, Tensor):
             attribute = getattr(getattr(func, "__self__", None), "__name__", name)
             for _, (origin, _) in hits:
-                _unsafe(origin, f".{attribute}")
+                origin.unsafe.append(f".{attribute}")
         return out
     if len(hits) == 1 and hits[0][0] == 0:
         derived = _derive(func, name, hits[0][1], args, kwargs)
@@ -117,7 +120,7 @@ def _dispatch(func, args: tuple, kwargs: dict):
     if name in _BROADCASTING:
         return _broadcast(func, name, flat, spec, hits)
     for _, (origin, _) in hits:
-        _unsafe(origin, name)
+        origin.unsafe.append(name)
     return func(*args, **kwargs)
 
 
@@ -125,8 +128,6 @@ def _derive(func, name: str, watched: tuple, args: tuple, kwargs: dict) -> Tenso
     """``func`` applied to a watched view alone: another view where it keeps each
     sample's entries apart, or an explicit expansion (``expand(N, ...)``)."""
     origin, replay = watched
-    if replay is None:
-        replay = _same
     self, rest = args[0], args[1:]
     if name == "expand":
         sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
@@ -139,10 +140,6 @@ def _derive(func, name: str, watched: tuple, args: tuple, kwargs: dict) -> Tenso
     if name in _IDENTITY:
         return _derived(func(*args, **kwargs), origin, lambda t: getattr(replay(t), name)(*rest, **kwargs))
     return None
-
-
-def _same(t: Tensor) -> Tensor:
-    return t
 
 
 def _keeps_batch_axis(index) -> bool:
@@ -164,12 +161,12 @@ def _broadcast(func, name: str, flat: list, spec, hits: list):
     n = batched.shape[0] if rank else 1
     for i, (origin, replay) in hits:
         view, base = flat[i], origin.tensor
-        if n > 1 and replay is None and (view.dim() < rank or (view.dim() == rank and view.shape[0] == 1)):
+        if n > 1 and replay is _same and (view.dim() < rank or (view.dim() == rank and view.shape[0] == 1)):
             flat[i] = _expand(origin, rank, n)
-        elif n > 1 and replay is not None and view.dim() == base.dim() == rank and view.shape[0] == base.shape[0] == 1:
+        elif n > 1 and replay is not _same and view.dim() == base.dim() == rank and view.shape[0] == base.shape[0] == 1:
             flat[i] = replay(_expand(origin, rank, n))
         else:
-            _unsafe(origin, name)
+            origin.unsafe.append(name)
             flat[i] = view.as_subclass(Tensor)
     args, kwargs = tree_unflatten(flat, spec)
     return func(*args, **kwargs)
@@ -184,11 +181,6 @@ def _expand(origin: Origin, rank: int, n: int) -> Tensor:
     origin.uses += 1
     origin.on_use(expanded)
     return expanded
-
-
-def _unsafe(origin: Origin, op: str) -> None:
-    origin.unsafe.append(op)
-    origin.on_unsafe(op)
 
 
 def swap_in(module: nn.Module, views: dict[str, Tensor]) -> Callable[[], None]:

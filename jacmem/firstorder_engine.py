@@ -228,7 +228,7 @@ class FirstOrder(Engine):
             for key, s in staged.items()
         }
         sizes = {key: s.batch_size for key, s in staged.items()}
-        self._warn_batch_sizes(run.names, sizes)
+        self._check_batch_sizes(run.names, sizes)
         self._warn_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
         for group, params in self.groups():
             distributed.synchronize(group, params, self.quantities, quantities, sizes)
@@ -240,7 +240,7 @@ class FirstOrder(Engine):
 
     # -- warnings ------------------------------------------------------------------
 
-    def _warn_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
+    def _check_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """One warning per backward pass whose modules disagree on the batch size: a
         module whose axis 0 is not the batch (a sequence-first layer, a reshaped batch)
         would otherwise get quantities per row of axis 0, silently. A module on a batch

@@ -19,6 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_map
 
 from jacmem import compat, hooks
 from jacmem.broadcast import Origin, swap_in, watch
@@ -38,9 +39,9 @@ class Recorder:
 
     * a module of no registered type reads its own trainable parameters as watched
       views during its forward (:meth:`enter`, :meth:`leave`): each use that meets the
-      batch is recorded apart (:func:`jacmem.hooks.record_use`); if any use may mix the
-      samples, the views' uses are dropped and the module's own record (the generic
-      recomputation) covers them;
+      batch is recorded apart (:func:`jacmem.hooks.record_use`); a parameter with a use
+      that may mix the samples is left to the module's own record (the generic
+      recomputation), and its use records are dropped;
     * a call on a batch of one, after calls on a larger batch in the same outermost
       forward, or on integer ids (an embedding of ``[1, T]`` position ids), returns a
       watched view of its output: each use that meets the batch is a record of the
@@ -164,13 +165,11 @@ def _indices(x) -> bool:
 def _expand_batch(x, n: int):
     """``x`` (a tensor, or tensors in tuples, lists and dicts) with each axis 0 of size
     one expanded to ``n``, as a view."""
-    if isinstance(x, Tensor):
-        return x.expand(n, *x.shape[1:]) if x.dim() and x.shape[0] == 1 else x
-    if isinstance(x, (tuple, list)):
-        return type(x)(_expand_batch(t, n) for t in x)
-    if isinstance(x, dict):
-        return {k: _expand_batch(v, n) for k, v in x.items()}
-    return x
+
+    def expand(t):
+        return t.expand(n, *t.shape[1:]) if isinstance(t, Tensor) and t.dim() and t.shape[0] == 1 else t
+
+    return tree_map(expand, x)
 
 
 class Tracker(Recorder):

@@ -28,6 +28,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from jacmem.derivatives import REGISTRY, Strategy, detached, lookup, register, registered_type
+from jacmem.planner import shapes
 
 DT = torch.float64
 N = 3
@@ -154,15 +155,6 @@ def _split(case: Case, args: tuple, n: int) -> tuple:
     if case.split is not None:
         return case.split(args, n)
     return tuple(a[n : n + 1] if isinstance(a, Tensor) else a for a in args)
-
-
-def shapes(obj):
-    """As the planner hands them to ``cost``: a tensor's shape, each of a tuple's or list's."""
-    if isinstance(obj, Tensor):
-        return tuple(obj.shape)
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(shapes(o) for o in obj)
-    return obj
 
 
 @dataclass
