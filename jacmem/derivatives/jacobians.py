@@ -59,6 +59,9 @@ class Passthrough:
     keep_input: the derivatives read the values of ``xs`` (not only their shapes):
         ``False`` lets the engine drop an input that autograd does not keep either
         (ReLU, Sigmoid and Tanh save their output, not their input).
+    curved: a module that is not elementwise and whose second derivative w.r.t. its
+        input is not zero (LayerNorm, RMSNorm): GGN-type factors cross it, DiagHessian
+        raises there rather than drop that term.
     """
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
@@ -68,6 +71,7 @@ class Passthrough:
     sample_independent: bool = False
     keep_output: bool = False
     keep_input: bool = True
+    curved: bool = False
 
     def params(self, module: nn.Module) -> dict[str, Any]:
         hp = self.hyperparams(module)

@@ -510,6 +510,11 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
     """DiagHessian's residual of an elementwise activation at its input:
     ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
     entry = node.entry
+    if entry.curved:
+        raise NotImplementedError(
+            f"jacmem: DiagHessian cannot pass curvature through module {node}: its second derivative w.r.t. "
+            "its input is not zero and jacmem has none; use DiagGGNExact"
+        )
     if entry.d2f is None:
         return {}
     r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad
