@@ -307,3 +307,24 @@ def test_timm_mlp_block(approx):
     exact = diagonals(model, dense(model, lossf, X, y)[0])
     for name in ("0.weight", "0.bias"):
         torch.testing.assert_close(model.get_parameter(name).kflr[0], exact[name], msg=name)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_hf_conv1d_has_the_linears_factors(approx):
+    """GPT-2's ``Conv1D`` (weight [I, O]) on [N, T, I]: the factors of a Linear with
+    weight = Conv1D's weight.T, hence curvlinops' for that Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(10)
+    conv1d = Conv1D(5, 4).to(DT)
+    lin = nn.Linear(4, 5).to(DT)
+    with torch.no_grad():
+        lin.weight.copy_(conv1d.weight.T)
+        lin.bias.copy_(conv1d.bias)
+    head = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(15, 3)).to(DT)
+    X, y = torch.randn(3, 3, 4, dtype=DT), torch.tensor([0, 2, 1])
+    run(nn.Sequential(conv1d, head), nn.CrossEntropyLoss(), X, y, KFLR(approx))
+    G, A = _curvlinops(nn.Sequential(lin, head), nn.CrossEntropyLoss(), X, y, approx)["0"]
+    torch.testing.assert_close(conv1d.weight.kflr[0], G)
+    torch.testing.assert_close(conv1d.weight.kflr[1], A)
+    torch.testing.assert_close(conv1d.bias.kflr[0], G)

@@ -167,4 +167,5 @@ def jac_t(xs, out, S: Tensor, *, weight: Tensor):
 
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
 passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
-layer(CONV1D, input_free=("bias",), compute_once=True)
+# Conv1D's factors are the Linear's: G ⊗ A approximates the block of weight.T [O, I]
+layer(CONV1D, input_free=("bias",), compute_once=True, kronecker=Kronecker(kronecker_input, channels_last=True))

@@ -34,6 +34,9 @@ root's entries at position ``t``, ``[O]``):
   those of the same layer applied to ``x.reshape(N·T, I)`` (KFAC-expand, Eschenhagen
   et al. 2023); for a 2d input, ``T = 1`` and these are BackPACK's. BackPACK 1.7.1
   raises for such inputs.
+* *HF transformers' Conv1D* (GPT-2's linear layer, ``weight [I, O]``): a Linear's
+  factors, ``G ⊗ A`` approximating the block of ``weight.T`` ``[O, I]`` (the Linear's
+  layout, as for Embedding).
 * *LayerNorm, RMSNorm* (``weight``, ``bias`` ``[D]``, each entry scaled by its own
   parameter): no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal
   from their own factors (Monte-Carlo for KFAC, exact for KFLR), as a one-entry list
