@@ -12,7 +12,7 @@ import torch
 from secondorder_ref import blocks, dense, diagonals, run
 from torch import nn
 
-from jacmem import KFAC, KFLR, DiagGGNExact, DiagGGNMC
+from jacmem import KFAC, KFLR, DiagGGNMC
 
 DT = torch.float64
 APPROX = [None, "expand", "reduce"]
@@ -282,16 +282,21 @@ def test_bad_kfac_approx_raises():
 
 @pytest.mark.parametrize("approx", ["expand", "reduce"])
 def test_timm_mlp_block(approx):
-    """A timm ViT block's Mlp (fc1, GELU, dropout, norm, fc2, dropout) as a Sequential of
-    its real submodules on [N, T, D] tokens after a LayerNorm (torch's: timm's own class
-    overrides ``forward`` and needs the engine to recognise it): the Linears' KFLR equal
-    curvlinops' (reduce: a head that flattens the tokens, one loss term per sample), the
-    LayerNorm's the exact GGN diagonal."""
+    """A timm ViT block's norm2 (timm's ``LayerNorm``, a subclass with its own forward,
+    which jacmem recognises) and Mlp (fc1, GELU, dropout, norm, fc2, dropout) as a
+    Sequential of its real submodules on [N, T, D] tokens, after a Linear (whose
+    factors cross the LayerNorm): the Linears' KFLR equal curvlinops' (reduce: a head
+    that flattens the tokens, one loss term per sample), the LayerNorm's ``[d]`` the
+    exact GGN diagonal."""
     from timm.models.vision_transformer import Block
 
     torch.manual_seed(9)
-    mlp = Block(dim=8, num_heads=2, mlp_ratio=2.0).to(DT).eval().mlp
-    model = nn.Sequential(nn.LayerNorm(8).to(DT), mlp.fc1, mlp.act, mlp.drop1, mlp.norm, mlp.fc2, mlp.drop2)
+    block = Block(dim=8, num_heads=2, mlp_ratio=2.0).to(DT).eval()
+    mlp = block.mlp
+    model = nn.Sequential(
+        nn.Linear(8, 8).to(DT), block.norm2, mlp.fc1, mlp.act, mlp.drop1, mlp.norm, mlp.fc2, mlp.drop2
+    )
+    assert type(block.norm2) is not nn.LayerNorm
     X = torch.randn(2, 3, 8, dtype=DT)
     if approx == "expand":
         lossf, y = nn.MSELoss(), torch.randn(2, 3, 8, dtype=DT)
@@ -299,13 +304,14 @@ def test_timm_mlp_block(approx):
         model.append(nn.Flatten()).append(nn.Linear(24, 3).to(DT))
         lossf, y = nn.CrossEntropyLoss(), torch.tensor([2, 0])
     ref = _curvlinops(model, lossf, X, y, approx)
-    run(model, lossf, X, y, KFLR(approx), DiagGGNExact())
+    run(model, lossf, X, y, KFLR(approx))
     modules = dict(model.named_modules())
+    assert {"0", "2", "6"} <= set(ref)
     for name, (G, A) in ref.items():
         torch.testing.assert_close(modules[name].weight.kflr[0], G, msg=name)
         torch.testing.assert_close(modules[name].weight.kflr[1], A, msg=name)
     exact = diagonals(model, dense(model, lossf, X, y)[0])
-    for name in ("0.weight", "0.bias"):
+    for name in ("1.weight", "1.bias"):
         torch.testing.assert_close(model.get_parameter(name).kflr[0], exact[name], msg=name)
 
 

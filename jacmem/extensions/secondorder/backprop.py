@@ -214,7 +214,8 @@ class Engine(_Engine):
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
         loss = lookup_loss(module)
-        entry = None if loss is not None else lookup_passthrough(module)
+        first = args[0] if args else None
+        entry = None if loss is not None else lookup_passthrough(module, first, output)
         if loss is None and entry is None:
             self._untracked(module, output)
             return
@@ -242,7 +243,7 @@ class Engine(_Engine):
         self._tap(node, inputs, output)
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
-            fo = lookup(module)
+            fo = lookup(module, first, output)
             if fo is None or any(n not in fo.params for n in node.params):
                 self._unsupported(node)
                 node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
