@@ -195,16 +195,34 @@ def test_reduce_with_a_loss_per_position():
     I = 2/C I (the blocks t ≠ t' are zero); A equals curvlinops'. curvlinops' G is T
     times that: its type-2 pushes each column of the loss Hessian's root through all
     positions at once, so its roots' outer products have blocks t ≠ t' that the loss
-    Hessian has not; they cancel in expand's per-position sums, not in reduce's."""
+    Hessian has not; they cancel in expand's per-position sums, not in reduce's.
+    curvlinops' Monte-Carlo G (independent labels per position: unbiased) and KFAC's
+    converge to KFLR's at every layer."""
+    from curvlinops import KFACLinearOperator
+
     make, data, lossf = CURVLINOPS["seq_mse"]
     torch.manual_seed(5)
     model, (X, y) = make().to(DT), data()
-    run(model, lossf(), X, y, KFLR("reduce"))
+    run(model, lossf(), X, y, KFLR("reduce"), KFAC(5000, "reduce"))
     G, A = model[2].weight.kflr
     torch.testing.assert_close(G, 2 / 3 * torch.eye(3, dtype=DT))
     G_ref, A_ref = _curvlinops(model, lossf(), X, y, "reduce")["2"]
     torch.testing.assert_close(A, A_ref)
     torch.testing.assert_close(G_ref, X.shape[1] * G)
+    mc = KFACLinearOperator(
+        model,
+        lossf(),
+        list(model.parameters()),
+        [(X, y)],
+        mc_samples=500,
+        kfac_approx="reduce",
+        check_deterministic=False,
+    )
+    mc.compute_kronecker_factors()
+    for name in ("0", "2"):
+        G = model.get_submodule(name).weight.kflr[0]
+        for G_mc in (mc._gradient_covariances[name], model.get_submodule(name).weight.kfac[0]):
+            assert float((G_mc - G).abs().max() / G.abs().max()) < 0.1, name
 
 
 def test_default_is_expand_for_linear_and_backpacks_for_conv():
@@ -257,6 +275,12 @@ def test_kfra_and_diag_hessian_refuse_norm_layers():
     with pytest.warns(UserWarning, match=r"KFRA\(\) has no Kronecker factors for LayerNorm \(module '1'\)"):
         run(model, nn.CrossEntropyLoss(), X, y, KFRA())
     assert not hasattr(model[1].weight, "kfra") and hasattr(model[0].weight, "kfra")
+    with pytest.raises(NotImplementedError, match=r"DiagHessian cannot pass curvature through module '1'"):
+        with extend(DiagHessian()):
+            nn.CrossEntropyLoss()(model(X), y).backward()
+    from timm.layers import LayerNorm  # recognised as a LayerNorm: the same
+
+    model[1] = LayerNorm(5).to(DT)
     with pytest.raises(NotImplementedError, match=r"DiagHessian cannot pass curvature through module '1'"):
         with extend(DiagHessian()):
             nn.CrossEntropyLoss()(model(X), y).backward()
