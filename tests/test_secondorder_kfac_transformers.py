@@ -98,6 +98,23 @@ def test_expand_is_exact_for_a_linear_layer_with_mse():
     assert (torch.kron(*model[0].weight.kflr) - ref).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_expand_is_exact_for_a_convolution_with_mse(d):
+    """One Conv1d/2d/3d with MSE, as for the Linear: KFLR-expand's G ⊗ A is the exact
+    block over the T output positions (Σ_{n,t} c I ⊗ a_t a_tᵀ); the default's
+    (BackPACK's) is T times it; with one sample and the same patch everywhere, reduce's
+    is exact too (next test)."""
+    torch.manual_seed(11)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
+    model = nn.Sequential(conv(2, 3, 2, stride=1, padding=1)).to(DT)
+    X = torch.randn(2, 2, *(3,) * d, dtype=DT)
+    y = torch.randn(2, 3, *(4,) * d, dtype=DT)
+    _check_blocks(model, nn.MSELoss(), X, y, KFLR("expand"))
+    run(model, nn.MSELoss(), X, y, KFLR())
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+    torch.testing.assert_close(torch.kron(*model[0].weight.kflr), 4**d * ref)
+
+
 def test_embedding_expand_is_exact_for_an_embedding_with_mse():
     """As for the Linear: an Embedding alone with MSE, [G, a] with G ⊗ diag(a) the exact
     GGN block of weight.T, a = the token counts / (N·T) (0 at padding_idx)."""
@@ -114,16 +131,18 @@ def test_embedding_expand_is_exact_for_an_embedding_with_mse():
 
 
 def test_reduce_is_exact_when_the_positions_share_the_input():
-    """N = 1, the same input at every position (Linear: x_t = x; conv: a spatially
-    constant input without padding, so every patch is the same): the exact block
+    """N = 1, the same input at every position (Linear: x_t = x; Conv1d/2d/3d: a
+    spatially constant input without padding, so every patch is the same): the exact block
     Σ_{t,t'} G_{tt'} ⊗ x xᵀ is KFLR-reduce's (G of the summed roots, A of the mean);
     expand's is not (it drops t ≠ t')."""
     torch.manual_seed(4)
     lin = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Flatten(), nn.Linear(15, 3)).to(DT)
     X = torch.randn(1, 1, 4, dtype=DT).expand(1, 3, 4)
-    conv = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(27, 3)).to(DT)
-    Xc = torch.randn(1, 2, 1, 1, dtype=DT).expand(1, 2, 4, 4)
-    for model, x in ((lin, X), (conv, Xc)):
+    cases = [(lin, X)]
+    for d, conv in enumerate((nn.Conv1d, nn.Conv2d, nn.Conv3d), 1):
+        model = nn.Sequential(conv(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 2**d, 3)).to(DT)
+        cases.append((model, torch.randn(1, 2, *(1,) * d, dtype=DT).expand(1, 2, *(3,) * d)))
+    for model, x in cases:
         y, lossf = torch.tensor([1]), nn.CrossEntropyLoss()
         _check_blocks(model, lossf, x, y, KFLR("reduce"))
         run(model, lossf, x, y, KFLR("expand"))
