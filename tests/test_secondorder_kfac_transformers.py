@@ -115,6 +115,18 @@ def test_expand_is_exact_for_a_convolution_with_mse(d):
     torch.testing.assert_close(torch.kron(*model[0].weight.kflr), 4**d * ref)
 
 
+def test_expand_is_exact_for_a_transposed_convolution_with_mse():
+    """ConvTranspose2d alone with MSE: KFLR-expand's G ⊗ A is the exact block of
+    weight.transpose(0, 1) (the layout of its factors, as BackPACK's)."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 3, 2, stride=2)).to(DT)
+    X, y = torch.randn(2, 2, 2, 3, dtype=DT), torch.randn(2, 3, 4, 6, dtype=DT)
+    run(model, nn.MSELoss(), X, y, KFLR("expand"))
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+    idx = torch.arange(24).reshape(2, 3, 2, 2).transpose(0, 1).flatten()
+    torch.testing.assert_close(torch.kron(*model[0].weight.kflr), ref[idx][:, idx])
+
+
 def test_embedding_expand_is_exact_for_an_embedding_with_mse():
     """As for the Linear: an Embedding alone with MSE, [G, a] with G ⊗ diag(a) the exact
     GGN block of weight.T, a = the token counts / (N·T) (0 at padding_idx)."""
