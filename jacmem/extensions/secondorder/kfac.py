@@ -16,9 +16,11 @@ engine (:mod:`.backprop`) brings to the output:
 
 **Per layer**, as each layer file registers its rules beside its derivatives
 (:class:`jacmem.derivatives.Kronecker`: the input factor, the output's layout, the
-settings it refuses); a layer without them raises :class:`.UnsupportedModule`. (``N`` samples; ``T`` positions: the middle axes of a Linear or
-Embedding input ``[N, *, ·]``, the output positions of a convolution; ``s_t`` the
-root's entries at position ``t``, ``[O]``):
+settings it refuses); a layer without them raises :class:`.UnsupportedModule`. With
+the default ``kfac_approx=None`` (the section on ``kfac_approx`` below gives the other
+two; ``N`` samples; ``T`` positions: the middle axes of a Linear or Embedding input
+``[N, *, ·]``, the output positions of a convolution; ``s_t`` the root's entries at
+position ``t``, ``[O]``):
 
 * Linear, input ``[N, *, I]``: ``G = Σ_{v,n,t} s_t s_tᵀ``, position by position (KFRA:
   ``Σ_t Ḡ[t, t]``, the diagonal position blocks); ``A = Σ_{n,t} x_t x_tᵀ / (N·T)``.
@@ -43,27 +45,8 @@ root's entries at position ``t``, ``[O]``):
   ``[d]``, ``d.shape == param.shape`` (DiagGGNMC's/DiagGGNExact's value). KFRA raises
   (use KFLR). Their input Jacobian is the vjp of their forward; DiagHessian raises
   through them (their second derivative is not zero).
-
-**Weight sharing: ``kfac_approx``** (Eschenhagen et al., "Kronecker-Factored
-Approximate Curvature for Modern Neural Network Architectures", NeurIPS 2023; the
-names and scalings are curvlinops' ``KFACLinearOperator(kfac_approx=...)``). For a
-layer applied at ``T`` positions (a Linear's middle axes, a convolution's output
-positions), with input vectors ``a_{n,t}`` and roots ``s_{v,n,t}``:
-
-* ``"expand"`` (positions as extra samples): ``A = Σ_{n,t} a aᵀ / (N·T)``,
-  ``G = Σ_{v,n,t} s sᵀ``;
-* ``"reduce"`` (positions reduced first): ``A = Σ_n ā āᵀ / N`` with
-  ``ā_n = 1/T Σ_t a_{n,t}``, ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``; Embedding raises
-  (its reduced ``A`` is a dense ``[V, V]``);
-* ``None`` (the default): Linear and Embedding ``"expand"``, convolutions BackPACK's
-  (``G`` of ``"reduce"``, ``A`` ``T`` times ``"expand"``'s, the list above).
-
-The scaling of the loss is in the roots (``1/√(terms)`` for ``reduction="mean"``), so
-for losses that curvlinops also reduces by the mean over ``N`` (·positions) the
-factors are curvlinops' own, ``G`` and ``A`` each, not only their product. With
-``T = 1`` all three coincide.
-* *Convolutions*: BackPACK's convention (``G`` is also the bias's factor, which makes
-  ``G ⊗ A`` ``T`` times the KFC paper's). *Transposed* convolutions, as BackPACK's:
+* *Convolutions*: BackPACK's convention by default (``G`` is also the bias's factor,
+  which makes ``G ⊗ A`` ``T`` times the KFC paper's; ``kfac_approx`` below). *Transposed* convolutions, as BackPACK's:
   ``G ⊗ A`` approximates the block of ``weight.transpose(0, 1)``, ``[C_out, C_in, *K]``
   (``A`` [C_in·K, C_in·K]); ``output_padding`` is honoured (BackPACK 1.7.1 unfolds as if
   it were 0).
@@ -83,6 +66,25 @@ factors are curvlinops' own, ``G`` and ``A`` each, not only their product. With
 * *BatchNorm* raises: its parameters are per-channel vectors scaled by the normalised
   input, with no standard Kronecker factorisation (BackPACK has none); DiagGGNExact
   gives their curvature.
+
+**Weight sharing: ``kfac_approx``** (Eschenhagen et al., "Kronecker-Factored
+Approximate Curvature for Modern Neural Network Architectures", NeurIPS 2023; the
+names and scalings are curvlinops' ``KFACLinearOperator(kfac_approx=...)``). For a
+layer applied at ``T`` positions (a Linear's middle axes, a convolution's output
+positions), with input vectors ``a_{n,t}`` and roots ``s_{v,n,t}``:
+
+* ``"expand"`` (positions as extra samples): ``A = Σ_{n,t} a aᵀ / (N·T)``,
+  ``G = Σ_{v,n,t} s sᵀ``;
+* ``"reduce"`` (positions reduced first): ``A = Σ_n ā āᵀ / N`` with
+  ``ā_n = 1/T Σ_t a_{n,t}``, ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``; Embedding raises
+  (its reduced ``A`` is a dense ``[V, V]``);
+* ``None`` (the default): Linear and Embedding ``"expand"``, convolutions BackPACK's
+  (``G`` of ``"reduce"``, ``A`` ``T`` times ``"expand"``'s, the list above).
+
+The scaling of the loss is in the roots (``1/√(terms)`` for ``reduction="mean"``), so
+for losses that curvlinops also reduces by the mean over ``N`` (·positions) the
+factors are curvlinops' own, ``G`` and ``A`` each, not only their product. With
+``T = 1`` all three coincide.
 
 **KFRA through branches** (:class:`jacmem.nn.Sum`, ``Residual``, ``Parallel``). Where a
 tensor feeds several paths that meet again, the region's per-sample Jacobian is the sum
@@ -268,7 +270,8 @@ class _KF(SecondOrderExtension):
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
         rule = _rule(call, self)
         if rule.input_factor is None:  # a diagonal rule
-            return {name: [d] for name, d in squared_vjps(call, call.of_kind(*self.kinds), batch=False).items()}
+            diag = squared_vjps(call, call.of_kind(*self.kinds), batch=False)
+            return {name: [diag[name] if name in diag else torch.zeros_like(p)] for name, p in call.params.items()}
         G = self.output_factor(call)
         if G is None:
             o = call.out_shape[-1 if rule.channels_last else 1]
