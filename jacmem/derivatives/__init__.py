@@ -87,25 +87,31 @@ class Kronecker:
     (:mod:`jacmem.extensions.secondorder.kfac` gives the math); an optional capability
     of a layer's entry.
 
-    input_factor: ``(x, out_shape, dtype, **hyperparams) -> A``, from what ``keep``
-        kept and the shape of the whole output: ``[I, I]``; ``[g, m, m]`` for a layer
-        in ``g`` groups (the weight's block is then ``block_diag(G[j] ⊗ A[j])``, with
-        ``G[j]`` the diagonal blocks of ``G``); or the diagonal ``[I]`` of a diagonal
-        ``A``. ``dtype``: the weight's. ``None``: the layer has no factors
-        (``why_not`` says why).
+    input_factor: ``(x, out_shape, dtype, approx, **hyperparams) -> A``, from what
+        ``keep`` kept and the shape of the whole output: ``[I, I]``; ``[g, m, m]`` for a
+        layer in ``g`` groups (the weight's block is then ``block_diag(G[j] ⊗ A[j])``,
+        with ``G[j]`` the diagonal blocks of ``G``); or the diagonal ``[I]`` of a
+        diagonal ``A``. ``dtype``: the weight's. ``approx``: how the ``T`` positions
+        that share the weight count (``"expand"``, ``"reduce"`` or ``None``, the
+        layer's default; :mod:`jacmem.extensions.secondorder.kfac`). ``None``: the
+        layer has no factors (``why_not`` says why).
     channels_last: the output is ``[N, *, O]``, with a factor per position (Linear);
         otherwise ``[N, O, *]``, whose output factor sums over positions first
-        (convolutions).
-    refuse: ``(**hyperparams) -> str | None``: why a layer with factors has none with
-        these settings (``"with scale_grad_by_freq=True (...); construct it with ..."``),
-        or ``None``.
+        (convolutions) unless ``approx="expand"``.
+    refuse: ``(approx, **hyperparams) -> str | None``: why a layer with factors has
+        none with these settings (``"with scale_grad_by_freq=True (...); construct it
+        with ..."``), or ``None``.
     why_not: with ``input_factor=None``, why the layer has no factors.
+    diagonal: the layer's parameters are scaled elementwise (LayerNorm, RMSNorm):
+        no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal from the
+        same factors instead, ``[d]`` with ``d.shape == param.shape``.
     """
 
     input_factor: Callable[..., Tensor] | None = None
     channels_last: bool = False
     refuse: Callable[..., str | None] = _no_reason
     why_not: str = ""
+    diagonal: bool = False
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:

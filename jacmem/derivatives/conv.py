@@ -310,19 +310,24 @@ def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
 
 
-def group_gram(cols: Tensor) -> Tensor:
-    """KFAC's input factor from im2col columns ``[N, G, M, T]``: ``Σ_{n,t} a aᵀ / N`` per
-    group, ``[M, M]`` for one group, ``[G, M, M]`` for several."""
-    n = cols.shape[0]
+def group_gram(cols: Tensor, approx: str | None = None) -> Tensor:
+    """KFAC's input factor from im2col columns ``[N, G, M, T]`` per group, ``[M, M]``
+    for one group, ``[G, M, M]`` for several: ``Σ_{n,t} a aᵀ / N`` (BackPACK's, the
+    default), ``/ (N·T)`` with ``approx="expand"``, or ``Σ_n ā āᵀ / N`` of the means
+    over positions ``ā = 1/T Σ_t a_t`` with ``approx="reduce"``."""
+    n, t = cols.shape[0], cols.shape[-1]
+    if approx == "reduce":
+        cols, t = cols.mean(-1, keepdim=True), 1
+    scale = n * t if approx == "expand" else n
     if cols.shape[1] == 1:
-        return contract("nit,njt->ij", cols[:, 0], cols[:, 0]) / n
-    return contract("ngit,ngjt->gij", cols, cols) / n
+        return contract("nit,njt->ij", cols[:, 0], cols[:, 0]) / scale
+    return contract("ngit,ngjt->gij", cols, cols) / scale
 
 
-def kronecker_input(x: Tensor, out_shape, dtype, **hp) -> Tensor:
-    """``A = Σ_{n,t} a_t a_tᵀ / N`` over the im2col columns ``a_t [C_in·K]``: ``[C_in·K,
+def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
+    """``A`` of :func:`group_gram` over the im2col columns ``a_t [C_in·K]``: ``[C_in·K,
     C_in·K]``, or ``[G, C_in/G·K, C_in/G·K]`` with ``G > 1`` groups"""
-    return group_gram(flat_columns(x, **hp))
+    return group_gram(flat_columns(x, **hp), approx)
 
 
 def squared_vjps(x: Tensor, S: Tensor, params, batch: bool, budget: float, **hp) -> dict[str, Tensor]:

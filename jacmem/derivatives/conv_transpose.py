@@ -107,10 +107,11 @@ def columns(x: Tensor, out_shape, *, kernel_size, stride, dilation, groups, padd
     return cols.flatten(2)
 
 
-def kronecker_input(x: Tensor, out_shape, dtype, **hp) -> Tensor:
-    """``A`` as for a conv, over the columns of :func:`columns`: ``[C_in·K, C_in·K]``, or
-    ``[G, C_in/G·K, C_in/G·K]`` with ``G > 1`` groups (the block of ``weight.transpose(0, 1)``)"""
-    return conv.group_gram(columns(x, out_shape, **hp).unflatten(1, (hp["groups"], -1)))
+def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
+    """``A`` as for a conv (:func:`conv.group_gram`), over the columns of :func:`columns`:
+    ``[C_in·K, C_in·K]``, or ``[G, C_in/G·K, C_in/G·K]`` with ``G > 1`` groups (the block of
+    ``weight.transpose(0, 1)``)"""
+    return conv.group_gram(columns(x, out_shape, **hp).unflatten(1, (hp["groups"], -1)), approx)
 
 
 _STRATEGIES = [

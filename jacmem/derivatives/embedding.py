@@ -252,10 +252,10 @@ def weight_sum_grad_squared_segment(x, g: Tensor, **hp) -> Tensor:
     return sums.new_zeros(v, sums.shape[-1]).index_add_(0, keys % v, sums.square())
 
 
-def kronecker_input(x: tuple, out_shape, dtype, *, num_embeddings, padding_idx, **_) -> Tensor:
-    """KFAC's input factor of a Linear on one-hot inputs, diagonal: ``a[v]`` = the count
-    of index ``v`` among the ``N·T`` positions ``/ (N·T)``, 0 for ``padding_idx``:
-    ``[V]`` (the layout of ``weight.T``)"""
+def kronecker_input(x: tuple, out_shape, dtype, approx=None, *, num_embeddings, padding_idx, **_) -> Tensor:
+    """KFAC-expand's input factor of a Linear on one-hot inputs, diagonal: ``a[v]`` =
+    the count of index ``v`` among the ``N·T`` positions ``/ (N·T)``, 0 for
+    ``padding_idx``: ``[V]`` (the layout of ``weight.T``)"""
     n = out_shape[0]
     idx = x[0][:n].reshape(-1)
     if padding_idx is not None:
@@ -264,7 +264,12 @@ def kronecker_input(x: tuple, out_shape, dtype, *, num_embeddings, padding_idx, 
     return counts.to(dtype) / (n * prod(out_shape[1:-1]))
 
 
-def kronecker_refuse(*, scale_grad_by_freq, **_) -> str | None:
+def kronecker_refuse(approx=None, *, scale_grad_by_freq, **_) -> str | None:
+    if approx == "reduce":
+        return (
+            "with kfac_approx='reduce' (its input factor, the per-sample means of the one-hot inputs, "
+            "is a dense [V, V] matrix, not a diagonal); use kfac_approx='expand'"
+        )
     if scale_grad_by_freq:
         return (
             "with scale_grad_by_freq=True (autograd scales each row's gradient by its count in the whole batch, "

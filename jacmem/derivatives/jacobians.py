@@ -17,9 +17,9 @@ Two kinds of entries:
   sample's input) or sampled (``[M, N, *x]`` for ``M`` Monte-Carlo samples), scaled
   as the reduction scales the loss.
 
-This module imports torch and einops, and no jacmem code but the registry's lookup
-(:func:`jacmem.derivatives.registered_type`) and the layer files that register
-themselves at the bottom.
+This module imports torch and einops, and no jacmem code but the registry's lookups
+(:func:`jacmem.derivatives.registered_type`, :func:`jacmem.derivatives.recognised`)
+and the layer files that register themselves at the bottom.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives import forward_of, registered_type
+from jacmem.derivatives import forward_of, recognised, registered_type
 
 
 def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
@@ -59,6 +59,9 @@ class Passthrough:
     keep_input: the derivatives read the values of ``xs`` (not only their shapes):
         ``False`` lets the engine drop an input that autograd does not keep either
         (ReLU, Sigmoid and Tanh save their output, not their input).
+    curved: a module that is not elementwise and whose second derivative w.r.t. its
+        input is not zero (LayerNorm, RMSNorm): GGN-type factors cross it, DiagHessian
+        raises there rather than drop that term.
     """
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
@@ -68,6 +71,7 @@ class Passthrough:
     sample_independent: bool = False
     keep_output: bool = False
     keep_input: bool = True
+    curved: bool = False
 
     def params(self, module: nn.Module) -> dict[str, Any]:
         hp = self.hyperparams(module)
@@ -187,10 +191,20 @@ def loss(module_type: type, entry: LossHessian) -> LossHessian:
     return entry
 
 
-def lookup_passthrough(module: nn.Module) -> Passthrough | None:
-    """How factors cross ``module`` (:func:`jacmem.derivatives.registered_type`)."""
+#: how factors cross a module that computes a registered layer's function without being
+#: of its type (timm's ``LayerNorm``, HF's ``LlamaRMSNorm``; :func:`jacmem.derivatives.recognised`):
+#: the vjp of its own forward; its second derivative is not known, so DiagHessian stops there
+RECOGNISED = Passthrough(curved=True)
+
+
+def lookup_passthrough(module: nn.Module, x: Any = None, output: Any = None) -> Passthrough | None:
+    """How factors cross ``module`` (:func:`jacmem.derivatives.registered_type`); given a
+    call's first input ``x`` and ``output``, :data:`RECOGNISED` for a module that computes
+    a registered layer's function (:func:`jacmem.derivatives.recognised`)."""
     cls = registered_type(PASSTHROUGH, type(module))
-    return None if cls is None else PASSTHROUGH[cls]
+    if cls is not None:
+        return PASSTHROUGH[cls]
+    return RECOGNISED if output is not None and recognised(module, x, output) is not None else None
 
 
 def lookup_loss(module: nn.Module) -> LossHessian | None:

@@ -118,9 +118,12 @@ def conv1d_weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
 
 
-def kronecker_input(x: Tensor, out_shape, dtype, **_) -> Tensor:
+def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **_) -> Tensor:
     """``A = Σ_{n,t} x_t x_tᵀ / (N·T)``, the middle axes flattened into the batch
-    (KFAC-expand): ``[N, *, I] -> [I, I]``"""
+    (KFAC-expand, the default); with ``approx="reduce"``, ``Σ_n x̄ x̄ᵀ / N`` of the
+    means over the middle axes ``x̄ = 1/T Σ_t x_t``: ``[N, *, I] -> [I, I]``"""
+    if approx == "reduce":
+        x = x.reshape(x.shape[0], -1, x.shape[-1]).mean(1)
     flat = x.reshape(-1, x.shape[-1])
     return (flat.T @ flat).div_(flat.shape[0])  # two operands: a matmul, without opt_einsum's planning
 
@@ -164,4 +167,5 @@ def jac_t(xs, out, S: Tensor, *, weight: Tensor):
 
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
 passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
-layer(CONV1D, input_free=("bias",), compute_once=True)
+# Conv1D's factors are the Linear's: G ⊗ A approximates the block of weight.T [O, I]
+layer(CONV1D, input_free=("bias",), compute_once=True, kronecker=Kronecker(kronecker_input, channels_last=True))

@@ -211,7 +211,17 @@ def _recognise(center: bool) -> Callable[[nn.Module, Any, Any], dict | None]:
     return recognise
 
 
-layer(nn.LayerNorm, recognise=_recognise(center=True))
+# LayerNorm and RMSNorm scale each entry by its own parameter: KFAC/KFLR give their GGN diagonal
+_DIAGONAL = Kronecker(diagonal=True)
+layer(nn.LayerNorm, recognise=_recognise(center=True), kronecker=_DIAGONAL)
 if _RMS_NORM is not None:  # a weight, and no bias
-    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams, recognise=_recognise(center=False))
+    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams, recognise=_recognise(center=False), kronecker=_DIAGONAL)
     register(_RMS_NORM, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)
+
+
+# -- Input Jacobian, for second-order extensions ---------------------------------------
+# (imported here, not at the top: the second-order registry imports the layer files)
+from jacmem.derivatives.jacobians import passthrough  # noqa: E402
+
+# the vjp of their own forward; nonlinear in the input, so DiagHessian stops there
+passthrough(*(t for t in (nn.LayerNorm, _RMS_NORM) if t is not None), curved=True)

@@ -214,7 +214,8 @@ class Engine(_Engine):
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
         loss = lookup_loss(module)
-        entry = None if loss is not None else lookup_passthrough(module)
+        first = args[0] if args else None
+        entry = None if loss is not None else lookup_passthrough(module, first, output)
         if loss is None and entry is None:
             self._untracked(module, output)
             return
@@ -242,7 +243,7 @@ class Engine(_Engine):
         self._tap(node, inputs, output)
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
-            fo = lookup(module)
+            fo = lookup(module, first, output)
             if fo is None or any(n not in fo.params for n in node.params):
                 self._unsupported(node)
                 node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
@@ -510,6 +511,11 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
     """DiagHessian's residual of an elementwise activation at its input:
     ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
     entry = node.entry
+    if entry.curved:
+        raise NotImplementedError(
+            f"jacmem: DiagHessian cannot pass curvature through module {node}: its second derivative w.r.t. "
+            "its input is not zero and jacmem has none; use DiagGGNExact"
+        )
     if entry.d2f is None:
         return {}
     r = entry.d2f(node.inputs[0], node.out, **node.hp) * grad

@@ -16,9 +16,11 @@ engine (:mod:`.backprop`) brings to the output:
 
 **Per layer**, as each layer file registers its rules beside its derivatives
 (:class:`jacmem.derivatives.Kronecker`: the input factor, the output's layout, the
-settings it refuses); a layer without them raises :class:`.UnsupportedModule`. (``N`` samples; ``T`` positions: the middle axes of a Linear or
-Embedding input ``[N, *, ·]``, the output positions of a convolution; ``s_t`` the
-root's entries at position ``t``, ``[O]``):
+settings it refuses); a layer without them raises :class:`.UnsupportedModule`. With
+the default ``kfac_approx=None`` (the section on ``kfac_approx`` below gives the other
+two; ``N`` samples; ``T`` positions: the middle axes of a Linear or Embedding input
+``[N, *, ·]``, the output positions of a convolution; ``s_t`` the root's entries at
+position ``t``, ``[O]``):
 
 * Linear, input ``[N, *, I]``: ``G = Σ_{v,n,t} s_t s_tᵀ``, position by position (KFRA:
   ``Σ_t Ḡ[t, t]``, the diagonal position blocks); ``A = Σ_{n,t} x_t x_tᵀ / (N·T)``.
@@ -34,8 +36,17 @@ root's entries at position ``t``, ``[O]``):
   those of the same layer applied to ``x.reshape(N·T, I)`` (KFAC-expand, Eschenhagen
   et al. 2023); for a 2d input, ``T = 1`` and these are BackPACK's. BackPACK 1.7.1
   raises for such inputs.
-* *Convolutions*: BackPACK's convention (``G`` is also the bias's factor, which makes
-  ``G ⊗ A`` ``T`` times the KFC paper's). *Transposed* convolutions, as BackPACK's:
+* *HF transformers' Conv1D* (GPT-2's linear layer, ``weight [I, O]``): a Linear's
+  factors, ``G ⊗ A`` approximating the block of ``weight.T`` ``[O, I]`` (the Linear's
+  layout, as for Embedding).
+* *LayerNorm, RMSNorm* (``weight``, ``bias`` ``[D]``, each entry scaled by its own
+  parameter): no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal
+  from their own factors (Monte-Carlo for KFAC, exact for KFLR), as a one-entry list
+  ``[d]``, ``d.shape == param.shape`` (DiagGGNMC's/DiagGGNExact's value). KFRA raises
+  (use KFLR). Their input Jacobian is the vjp of their forward; DiagHessian raises
+  through them (their second derivative is not zero).
+* *Convolutions*: BackPACK's convention by default (``G`` is also the bias's factor,
+  which makes ``G ⊗ A`` ``T`` times the KFC paper's; ``kfac_approx`` below). *Transposed* convolutions, as BackPACK's:
   ``G ⊗ A`` approximates the block of ``weight.transpose(0, 1)``, ``[C_out, C_in, *K]``
   (``A`` [C_in·K, C_in·K]); ``output_padding`` is honoured (BackPACK 1.7.1 unfolds as if
   it were 0).
@@ -55,6 +66,25 @@ root's entries at position ``t``, ``[O]``):
 * *BatchNorm* raises: its parameters are per-channel vectors scaled by the normalised
   input, with no standard Kronecker factorisation (BackPACK has none); DiagGGNExact
   gives their curvature.
+
+**Weight sharing: ``kfac_approx``** (Eschenhagen et al., "Kronecker-Factored
+Approximate Curvature for Modern Neural Network Architectures", NeurIPS 2023; the
+names and scalings are curvlinops' ``KFACLinearOperator(kfac_approx=...)``). For a
+layer applied at ``T`` positions (a Linear's middle axes, a convolution's output
+positions), with input vectors ``a_{n,t}`` and roots ``s_{v,n,t}``:
+
+* ``"expand"`` (positions as extra samples): ``A = Σ_{n,t} a aᵀ / (N·T)``,
+  ``G = Σ_{v,n,t} s sᵀ``;
+* ``"reduce"`` (positions reduced first): ``A = Σ_n ā āᵀ / N`` with
+  ``ā_n = 1/T Σ_t a_{n,t}``, ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``; Embedding raises
+  (its reduced ``A`` is a dense ``[V, V]``);
+* ``None`` (the default): Linear and Embedding ``"expand"``, convolutions BackPACK's
+  (``G`` of ``"reduce"``, ``A`` ``T`` times ``"expand"``'s, the list above).
+
+The scaling of the loss is in the roots (``1/√(terms)`` for ``reduction="mean"``), so
+for losses that curvlinops also reduces by the mean over ``N`` (·positions) the
+factors are curvlinops' own, ``G`` and ``A`` each, not only their product. With
+``T = 1`` all three coincide.
 
 **KFRA through branches** (:class:`jacmem.nn.Sum`, ``Residual``, ``Parallel``). Where a
 tensor feeds several paths that meet again, the region's per-sample Jacobian is the sum
@@ -98,21 +128,32 @@ from torch import Tensor
 
 from jacmem.derivatives import REGISTRY, Kronecker
 from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, UnsupportedModule, mc_kind
+from jacmem.extensions.secondorder.diag_ggn import squared_vjps
 
 
-def _rule(call: Call, ext: SecondOrderExtension) -> Kronecker:
+def _has_rules(rule: Kronecker | None, diagonal: bool) -> bool:
+    return rule is not None and (rule.input_factor is not None or (diagonal and rule.diagonal))
+
+
+def _rule(call: Call, ext: _KF) -> Kronecker:
     """The layer's Kronecker rules (registered with its derivatives); raises
     :class:`UnsupportedModule` where it has none, or none with these settings."""
     rule = getattr(call.entry, "kronecker", None)
     kind = type(call.module).__name__
-    if rule is None or rule.input_factor is None:
+    if not _has_rules(rule, ext.diagonal):
         why = f": {rule.why_not}" if rule is not None and rule.why_not else ""
-        supported = ", ".join(t.__name__ for t, e in REGISTRY.items() if e.kronecker and e.kronecker.input_factor)
+        if rule is not None and rule.diagonal:
+            why = ": its parameters scale elementwise and get their GGN diagonal, which KFAC and KFLR give"
+        supported = ", ".join(
+            t if isinstance(t, str) else t.__name__
+            for t, e in REGISTRY.items()
+            if _has_rules(e.kronecker, ext.diagonal)
+        )
         raise UnsupportedModule(
             f"{ext!r} has no Kronecker factors for {kind} (module {call.name!r}){why}; "
             f"supported: {supported}. Freeze its parameters (requires_grad=False) or use DiagGGNExact"
         )
-    why = rule.refuse(**call.hp)
+    why = rule.refuse(approx=ext.kfac_approx, **call.hp)
     if why:
         raise UnsupportedModule(
             f"{ext!r} has no Kronecker factors for {kind} module {call.name!r} {why} or use DiagGGNExact"
@@ -127,29 +168,37 @@ def _group_blocks(M: Tensor, groups: int) -> Tensor:
     return torch.diagonal(M.unflatten(0, (groups, -1)).unflatten(2, (groups, -1)), dim1=0, dim2=2).permute(2, 0, 1)
 
 
-def input_factor(call: Call) -> Tensor:
-    """``A``, by the layer's rule (:class:`jacmem.derivatives.Kronecker`): ``[I, I]`` for
-    Linear; ``[C_in·K, C_in·K]`` for a convolution (``[g, C_in/g·K, C_in/g·K]`` with
-    ``g > 1`` groups); the diagonal ``[V]`` for Embedding."""
+def input_factor(call: Call, approx: str | None = None) -> Tensor:
+    """``A``, by the layer's rule (:class:`jacmem.derivatives.Kronecker`) and ``approx``
+    (the module docstring): ``[I, I]`` for Linear; ``[C_in·K, C_in·K]`` for a
+    convolution (``[g, C_in/g·K, C_in/g·K]`` with ``g > 1`` groups); the diagonal
+    ``[V]`` for Embedding."""
     rule = call.entry.kronecker
-    return rule.input_factor(call.x, call.out_shape, call.params["weight"].dtype, **call.hp)
+    return rule.input_factor(call.x, call.out_shape, call.params["weight"].dtype, approx, **call.hp)
 
 
-def _channels(call: Call, S: Tensor) -> Tensor:
-    """A root ``[V, N, *out]`` -> the vectors whose outer products make ``G``:
-    ``[V, N·T, O]`` per position (channels last), or ``[V, N, O]`` summed over
-    positions (convolutions)."""
+def _channels(call: Call, S: Tensor, approx: str | None = None) -> Tensor:
+    """A root ``[V, N, *out]`` -> the vectors whose outer products make ``G``, channels
+    last: ``[V, N·T, O]`` per position (channels-last layers; convolutions with
+    ``approx="expand"``), or ``[V, N, O]`` summed over positions (convolutions;
+    channels-last layers with ``approx="reduce"``)."""
+    v, n = S.shape[:2]
     if call.entry.kronecker.channels_last:
-        return S.reshape(S.shape[0], -1, S.shape[-1])
-    return S if S.dim() == 3 else S.flatten(3).sum(3)
+        if approx == "reduce":
+            return S.reshape(v, n, -1, S.shape[-1]).sum(2)
+        return S.reshape(v, -1, S.shape[-1])
+    S = S.reshape(v, n, S.shape[2], -1)  # [V, N, O, T]
+    if approx == "expand":
+        return S.transpose(2, 3).reshape(v, -1, S.shape[2])
+    return S.sum(3)
 
 
-def output_factor_sqrt(call: Call, kinds) -> Tensor | None:
-    """``G = Σ_factors sign · Σ_{v,n} s sᵀ`` of the factors of ``kinds``: ``[O, O]``, or
-    ``None`` if none arrived."""
+def output_factor_sqrt(call: Call, kinds, approx: str | None = None) -> Tensor | None:
+    """``G = Σ_factors sign · Σ_{v,n} s sᵀ`` of the factors of ``kinds``, ``s`` by
+    :func:`_channels`: ``[O, O]``, or ``None`` if none arrived."""
     G = None
     for f in call.of_kind(*kinds):
-        s = _channels(call, f.S)
+        s = _channels(call, f.S, approx)
         s = s.reshape(-1, s.shape[-1])  # [(V M), O]
         part = (s.T @ s).mul_(f.sign)
         G = part if G is None else G + part
@@ -199,12 +248,30 @@ def _contiguous_symmetric(M: Tensor) -> Tensor:
     return t if t.is_contiguous() else M.contiguous()
 
 
+KFAC_APPROX = (None, "expand", "reduce")
+
+
+def _check_approx(kfac_approx: str | None) -> str | None:
+    if kfac_approx not in KFAC_APPROX:
+        raise ValueError(f"kfac_approx must be one of {KFAC_APPROX}, got {kfac_approx!r}")
+    return kfac_approx
+
+
 class _KF(SecondOrderExtension):
+    #: how positions that share a weight count (module docstring); ``None``: each
+    #: layer's default
+    kfac_approx: str | None = None
+    #: LayerNorm/RMSNorm parameters get their GGN diagonal from ``kinds``' factors
+    diagonal = True
+
     def output_factor(self, call: Call) -> Tensor | None:
-        return output_factor_sqrt(call, self.kinds)
+        return output_factor_sqrt(call, self.kinds, self.kfac_approx)
 
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
         rule = _rule(call, self)
+        if rule.input_factor is None:  # a diagonal rule
+            diag = squared_vjps(call, call.of_kind(*self.kinds), batch=False)
+            return {name: [diag[name] if name in diag else torch.zeros_like(p)] for name, p in call.params.items()}
         G = self.output_factor(call)
         if G is None:
             o = call.out_shape[-1 if rule.channels_last else 1]
@@ -213,7 +280,7 @@ class _KF(SecondOrderExtension):
         out = {}
         for name in call.params:
             if name == "weight":
-                A = input_factor(call)
+                A = input_factor(call, self.kfac_approx)
                 blocks = _contiguous_symmetric(_group_blocks(G, A.shape[0] if A.dim() == 3 else 1))
                 out[name] = [blocks, _contiguous_symmetric(A)]
             else:
@@ -221,25 +288,39 @@ class _KF(SecondOrderExtension):
         return out
 
 
+def _approx_repr(kfac_approx: str | None) -> str:
+    return "" if kfac_approx is None else f"kfac_approx={kfac_approx!r}"
+
+
 class KFAC(_KF):
     """Kronecker-factored GGN from ``mc_samples`` Monte-Carlo samples of the loss
-    Hessian (Martens & Grosse 2015; Grosse & Martens 2016), ``param.kfac``."""
+    Hessian (Martens & Grosse 2015; Grosse & Martens 2016), ``param.kfac``;
+    ``kfac_approx``: ``"expand"``, ``"reduce"`` (Eschenhagen et al. 2023) or ``None``
+    (each layer's default), as the module docstring says."""
 
     savefield = "kfac"
 
-    def __init__(self, mc_samples: int = 1):
+    def __init__(self, mc_samples: int = 1, kfac_approx: str | None = None):
         self.mc_samples = mc_samples
         self.kinds = (mc_kind(mc_samples),)
+        self.kfac_approx = _check_approx(kfac_approx)
 
     def __repr__(self) -> str:
-        return f"KFAC(mc_samples={self.mc_samples})"
+        approx = _approx_repr(self.kfac_approx)
+        return f"KFAC(mc_samples={self.mc_samples}{', ' + approx if approx else ''})"
 
 
 class KFLR(_KF):
     """Kronecker-factored GGN from the exact loss Hessian (Botev et al. 2017),
-    ``param.kflr``."""
+    ``param.kflr``; ``kfac_approx`` as for :class:`KFAC`."""
 
     savefield, kinds = "kflr", ("exact",)
+
+    def __init__(self, kfac_approx: str | None = None):
+        self.kfac_approx = _check_approx(kfac_approx)
+
+    def __repr__(self) -> str:
+        return f"KFLR({_approx_repr(self.kfac_approx)})"
 
 
 class KFRA(_KF):
@@ -248,6 +329,7 @@ class KFRA(_KF):
     docstring says."""
 
     savefield, kinds = "kfra", ("dense",)
+    diagonal = False  # its dense Ḡ would need the module's Jacobian: use KFLR
 
     def output_factor(self, call: Call) -> Tensor | None:
         G = None if call.dense is None else output_factor_dense(call, call.dense)
