@@ -139,14 +139,16 @@ def main(argv=None) -> dict[str, list[tuple[float, float]]]:
     for name, rows in results.items():
         print(f"{name:>13}" + "".join(f"{c:>8.3f} ({a:.2f})" for c, a in rows))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, (conf, acc) = plt.subplots(1, 2, figsize=(10, 4))
     for name, rows in results.items():
-        ax.plot(SHIFTS, [c for c, _ in rows], marker="o", label=name)
-    ax.axhline(1 / CLASSES, color="grey", linestyle=":", label="chance")
-    ax.set_xlabel("noise added to the test images (standard deviation)")
-    ax.set_ylabel("mean confidence (largest class probability)")
-    ax.set_title("A small ResNet: MAP vs Laplace (backend=JacmemGGN)")
-    ax.legend()
+        conf.plot(SHIFTS, [c for c, _ in rows], marker="o", label=name)
+        acc.plot(SHIFTS, [a for _, a in rows], marker="o", label=name)
+    for ax, what in ((conf, "mean confidence (largest class probability)"), (acc, "accuracy")):
+        ax.axhline(1 / CLASSES, color="grey", linestyle=":", label="chance")
+        ax.set_xlabel("noise added to the test images (standard deviation)")
+        ax.set_ylabel(what)
+        ax.legend(loc="lower left")
+    fig.suptitle("A small ResNet: MAP vs Laplace (backend=JacmemGGN)")
     fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out / "plot_laplace_resnet.png", dpi=100)
