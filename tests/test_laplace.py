@@ -198,6 +198,39 @@ def test_laplace_on_stock_torchvision_resnet18():
     close(H, ref_H)
 
 
+@pytest.mark.xfail(strict=True, reason="needs curv-autograd")
+def test_laplace_on_hf_bert_classifier():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=6,
+        num_labels=C,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+
+    class Logits(nn.Module):  # laplace's backends take a model that returns a tensor
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertForSequenceClassification(config).eval()
+
+        def forward(self, input_ids):
+            return self.bert(input_ids).logits
+
+    torch.manual_seed(1)
+    model, twin = Logits(), Logits()
+    twin.load_state_dict(model.state_dict())
+    X, y = torch.randint(0, 20, (2, 6)), torch.randint(0, C, (2,))
+    _, H = JacmemGGN(model, "classification").diag(X, y)
+    _, ref_H = CurvlinopsGGN(twin, "classification").diag(X, y)
+    close(H, ref_H)
+
+
 def test_subnetwork_indices():
     model, twin, X, y = case("mlp", "classification")
     idx = torch.tensor([0, 3, 7, 40])
