@@ -59,19 +59,31 @@ class JacmemInterface(CurvatureInterface):
     """What :class:`JacmemGGN` and :class:`JacmemEF` share: the parameters, the
     extension runs, ``jacobians`` and ``gradients`` by :class:`jacmem.BatchGrad`."""
 
-    def _run(self, out: Tensor, params: list | None = None, grad_outputs: Tensor | None = None) -> list[dict]:
-        """One backward of ``out`` (inside the caller's jacmem block): for each
-        parameter in ``params`` (default: the curvature's), the attributes the extensions
-        wrote, as ``{field: value}``, removed from the parameter. ``.grad`` is untouched."""
+    def _run(self, out: Tensor, field: str, zero, params: list | None = None, grad_outputs: Tensor | None = None):
+        """One backward of ``out`` (inside the caller's jacmem block): the attribute
+        ``field`` of each parameter in ``params`` (default: the curvature's), removed from
+        the parameter; ``zero(p)`` for a parameter that ``out`` does not depend on, ``None``
+        where jacmem gave none (the caller decides). ``.grad`` is untouched."""
         params = self.params if params is None else params
         try:
-            torch.autograd.grad(out, params, grad_outputs=grad_outputs, retain_graph=True)
-            return [{f: getattr(p, f) for f in _FIELDS if hasattr(p, f)} for p in params]
+            grads = torch.autograd.grad(out, params, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True)
+            return [zero(p) if g is None else getattr(p, field, None) for p, g in zip(params, grads)]
         finally:
             for p in params:
-                for field in _FIELDS:
-                    if hasattr(p, field):
-                        delattr(p, field)
+                for name in _FIELDS:
+                    if hasattr(p, name):
+                        delattr(p, name)
+
+    def _every(self, values: list, what: str) -> list:
+        """``values``, one per parameter, or an error naming the first that has none."""
+        for p, v in zip(self.params, values):
+            if v is None:
+                name = next(n for n, q in self._model.named_parameters() if q is p)
+                raise ValueError(
+                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}' (see jacmem's warning above); "
+                    "freeze it (requires_grad=False) or make its module one jacmem supports"
+                )
+        return values
 
     def _loss(self, x, y) -> tuple[Tensor, Tensor]:
         """The model's output ``f`` on ``x`` and laplace's summed loss; classification
@@ -108,8 +120,8 @@ class JacmemInterface(CurvatureInterface):
             for k in range(f.shape[1]):
                 onehot = torch.zeros_like(f)
                 onehot[:, k] = 1.0
-                got = self._run(f, grad_outputs=onehot)
-                columns.append(self._flat([g["grad_batch"] for g in got], batched=True))
+                got = self._run(f, "grad_batch", _zero_batch(len(f)), grad_outputs=onehot)
+                columns.append(self._flat(self._every(got, "Jacobian"), batched=True))
         return torch.stack(columns, dim=1).detach(), f.detach()
 
     def gradients(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
@@ -117,8 +129,8 @@ class JacmemInterface(CurvatureInterface):
         ``Gs [N, P]`` and the loss (unscaled, as laplace's other backends)."""
         with jacmem.extend(jacmem.BatchGrad()):
             _, loss = self._loss(x, y)
-            got = self._run(loss)
-        return self._flat([g["grad_batch"] for g in got], batched=True), loss.detach()
+            got = self._run(loss, "grad_batch", _zero_batch(len(x)))
+        return self._flat(self._every(got, "per-sample gradient"), batched=True), loss.detach()
 
 
 class JacmemGGN(JacmemInterface, GGNInterface):
@@ -153,8 +165,8 @@ class JacmemGGN(JacmemInterface, GGNInterface):
         """``factor · loss`` and the GGN diagonal ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``: ``[P]``."""
         with jacmem.extend(self._diag_extension()):
             _, loss = self._loss(x, y)
-            got = self._run(loss)
-        diag = self._flat([g[self._diag_field()] for g in got], batched=False)
+            got = self._run(loss, self._diag_field(), torch.zeros_like)
+        diag = self._flat(self._every(got, "GGN diagonal"), batched=False)
         return self.factor * loss.detach(), self.factor * diag
 
     def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
@@ -168,15 +180,15 @@ class JacmemGGN(JacmemInterface, GGNInterface):
             # those parameters get their GGN diagonal below
             warnings.filterwarnings("ignore", message=r"jacmem: KF(AC|LR)\(.*\) has no Kronecker factors")
             _, loss = self._loss(x, y)
-            got = self._run(loss)
-        missing = [p for p, g in zip(self.params, got) if field not in g]
+            got = self._run(loss, field, _zero_factors)
+        missing = [p for p, g in zip(self.params, got) if g is None]
         if missing:  # no Kronecker factors in jacmem (a norm's weight): the GGN diagonal
             with jacmem.extend(self._diag_extension()):
                 _, loss = self._loss(x, y)
-                diags = iter(self._run(loss, params=missing))
-            got = [g if field in g else {field: [torch.diag(next(diags)[self._diag_field()].flatten())]} for g in got]
+                diags = iter(self._run(loss, self._diag_field(), torch.zeros_like, params=missing))
+            got = self._every([_diagonal_block(next(diags)) if g is None else g for g in got], "GGN diagonal")
         names = {p: n for n, p in self._model.named_parameters()}
-        kfacs = [_laplace_factors(names[p], p, g[field], len(y), N) for p, g in zip(self.params, got)]
+        kfacs = [_laplace_factors(names[p], factors, len(y), N) for p, factors in zip(self.params, got)]
         return self.factor * loss.detach(), Kron(kfacs) * self.factor
 
 
@@ -200,8 +212,8 @@ class JacmemEF(JacmemInterface, EFInterface):
         """``factor · loss`` and ``factor · Σ_n g_n²``: ``[P]``."""
         with jacmem.extend(jacmem.SumGradSquared()):
             _, loss = self._loss(x, y)
-            got = self._run(loss)
-        diag = self._flat([g["sum_grad_squared"] for g in got], batched=False)
+            got = self._run(loss, "sum_grad_squared", torch.zeros_like)
+        diag = self._flat(self._every(got, "sum of squared gradients"), batched=False)
         return self.factor * loss.detach(), self.factor * diag
 
     def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
@@ -211,10 +223,28 @@ class JacmemEF(JacmemInterface, EFInterface):
         )
 
 
-def _laplace_factors(name: str, p: Tensor, factors: list[Tensor], M: int, N: int) -> list[Tensor]:
-    """jacmem's factors of ``p`` (BackPACK's ``[G, A]``, ``[G]``, or jacmem's diagonal
-    ``A [I]`` of an Embedding) as laplace's ``[Q, H]`` with ``Q ⊗ H`` the block of ``p``
-    flattened row-major, or ``[B]``; ``A`` scaled by ``M / N``."""
+def _zero_batch(n: int):
+    """The per-sample zeros ``[n, *p.shape]`` of a parameter ``p`` the output does not use."""
+    return lambda p: p.new_zeros(n, *p.shape)
+
+
+def _diagonal_block(diag: Tensor | None) -> list[Tensor] | None:
+    """A parameter's GGN diagonal ``[*p.shape]`` as laplace's one-matrix block ``[[P, P]]``."""
+    return None if diag is None else [torch.diag(diag.flatten())]
+
+
+def _zero_factors(p: Tensor) -> list[Tensor]:
+    """The Kronecker factors of a parameter the loss does not use: laplace's ``Kron``
+    layout, ``[0 [O, O], 0 [I, I]]`` for a weight, ``[0 [P, P]]`` for a vector."""
+    if p.dim() == 1:
+        return [p.new_zeros(p.numel(), p.numel())]
+    return [p.new_zeros(p.shape[0], p.shape[0]), p.new_zeros(p[0].numel(), p[0].numel())]
+
+
+def _laplace_factors(name: str, factors: list[Tensor], M: int, N: int) -> list[Tensor]:
+    """jacmem's factors of the parameter ``name`` (BackPACK's ``[G, A]``, ``[G]``, or
+    jacmem's diagonal ``A [I]`` of an Embedding) as laplace's ``[Q, H]``, with ``Q ⊗ H``
+    the block of the parameter flattened row-major, or ``[B]``; ``A`` scaled by ``M / N``."""
     if len(factors) == 1:
         return [factors[0]]
     G, A = factors

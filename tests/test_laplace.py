@@ -169,6 +169,46 @@ def test_kron_without_factors_takes_the_ggn_diagonal():
             close(g, w)
 
 
+def test_kron_of_an_embedding_is_its_ggn_block_at_one_sample():
+    """At one sample and one position, KFLR is exact: laplace's Kron block of the
+    Embedding's weight ``[V, D]`` (``[diag(A), G]``, row-major) equals the exact GGN block
+    (curvlinops' GGN operator)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Tanh(), nn.Linear(3, C))
+    twin = copy.deepcopy(model)
+    X, y = torch.tensor([[2]]), torch.tensor([1])
+    _, kron = JacmemGGN(model, "classification").kron(X, y, N=1)
+    _, full = CurvlinopsGGN(twin, "classification").full(X, y)
+    Q, H = kron.kfacs[0]
+    assert Q.shape == (5, 5) and H.shape == (3, 3)
+    close(torch.kron(Q, H), full[:15, :15])
+    assert full[:15, :15].abs().max() > 0
+
+
+def test_a_parameter_the_output_does_not_use_gets_zeros():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = mlp(), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(1)
+    model = Unused()
+    twin = copy.deepcopy(model)
+    X, y = torch.randn(N, 4), torch.randint(0, C, (N,))
+    ours, ref = JacmemGGN(model, "classification"), CurvlinopsGGN(twin, "classification")
+    close(ours.diag(X, y)[1], ref.diag(X, y)[1])
+    close(ours.jacobians(X)[0], ref.jacobians(X)[0])
+    close(ours.gradients(X, y)[0], ref.gradients(X, y)[0])
+    _, kron = ours.kron(X, y, N=N)
+    assert [[f.shape for f in fs] for fs in kron.kfacs[-2:]] == [[(2, 2), (2, 2)], [(2, 2)]]
+    assert all(f.abs().max() == 0 for fs in kron.kfacs[-2:] for f in fs)
+    assert all(f.abs().max() > 0 for fs in kron.kfacs[:-2] for f in fs)
+    no_leftovers(model)
+
+
 def loader(X, y) -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=N // 2)
 
