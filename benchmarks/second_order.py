@@ -54,7 +54,7 @@ EXTENSIONS: dict[str, list[str]] = {
 SIZES = {
     "mlp": ((512, 128), (16, 4)),
     "cnn": ((None, 8), (None, 2)),
-    "resnet18": ((None, 32), (None, 2)),
+    "resnet18": ((None, 8), (None, 2)),  # laplace's curvlinops diag holds Jacobians [N, 10, 11.2M]
     "bert": ((128, 8), (16, 2)),
 }
 #: model -> libraries, each a process of its own ("pair": jacmem and BackPACK alternating)
