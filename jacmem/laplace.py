@@ -29,6 +29,8 @@ with jacmem in place of BackPACK, and keep its conventions:
   inputs); a grouped convolution (block-diagonal factors) is refused.
 * ``jacobians`` are ``[N, C, P]`` and ``gradients`` ``[N, P]``, with ``P`` the
   parameters (of ``subnetwork_indices`` where given) concatenated in order.
+* The input ``x`` goes to the model as it comes: a tensor ``[N, *]``, or a dict-like
+  batch (Hugging Face's) whose ``dict_key_x`` entry is ``[N, *]``.
 
 jacmem computes the curvature through the modules of the model while the backward pass
 runs; it must be able to follow the model's chain (see :class:`jacmem.ChainError`).
@@ -88,11 +90,14 @@ class JacmemInterface(CurvatureInterface):
     def _loss(self, x, y) -> tuple[Tensor, Tensor]:
         """The model's output ``f`` on ``x`` and laplace's summed loss; classification
         outputs ``[N, ..., C]`` flattened to ``[N·..., C]``, as laplace's BackPACK backend."""
-        _refuse_mapping(x)
         f = self.model(x)
         if self.likelihood == "classification" and f.dim() > 2:  # a reshape jacmem follows only where needed
             f, y = f.reshape(-1, f.shape[-1]), y.reshape(-1)
         return f, self.lossfunc(f, y)
+
+    def _batch_size(self, x: Tensor | MutableMapping) -> int:
+        """N: of ``x [N, *]``, or of ``x[dict_key_x]`` for a dict-like input (a Hugging Face batch)."""
+        return len(x[self.dict_key_x] if isinstance(x, MutableMapping) else x)
 
     def _flat(self, tensors: list[Tensor], batched: bool) -> Tensor:
         """Parameter-shaped tensors concatenated flat (``[N, P]`` where ``batched``, else
@@ -108,7 +113,6 @@ class JacmemInterface(CurvatureInterface):
         uses laplace's ``torch.func`` Jacobians: jacmem's quantities are constants."""
         if enable_backprop:
             return CurvatureInterface.jacobians(self, x, enable_backprop=True)
-        _refuse_mapping(x)
         with jacmem.extend(jacmem.BatchGrad()):
             f = self.model(x)
             if f.dim() != 2:
@@ -129,7 +133,7 @@ class JacmemInterface(CurvatureInterface):
         ``Gs [N, P]`` and the loss (unscaled, as laplace's other backends)."""
         with jacmem.extend(jacmem.BatchGrad()):
             _, loss = self._loss(x, y)
-            got = self._run(loss, "grad_batch", _zero_batch(len(x)))
+            got = self._run(loss, "grad_batch", _zero_batch(self._batch_size(x)))
         return self._flat(self._every(got, "per-sample gradient"), batched=True), loss.detach()
 
 
@@ -256,11 +260,6 @@ def _laplace_factors(name: str, factors: list[Tensor], M: int, N: int) -> list[T
     if A.dim() == 1:  # an Embedding: weight [V, D] is weight.T of a Linear on one-hot inputs
         return [torch.diag(A * M / N), G]
     return [G, A * M / N]
-
-
-def _refuse_mapping(x: Any) -> None:
-    if isinstance(x, MutableMapping):
-        raise ValueError("jacmem.laplace: dict-like inputs are not supported yet; pass the input tensor")
 
 
 def _refuse_last_layer(last_layer: bool) -> None:
