@@ -9,6 +9,12 @@ It then writes the table to BENCHMARKS.md between ``<!-- secondorder:start -->``
 sizes, one step after one warm-up, the table printed and written to
 ``out/second-order-quick.md`` only; it checks the harness.
 
+Curvature on real architectures (issue 16): torchvision's resnet18 (32×32, eval) and a
+small HF BERT classifier get ``DiagGGNExact`` and ``KFAC`` from jacmem and BackPACK and,
+as a laplace-torch fit step, from laplace's curvlinops and ASDL backends (``diag``;
+``kron`` with ``stochastic=True``, their KFAC), each library in its own process for time
+and memory. A library that cannot do a case is recorded as "fails: <reason>".
+
 Memory: the peak resident set size during the timed steps above that before them,
 after one warm-up step (so one-time imports and initialisation do not count;
 ``/proc/self/clear_refs`` resets the high-water mark). Each case runs with
@@ -41,15 +47,42 @@ START, END = "<!-- secondorder:start -->", "<!-- secondorder:end -->"
 EXTENSIONS: dict[str, list[str]] = {
     "mlp": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR", "KFRA"],
     "cnn": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR"],
+    "resnet18": ["DiagGGNExact", "KFAC"],
+    "bert": ["DiagGGNExact", "KFAC"],
 }
 #: model -> (hidden width or None, batch size), full and quick
-SIZES = {"mlp": ((512, 128), (16, 4)), "cnn": ((None, 8), (None, 2))}
+SIZES = {
+    "mlp": ((512, 128), (16, 4)),
+    "cnn": ((None, 8), (None, 2)),
+    "resnet18": ((None, 8), (None, 2)),  # laplace's curvlinops diag holds Jacobians [N, 10, 11.2M]
+    "bert": ((128, 8), (16, 2)),
+}
+#: model -> libraries, each a process of its own ("pair": jacmem and BackPACK alternating)
+LIBS = {"mlp": ("pair", "jacmem", "backpack"), "cnn": ("pair", "jacmem", "backpack")}
+LIBS |= {m: ("jacmem", "backpack", "curvlinops", "asdl") for m in ("resnet18", "bert")}
+#: laplace-torch's backends: library -> (module, GGN backend class)
+LAPLACE = {
+    "curvlinops": ("laplace.curvature.curvlinops", "CurvlinopsGGN"),
+    "asdl": ("laplace.curvature.asdl", "AsdlGGN"),
+}
+#: the column titles of the libraries
+TITLES = {"jacmem": "jacmem", "backpack": "BackPACK", "curvlinops": "laplace curvlinops", "asdl": "laplace ASDL"}
+#: BERT's sequence length and vocabulary, full and quick
+BERT_TOKENS = ((32, 1000), (8, 50))
 
 
 def describe(model: str, quick: bool) -> str:
     width, batch = SIZES[model][quick]
     if model == "mlp":
         return f"MLP 784-{width}-{width}-10, ReLU, cross-entropy, batch {batch}"
+    if model == "resnet18":
+        return f"torchvision resnet18 (num_classes=10, eval), 3×32×32 inputs, cross-entropy, batch {batch}"
+    if model == "bert":
+        (tokens, vocab) = BERT_TOKENS[quick]
+        return (
+            f"HF BertForSequenceClassification (random init, eval): 2 layers, d={width}, 2 heads, vocabulary "
+            f"{vocab}, {tokens} tokens, 10 classes, cross-entropy, batch {batch}"
+        )
     return f"seed CNN (4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), cross-entropy, batch {batch}"
 
 
@@ -63,9 +96,43 @@ def build(model: str, quick: bool):
     width, batch = SIZES[model][quick]
     if model == "mlp":
         net, X = mlp(width), torch.randn(batch, 784)
+    elif model == "resnet18":
+        import torchvision
+
+        net, X = torchvision.models.resnet18(num_classes=10).eval(), torch.randn(batch, 3, 32, 32)
+    elif model == "bert":
+        tokens, vocab = BERT_TOKENS[quick]
+        net, X = bert(width, vocab, tokens), torch.randint(0, vocab, (batch, tokens))
     else:
         net, X = seed_cnn(), torch.randn(batch, 1, 28, 28)
     return net, X, torch.randint(0, 10, (X.shape[0],)), nn.CrossEntropyLoss()
+
+
+def bert(width: int, vocab: int, tokens: int):
+    """A small HF BERT classifier, as a module from token ids ``[N, T]`` to logits ``[N, 10]``."""
+    from torch import nn
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(
+        vocab_size=vocab,
+        hidden_size=width,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=2 * width,
+        max_position_embeddings=tokens,
+        num_labels=10,
+        attn_implementation="eager",
+    )
+
+    class Logits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.bert = BertForSequenceClassification(config).eval()
+
+        def forward(self, input_ids):
+            return self.bert(input_ids).logits
+
+    return Logits()
 
 
 def prepare(case: dict):
@@ -87,6 +154,22 @@ def prepare(case: dict):
         def step():
             with jacmem.extend(ext):
                 lossf(model(X), y).backward()
+
+    elif lib in LAPLACE:  # a laplace-torch fit step: forward, loss and curvature, as Laplace.fit runs it
+        import importlib
+
+        module, backend = LAPLACE[lib]
+        curvature = getattr(importlib.import_module(module), backend)(
+            model, "classification", stochastic=name != "DiagGGNExact"
+        )
+        if name not in ("DiagGGNExact", "KFAC"):
+            raise ValueError(f"laplace's backends give DiagGGNExact (diag) and KFAC (stochastic kron), not {name}")
+
+        def step():
+            if name == "DiagGGNExact":
+                curvature.diag(X, y)
+            else:
+                curvature.kron(X, y, N=len(y))
 
     else:
         import backpack.extensions as bpe
@@ -172,7 +255,7 @@ def _mb(b: float | None) -> str:
 
 def _cell(r: dict, key: str) -> str:
     if "error" in r:
-        return "error: " + r["error"].replace("|", "/")
+        return "fails: " + r["error"].replace("|", "/")
     if r.get(key) is None:
         return "n/a"
     return _mb(r[key]) if key == "extra_bytes" else f"{r[key]:.3f}" if key.endswith("_s") else f"{r[key]:.2f}"
@@ -196,7 +279,10 @@ def table(results: list[dict], args) -> str:
         "jacmem's times include its chain check: at each module, the gradient autograd delivers is compared "
         "with the parts its tracked consumers passed back, which autograd computed itself (hooks on their "
         "autograd nodes; no extra arithmetic but the comparison). KFRA on the CNN is left out: its dense matrices "
-        "over the 100,352-entry conv outputs fit in neither library." + (" " + args.note if args.note else ""),
+        "over the 100,352-entry conv outputs fit in neither library. resnet18 and BERT: each library in a process "
+        f"of its own for time and memory ({args.repeats} steps); laplace's backends run their fit step "
+        "(`diag`, and `kron` with `stochastic=True` for KFAC), which includes the forward pass and the loss."
+        + (" " + args.note if args.note else ""),
         "",
     ]
     for model in args.models:
@@ -205,6 +291,11 @@ def table(results: list[dict], args) -> str:
             f"**{describe(model, args.quick)}** (plain forward+backward: {plain.get('time_s', float('nan')):.3f} s, "
             f"{_mb(plain.get('extra_bytes'))} MB)",
             "",
+        ]
+        if "pair" not in LIBS[model]:
+            lines += separate(model, by)
+            continue
+        lines += [
             "| extension | jacmem s | BackPACK s | time ratio | jacmem MB | BackPACK MB | memory ratio |",
             "|---|---|---|---|---|---|---|",
         ]
@@ -226,6 +317,24 @@ def table(results: list[dict], args) -> str:
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
+
+
+def separate(model: str, by: dict) -> list[str]:
+    """The table of a model whose libraries each ran in a process of their own: time and
+    memory per library, and jacmem's time over each other library's."""
+    libs = LIBS[model]
+    head = "| extension | " + " | ".join(f"{TITLES[lib]} s | {TITLES[lib]} MB" for lib in libs)
+    head += "".join(f" | jacmem / {TITLES[lib]} time" for lib in libs[1:]) + " |"
+    lines = [head, "|---|" + "---|" * (3 * len(libs) - 1)]
+    for ext in EXTENSIONS[model]:
+        rs = [by.get((model, lib, ext), {}) for lib in libs]
+        cells = [f"{_cell(r, 'time_s')} | {_cell(r, 'extra_bytes')}" if "error" not in r else _cell(r, "") for r in rs]
+        cells = [c if " | " in c else f"{c} | " for c in cells]  # a failure spans its library's time and memory
+        ratios = [
+            f"{rs[0]['time_s'] / r['time_s']:.2f}" if "time_s" in rs[0] and "time_s" in r else "n/a" for r in rs[1:]
+        ]
+        lines.append(f"| {ext} | " + " | ".join(cells + ratios) + " |")
+    return lines + [""]
 
 
 def write_block(path: Path, block: str) -> None:
@@ -264,9 +373,7 @@ def main(argv=None) -> None:
     cases = []
     for model in args.models:
         cases.append(dict(model=model, lib="plain", ext="-"))
-        cases += [
-            dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in ("pair", "jacmem", "backpack")
-        ]
+        cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in LIBS[model]]
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
     args.load_before = " ".join(run.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

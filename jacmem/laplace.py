@@ -1,0 +1,270 @@
+"""A laplace-torch backend: jacmem's extensions behind laplace-torch's curvature interface.
+
+```python
+from laplace import Laplace
+from jacmem.laplace import JacmemGGN
+
+la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron", backend=JacmemGGN)
+la.fit(train_loader)
+la.optimize_prior_precision()
+probs = la(X_test, pred_type="glm", link_approx="probit")
+```
+
+The backends mirror laplace-torch's BackPACK backend (``laplace/curvature/backpack.py``),
+with jacmem in place of BackPACK, and keep its conventions:
+
+* The loss is laplace's ``lossfunc``, ``CrossEntropyLoss`` or ``MSELoss`` with
+  ``reduction="sum"``; every curvature and loss is multiplied by laplace's ``factor``
+  (1 for classification, ½ for regression: ``MSELoss`` is twice the Gaussian negative
+  log-likelihood), so ``diag`` returns ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``.
+* Classification outputs ``[N, ..., C]`` are flattened to ``[N·..., C]`` for the loss,
+  as BackPACK's backend does.
+* ``kron`` gives one entry per parameter, in ``model.parameters()`` order: ``[G, A]``
+  for a weight (``[O, O]``, ``[I, I]``, the order of BackPACK's ``kflr``, so
+  ``G ⊗ A`` is the block of the weight flattened row-major), ``[G]`` for a bias. A is
+  multiplied by ``M / N`` (the batch over the data set size), so that the factors of
+  the batches add up to the data set's. A parameter that has no Kronecker factors in
+  jacmem (a norm's weight and bias) gets its exact GGN diagonal as a diagonal block;
+  an Embedding gets ``[diag(A), G]`` (its weight is ``weight.T`` of a Linear on one-hot
+  inputs); a grouped convolution (block-diagonal factors) is refused.
+* ``jacobians`` are ``[N, C, P]`` and ``gradients`` ``[N, P]``, with ``P`` the
+  parameters (of ``subnetwork_indices`` where given) concatenated in order.
+* The input ``x`` goes to the model as it comes: a tensor ``[N, *]``, or a dict-like
+  batch (Hugging Face's) whose ``dict_key_x`` entry is ``[N, *]``.
+
+jacmem computes the curvature through the modules of the model while the backward pass
+runs; it must be able to follow the model's chain (see :class:`jacmem.ChainError`).
+Importing this module imports laplace-torch (the ``laplace`` extra); ``import jacmem``
+does not.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import MutableMapping
+from typing import Any
+
+import torch
+from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+from laplace.utils import Kron
+from torch import Tensor
+
+import jacmem
+
+__all__ = ["JacmemInterface", "JacmemGGN", "JacmemEF"]
+
+#: every attribute that the extensions used here write on a parameter
+_FIELDS = ("grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr")
+
+
+class JacmemInterface(CurvatureInterface):
+    """What :class:`JacmemGGN` and :class:`JacmemEF` share: the parameters, the
+    extension runs, ``jacobians`` and ``gradients`` by :class:`jacmem.BatchGrad`."""
+
+    def _run(self, out: Tensor, field: str, zero, params: list | None = None, grad_outputs: Tensor | None = None):
+        """One backward of ``out`` (inside the caller's jacmem block): the attribute
+        ``field`` of each parameter in ``params`` (default: the curvature's), removed from
+        the parameter; ``zero(p)`` for a parameter that ``out`` does not depend on, ``None``
+        where jacmem gave none (the caller decides). ``.grad`` is untouched."""
+        params = self.params if params is None else params
+        try:
+            grads = torch.autograd.grad(out, params, grad_outputs=grad_outputs, retain_graph=True, allow_unused=True)
+            return [zero(p) if g is None else getattr(p, field, None) for p, g in zip(params, grads)]
+        finally:
+            for p in params:
+                for name in _FIELDS:
+                    if hasattr(p, name):
+                        delattr(p, name)
+
+    def _every(self, values: list, what: str) -> list:
+        """``values``, one per parameter, or an error naming the first that has none."""
+        for p, v in zip(self.params, values):
+            if v is None:
+                name = next(n for n, q in self._model.named_parameters() if q is p)
+                raise ValueError(
+                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}' (see jacmem's warning above); "
+                    "freeze it (requires_grad=False) or make its module one jacmem supports"
+                )
+        return values
+
+    def _loss(self, x, y) -> tuple[Tensor, Tensor]:
+        """The model's output ``f`` on ``x`` and laplace's summed loss; classification
+        outputs ``[N, ..., C]`` flattened to ``[N·..., C]``, as laplace's BackPACK backend."""
+        f = self.model(x)
+        if self.likelihood == "classification" and f.dim() > 2:  # a reshape jacmem follows only where needed
+            f, y = f.reshape(-1, f.shape[-1]), y.reshape(-1)
+        return f, self.lossfunc(f, y)
+
+    def _batch_size(self, x: Tensor | MutableMapping) -> int:
+        """N: of ``x [N, *]``, or of ``x[dict_key_x]`` for a dict-like input (a Hugging Face batch)."""
+        return len(x[self.dict_key_x] if isinstance(x, MutableMapping) else x)
+
+    def _flat(self, tensors: list[Tensor], batched: bool) -> Tensor:
+        """Parameter-shaped tensors concatenated flat (``[N, P]`` where ``batched``, else
+        ``[P]``), restricted to ``subnetwork_indices`` where given."""
+        flat = torch.cat([t.flatten(start_dim=int(batched)) for t in tensors], dim=int(batched))
+        return flat if self.subnetwork_indices is None else flat[..., self.subnetwork_indices]
+
+    def jacobians(self, x: Tensor, enable_backprop: bool = False) -> tuple[Tensor, Tensor]:
+        """Per-sample Jacobians of the outputs by one forward and one :class:`jacmem.BatchGrad`
+        backward per output: ``x [N, *]`` -> ``Js [N, C, P]``, ``f [N, C]``.
+
+        ``enable_backprop=True`` (Jacobians differentiable in ``x`` or the parameters)
+        uses laplace's ``torch.func`` Jacobians: jacmem's quantities are constants."""
+        if enable_backprop:
+            return CurvatureInterface.jacobians(self, x, enable_backprop=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            f = self.model(x)
+            if f.dim() != 2:
+                raise ValueError(
+                    f"jacmem.laplace: jacobians need model outputs [N, C], got {list(f.shape)}; "
+                    "flatten the model's output (e.g. end the model with nn.Flatten())"
+                )
+            columns = []
+            for k in range(f.shape[1]):
+                onehot = torch.zeros_like(f)
+                onehot[:, k] = 1.0
+                got = self._run(f, "grad_batch", _zero_batch(len(f)), grad_outputs=onehot)
+                columns.append(self._flat(self._every(got, "Jacobian"), batched=True))
+        return torch.stack(columns, dim=1).detach(), f.detach()
+
+    def gradients(self, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
+        """Per-sample gradients of laplace's summed loss by :class:`jacmem.BatchGrad`:
+        ``Gs [N, P]`` and the loss (unscaled, as laplace's other backends)."""
+        with jacmem.extend(jacmem.BatchGrad()):
+            _, loss = self._loss(x, y)
+            got = self._run(loss, "grad_batch", _zero_batch(self._batch_size(x)))
+        return self._flat(self._every(got, "per-sample gradient"), batched=True), loss.detach()
+
+
+class JacmemGGN(JacmemInterface, GGNInterface):
+    """laplace-torch's GGN (``stochastic=True``: its Monte-Carlo Fisher) by jacmem:
+    ``diag`` by :class:`jacmem.DiagGGNExact` (:class:`jacmem.DiagGGNMC`), ``kron`` by
+    :class:`jacmem.KFLR` (:class:`jacmem.KFAC`), ``full`` from the Jacobians
+    (laplace's own, for small models)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        likelihood: str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+        stochastic: bool = False,
+        num_samples: int = 1,
+    ) -> None:
+        _refuse_last_layer(last_layer)
+        super().__init__(
+            model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y, stochastic, num_samples
+        )
+
+    def _diag_extension(self):
+        return jacmem.DiagGGNMC(mc_samples=self.num_samples) if self.stochastic else jacmem.DiagGGNExact()
+
+    def _diag_field(self) -> str:
+        return "diag_ggn_mc" if self.stochastic else "diag_ggn_exact"
+
+    def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """``factor · loss`` and the GGN diagonal ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``: ``[P]``."""
+        with jacmem.extend(self._diag_extension()):
+            _, loss = self._loss(x, y)
+            got = self._run(loss, self._diag_field(), torch.zeros_like)
+        diag = self._flat(self._every(got, "GGN diagonal"), batched=False)
+        return self.factor * loss.detach(), self.factor * diag
+
+    def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+        """``factor · loss`` and the Kronecker-factored GGN as laplace's :class:`Kron`
+        (see the module docstring for the factors and their scaling)."""
+        if self.subnetwork_indices is not None:
+            raise ValueError("jacmem.laplace: kron has no subnetwork; use hessian_structure='full' with a subnetwork")
+        kron_ext = jacmem.KFAC(mc_samples=self.num_samples) if self.stochastic else jacmem.KFLR()
+        field = "kfac" if self.stochastic else "kflr"
+        with jacmem.extend(kron_ext), warnings.catch_warnings():
+            # those parameters get their GGN diagonal below
+            warnings.filterwarnings("ignore", message=r"jacmem: KF(AC|LR)\(.*\) has no Kronecker factors")
+            _, loss = self._loss(x, y)
+            got = self._run(loss, field, _zero_factors)
+        missing = [p for p, g in zip(self.params, got) if g is None]
+        if missing:  # no Kronecker factors in jacmem (a norm's weight): the GGN diagonal
+            with jacmem.extend(self._diag_extension()):
+                _, loss = self._loss(x, y)
+                diags = iter(self._run(loss, self._diag_field(), torch.zeros_like, params=missing))
+            got = self._every([_diagonal_block(next(diags)) if g is None else g for g in got], "GGN diagonal")
+        names = {p: n for n, p in self._model.named_parameters()}
+        kfacs = [_laplace_factors(names[p], factors, len(y), N) for p, factors in zip(self.params, got)]
+        return self.factor * loss.detach(), Kron(kfacs) * self.factor
+
+
+class JacmemEF(JacmemInterface, EFInterface):
+    """laplace-torch's empirical Fisher by jacmem: ``diag`` by
+    :class:`jacmem.SumGradSquared`; ``full`` from :meth:`gradients`."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        likelihood: str,
+        last_layer: bool = False,
+        subnetwork_indices: torch.LongTensor | None = None,
+        dict_key_x: str = "input_ids",
+        dict_key_y: str = "labels",
+    ) -> None:
+        _refuse_last_layer(last_layer)
+        super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
+
+    def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """``factor · loss`` and ``factor · Σ_n g_n²``: ``[P]``."""
+        with jacmem.extend(jacmem.SumGradSquared()):
+            _, loss = self._loss(x, y)
+            got = self._run(loss, "sum_grad_squared", torch.zeros_like)
+        diag = self._flat(self._every(got, "sum of squared gradients"), batched=False)
+        return self.factor * loss.detach(), self.factor * diag
+
+    def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+        raise NotImplementedError(
+            "jacmem.laplace.JacmemEF: no Kronecker-factored empirical Fisher; use hessian_structure='diag', "
+            "or JacmemGGN (stochastic=True for the Monte-Carlo Fisher)"
+        )
+
+
+def _zero_batch(n: int):
+    """The per-sample zeros ``[n, *p.shape]`` of a parameter ``p`` the output does not use."""
+    return lambda p: p.new_zeros(n, *p.shape)
+
+
+def _diagonal_block(diag: Tensor | None) -> list[Tensor] | None:
+    """A parameter's GGN diagonal ``[*p.shape]`` as laplace's one-matrix block ``[[P, P]]``."""
+    return None if diag is None else [torch.diag(diag.flatten())]
+
+
+def _zero_factors(p: Tensor) -> list[Tensor]:
+    """The Kronecker factors of a parameter the loss does not use: laplace's ``Kron``
+    layout, ``[0 [O, O], 0 [I, I]]`` for a weight, ``[0 [P, P]]`` for a vector."""
+    if p.dim() == 1:
+        return [p.new_zeros(p.numel(), p.numel())]
+    return [p.new_zeros(p.shape[0], p.shape[0]), p.new_zeros(p[0].numel(), p[0].numel())]
+
+
+def _laplace_factors(name: str, factors: list[Tensor], M: int, N: int) -> list[Tensor]:
+    """jacmem's factors of the parameter ``name`` (BackPACK's ``[G, A]``, ``[G]``, or
+    jacmem's diagonal ``A [I]`` of an Embedding) as laplace's ``[Q, H]``, with ``Q ⊗ H``
+    the block of the parameter flattened row-major, or ``[B]``; ``A`` scaled by ``M / N``."""
+    if len(factors) == 1:
+        return [factors[0]]
+    G, A = factors
+    if G.dim() == 3 or A.dim() == 3:
+        raise ValueError(
+            f"jacmem.laplace: {name} is a grouped convolution's weight, whose Kronecker factors are "
+            "block-diagonal (one pair per group), which laplace's Kron cannot hold; use hessian_structure='diag'"
+        )
+    if A.dim() == 1:  # an Embedding: weight [V, D] is weight.T of a Linear on one-hot inputs
+        return [torch.diag(A * M / N), G]
+    return [G, A * M / N]
+
+
+def _refuse_last_layer(last_layer: bool) -> None:
+    if last_layer:
+        raise ValueError(
+            "jacmem.laplace: last-layer Laplace needs no jacmem (its curvature is closed form); "
+            "use laplace's default backend with subset_of_weights='last_layer'"
+        )

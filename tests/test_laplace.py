@@ -1,0 +1,336 @@
+"""jacmem.laplace against laplace-torch's own backends, in float64.
+
+References: laplace's CurvlinopsGGN / CurvlinopsEF (their diag, jacobians and
+gradients come from torch.func; full from curvlinops' GGN operator; kron from
+curvlinops' KFAC) and laplace's BackPACK backend (KFLR factors), on the same model and
+data. The marginal likelihood of a fitted Laplace is compared with the CurvlinopsGGN one."""
+
+from __future__ import annotations
+
+import copy
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+pytest.importorskip("laplace")
+from laplace import Laplace  # noqa: E402
+from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
+
+import jacmem  # noqa: E402
+from jacmem.laplace import JacmemEF, JacmemGGN  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+N, C = 6, 3
+TARGETS = {"classification": lambda: torch.randint(0, C, (N,)), "regression": lambda: torch.randn(N, C)}
+
+
+def mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, C))
+
+
+def cnn() -> nn.Module:
+    return nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, C))
+
+
+def small_resnet() -> nn.Module:
+    """A ResNet jacmem follows today: BatchNorm (eval) in residual units written with
+    jacmem.nn.Residual."""
+    model = nn.Sequential(
+        nn.Conv2d(2, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        jacmem.nn.Residual(nn.Conv2d(4, 4, 3, padding=1, bias=False), nn.BatchNorm2d(4), nn.ReLU()),
+        nn.AdaptiveAvgPool2d(1),
+        nn.Flatten(),
+        nn.Linear(4, C),
+    )
+    for m in model.modules():
+        if isinstance(m, nn.BatchNorm2d):
+            m.running_mean.uniform_(-0.5, 0.5)
+            m.running_var.uniform_(0.5, 1.5)
+            nn.init.uniform_(m.weight, 0.5, 1.5)
+            nn.init.uniform_(m.bias, -0.5, 0.5)
+    return model.eval()
+
+
+MODELS = {"mlp": (mlp, (4,)), "cnn": (cnn, (2, 6, 6)), "resnet": (small_resnet, (2, 5, 5))}
+
+
+def case(name: str, likelihood: str):
+    """Two identical copies of the model (one per backend), and the data."""
+    build, shape = MODELS[name]
+    torch.manual_seed(1)
+    model = build()
+    twin = build()
+    twin.load_state_dict(model.state_dict())
+    torch.manual_seed(2)
+    return model, twin.train(model.training), torch.randn(N, *shape), TARGETS[likelihood]()
+
+
+def close(actual, expected):
+    torch.testing.assert_close(actual, expected, rtol=1e-10, atol=1e-12)
+
+
+def no_leftovers(model: nn.Module):
+    for name, p in model.named_parameters():
+        assert p.grad is None, name
+        assert not set(vars(p)) & {"grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr"}
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "resnet"])
+def test_diag_equals_curvlinops(name, likelihood):
+    model, twin, X, y = case(name, likelihood)
+    loss, H = JacmemGGN(model, likelihood).diag(X, y)
+    ref_loss, ref_H = CurvlinopsGGN(twin, likelihood).diag(X, y)
+    close(H, ref_H)
+    close(loss, ref_loss)
+    no_leftovers(model)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_jacobians_gradients_ef_full_equal_torch_func(name, likelihood):
+    model, twin, X, y = case(name, likelihood)
+    ours, ref = JacmemGGN(model, likelihood), CurvlinopsGGN(twin, likelihood)
+    for got, want in zip(ours.jacobians(X), ref.jacobians(X)):  # Js [N, C, P], f [N, C]
+        close(got, want)
+    Gs, loss = ours.gradients(X, y)
+    ref_Gs, ref_loss = ref.gradients(X, y)
+    close(Gs, ref_Gs)
+    close(loss, ref_loss)
+    for got, want in zip(JacmemEF(model, likelihood).diag(X, y), CurvlinopsEF(twin, likelihood).diag(X, y)):
+        close(got, want)
+    for got, want in zip(ours.full(X, y), ref.full(X, y)):  # ours from Jacobians, curvlinops' from its operator
+        close(got, want)
+    no_leftovers(model)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_kron_equals_backpack_and_curvlinops(name, likelihood):
+    model, twin, X, y = case(name, likelihood)
+    loss, kron = JacmemGGN(model, likelihood).kron(X, y, N=4 * N)
+    references = [BackPackGGN(twin, likelihood)]  # KFLR
+    if name == "mlp":  # curvlinops' type-2 KFAC is KFLR for Linear layers
+        references.append(CurvlinopsGGN(twin, likelihood))
+    for ref in references:
+        ref_loss, ref_kron = ref.kron(X, y, N=4 * N)
+        close(loss, ref_loss)
+        assert [len(f) for f in kron.kfacs] == [len(f) for f in ref_kron.kfacs]
+        for got, want in zip(kron.kfacs, ref_kron.kfacs):
+            for g, w in zip(got, want):
+                close(g, w)
+    no_leftovers(model)
+
+
+def test_stochastic_is_the_monte_carlo_fisher():
+    """stochastic=True samples the labels (DiagGGNMC, KFAC): with one sample it is not the
+    GGN, with 4000 it is within 5% of it (of the largest entry; seeded)."""
+    model, twin, X, y = case("mlp", "classification")
+    _, exact = CurvlinopsGGN(twin, "classification").diag(X, y)
+    _, exact_kron = BackPackGGN(twin, "classification").kron(X, y, N=N)
+    _, one = JacmemGGN(model, "classification", stochastic=True).diag(X, y)
+    assert (one - exact).abs().max() > 0.05 * exact.abs().max()
+    many = JacmemGGN(model, "classification", stochastic=True, num_samples=4000)
+    _, diag = many.diag(X, y)
+    torch.testing.assert_close(diag, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
+    _, kron = many.kron(X, y, N=N)
+    for got, want in zip(kron.kfacs, exact_kron.kfacs):
+        for g, w in zip(got, want, strict=True):
+            torch.testing.assert_close(g, w, rtol=0.05, atol=0.05 * w.abs().max().item())
+    no_leftovers(model)
+
+
+def test_kron_without_factors_takes_the_ggn_diagonal():
+    """BatchNorm's weight and bias have no Kronecker factors: their blocks are the exact
+    GGN diagonal. The last Linear's factors are KFLR's (BackPACK's, on the Linear alone
+    fed the features)."""
+    model, twin, X, y = case("resnet", "classification")
+    _, kron = JacmemGGN(model, "classification").kron(X, y, N=N)
+    _, diag = CurvlinopsGGN(twin, "classification").diag(X, y)
+    norms = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()}
+    offset = 0
+    for p, factors in zip(model.parameters(), kron.kfacs):
+        if id(p) in norms:
+            assert len(factors) == 1
+            close(factors[0], torch.diag(diag[offset : offset + p.numel()]))
+        offset += p.numel()
+    assert offset == diag.numel() and len(norms) == 4
+    head = copy.deepcopy(twin[-1])
+    _, ref_kron = BackPackGGN(head, "classification").kron(twin[:-1](X).detach(), y, N=N)
+    for got, want in zip(kron.kfacs[-2:], ref_kron.kfacs):
+        for g, w in zip(got, want, strict=True):
+            close(g, w)
+
+
+def test_kron_of_an_embedding_is_its_ggn_block_at_one_sample():
+    """At one sample and one position, KFLR is exact: laplace's Kron block of the
+    Embedding's weight ``[V, D]`` (``[diag(A), G]``, row-major) equals the exact GGN block
+    (curvlinops' GGN operator)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Tanh(), nn.Linear(3, C))
+    twin = copy.deepcopy(model)
+    X, y = torch.tensor([[2]]), torch.tensor([1])
+    _, kron = JacmemGGN(model, "classification").kron(X, y, N=1)
+    _, full = CurvlinopsGGN(twin, "classification").full(X, y)
+    Q, H = kron.kfacs[0]
+    assert Q.shape == (5, 5) and H.shape == (3, 3)
+    close(torch.kron(Q, H), full[:15, :15])
+    assert full[:15, :15].abs().max() > 0
+
+
+def test_a_parameter_the_output_does_not_use_gets_zeros():
+    class Unused(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net, self.unused = mlp(), nn.Linear(2, 2)
+
+        def forward(self, x):
+            return self.net(x)
+
+    torch.manual_seed(1)
+    model = Unused()
+    twin = copy.deepcopy(model)
+    X, y = torch.randn(N, 4), torch.randint(0, C, (N,))
+    ours, ref = JacmemGGN(model, "classification"), CurvlinopsGGN(twin, "classification")
+    close(ours.diag(X, y)[1], ref.diag(X, y)[1])
+    close(ours.jacobians(X)[0], ref.jacobians(X)[0])
+    close(ours.gradients(X, y)[0], ref.gradients(X, y)[0])
+    _, kron = ours.kron(X, y, N=N)
+    assert [[f.shape for f in fs] for fs in kron.kfacs[-2:]] == [[(2, 2), (2, 2)], [(2, 2)]]
+    assert all(f.abs().max() == 0 for fs in kron.kfacs[-2:] for f in fs)
+    assert all(f.abs().max() > 0 for fs in kron.kfacs[:-2] for f in fs)
+    no_leftovers(model)
+
+
+def loader(X, y) -> DataLoader:
+    return DataLoader(TensorDataset(X, y), batch_size=N // 2)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_laplace_end_to_end_matches_curvlinops(structure, likelihood):
+    model, twin, X, y = case("mlp", likelihood)
+    kwargs = dict(subset_of_weights="all", hessian_structure=structure)
+    la = Laplace(model, likelihood, backend=JacmemGGN, **kwargs)
+    ref = Laplace(twin, likelihood, backend=CurvlinopsGGN, **kwargs)
+    for lap in (la, ref):
+        lap.fit(loader(X, y))
+    close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
+    la.optimize_prior_precision(method="marglik", n_steps=20)
+    ref.optimize_prior_precision(method="marglik", n_steps=20)
+    torch.testing.assert_close(la.prior_precision, ref.prior_precision, rtol=1e-8, atol=1e-10)
+    pred = dict(pred_type="glm") | (dict(link_approx="probit") if likelihood == "classification" else {})
+    for got, want in zip(la(X, **pred), ref(X, **pred)):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    no_leftovers(model)
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron"])
+def test_laplace_fits_a_resnet_that_backpack_cannot(structure):
+    model, _, X, y = case("resnet", "classification")
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure=structure, backend=JacmemGGN)
+    la.fit(loader(X, y))
+    la.optimize_prior_precision(method="marglik", n_steps=5)
+    probs = la(X, pred_type="glm", link_approx="probit")
+    assert torch.isfinite(la.log_marginal_likelihood())
+    close(probs.sum(-1), torch.ones(N))
+
+
+@pytest.mark.xfail(strict=True, reason="needs curv-func")
+def test_laplace_on_stock_torchvision_resnet18():
+    torchvision = pytest.importorskip("torchvision")
+    torch.manual_seed(1)
+    model = torchvision.models.resnet18(num_classes=C).eval()
+    twin = torchvision.models.resnet18(num_classes=C).eval()
+    twin.load_state_dict(model.state_dict())
+    X, y = torch.randn(2, 3, 32, 32), torch.randint(0, C, (2,))
+    _, H = JacmemGGN(model, "classification").diag(X, y)
+    _, ref_H = CurvlinopsGGN(twin, "classification").diag(X, y)
+    close(H, ref_H)
+
+
+@pytest.mark.xfail(strict=True, reason="needs curv-autograd")
+def test_laplace_on_hf_bert_classifier():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.BertConfig(
+        vocab_size=20,
+        hidden_size=8,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=16,
+        max_position_embeddings=6,
+        num_labels=C,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+        attn_implementation="eager",
+    )
+
+    class Logits(nn.Module):  # laplace's backends take a model that returns a tensor
+        def __init__(self):
+            super().__init__()
+            self.bert = transformers.BertForSequenceClassification(config).eval()
+
+        def forward(self, input_ids):
+            return self.bert(input_ids).logits
+
+    torch.manual_seed(1)
+    model, twin = Logits(), Logits()
+    twin.load_state_dict(model.state_dict())
+    X, y = torch.randint(0, 20, (2, 6)), torch.randint(0, C, (2,))
+    _, H = JacmemGGN(model, "classification").diag(X, y)
+    _, ref_H = CurvlinopsGGN(twin, "classification").diag(X, y)
+    close(H, ref_H)
+
+
+def test_dict_like_inputs():
+    """A model that takes a Hugging Face-style batch (laplace's ``dict_key_x``)."""
+
+    class FromDict(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = mlp()
+
+        def forward(self, batch):
+            return self.net(batch["input_ids"])
+
+    torch.manual_seed(1)
+    model = FromDict()
+    twin = copy.deepcopy(model)
+    X, y = {"input_ids": torch.randn(N, 4)}, torch.randint(0, C, (N,))
+    ours, ref = JacmemGGN(model, "classification"), CurvlinopsGGN(twin, "classification")
+    close(ours.diag(X, y)[1], ref.diag(X, y)[1])
+    close(ours.jacobians(X)[0], ref.jacobians(X)[0])
+    on_tensor = CurvlinopsGGN(twin.net, "classification")  # laplace's vmap'ed gradients take tensors only
+    close(ours.gradients(X, y)[0], on_tensor.gradients(X["input_ids"], y)[0])
+
+
+def test_subnetwork_indices():
+    model, twin, X, y = case("mlp", "classification")
+    idx = torch.tensor([0, 3, 7, 40])
+    ours, ref = JacmemGGN(model, "classification", subnetwork_indices=idx), CurvlinopsGGN(twin, "classification")
+    close(ours.diag(X, y)[1], ref.diag(X, y)[1][idx])
+    close(ours.jacobians(X)[0], ref.jacobians(X)[0][..., idx])
+
+
+def test_refusals_name_the_fix():
+    model = mlp()
+    with pytest.raises(ValueError, match="subset_of_weights='last_layer'"):
+        JacmemGGN(model, "classification", last_layer=True)
+    with pytest.raises(NotImplementedError, match="hessian_structure='diag'"):
+        JacmemEF(model, "classification").kron(torch.randn(2, 4), torch.tensor([0, 1]), N=2)
+    grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(2 * 4 * 4, C))
+    with pytest.raises(ValueError, match="0.weight is a grouped convolution"):
+        JacmemGGN(grouped, "classification").kron(torch.randn(2, 2, 6, 6), torch.tensor([0, 1]), N=2)
+    no_leftovers(grouped)
+
+
+def test_import_jacmem_does_not_import_laplace():
+    code = "import sys, jacmem; assert 'laplace' not in sys.modules; import jacmem.laplace; assert 'laplace' in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)
