@@ -246,11 +246,13 @@ def _zero_factors(p: Tensor) -> list[Tensor]:
 
 
 def _laplace_factors(name: str, factors: list[Tensor], M: int, N: int) -> list[Tensor]:
-    """jacmem's factors of the parameter ``name`` (BackPACK's ``[G, A]``, ``[G]``, or
-    jacmem's diagonal ``A [I]`` of an Embedding) as laplace's ``[Q, H]``, with ``Q ⊗ H``
+    """jacmem's factors of the parameter ``name`` (BackPACK's ``[G, A]``, ``[G]``, a
+    LayerNorm's or RMSNorm's GGN diagonal ``[d]``, or jacmem's diagonal ``A [I]`` of an
+    Embedding) as laplace's ``[Q, H]``, with ``Q ⊗ H``
     the block of the parameter flattened row-major, or ``[B]``; ``A`` scaled by ``M / N``."""
-    if len(factors) == 1:
-        return [factors[0]]
+    if len(factors) == 1:  # a vector's [P, P] block, or a norm's GGN diagonal [P]
+        (f,) = factors
+        return [torch.diag(f) if f.dim() == 1 else f]
     G, A = factors
     if G.dim() == 3 or A.dim() == 3:
         raise ValueError(

@@ -169,6 +169,23 @@ def test_kron_without_factors_takes_the_ggn_diagonal():
             close(g, w)
 
 
+def test_kron_of_a_layer_norm_is_its_ggn_diagonal():
+    """KFLR gives a LayerNorm's weight and bias their GGN diagonal ``[d]``: laplace's
+    Kron must hold it as the diagonal block, not as a [d, d] factor."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, C))
+    twin = copy.deepcopy(model)
+    X, y = torch.randn(N, 4), TARGETS["classification"]()
+    _, kron = JacmemGGN(model, "classification").kron(X, y, N=N)
+    _, diag = CurvlinopsGGN(twin, "classification").diag(X, y)
+    offset = 0
+    for p, factors in zip(model.parameters(), kron.kfacs):
+        if p.dim() == 1 and p.numel() == 5 and offset in (25, 30):  # the LayerNorm's weight and bias
+            close(factors[0], torch.diag(diag[offset : offset + p.numel()]))
+        offset += p.numel()
+    assert offset == diag.numel() == 53
+
+
 def test_kron_of_an_embedding_is_its_ggn_block_at_one_sample():
     """At one sample and one position, KFLR is exact: laplace's Kron block of the
     Embedding's weight ``[V, D]`` (``[diag(A), G]``, row-major) equals the exact GGN block
