@@ -1,0 +1,108 @@
+"""SqrtGGNExact and SqrtGGNMC: a matrix square root of the GGN, as BackPACK 1.7.1 lays it out.
+
+For a parameter ``θ`` of a module with output ``z``, the engine (:mod:`.backprop`)
+brings factors ``S [V, N, *z]`` to ``z`` with ``Σ_v S[v, n] S[v, n]ᵀ`` sample ``n``'s GGN
+w.r.t. ``z`` (the loss Hessian's exact factor, ``V`` = the entries of one sample's model
+output; or ``M`` Monte-Carlo samples). Its vector-Jacobian products
+``B[v, n] = J_θ,nᵀ S[v, n]`` (``[V, N, *θ.shape]``) are the per-sample gradients ``θ``
+would get if ``S[v]`` were the output gradient (every first-order derivative of
+:mod:`jacmem.derivatives` computes them, :func:`.diag_ggn.vjp_chunks`), and
+
+    Σ_{v, n} vec(B[v, n]) vec(B[v, n])ᵀ  =  the GGN block of θ
+
+(concatenated over parameters, the whole GGN). Scaling follows BackPACK: with
+``reduction="mean"`` the loss Hessian carries ``1/N``.
+
+``subsampling``: BackPACK's option, a list of sample indices (repeats allowed): the
+result holds only those samples, ``[V, len(subsampling), *θ.shape]``, with the loss
+scaled as for the whole batch (``1/N`` of the whole batch for ``"mean"``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import Tensor
+
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
+from jacmem.extensions.secondorder.diag_ggn import vjp_chunks
+
+
+def _take(obj, index: Tensor):
+    """Each tensor's samples at ``index`` (axis 0), through tuples and lists; the rest
+    (a dict that all samples share) passes whole, as chunking leaves it."""
+    if isinstance(obj, Tensor):
+        return obj.index_select(0, index.to(obj.device))
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_take(o, index) for o in obj)
+    return obj
+
+
+def _checked_subsampling(subsampling: Sequence[int] | None, ext: str) -> list[int] | None:
+    if subsampling is None:
+        return None
+    index = list(subsampling)
+    if not index or not all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+        raise ValueError(f"{ext}: subsampling must be a non-empty list of sample indices (ints), got {subsampling!r}")
+    return index
+
+
+def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = None) -> Tensor:
+    """``B[v, n] = J_θ,nᵀ S[v, n]`` for parameter ``name`` and factor ``f``:
+    ``[V, N, *p.shape]`` (``N`` = ``len(subsampling)`` where given; the factor's sign is
+    not applied)."""
+    S, x = f.S, call.x
+    n = S.shape[1]
+    if subsampling is not None:
+        bad = [i for i in subsampling if not -n <= i < n]
+        if bad:
+            raise IndexError(
+                f"jacmem: subsampling index {bad[0]} is out of range for the batch of {n} samples at module "
+                f"{call.name!r}; pass indices in [0, {n})"
+            )
+        index = torch.tensor([i % n for i in subsampling], device=S.device)
+        S, x = S.index_select(1, index), _take(x, index)
+        n = len(subsampling)
+    parts = [res.unflatten(0, (c, n)) for c, res in vjp_chunks(call, S, name, "batch_grad", x=x)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+class _SqrtGGN(SecondOrderExtension):
+    def __init__(self, subsampling: Sequence[int] | None = None):
+        self.subsampling = _checked_subsampling(subsampling, type(self).__name__)
+
+    def compute(self, call: Call) -> dict[str, Tensor]:
+        """Several factors of the kind (a sum of losses) stack along ``V``."""
+        out = {}
+        factors = call.of_kind(*self.kinds)
+        for name in call.params:
+            roots = [root_vjps(call, f, name, self.subsampling) for f in factors]
+            out[name] = roots[0] if len(roots) == 1 else torch.cat(roots)
+        return out
+
+
+class SqrtGGNExact(_SqrtGGN):
+    """A square root of the GGN from the exact loss Hessian, ``param.sqrt_ggn_exact``:
+    ``[C, N, *param.shape]`` (``C`` the entries of one sample's model output; ``N`` the
+    samples, or ``len(subsampling)``)."""
+
+    savefield, kinds = "sqrt_ggn_exact", ("exact",)
+
+    def __repr__(self) -> str:
+        return f"SqrtGGNExact(subsampling={self.subsampling})"
+
+
+class SqrtGGNMC(_SqrtGGN):
+    """A Monte-Carlo square root of the GGN, ``param.sqrt_ggn_mc``: ``[M, N, *param.shape]``
+    for ``M = mc_samples`` targets drawn from the model's predictive distribution."""
+
+    savefield = "sqrt_ggn_mc"
+
+    def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None):
+        super().__init__(subsampling)
+        self.mc_samples = mc_samples
+        self.kinds = (mc_kind(mc_samples),)
+
+    def __repr__(self) -> str:
+        return f"SqrtGGNMC(mc_samples={self.mc_samples}, subsampling={self.subsampling})"
