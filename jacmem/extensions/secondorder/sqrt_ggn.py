@@ -58,8 +58,7 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
         bad = [i for i in subsampling if not -n <= i < n]
         if bad:
             raise IndexError(
-                f"jacmem: subsampling index {bad[0]} is out of range for the batch of {n} samples at module "
-                f"{call.name!r}; pass indices in [0, {n})"
+                f"subsampling index {bad[0]} is out of range for the batch of {n} samples; pass indices in [0, {n})"
             )
         index = torch.tensor([i % n for i in subsampling], device=S.device)
         S, x = S.index_select(1, index), _take(x, index)
