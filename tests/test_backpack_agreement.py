@@ -317,3 +317,19 @@ def test_kronecker_settings_against_backpack(setting):
             for k, (got, want) in enumerate(zip(getattr(p, field), getattr(ref[name], field))):
                 close_to_backpack(got, want, f"{setting} {name}.{field}[{k}] vs BackPACK")
         assert [f.shape for f in p.kfac] == [f.shape for f in ref[name].kfac], f"{setting} {name}.kfac"
+
+
+@pytest.mark.parametrize("subsampling", [[2, 0], [1, 1]])
+def test_batch_grad_subsampling_against_backpack(subsampling):
+    """BackPACK's ``BatchGrad(subsampling=)``: the chosen samples' gradients, in the order
+    given, repeats included; the loop's too."""
+    model, X, y, loss = backpack_residual()
+    bp_model = extend(copy.deepcopy(model))
+    with warnings.catch_warnings(), backpack(extensions.BatchGrad(subsampling=subsampling)):
+        warnings.simplefilter("ignore")
+        loss(bp_model(X), y, "mean").backward()
+    reference = per_sample_grads(model, X, y, loss, "mean")
+    run_jacmem(model, X, y, loss, "mean", [jacmem.BatchGrad(subsampling=subsampling)])
+    for (name, p), q in zip(model.named_parameters(), bp_model.parameters()):
+        assert_close(p.grad_batch, q.grad_batch, f"{name} vs BackPACK")
+        assert_close(p.grad_batch, reference[p][subsampling], f"{name} vs the loop")

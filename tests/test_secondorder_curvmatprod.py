@@ -14,7 +14,7 @@ from secondorder_ref import blocks, default_dtype, dense, run
 from torch import nn
 from torch.func import functional_call, jacrev
 
-from jacmem import GGNMP, HMP, PCHMP, SqrtGGNExact, SqrtGGNMC
+from jacmem import GGNMP, HMP, PCHMP, BatchGrad, SqrtGGNExact, SqrtGGNMC
 
 DT = torch.float64
 
@@ -202,6 +202,8 @@ def test_bad_input_names_the_fix():
         PCHMP(modify="square")
     with pytest.raises(ValueError, match="list of sample indices"):
         SqrtGGNExact(subsampling=[0.5])
+    with pytest.raises(ValueError, match="BatchGrad: subsampling must be a non-empty list"):
+        BatchGrad(subsampling=[])
     with pytest.raises(RuntimeError, match=r"SqrtGGNExact.*module '4'.*subsampling index 3 .*\[0, 3\)"):
         run(model, lossf, X, y, SqrtGGNExact(subsampling=[0, 3]))
     hooks = [m._forward_hooks or m._backward_hooks or m._forward_pre_hooks for m in model.modules()]

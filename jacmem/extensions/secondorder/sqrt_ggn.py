@@ -25,27 +25,19 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from jacmem.extensions.firstorder import checked_subsampling, subsample
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
 from jacmem.extensions.secondorder.diag_ggn import vjp_chunks
 
 
-def _take(obj, index: Tensor):
-    """Each tensor's samples at ``index`` (axis 0), through tuples and lists; the rest
-    (a dict that all samples share) passes whole, as chunking leaves it."""
+def _take(obj, subsampling: list[int]):
+    """Each tensor's samples at ``subsampling`` (axis 0), through tuples and lists; the
+    rest (a dict that all samples share) passes whole, as chunking leaves it."""
     if isinstance(obj, Tensor):
-        return obj.index_select(0, index.to(obj.device))
+        return subsample(obj, subsampling)
     if isinstance(obj, (tuple, list)):
-        return type(obj)(_take(o, index) for o in obj)
+        return type(obj)(_take(o, subsampling) for o in obj)
     return obj
-
-
-def _checked_subsampling(subsampling: Sequence[int] | None, ext: str) -> list[int] | None:
-    if subsampling is None:
-        return None
-    index = list(subsampling)
-    if not index or not all(isinstance(i, int) and not isinstance(i, bool) for i in index):
-        raise ValueError(f"{ext}: subsampling must be a non-empty list of sample indices (ints), got {subsampling!r}")
-    return index
 
 
 def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = None) -> Tensor:
@@ -69,7 +61,7 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
 
 class _SqrtGGN(SecondOrderExtension):
     def __init__(self, subsampling: Sequence[int] | None = None):
-        self.subsampling = _checked_subsampling(subsampling, type(self).__name__)
+        self.subsampling = checked_subsampling(subsampling, type(self).__name__)
 
     def compute(self, call: Call) -> dict[str, Tensor]:
         """Several factors of the kind (a sum of losses) stack along ``V``."""
