@@ -474,6 +474,7 @@ class Engine(_Engine):
             entry=node.fo_entry,
             hp=node.fo_hp,
             x=node.fo_x,
+            inputs=node.inputs,
             out_shape=node.out_shape,
             factors=factors,
             dense=dense,

@@ -6,8 +6,13 @@ that multiplies each slice ``mat[k]`` with the parameter's block of the curvatur
 loss (as reduced: summed over the samples of the batch, ``1/N`` for ``"mean"``).
 
 The block comes from the factors the engine (:mod:`.backprop`) brings to the module's
-output, as DiagGGN and DiagHessian use them: with ``B[v, n] = J_θ,nᵀ S[v, n]``
-(:func:`.sqrt_ggn.root_vjps`), a factor of sign ``s`` adds ``s · Σ_{v,n} vec(B) vec(B)ᵀ``.
+output ``z``, as DiagGGN and DiagHessian use them: a factor ``S [V, N, *z]`` of sign
+``s`` adds ``s · Σ_n J_θ,nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_θ,n``. The function keeps the factors
+and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m`` (a
+Jacobian-vector product of the module's ``forward`` w.r.t. ``θ``, ``torch.func.jvp``),
+then the curvature w.r.t. ``z`` from the factors, then ``J_θᵀ`` (``torch.func.vjp``),
+for each of the ``K`` vectors (a loop: ``vmap`` was slower for a few vectors). So the backward costs nothing beyond the factors, and a
+product costs about a forward and a backward of this one module.
 
 * GGNMP: the loss Hessian's exact factor: the GGN block.
 * HMP: that, plus every elementwise activation's residual downstream (``f''(x) ⊙ g_out``,
@@ -17,9 +22,6 @@ output, as DiagGGN and DiagHessian use them: with ``B[v, n] = J_θ,nᵀ S[v, n]`
 * PCHMP (Chen et al. 2018, BDA-PCH): the residuals made non-negative before they are
   passed back, ``modify="clip"`` (``max(r, 0)``: the positive factors alone) or
   ``"abs"`` (``|r|``: both factors counted positive).
-
-The function keeps the smaller of the block itself (``[P, P]``) or its roots
-(``[V·N, P]`` per factor), computed in the backward pass.
 """
 
 from __future__ import annotations
@@ -27,39 +29,37 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
-from jacmem.extensions.secondorder.sqrt_ggn import root_vjps
 
 
-def _signed_roots(call: Call, factors: list[Factor], name: str) -> list[tuple[float, Tensor]]:
-    """``(sign, B [V·N, P])`` per factor, for parameter ``name``."""
-    return [(f.sign, root_vjps(call, f, name).flatten(0, 1).flatten(1)) for f in factors]
+def mat_prod(
+    module: nn.Module, name: str, param: Tensor, inputs: tuple[Tensor, ...], roots: list[tuple[float, Tensor]], ext: str
+) -> Callable[[Tensor], Tensor]:
+    """The function ``mat [K, *param.shape] -> [K, *param.shape]``, multiplying with
+    ``Σ sign · Σ_n J_nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_n`` for the ``(sign, S [V, N, *z])`` in
+    ``roots``, ``J_n`` the Jacobian of sample ``n``'s output of ``module(*inputs)``
+    w.r.t. its parameter ``name``."""
+    primal = param.detach()
 
-
-def mat_prod(roots: list[tuple[float, Tensor]], shape: torch.Size, name: str, ext: str) -> Callable[[Tensor], Tensor]:
-    """The function ``mat [K, *shape] -> [K, *shape]``, multiplying with
-    ``Σ sign · Bᵀ B`` (``P = prod(shape)``)."""
-    p = shape.numel()
-    rows = sum(B.shape[0] for _, B in roots)
-    block = None
-    if p <= rows:
-        block = sum((sign * (B.T @ B) for sign, B in roots), roots[0][1].new_zeros(p, p))
-        roots = []
+    def forward(t: Tensor) -> Tensor:
+        return torch.func.functional_call(module, {name: t}, inputs)
 
     def product(mat: Tensor) -> Tensor:
-        if mat.dim() < 1 or mat.shape[1:] != shape:
+        if mat.dim() < 1 or mat.shape[1:] != primal.shape:
             raise ValueError(
-                f"jacmem: {ext} of {name!r} takes a matrix [K, *{tuple(shape)}] (K vectors shaped like the "
+                f"jacmem: {ext} of {name!r} takes a matrix [K, *{tuple(primal.shape)}] (K vectors shaped like the "
                 f"parameter), got {tuple(mat.shape)}; use mat.unsqueeze(0) for a single vector"
             )
-        m = mat.reshape(mat.shape[0], p).to(block.dtype if block is not None else roots[0][1].dtype)
-        if block is not None:
-            out = m @ block
-        else:
-            out = sum(sign * ((m @ B.T) @ B) for sign, B in roots)
-        return out.reshape(mat.shape).to(mat.dtype)
+        m = mat.to(primal.dtype)
+        out, vjp = torch.func.vjp(forward, primal)
+        u = torch.stack([torch.func.jvp(forward, (primal,), (v,))[1] for v in m]).flatten(2)  # [K, N, D]
+        G = torch.zeros_like(u)
+        for sign, S in roots:
+            S = S.flatten(2)  # [V, N, D]
+            G += sign * torch.einsum("kvn,vnd->knd", torch.einsum("vnd,knd->kvn", S, u), S)
+        return torch.stack([vjp(g.reshape(out.shape))[0] for g in G]).to(mat.dtype)
 
     return product
 
@@ -69,14 +69,9 @@ class _MatProd(SecondOrderExtension):
         return call.of_kind(*self.kinds)
 
     def compute(self, call: Call) -> dict[str, Callable[[Tensor], Tensor]]:
-        factors = self.factors(call)
-        out = {}
-        for name, p in call.params.items():
-            roots = _signed_roots(call, factors, name)
-            if not roots:  # nothing reached the module: its block is zero
-                roots = [(1.0, p.new_zeros(0, p.numel()))]
-            out[name] = mat_prod(roots, p.shape, name, repr(self))
-        return out
+        # copies: the engine overwrites its factors as they cross elementwise modules
+        roots = [(f.sign, f.S.clone()) for f in self.factors(call)]
+        return {name: mat_prod(call.module, name, p, call.inputs, roots, repr(self)) for name, p in call.params.items()}
 
 
 class GGNMP(_MatProd):
