@@ -14,6 +14,7 @@ from secondorder_ref import blocks, default_dtype, dense, run
 from torch import nn
 from torch.func import functional_call, jacrev
 
+import jacmem
 from jacmem import GGNMP, HMP, PCHMP, BatchGrad, SqrtGGNExact, SqrtGGNMC
 
 DT = torch.float64
@@ -60,6 +61,18 @@ def test_sqrt_ggn_squared_is_the_ggn(name):
     for p in model.parameters():
         assert p.sqrt_ggn_exact.shape == (c, X.shape[0], *p.shape)
     torch.testing.assert_close(squared(model, "sqrt_ggn_exact"), dense(model, lossf, X, y)[0])
+
+
+@pytest.mark.parametrize("name", ["ce", "cnn"])
+def test_sqrt_ggn_in_chunks_of_v(name):
+    """With ``chunk_bytes=1`` the roots are computed one vector of ``V`` at a time."""
+    model, lossf, X, y = problem(name)
+    model.zero_grad()
+    with jacmem.extend(SqrtGGNExact(subsampling=[1, 0]), chunk_bytes=1):
+        lossf(model(X), y).backward()
+    torch.testing.assert_close(
+        squared(model, "sqrt_ggn_exact"), dense(model, lossf, X, y, per_sample=True)[0][:2].sum(0)
+    )
 
 
 @pytest.mark.parametrize("subsampling", [[2, 0], [1, 1], [-1]])

@@ -55,8 +55,14 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
         index = torch.tensor([i % n for i in subsampling], device=S.device)
         S, x = S.index_select(1, index), _take(x, index)
         n = len(subsampling)
-    parts = [res.unflatten(0, (c, n)) for c, res in vjp_chunks(call, S, name, "batch_grad", x=x)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts)
+    v, out, start = S.shape[0], None, 0
+    for c, res in vjp_chunks(call, S, name, "batch_grad", x=x):
+        if c == v:
+            return res.unflatten(0, (c, n))
+        out = res.new_empty((v, n, *res.shape[1:])) if out is None else out
+        out[start : start + c] = res.unflatten(0, (c, n))  # in place: no second copy for a cat
+        start += c
+    return out
 
 
 class _SqrtGGN(SecondOrderExtension):
