@@ -112,6 +112,20 @@ def test_ggnmp_and_hmp_are_the_dense_products(name):
             torch.testing.assert_close(got.flatten(1), mat.flatten(1) @ ref[pname], msg=f"{field} {pname}")
 
 
+def test_products_through_lean_layers_are_constants():
+    """Lean layers (jacmem.memory.lean) multiply through their stock forward; a product
+    holds no graph to the model's parameters."""
+    model, lossf, X, y = problem("cnn")
+    ggn = blocks(model, dense(model, lossf, X, y)[0])
+    model = jacmem.memory.lean(model)
+    run(model, lossf, X, y, GGNMP())
+    for pname, p in model.named_parameters():
+        mat = torch.randn(2, *p.shape, dtype=DT)
+        got = p.ggnmp(mat)
+        assert not got.requires_grad, pname
+        torch.testing.assert_close(got.flatten(1), mat.flatten(1) @ ggn[pname], msg=pname)
+
+
 ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ELU, nn.SiLU, nn.GELU)
 
 

@@ -31,7 +31,21 @@ from collections.abc import Callable
 import torch
 from torch import Tensor, nn
 
+from jacmem.derivatives import forward_of
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
+
+
+class _Forward(nn.Module):
+    """``module``'s ``forward`` for ``torch.func``, through :func:`jacmem.derivatives.forward_of`:
+    the stock layer's for a lean one (whose autograd Functions ``torch.func`` cannot
+    transform), without the module's hooks."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return forward_of(self.module)(*inputs)
 
 
 def mat_prod(
@@ -42,9 +56,12 @@ def mat_prod(
     ``roots``, ``J_n`` the Jacobian of sample ``n``'s output of ``module(*inputs)``
     w.r.t. its parameter ``name``."""
     primal = param.detach()
+    call = _Forward(module)
+    # every parameter detached: the products are constants to autograd, holding no graph
+    fixed = {f"module.{k}": v.detach() for k, v in module.named_parameters() if k != name}
 
     def forward(t: Tensor) -> Tensor:
-        return torch.func.functional_call(module, {name: t}, inputs)
+        return torch.func.functional_call(call, {**fixed, f"module.{name}": t}, inputs)
 
     def product(mat: Tensor) -> Tensor:
         if mat.dim() < 1 or mat.shape[1:] != primal.shape:
