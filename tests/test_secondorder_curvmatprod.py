@@ -15,7 +15,7 @@ from torch import nn
 from torch.func import functional_call, jacrev
 
 import jacmem
-from jacmem import GGNMP, HMP, PCHMP, BatchGrad, SqrtGGNExact, SqrtGGNMC
+from jacmem import GGNMP, HMP, PCHMP, BatchGrad, DiagGGNExact, SqrtGGNExact, SqrtGGNMC
 
 DT = torch.float64
 
@@ -236,3 +236,27 @@ def test_bad_input_names_the_fix():
     hooks = [m._forward_hooks or m._backward_hooks or m._forward_pre_hooks for m in model.modules()]
     assert not any(hooks), "hooks left behind"
     run(model, lossf, X, y, SqrtGGNExact(subsampling=[0, 2]))  # the model still works
+
+
+class KeywordCall(nn.Module):
+    """Calls its Linear with a keyword argument: a product cannot repeat the call."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin, self.act, self.out = nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.out(self.act(self.lin(input=x)))
+
+
+def test_products_refuse_a_module_called_by_keyword():
+    """The other extensions take it (the first-order input found by keyword)."""
+    torch.manual_seed(0)
+    model, X, y = KeywordCall().to(DT), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,))
+    with pytest.warns(UserWarning, match="module 'lin' was called with keyword.*by position"):
+        run(model, nn.CrossEntropyLoss(), X, y, GGNMP(), DiagGGNExact())
+    assert not hasattr(model.lin.weight, "ggnmp")
+    ggn = blocks(model, dense(model, nn.CrossEntropyLoss(), X, y)[0])
+    torch.testing.assert_close(model.lin.weight.diag_ggn_exact.flatten(), torch.diagonal(ggn["lin.weight"]))
+    mat = torch.randn(1, 3, 5, dtype=DT)
+    torch.testing.assert_close(model.out.weight.ggnmp(mat).flatten(1), mat.flatten(1) @ ggn["out.weight"])

@@ -43,7 +43,8 @@ class Call:
 
     ``x``/``hp``/``entry``: what the first-order derivatives take (the module's first
     order registry entry, its kept input and hyper-parameters); ``inputs``: the call's
-    positional tensor inputs, as the module's ``forward`` takes them; ``factors`` and
+    arguments, where they were all tensors given by position (``forward(*inputs)``
+    repeats the call), else ``None``; ``factors`` and
     ``dense``: what arrived at the output.
     """
 
@@ -53,7 +54,7 @@ class Call:
     entry: Any
     hp: dict[str, Any]
     x: Any
-    inputs: tuple[Tensor, ...]
+    inputs: tuple[Tensor, ...] | None
     out_shape: tuple[int, ...]
     factors: list[Factor] = field(default_factory=list)
     dense: Tensor | None = None

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem.derivatives import forward_of
-from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 
 
 class _Forward(nn.Module):
@@ -86,6 +86,11 @@ class _MatProd(SecondOrderExtension):
         return call.of_kind(*self.kinds)
 
     def compute(self, call: Call) -> dict[str, Callable[[Tensor], Tensor]]:
+        if call.inputs is None:
+            raise UnsupportedModule(
+                f"{self!r} repeats a module's forward, but module {call.name!r} was called with keyword or "
+                "non-tensor arguments; call it with its tensor inputs by position"
+            )
         # copies: the engine overwrites its factors as they cross elementwise modules
         roots = [(f.sign, f.S.clone()) for f in self.factors(call)]
         return {name: mat_prod(call.module, name, p, call.inputs, roots, repr(self)) for name, p in call.params.items()}
