@@ -3,7 +3,9 @@
 test tree is not installed with the package. Each setting is built in float64 from its
 seed (BackPACK's default: 0) in BackPACK's order: model, input, target.
 
-``SETTINGS``: ``{id: make}``, ``make() -> (model, loss, X, y)``.
+``SETTINGS``: ``{id: make}``, ``make() -> (model, loss, X, y)``. ``SQRT_GGN_SETTINGS``:
+the settings its SqrtGGN tests add (``sqrt_ggn_settings.py``) that use no BackPACK
+container (``Parallel``, its ResNet converter): Embedding, BatchNorm in eval mode.
 """
 
 from __future__ import annotations
@@ -307,6 +309,80 @@ _RAW += [
 ]
 
 
+def _eval_batchnorm(model: nn.Module) -> nn.Module:
+    """``initialize_training_false_recursive``: random statistics and affine parameters."""
+    for m in model.modules():
+        if isinstance(m, nn.modules.batchnorm._BatchNorm):
+            m.running_mean, m.running_var = torch.rand_like(m.running_mean), torch.rand_like(m.running_var)
+            m.weight.data, m.bias.data = torch.rand_like(m.weight), torch.rand_like(m.bias)
+    return model.train(False)
+
+
+BN1, BN2, BN3 = nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d
+_SQRT_RAW = [
+    (
+        "embedding-linear",
+        _plain(
+            lambda: torch.randint(0, 5, (6,)),
+            lambda: Seq(nn.Embedding(5, 3), Lin(3, 4)),
+            lambda: CE(reduction="mean"),
+            lambda: classification_targets((6,), 4),
+        ),
+        0,
+    ),
+    (
+        "embedding-flatten",
+        _plain(
+            lambda: torch.randint(0, 3, (3, 2, 2)),
+            lambda: Seq(nn.Embedding(3, 2), nn.Flatten()),
+            lambda: CE(reduction="mean"),
+            lambda: classification_targets((3,), 2 * 2),
+        ),
+        1,
+    ),
+    (
+        "batchnorm1d-eval",
+        _plain(
+            lambda: torch.rand(2, 3, 4),
+            lambda: _eval_batchnorm(Seq(BN1(3), nn.Flatten())),
+            MSE,
+            lambda: regression_targets((2, 4 * 3)),
+        ),
+        0,
+    ),
+    (
+        "batchnorm2d-eval",
+        _plain(
+            lambda: torch.rand(3, 2, 4, 3),
+            lambda: _eval_batchnorm(Seq(BN2(2), nn.Flatten())),
+            MSE,
+            lambda: regression_targets((3, 2 * 4 * 3)),
+        ),
+        0,
+    ),
+    (
+        "batchnorm3d-eval",
+        _plain(
+            lambda: torch.rand(3, 3, 4, 1, 2),
+            lambda: _eval_batchnorm(Seq(BN3(3), nn.Flatten())),
+            MSE,
+            lambda: regression_targets((3, 3 * 4 * 1 * 2)),
+        ),
+        0,
+    ),
+    (
+        "batchnorm3d-linear-eval",
+        _plain(
+            lambda: torch.rand(3, 3, 4, 1, 2),
+            lambda: _eval_batchnorm(Seq(BN3(3), Lin(2, 3), BN3(3), nn.ReLU(), BN3(3), nn.Flatten())),
+            MSE,
+            lambda: regression_targets((3, 4 * 1 * 3 * 3)),
+        ),
+        0,
+    ),
+]
+
+
 def _maker(fns: tuple, seed: int = 0) -> Callable[[], tuple]:
     input_fn, module_fn, loss_fn, target_fn = fns
 
@@ -323,3 +399,4 @@ def _maker(fns: tuple, seed: int = 0) -> Callable[[], tuple]:
 
 SETTINGS: dict[str, Callable[[], tuple]] = {name: _maker(fns) for name, fns in _RAW}
 assert len(SETTINGS) == len(_RAW) == 82  # BackPACK's 82, no id repeated
+SQRT_GGN_SETTINGS: dict[str, Callable[[], tuple]] = {name: _maker(fns, seed) for name, fns, seed in _SQRT_RAW}

@@ -30,6 +30,7 @@ from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.slicing import Slicing
 from backpack_settings import SETTINGS as BACKPACK_SETTINGS
+from backpack_settings import SQRT_GGN_SETTINGS
 from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, per_sample_grads, run_jacmem
 from secondorder_ref import default_dtype
 from secondorder_ref import run as run_second_order
@@ -228,7 +229,7 @@ SUBSAMPLING = [2, 0]
 def backpack_second_order(model, lossf, X, y, exts) -> dict[str, nn.Parameter]:
     """BackPACK's quantities on a copy of ``model``: {name: its copy of the parameter}."""
     bp_model, bp_loss = extend(copy.deepcopy(model)), extend(copy.deepcopy(lossf))
-    with warnings.catch_warnings(), default_dtype(X.dtype):
+    with warnings.catch_warnings(), default_dtype(next(model.parameters()).dtype):
         warnings.simplefilter("ignore")  # BackPACK's full-backward-hook warnings
         with backpack(*exts):
             bp_loss(bp_model(X), y).backward()
@@ -270,6 +271,20 @@ def test_second_order_settings_against_backpack(setting):
     run_second_order(model, lossf, X, y, jacmem.SqrtGGNExact(subsampling=SUBSAMPLING))
     for name, p in trainable(model):
         close_to_backpack(p.sqrt_ggn_exact, ref[name].sqrt_ggn_exact, f"{setting} {name} sub-sampled vs BackPACK")
+
+
+@pytest.mark.parametrize("setting", list(SQRT_GGN_SETTINGS))
+def test_sqrt_ggn_settings_against_backpack(setting):
+    """The settings BackPACK's SqrtGGN tests add (Embedding, BatchNorm in eval mode):
+    the root, whole and sub-sampled, and the GGN diagonal equal BackPACK's."""
+    model, lossf, X, y = SQRT_GGN_SETTINGS[setting]()
+    for sub in (None, [1, 0]):
+        exts = [extensions.SqrtGGNExact(subsampling=sub), extensions.DiagGGNExact()]
+        ref = backpack_second_order(model, lossf, X, y, exts)
+        run_second_order(model, lossf, X, y, jacmem.SqrtGGNExact(subsampling=sub), jacmem.DiagGGNExact())
+        for name, p in trainable(model):
+            for field in ("sqrt_ggn_exact", "diag_ggn_exact"):
+                close_to_backpack(getattr(p, field), getattr(ref[name], field), f"{setting} {name}.{field} {sub}")
 
 
 #: what BackPACK 1.7.1's KFLR and KFRA refuse (it has them for ReLU, Sigmoid, Tanh, 2d pooling)
