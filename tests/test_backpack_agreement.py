@@ -348,3 +348,15 @@ def test_batch_grad_subsampling_against_backpack(subsampling):
     for (name, p), q in zip(model.named_parameters(), bp_model.parameters()):
         assert_close(p.grad_batch, q.grad_batch, f"{name} vs BackPACK")
         assert_close(p.grad_batch, reference[p][subsampling], f"{name} vs the loop")
+
+
+def test_slicing_the_batch_axis_raises_as_backpack_does():
+    """A Slicing of the batch axis leaves no per-sample factor to pass back: refused,
+    naming the fix, with no hooks left behind (BackPACK refuses it too)."""
+    model = nn.Sequential(nn.Linear(4, 3), Slicing((slice(0, 2), slice(None)))).double()
+    X, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 3, (2,))
+    with pytest.raises(ValueError, match="batch axis"):
+        backpack_second_order(model, nn.CrossEntropyLoss(), X, y, [extensions.DiagGGNExact()])
+    with pytest.raises(NotImplementedError, match=r"Slicing.*slice\(0, 2, None\).*slice\(None\) first"):
+        run_second_order(model, nn.CrossEntropyLoss(), X, y, jacmem.DiagGGNExact())
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules()), "hooks left behind"
