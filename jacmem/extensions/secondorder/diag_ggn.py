@@ -44,16 +44,20 @@ def _numel(obj) -> int:
     return 0
 
 
-def vjp_chunks(call: Call, S: Tensor, name: str, quantity: str, x=None) -> Iterator[tuple[int, Tensor]]:
+def vjp_chunks(
+    call: Call, S: Tensor, name: str, quantity: str, x=None, kept: bool = False
+) -> Iterator[tuple[int, Tensor]]:
     """The first-order ``quantity`` (``batch_grad`` or ``sum_grad_squared``) of parameter
     ``name`` over the ``V·N`` "samples" ``J_θᵀ S[v, n]``, in chunks of ``V`` under the
     block's budget: ``(c, value)`` per chunk of ``c`` vectors, ``value`` ``[(c N), *p.shape]``
-    (``batch_grad``, ``v``-major) or ``p.shape``. ``x``: the kept input, if not ``call.x``."""
+    (``batch_grad``, ``v``-major) or ``p.shape``. ``x``: the kept input, if not ``call.x``;
+    ``kept``: the ``batch_grad`` values are the caller's result, not temporary memory."""
     x = call.x if x is None else x
     p = call.params[name]
     v, n = S.shape[:2]
     x_bytes = _numel(x) // max(n, 1)
-    per_v = n * (x_bytes + prod(S.shape[2:]) + (p.numel() if quantity == "batch_grad" else 0)) * S.element_size()
+    per_sample = p.numel() if quantity == "batch_grad" and not kept else 0
+    per_v = n * (x_bytes + prod(S.shape[2:]) + per_sample) * S.element_size()
     step = max(1, int(call.budget // max(per_v, 1)))
     choose = lambda q, options: call.choose(name, q, options)  # noqa: E731
     for start in range(0, v, step):

@@ -56,7 +56,7 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
         S, x = S.index_select(1, index), _take(x, index)
         n = len(subsampling)
     v, out, start = S.shape[0], None, 0
-    for c, res in vjp_chunks(call, S, name, "batch_grad", x=x):
+    for c, res in vjp_chunks(call, S, name, "batch_grad", x=x, kept=True):
         if c == v:
             return res.unflatten(0, (c, n))
         out = res.new_empty((v, n, *res.shape[1:])) if out is None else out
