@@ -5,15 +5,20 @@ from jacmem.context import extend, track, untrack
 from jacmem.derivatives import Cost, layer, register
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from jacmem.extensions.secondorder import (
+    GGNMP,
+    HMP,
     KFAC,
     KFLR,
     KFRA,
+    PCHMP,
     BatchDiagGGNExact,
     BatchDiagGGNMC,
     BatchDiagHessian,
     DiagGGNExact,
     DiagGGNMC,
     DiagHessian,
+    SqrtGGNExact,
+    SqrtGGNMC,
 )
 from jacmem.extensions.secondorder.backprop import ChainError
 
@@ -37,6 +42,11 @@ __all__ = [
     "KFAC",
     "KFLR",
     "KFRA",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "GGNMP",
+    "HMP",
+    "PCHMP",
     "ChainError",
     "memory",
     "nn",

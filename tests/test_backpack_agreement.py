@@ -27,7 +27,13 @@ import pytest
 import torch
 from backpack import backpack, extend, extensions
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
+from backpack.custom_module.pad import Pad
+from backpack.custom_module.slicing import Slicing
+from backpack_settings import SETTINGS as BACKPACK_SETTINGS
+from backpack_settings import SQRT_GGN_SETTINGS
 from reference import FLOWS, REFERENCE, assert_close, check_against, cross_entropy, per_sample_grads, run_jacmem
+from secondorder_ref import default_dtype
+from secondorder_ref import run as run_second_order
 from test_architectures import make as make_architecture
 from test_firstorder_linear_conv import CONV_CASES, LINEAR_CASES, case, module_type, strategies
 from torch import nn
@@ -198,3 +204,159 @@ def test_backpack_cannot_take_modules_called_twice(name):
     reference = per_sample_grads(model, X, y, loss, "mean")
     run_jacmem(model, X, y, loss, "mean", [e() for e, _ in EXTENSIONS.values()])
     check_against(model, reference, list(EXTENSIONS), f"[{name}]")
+
+
+# -- second order: BackPACK's own 82 shared settings ---------------------------------
+
+#: exact quantities, compared value for value; the Monte-Carlo ones, shape for shape
+SECOND_ORDER = {
+    "diag_ggn_exact": (jacmem.DiagGGNExact, extensions.DiagGGNExact),
+    "diag_ggn_exact_batch": (jacmem.BatchDiagGGNExact, extensions.BatchDiagGGNExact),
+    "diag_h": (jacmem.DiagHessian, extensions.DiagHessian),
+    "diag_h_batch": (jacmem.BatchDiagHessian, extensions.BatchDiagHessian),
+    "sqrt_ggn_exact": (jacmem.SqrtGGNExact, extensions.SqrtGGNExact),
+}
+MONTE_CARLO = {
+    "diag_ggn_mc": (jacmem.DiagGGNMC, extensions.DiagGGNMC),
+    "diag_ggn_mc_batch": (jacmem.BatchDiagGGNMC, extensions.BatchDiagGGNMC),
+    "sqrt_ggn_mc": (jacmem.SqrtGGNMC, extensions.SqrtGGNMC),
+}
+KRONECKER = ("kflr", "kfra")
+#: BackPACK's sub-sampling case of its SqrtGGN tests
+SUBSAMPLING = [2, 0]
+
+
+def backpack_second_order(model, lossf, X, y, exts) -> dict[str, nn.Parameter]:
+    """BackPACK's quantities on a copy of ``model``: {name: its copy of the parameter}."""
+    bp_model, bp_loss = extend(copy.deepcopy(model)), extend(copy.deepcopy(lossf))
+    with warnings.catch_warnings(), default_dtype(next(model.parameters()).dtype):
+        warnings.simplefilter("ignore")  # BackPACK's full-backward-hook warnings
+        with backpack(*exts):
+            bp_loss(bp_model(X), y).backward()
+    return dict(bp_model.named_parameters())
+
+
+def close_to_backpack(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
+    """float64, to BackPACK's rounding: it computes LeakyReLU's slope in float32 (1e-9
+    relative on what crosses its negative side); zeros come as rounding, up to ~1e-16."""
+    scale = want.abs().max().item() if want.numel() else 0.0
+    torch.testing.assert_close(got, want, rtol=1e-7, atol=1e-10 * scale + 1e-14, msg=lambda m: f"{what}: {m}")
+
+
+def trainable(model: nn.Module):
+    return [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+
+
+@pytest.mark.parametrize("setting", list(BACKPACK_SETTINGS))
+def test_second_order_settings_against_backpack(setting):
+    """Every BackPACK second-order setting (Pad and Slicing included): the GGN and Hessian
+    diagonals, per sample and summed, and the GGN's square root (also sub-sampled) equal
+    BackPACK's; the Monte-Carlo quantities have BackPACK's shapes."""
+    model, lossf, X, y = BACKPACK_SETTINGS[setting]()
+    ref = backpack_second_order(model, lossf, X, y, [bp() for _, bp in SECOND_ORDER.values()])
+    run_second_order(model, lossf, X, y, *[ours() for ours, _ in {**SECOND_ORDER, **MONTE_CARLO}.values()])
+    for name, p in trainable(model):
+        for field in SECOND_ORDER:
+            close_to_backpack(getattr(p, field), getattr(ref[name], field), f"{setting} {name}.{field} vs BackPACK")
+    mc = [bp() for _, bp in MONTE_CARLO.values()]
+    if isinstance(lossf, nn.BCEWithLogitsLoss) and not bool(((y == 0) | (y == 1)).all()):
+        with pytest.raises(NotImplementedError):  # BackPACK samples only with binary targets
+            backpack_second_order(model, lossf, X, y, mc)
+    else:
+        ref = backpack_second_order(model, lossf, X, y, mc)
+        for name, p in trainable(model):
+            for field in MONTE_CARLO:
+                assert getattr(p, field).shape == getattr(ref[name], field).shape, f"{setting} {name}.{field}"
+    ref = backpack_second_order(model, lossf, X, y, [extensions.SqrtGGNExact(subsampling=SUBSAMPLING)])
+    run_second_order(model, lossf, X, y, jacmem.SqrtGGNExact(subsampling=SUBSAMPLING))
+    for name, p in trainable(model):
+        close_to_backpack(p.sqrt_ggn_exact, ref[name].sqrt_ggn_exact, f"{setting} {name} sub-sampled vs BackPACK")
+
+
+@pytest.mark.parametrize("setting", list(SQRT_GGN_SETTINGS))
+def test_sqrt_ggn_settings_against_backpack(setting):
+    """The settings BackPACK's SqrtGGN tests add (Embedding, BatchNorm in eval mode):
+    the root, whole and sub-sampled, and the GGN diagonal equal BackPACK's."""
+    model, lossf, X, y = SQRT_GGN_SETTINGS[setting]()
+    for sub in (None, [1, 0]):
+        exts = [extensions.SqrtGGNExact(subsampling=sub), extensions.DiagGGNExact()]
+        ref = backpack_second_order(model, lossf, X, y, exts)
+        run_second_order(model, lossf, X, y, jacmem.SqrtGGNExact(subsampling=sub), jacmem.DiagGGNExact())
+        for name, p in trainable(model):
+            for field in ("sqrt_ggn_exact", "diag_ggn_exact"):
+                close_to_backpack(getattr(p, field), getattr(ref[name], field), f"{setting} {name}.{field} {sub}")
+
+
+#: what BackPACK 1.7.1's KFLR and KFRA refuse (it has them for ReLU, Sigmoid, Tanh, 2d pooling)
+NO_KRONECKER = (
+    nn.LeakyReLU,
+    nn.LogSigmoid,
+    nn.ELU,
+    nn.SELU,
+    nn.MaxPool1d,
+    nn.MaxPool3d,
+    nn.AvgPool1d,
+    nn.AvgPool3d,
+    Pad,
+    Slicing,
+    nn.BCEWithLogitsLoss,
+)
+
+
+def backpack_has_kronecker(model: nn.Module, lossf: nn.Module, X: torch.Tensor) -> bool:
+    """BackPACK also refuses groups > 1 and a Linear input with middle axes."""
+    modules = [*model.modules(), lossf]
+    return not (
+        any(isinstance(m, NO_KRONECKER) or getattr(m, "groups", 1) > 1 for m in modules)
+        or (isinstance(model[0], nn.Linear) and X.dim() > 2)
+    )
+
+
+@pytest.mark.parametrize("setting", list(BACKPACK_SETTINGS))
+def test_kronecker_settings_against_backpack(setting):
+    """KFLR's and KFRA's factors equal BackPACK's wherever it has them, KFAC's have its
+    shapes; elsewhere BackPACK raises and jacmem answers (its factors are checked
+    against the exact GGN in test_secondorder_kfac.py)."""
+    model, lossf, X, y = BACKPACK_SETTINGS[setting]()
+    exts = [extensions.KFLR(), extensions.KFRA(), extensions.KFAC()]
+    run_second_order(model, lossf, X, y, jacmem.KFLR(), jacmem.KFRA(), jacmem.KFAC())
+    if not backpack_has_kronecker(model, lossf, X):
+        with pytest.raises(NotImplementedError):
+            backpack_second_order(model, lossf, X, y, exts)
+        assert all(hasattr(p, "kflr") and hasattr(p, "kfra") for _, p in trainable(model)), setting
+        return
+    ref = backpack_second_order(model, lossf, X, y, exts)
+    for name, p in trainable(model):
+        for field in KRONECKER:
+            assert len(getattr(p, field)) == len(getattr(ref[name], field))
+            for k, (got, want) in enumerate(zip(getattr(p, field), getattr(ref[name], field))):
+                close_to_backpack(got, want, f"{setting} {name}.{field}[{k}] vs BackPACK")
+        assert [f.shape for f in p.kfac] == [f.shape for f in ref[name].kfac], f"{setting} {name}.kfac"
+
+
+@pytest.mark.parametrize("subsampling", [[2, 0], [1, 1]])
+def test_batch_grad_subsampling_against_backpack(subsampling):
+    """BackPACK's ``BatchGrad(subsampling=)``: the chosen samples' gradients, in the order
+    given, repeats included; the loop's too."""
+    model, X, y, loss = backpack_residual()
+    bp_model = extend(copy.deepcopy(model))
+    with warnings.catch_warnings(), backpack(extensions.BatchGrad(subsampling=subsampling)):
+        warnings.simplefilter("ignore")
+        loss(bp_model(X), y, "mean").backward()
+    reference = per_sample_grads(model, X, y, loss, "mean")
+    run_jacmem(model, X, y, loss, "mean", [jacmem.BatchGrad(subsampling=subsampling)])
+    for (name, p), q in zip(model.named_parameters(), bp_model.parameters()):
+        assert_close(p.grad_batch, q.grad_batch, f"{name} vs BackPACK")
+        assert_close(p.grad_batch, reference[p][subsampling], f"{name} vs the loop")
+
+
+def test_slicing_the_batch_axis_raises_as_backpack_does():
+    """A Slicing of the batch axis leaves no per-sample factor to pass back: refused,
+    naming the fix, with no hooks left behind (BackPACK refuses it too)."""
+    model = nn.Sequential(nn.Linear(4, 3), Slicing((slice(0, 2), slice(None)))).double()
+    X, y = torch.randn(3, 4, dtype=torch.float64), torch.randint(0, 3, (2,))
+    with pytest.raises(ValueError, match="batch axis"):
+        backpack_second_order(model, nn.CrossEntropyLoss(), X, y, [extensions.DiagGGNExact()])
+    with pytest.raises(NotImplementedError, match=r"Slicing.*slice\(0, 2, None\).*slice\(None\) first"):
+        run_second_order(model, nn.CrossEntropyLoss(), X, y, jacmem.DiagGGNExact())
+    assert not any(m._forward_hooks or m._backward_hooks for m in model.modules()), "hooks left behind"

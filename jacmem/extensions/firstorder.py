@@ -35,13 +35,44 @@ class FirstOrderExtension:
         return f"{type(self).__name__}()"
 
 
+def checked_subsampling(subsampling: Iterable[int] | None, ext: str) -> list[int] | None:
+    """BackPACK's ``subsampling=``: ``None`` (every sample) or a non-empty list of sample
+    indices (repeats allowed), checked against the batch by :func:`subsample`."""
+    if subsampling is None:
+        return None
+    index = list(subsampling)
+    if not index or not all(isinstance(i, int) and not isinstance(i, bool) for i in index):
+        raise ValueError(f"{ext}: subsampling must be a non-empty list of sample indices (ints), got {subsampling!r}")
+    return index
+
+
+def subsample(t: Tensor, subsampling: list[int], dim: int = 0) -> Tensor:
+    """The samples of ``t`` (batch axis ``dim``) at ``subsampling``; an index outside the
+    batch raises ``IndexError`` saying the valid range."""
+    n = t.shape[dim]
+    bad = [i for i in subsampling if not -n <= i < n]
+    if bad:
+        raise IndexError(
+            f"subsampling index {bad[0]} is out of range for the batch of {n} samples; pass indices in [0, {n})"
+        )
+    return t.index_select(dim, torch.tensor([i % n for i in subsampling], device=t.device))
+
+
 class BatchGrad(FirstOrderExtension):
-    """Per-sample gradients, ``param.grad_batch``: ``[N, *param.shape]``."""
+    """Per-sample gradients, ``param.grad_batch``: ``[N, *param.shape]``; with BackPACK's
+    ``subsampling`` (a list of sample indices), those samples' only,
+    ``[len(subsampling), *param.shape]``."""
 
     savefield, quantities = "grad_batch", ("batch_grad",)
 
+    def __init__(self, subsampling: Iterable[int] | None = None):
+        self.subsampling = checked_subsampling(subsampling, "BatchGrad")
+
     def finalize(self, q, batch_size):
-        return q["batch_grad"]
+        return q["batch_grad"] if self.subsampling is None else subsample(q["batch_grad"], self.subsampling)
+
+    def __repr__(self) -> str:
+        return "BatchGrad()" if self.subsampling is None else f"BatchGrad(subsampling={self.subsampling})"
 
 
 class BatchL2Grad(FirstOrderExtension):

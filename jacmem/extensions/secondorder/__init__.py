@@ -1,10 +1,13 @@
-"""Second-order extensions: GGN and Hessian diagonals, KFAC/KFLR/KFRA (BackPACK 1.7.1
-names, attributes, shapes and scaling). The engine is :mod:`.backprop`."""
+"""Second-order extensions: GGN and Hessian diagonals, KFAC/KFLR/KFRA, GGN square
+roots, block curvature-matrix products (BackPACK 1.7.1 names, attributes, shapes and
+scaling). The engine is :mod:`.backprop`."""
 
 from jacmem.extensions.secondorder.base import SecondOrderExtension
+from jacmem.extensions.secondorder.curvmatprod import GGNMP, HMP, PCHMP
 from jacmem.extensions.secondorder.diag_ggn import BatchDiagGGNExact, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
 from jacmem.extensions.secondorder.diag_hessian import BatchDiagHessian, DiagHessian
 from jacmem.extensions.secondorder.kfac import KFAC, KFLR, KFRA
+from jacmem.extensions.secondorder.sqrt_ggn import SqrtGGNExact, SqrtGGNMC
 
 __all__ = [
     "SecondOrderExtension",
@@ -17,4 +20,9 @@ __all__ = [
     "KFAC",
     "KFLR",
     "KFRA",
+    "SqrtGGNExact",
+    "SqrtGGNMC",
+    "GGNMP",
+    "HMP",
+    "PCHMP",
 ]

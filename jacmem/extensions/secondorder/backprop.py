@@ -97,6 +97,7 @@ class Node:
         "row",
         "dtype",
         "cast",
+        "whole",
         "__weakref__",
     )
 
@@ -234,6 +235,8 @@ class Engine(_Engine):
         node.hp = (loss or entry).params(module)
         keep = entry is None or entry.keep_input
         node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
+        #: ``inputs`` are the call's every argument (forward(*inputs) repeats it)
+        node.whole = keep and len(inputs) == len(args) and not kwargs
         node.out = output.detach() if entry is not None and (entry.keep_output or entry.df is not None) else None
         node.out_shape = tuple(output.shape)
         node.producers = [self._producer_of(x) for x in inputs]
@@ -249,7 +252,7 @@ class Engine(_Engine):
                 node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
             if node.params:
                 node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
-                x = fo.keep(args, {})
+                x = fo.keep(args, kwargs)
                 node.fo_x = fo.arrange_input(detached(x), **node.fo_hp)
         # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
         node.cast = output.dtype in precision.LOW
@@ -475,6 +478,7 @@ class Engine(_Engine):
             entry=node.fo_entry,
             hp=node.fo_hp,
             x=node.fo_x,
+            inputs=node.inputs if node.whole else None,
             out_shape=node.out_shape,
             factors=factors,
             dense=dense,

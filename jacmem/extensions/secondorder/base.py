@@ -42,7 +42,9 @@ class Call:
     """One call of a module with parameters, as the extensions see it in backward.
 
     ``x``/``hp``/``entry``: what the first-order derivatives take (the module's first
-    order registry entry, its kept input and hyper-parameters); ``factors`` and
+    order registry entry, its kept input and hyper-parameters); ``inputs``: the call's
+    arguments, where they were all tensors given by position (``forward(*inputs)``
+    repeats the call), else ``None``; ``factors`` and
     ``dense``: what arrived at the output.
     """
 
@@ -52,6 +54,7 @@ class Call:
     entry: Any
     hp: dict[str, Any]
     x: Any
+    inputs: tuple[Tensor, ...] | None
     out_shape: tuple[int, ...]
     factors: list[Factor] = field(default_factory=list)
     dense: Tensor | None = None

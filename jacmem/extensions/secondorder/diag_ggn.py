@@ -18,7 +18,7 @@ Scaling follows BackPACK 1.7.1: with ``reduction="mean"`` the loss Hessian carri
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from math import prod
 
 from torch import Tensor
@@ -44,13 +44,35 @@ def _numel(obj) -> int:
     return 0
 
 
+def vjp_chunks(
+    call: Call, S: Tensor, name: str, quantity: str, x=None, kept: bool = False
+) -> Iterator[tuple[int, Tensor]]:
+    """The first-order ``quantity`` (``batch_grad`` or ``sum_grad_squared``) of parameter
+    ``name`` over the ``V·N`` "samples" ``J_θᵀ S[v, n]``, in chunks of ``V`` under the
+    block's budget: ``(c, value)`` per chunk of ``c`` vectors, ``value`` ``[(c N), *p.shape]``
+    (``batch_grad``, ``v``-major) or ``p.shape``. ``x``: the kept input, if not ``call.x``;
+    ``kept``: the ``batch_grad`` values are the caller's result, not temporary memory."""
+    x = call.x if x is None else x
+    p = call.params[name]
+    v, n = S.shape[:2]
+    x_bytes = _numel(x) // max(n, 1)
+    per_sample = p.numel() if quantity == "batch_grad" and not kept else 0
+    per_v = n * (x_bytes + prod(S.shape[2:]) + per_sample) * S.element_size()
+    step = max(1, int(call.budget // max(per_v, 1)))
+    choose = lambda q, options: call.choose(name, q, options)  # noqa: E731
+    for start in range(0, v, step):
+        c = min(step, v - start)
+        g = S[start : start + c].flatten(0, 1)
+        yield c, compute(call.entry, call.hp, _repeat(x, c), g, name, p, {quantity}, choose, call.budget)[quantity]
+
+
 def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str, Tensor]:
     """``Σ_factors sign · Σ_v (J_θᵀ S[v])²`` per parameter: summed over the samples
     (``p.shape``), or per sample (``[N, *p.shape]``) where ``batch``."""
     totals: dict[str, Tensor] = {}
     for f in factors:
         S = f.S
-        v, n = S.shape[:2]
+        n = S.shape[1]
         direct = getattr(call.entry, "squared_vjps", None)
         parts = None
         if direct is not None:
@@ -58,17 +80,9 @@ def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str
             parts = direct(call.x, S, shapes, batch, call.budget, **call.hp)
         if parts is None:
             parts = {}
-            x_bytes = _numel(call.x) // max(n, 1)
-            for name, p in call.params.items():
-                per_v = n * (x_bytes + prod(S.shape[2:]) + (p.numel() if batch else 0)) * S.element_size()
-                step = max(1, int(call.budget // max(per_v, 1)))
-                q = "batch_grad" if batch else "sum_grad_squared"
+            for name in call.params:
                 acc = None
-                for start in range(0, v, step):
-                    c = min(step, v - start)
-                    g = S[start : start + c].flatten(0, 1)
-                    choose = lambda quantity, options, name=name: call.choose(name, quantity, options)  # noqa: E731
-                    res = compute(call.entry, call.hp, _repeat(call.x, c), g, name, p, {q}, choose, call.budget)[q]
+                for c, res in vjp_chunks(call, S, name, "batch_grad" if batch else "sum_grad_squared"):
                     if batch:
                         res = res.unflatten(0, (c, n)).square().sum(0)
                     acc = res if acc is None else acc + res

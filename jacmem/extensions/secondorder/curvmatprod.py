@@ -1,0 +1,135 @@
+"""GGNMP, HMP and PCHMP: products with the block-diagonal GGN, Hessian and
+positive-curvature Hessian, with BackPACK 1.7.1's call conventions.
+
+Each sets ``param.<savefield>`` to a function ``mat [K, *param.shape] -> [K, *param.shape]``
+that multiplies each slice ``mat[k]`` with the parameter's block of the curvature of the
+loss (as reduced: summed over the samples of the batch, ``1/N`` for ``"mean"``).
+
+The block comes from the factors the engine (:mod:`.backprop`) brings to the module's
+output ``z``, as DiagGGN and DiagHessian use them: a factor ``S [V, N, *z]`` of sign
+``s`` adds ``s · Σ_n J_θ,nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_θ,n``. The function keeps the factors
+and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m`` (a
+Jacobian-vector product of the module's ``forward`` w.r.t. ``θ``, ``torch.func.jvp``),
+then the curvature w.r.t. ``z`` from the factors, then ``J_θᵀ`` (``torch.func.vjp``),
+for each of the ``K`` vectors (a loop: ``vmap`` was slower for a few vectors). So the backward costs nothing beyond the factors, and a
+product costs about a forward and a backward of this one module.
+
+* GGNMP: the loss Hessian's exact factor: the GGN block.
+* HMP: that, plus every elementwise activation's residual downstream (``f''(x) ⊙ g_out``,
+  split into a positive and a negative diagonal factor, :mod:`.diag_hessian`): the
+  Hessian block (of parameters whose own second derivative is zero, as for every
+  layer of :mod:`jacmem.derivatives`: linear in their parameters).
+* PCHMP (Chen et al. 2018, BDA-PCH): the residuals made non-negative before they are
+  passed back, ``modify="clip"`` (``max(r, 0)``: the positive factors alone) or
+  ``"abs"`` (``|r|``: both factors counted positive).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+
+from jacmem.derivatives import forward_of
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
+
+
+class _Forward(nn.Module):
+    """``module``'s ``forward`` for ``torch.func``, through :func:`jacmem.derivatives.forward_of`:
+    the stock layer's for a lean one (whose autograd Functions ``torch.func`` cannot
+    transform), without the module's hooks."""
+
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        self.module = module
+
+    def forward(self, *inputs: Tensor) -> Tensor:
+        return forward_of(self.module)(*inputs)
+
+
+def mat_prod(
+    module: nn.Module, name: str, param: Tensor, inputs: tuple[Tensor, ...], roots: list[tuple[float, Tensor]], ext: str
+) -> Callable[[Tensor], Tensor]:
+    """The function ``mat [K, *param.shape] -> [K, *param.shape]``, multiplying with
+    ``Σ sign · Σ_n J_nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_n`` for the ``(sign, S [V, N, *z])`` in
+    ``roots``, ``J_n`` the Jacobian of sample ``n``'s output of ``module(*inputs)``
+    w.r.t. its parameter ``name``."""
+    primal = param.detach()
+    call = _Forward(module)
+    # every parameter detached: the products are constants to autograd, holding no graph
+    fixed = {f"module.{k}": v.detach() for k, v in module.named_parameters() if k != name}
+
+    def forward(t: Tensor) -> Tensor:
+        return torch.func.functional_call(call, {**fixed, f"module.{name}": t}, inputs)
+
+    def product(mat: Tensor) -> Tensor:
+        if mat.dim() < 1 or mat.shape[1:] != primal.shape:
+            raise ValueError(
+                f"jacmem: {ext} of {name!r} takes a matrix [K, *{tuple(primal.shape)}] (K vectors shaped like the "
+                f"parameter), got {tuple(mat.shape)}; use mat.unsqueeze(0) for a single vector"
+            )
+        m = mat.to(primal.dtype)
+        out, vjp = torch.func.vjp(forward, primal)
+        u = torch.stack([torch.func.jvp(forward, (primal,), (v,))[1] for v in m]).flatten(2)  # [K, N, D]
+        G = torch.zeros_like(u)
+        for sign, S in roots:
+            S = S.flatten(2)  # [V, N, D]
+            G += sign * torch.einsum("kvn,vnd->knd", torch.einsum("vnd,knd->kvn", S, u), S)
+        return torch.stack([vjp(g.reshape(out.shape))[0] for g in G]).to(mat.dtype)
+
+    return product
+
+
+class _MatProd(SecondOrderExtension):
+    def factors(self, call: Call) -> list[Factor]:
+        return call.of_kind(*self.kinds)
+
+    def compute(self, call: Call) -> dict[str, Callable[[Tensor], Tensor]]:
+        if call.inputs is None:
+            raise UnsupportedModule(
+                f"{self!r} repeats a module's forward, but module {call.name!r} was called with keyword or "
+                "non-tensor arguments; call it with its tensor inputs by position"
+            )
+        # copies: the engine overwrites its factors as they cross elementwise modules
+        roots = [(f.sign, f.S.clone()) for f in self.factors(call)]
+        return {name: mat_prod(call.module, name, p, call.inputs, roots, repr(self)) for name, p in call.params.items()}
+
+
+class GGNMP(_MatProd):
+    """Products with the GGN's diagonal block of each parameter, ``param.ggnmp``:
+    ``mat [K, *param.shape] -> [K, *param.shape]``."""
+
+    savefield, kinds = "ggnmp", ("exact",)
+
+
+class HMP(_MatProd):
+    """Products with the Hessian's diagonal block of each parameter, ``param.hmp``:
+    ``mat [K, *param.shape] -> [K, *param.shape]``."""
+
+    savefield, kinds = "hmp", ("exact", "residual")
+
+
+class PCHMP(_MatProd):
+    """Products with the positive-curvature Hessian's diagonal block of each parameter,
+    ``param.pchmp``: ``mat [K, *param.shape] -> [K, *param.shape]``; ``modify``: how the
+    activations' residuals lose their negative part, ``"clip"`` or ``"abs"``."""
+
+    savefield, kinds = "pchmp", ("exact", "residual")
+
+    def __init__(self, modify: str = "clip"):
+        if modify not in ("clip", "abs"):
+            raise ValueError(f"PCHMP: modify must be 'clip' or 'abs', got {modify!r}")
+        self.modify = modify
+
+    def factors(self, call: Call) -> list[Factor]:
+        out = []
+        for f in call.of_kind(*self.kinds):
+            if f.sign > 0:
+                out.append(f)
+            elif self.modify == "abs":
+                out.append(Factor(f.kind, 1.0, f.S))
+        return out
+
+    def __repr__(self) -> str:
+        return f"PCHMP(modify={self.modify!r})"
