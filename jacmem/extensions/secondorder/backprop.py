@@ -45,9 +45,11 @@ from math import sqrt
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, hooks, precision
 from jacmem.derivatives import detached, lookup
+from jacmem.derivatives.functional import FUNCTIONAL, Merged, UnmergedLoss
 from jacmem.derivatives.jacobians import (
     LossHessian,
     Passthrough,
@@ -189,12 +191,23 @@ class Engine(_Engine):
         self.warned: set = set()
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: for each module forward running, whether the engine knows the module (then the
+        #: functional calls inside it are its own, not links of the chain)
+        self.known: list[bool] = []
+        #: a tensor with its batch axis merged -> :class:`Merged` (for a loss on it)
+        self.merged = compat.WeakTensorKeyDictionary()
+        self.mode = _Functional(self)
+        self.mode.__enter__()
 
     def close(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
         for h in self.handles:
             h.remove()
         self.handles.clear()
         self.producer = compat.WeakTensorKeyDictionary()
+        self.merged = compat.WeakTensorKeyDictionary()
 
     def new_state(self) -> _State:
         return _State()
@@ -210,6 +223,13 @@ class Engine(_Engine):
 
     # -- forward -------------------------------------------------------------------
 
+    def on_enter(self, module: nn.Module) -> None:
+        self.known.append(lookup_loss(module) is not None or lookup_passthrough(module) is not None)
+
+    def on_leave(self, module: nn.Module, outermost: bool) -> None:
+        if self.known:
+            self.known.pop()
+
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
@@ -222,14 +242,52 @@ class Engine(_Engine):
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         inputs = tuple(a for a in args if isinstance(a, Tensor))
+        edges = None
         if any(output is x for x in inputs):
-            if getattr(module, "inplace", False):
-                raise NotImplementedError(
-                    f"jacmem: module {self.name(module)!r} ({type(module).__name__}) works in place, which "
-                    "second-order extensions cannot follow; construct it with inplace=False"
-                )
-            return  # the identity: nothing to pass through
-        node = Node(module, self.name(module), loss, entry)
+            fn = output.grad_fn
+            if fn is None or "jacmem" in fn.metadata or not getattr(module, "inplace", False) or len(inputs) > 1:
+                return  # the identity: nothing to pass through
+            edges = (fn.next_functions[0],)  # in place: the input is what the op's autograd node takes
+        self._node(module, self.name(module), inputs, output, edges, args)
+
+    def on_function(self, func, build, args: tuple, kwargs: dict):
+        """A call of ``func`` in :data:`FUNCTIONAL`, outside any module the engine knows:
+        run it, and make it a node where it takes a tracked output (a loss: always)."""
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        before = None if first is None else (first.grad_fn, first.output_nr)  # in-place ops move it
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) or not out.requires_grad or compat.functorch_transforms_active():
+            return out
+        op = build(out, *args, **kwargs)
+        if isinstance(op, Merged):
+            self.merged[out] = op
+            return out
+        if op is None:
+            return out
+        module, inputs = op
+        producers = [self._producer_of(x) for x in inputs]
+        if any(p is not None and p.loss is not None for p in producers):
+            return out  # after the loss (2 * loss, a sum of losses): no link of the chain
+        if lookup_loss(module) is None and not any(producers):
+            return out
+        edges = None
+        if any(out is x for x in inputs):
+            edges = tuple(before if x is first else (x.grad_fn, x.output_nr) for x in inputs)
+        names = ", ".join(p.name if p is not None else "·" for p in producers)
+        self._node(module, f"{_op_name(func)}({names})", inputs, out, edges)
+        return out
+
+    def _node(self, module: nn.Module, name: str, inputs: tuple, output: Tensor, edges, args: tuple = ()) -> None:
+        """Make the call a :class:`Node`; ``edges``: the inputs' ``(grad_fn, output_nr)``
+        where the call worked in place (the input's are the output's now); ``args``: the
+        module's arguments, for its parameters' derivatives."""
+        loss = lookup_loss(module)
+        merged = self.merged.get(inputs[0]) if loss is not None else None
+        if merged is not None:  # a loss on x.view(-1, C): a loss on x (functional.py)
+            module, loss = UnmergedLoss(module, merged.k), lookup_loss(UnmergedLoss)
+            inputs, edges = (merged.x, *inputs[1:]), None
+        entry = None if loss is not None else lookup_passthrough(module)
+        node = Node(module, name, loss, entry)
         node.hp = (loss or entry).params(module)
         keep = entry is None or entry.keep_input
         node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
@@ -238,8 +296,8 @@ class Engine(_Engine):
         node.producers = [self._producer_of(x) for x in inputs]
         for x, p in zip(inputs, node.producers):
             if p is None and x.grad_fn is not None:
-                self._mark_untracked_path(x.grad_fn, node.name)
-        self._tap(node, inputs, output)
+                self._mark_untracked_path(x.grad_fn, node)
+        self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
             fo = lookup(module)
@@ -260,13 +318,14 @@ class Engine(_Engine):
         # the hook (so the graph) holds the node: it goes when the graph goes
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
 
-    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        """Hooks on the autograd nodes of this call that take an input with a producer:
-        in backward they hand that producer autograd's own part of its gradient (see
-        the module docstring). ``node.row``: the search failed, the row it is."""
-        taps = {(x.grad_fn, x.output_nr): i for i, (x, p) in enumerate(zip(inputs, node.producers)) if p is not None}
+    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
+        """Hooks on the autograd nodes of this call that take an input with a producer
+        (along the edges ``into``, one per input): in backward they hand that producer
+        autograd's own part of its gradient (see the module docstring). ``node.row``:
+        the search failed, the row it is."""
+        taps = {e: i for i, (e, p) in enumerate(zip(into, node.producers)) if p is not None}
         found = taps and output.grad_fn is not None
-        edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if found else {}
+        edges = _input_edges(output.grad_fn, taps, {fn for fn, _ in into}) if found else {}
         node.row = edges is None
         for fn, ks in (edges or {}).items():
             self.handles.add(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
@@ -282,22 +341,24 @@ class Engine(_Engine):
             node = ref() if ref is not None else None
         return node
 
-    def _mark_untracked_path(self, fn, consumer: str) -> None:
+    def _mark_untracked_path(self, fn, consumer: Node) -> None:
         """Tell the tracked nodes above ``fn`` (through untracked operations) who
-        consumes their output, and through which unsupported module, for the error."""
-        seen, queue = set(), deque([(fn, None)])
+        consumes their output, through which unsupported module, and which operation
+        (its ``grad_fn``) took their output, for the error."""
+        seen, queue = set(), deque([(fn, None, None)])
         while queue and len(seen) < _SEARCH_NODES:
-            fn, via = queue.popleft()
+            fn, via, op = queue.popleft()
             if fn is None or fn in seen:
                 continue
             seen.add(fn)
             ref = fn.metadata.get("jacmem")
             node = ref() if ref is not None else None
             if node is not None:
-                node.untracked_consumers.append(f"{consumer!r}" + (f" (through module {via})" if via else ""))
+                through = f"module {via}" if via else f"the operation {op}"
+                node.untracked_consumers.append(f"{consumer.name!r} (through {through})")
                 continue
             via = via or fn.metadata.get("jacmem_unsupported")
-            queue.extend((f, via) for f, _ in fn.next_functions)
+            queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, output) -> None:
         """A leaf module that nothing here can pass through: marked in the graph (for
@@ -504,6 +565,28 @@ class Engine(_Engine):
         staged, run.staged = run.staged, {}
         run.deposits.clear()
         return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+
+
+class _Functional(TorchFunctionMode):
+    """Sees the calls of :data:`FUNCTIONAL`'s functions while the block is open (nothing
+    outside it), and hands those made outside the modules the engine knows to
+    :meth:`Engine.on_function`; every other call runs as it is."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = weakref.proxy(engine)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        build = FUNCTIONAL.get(func)
+        kwargs = kwargs or {}
+        if build is None or (self.engine.known and self.engine.known[-1]) or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        return self.engine.on_function(func, build, args, kwargs)
+
+
+def _op_name(func) -> str:
+    """``F.relu`` -> ``relu``, ``Tensor.add_`` -> ``add_``."""
+    return getattr(func, "__name__", None) or str(func)
 
 
 def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
