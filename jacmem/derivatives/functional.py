@@ -13,7 +13,9 @@ reads their input's place in the graph before the call.
 
 Reshapes that merge the batch axis with the next ones (``logits.view(-1, V)`` before a
 loss, as HuggingFace's causal-LM loss does) return :class:`Merged`: not a link, but a
-note that a loss on it is a loss on the unmerged tensor (:class:`UnmergedLoss`).
+note that a loss on it is a loss on the unmerged tensor. A loss with ``reduction="none"``
+is one where its whole sum or mean is taken (:class:`Reduced`). Both give a
+:class:`StandInLoss`.
 
 Where the GGN splits: the model's output is the input of the recognised loss (a loss
 module, or a loss function of this table), unmerged where it was merged.
@@ -22,7 +24,7 @@ module, or a loss function of this table), unmerged where it was merged.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import prod
+from math import prod, sqrt
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +33,15 @@ from torch.nn import functional as F
 from jacmem.derivatives.jacobians import LossHessian, lookup_loss, loss, passthrough
 from jacmem.derivatives.shape import flatten_jac_t
 from jacmem.nn import Scale, Sum
+
+
+@dataclass
+class Reduced:
+    """``out`` is ``x.sum()`` (``mean=False``) or ``x.mean()``: where ``x`` is a loss with
+    ``reduction="none"``, the loss."""
+
+    x: Tensor
+    mean: bool
 
 
 @dataclass
@@ -57,25 +68,29 @@ class GetItem(nn.Module):
         return x[self.index]
 
 
-class UnmergedLoss(nn.Module):
-    """``loss(x.reshape(-1, *x.shape[k:]), y)`` on ``x [N, *T, *F]`` with the first ``k``
-    axes merged: for a class-index loss (cross-entropy) the classes are axis ``k`` of
-    ``x``. Each sample ``n`` is one row of ``x``: its loss is the sum over its ``T``
-    positions, and the loss Hessian is per sample again."""
+class StandInLoss(nn.Module):
+    """``scale · inner(x.flatten(0, k - 1), y.flatten(0, k - 1))`` on ``x [N, *T, *F]``:
+    a loss on ``x`` with its first ``k`` axes merged (:class:`Merged`), and reduced
+    afterwards where ``inner`` reduced nothing (``reduction="none"``, then ``.sum()`` or
+    ``.mean()``: ``inner`` sums, ``scale`` is ``1/numel`` for the mean). For a
+    class-index loss (cross-entropy) the classes are axis ``k`` of ``x``. Each sample
+    ``n`` is one row of ``x``: its loss is the sum over its ``T`` positions, and the
+    loss Hessian is per sample again."""
 
-    def __init__(self, inner: nn.Module, k: int):
+    def __init__(self, inner: nn.Module, k: int = 1, scale: float = 1.0):
         super().__init__()
-        self.inner, self.k = inner, k
+        self.inner, self.k, self.scale = inner, k, scale
 
     def forward(self, x: Tensor, y: Tensor) -> Tensor:
-        return self.inner(x.flatten(0, self.k - 1), y.flatten(0, self.k - 1))
+        return self.scale * self.inner(x.flatten(0, self.k - 1), y.flatten(0, self.k - 1))
 
 
-def _unmerged_hp(module: UnmergedLoss) -> dict:
+def _stand_in_hp(module: StandInLoss) -> dict:
     entry = lookup_loss(module.inner)
     hp = entry.params(module.inner)
     del hp["forward"]
-    return {"entry": entry, "inner": hp, "k": module.k, "classes": isinstance(module.inner, nn.CrossEntropyLoss)}
+    classes = isinstance(module.inner, nn.CrossEntropyLoss)
+    return {"entry": entry, "inner": hp, "k": module.k, "classes": classes, "scale": module.scale}
 
 
 def _unmerge(x: Tensor, y: Tensor, k: int, classes: bool) -> tuple[Tensor, Tensor]:
@@ -87,25 +102,36 @@ def _unmerge(x: Tensor, y: Tensor, k: int, classes: bool) -> tuple[Tensor, Tenso
     return x.movedim(k, 1), y.reshape(x.shape[:k] + x.shape[k + 1 :])
 
 
-def _unmerged_sqrt_hessian(x: Tensor, y: Tensor, *, entry, inner: dict, k: int, classes: bool) -> Tensor:
+def _stand_in_sqrt_hessian(x: Tensor, y: Tensor, *, entry, inner: dict, k: int, classes: bool, scale: float):
     """[N, *T, C, *D] -> [V, N, *T, C, *D]"""
-    S = entry.sqrt_hessian(*_unmerge(x, y, k, classes), **inner)
+    S = entry.sqrt_hessian(*_unmerge(x, y, k, classes), **inner) * sqrt(scale)
     return S.movedim(2, k + 1) if classes else S
 
 
-def _unmerged_sampled(x: Tensor, y: Tensor, mc_samples: int, *, entry, inner: dict, k: int, classes: bool):
+def _stand_in_sampled(x: Tensor, y: Tensor, mc: int, *, entry, inner: dict, k: int, classes: bool, scale: float):
     """[N, *T, C, *D] -> [M, N, *T, C, *D]"""
-    S = entry.sampled(*_unmerge(x, y, k, classes), mc_samples, **inner)
+    S = entry.sampled(*_unmerge(x, y, k, classes), mc, **inner) * sqrt(scale)
     return S.movedim(2, k + 1) if classes else S
 
 
-loss(UnmergedLoss, LossHessian(lambda m: None, _unmerged_sqrt_hessian, _unmerged_sampled, _unmerged_hp))
+class Cast(nn.Module):
+    """A change of floating-point dtype (``logits.float()``; a stand-in)."""
+
+
+def _cast_jac_t(xs, out, S: Tensor):
+    """[V, N, *] in the output's dtype -> in the input's"""
+    return (S.to(xs[0].dtype),)
+
+
+loss(StandInLoss, LossHessian(lambda m: None, _stand_in_sqrt_hessian, _stand_in_sampled, _stand_in_hp))
 passthrough(Reshape, jac_t=flatten_jac_t, sample_independent=True)
 passthrough(GetItem, sample_independent=True)
+passthrough(Cast, jac_t=_cast_jac_t, sample_independent=True, keep_input=False)
 
 # -- the table -----------------------------------------------------------------------
 
-_RELU, _TANH, _SIGMOID, _SILU, _RESHAPE, _SUM = nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.SiLU(), Reshape(), Sum()
+_RELU, _TANH, _SIGMOID, _SILU = nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.SiLU()
+_RESHAPE, _SUM, _CAST = Reshape(), Sum(), Cast()
 
 
 def _unary(module: nn.Module):
@@ -135,6 +161,12 @@ def _reshape(out, input, *args, **kwargs):
         if out.shape[0] == prod(input.shape[:k]) and out.shape[1:] == input.shape[k:]:
             return Merged(input, k)
     return None
+
+
+def _cast(out, input, *args, **kwargs):
+    """Floating point to floating point, nothing else changed: a link."""
+    same = out.shape == input.shape and out.device == input.device and out is not input
+    return (_CAST, (input,)) if same and out.is_floating_point() and input.is_floating_point() else None
 
 
 def _add(out, input, other, *, alpha=1, **kwargs):
@@ -207,8 +239,16 @@ def _bce_with_logits(
     return nn.BCEWithLogitsLoss(weight, reduction=reduction, pos_weight=pos_weight), (input, target)
 
 
+def _sum(out, input, *args, **kwargs):
+    return Reduced(input, mean=False) if not args and not kwargs else None
+
+
+def _mean(out, input, *args, **kwargs):
+    return Reduced(input, mean=True) if not args and not kwargs else None
+
+
 #: function -> ``build(out, *args, **kwargs)``: (stand-in module, tensor inputs), a
-#: :class:`Merged`, or ``None`` (not followed)
+#: :class:`Merged` or :class:`Reduced`, or ``None`` (not followed)
 FUNCTIONAL = {
     **dict.fromkeys((F.relu, torch.relu, torch.relu_, Tensor.relu, Tensor.relu_), _unary(_RELU)),
     **dict.fromkeys((torch.tanh, Tensor.tanh, F.tanh), _unary(_TANH)),
@@ -221,10 +261,13 @@ FUNCTIONAL = {
     **dict.fromkeys((torch.mul, Tensor.mul, Tensor.__mul__, Tensor.__rmul__), _mul),
     **dict.fromkeys((torch.div, Tensor.div, Tensor.__truediv__), _div),
     Tensor.__getitem__: _getitem,
+    **dict.fromkeys((Tensor.float, Tensor.double, Tensor.to), _cast),
     F.adaptive_avg_pool2d: _adaptive_avg_pool2d,
     F.max_pool2d: _max_pool2d,
     F.avg_pool2d: _avg_pool2d,
     F.cross_entropy: _cross_entropy,
     F.mse_loss: _mse_loss,
     F.binary_cross_entropy_with_logits: _bce_with_logits,
+    **dict.fromkeys((torch.sum, Tensor.sum), _sum),
+    **dict.fromkeys((torch.mean, Tensor.mean), _mean),
 }

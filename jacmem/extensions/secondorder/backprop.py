@@ -37,6 +37,7 @@ Hessian of anything else is not the GGN's.)
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -49,7 +50,7 @@ from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, hooks, precision
 from jacmem.derivatives import detached, lookup
-from jacmem.derivatives.functional import FUNCTIONAL, Merged, UnmergedLoss
+from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.jacobians import (
     LossHessian,
     Passthrough,
@@ -177,6 +178,24 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 3e-2  # bfloat16, float16 (autocast)
 
 
+def _outside_mode(method):
+    """The engine's own tensor work (in module hooks and backward hooks) runs without
+    :class:`_Functional`, which would otherwise see each of its calls."""
+
+    @functools.wraps(method)
+    def run(self, *args):
+        n = torch._C._len_torch_function_stack()
+        if self.mode is None or not n or torch._C._get_function_stack_at(n - 1) is not self.mode:
+            return method(self, *args)
+        torch._C._pop_torch_function_stack()
+        try:
+            return method(self, *args)
+        finally:
+            torch._C._push_on_torch_function_stack(self.mode)
+
+    return run
+
+
 class Engine(_Engine):
     """Second-order extensions for one :func:`jacmem.extend` block (the interface is
     :class:`jacmem.passes.Engine`)."""
@@ -196,6 +215,8 @@ class Engine(_Engine):
         self.known: list[bool] = []
         #: a tensor with its batch axis merged -> :class:`Merged` (for a loss on it)
         self.merged = compat.WeakTensorKeyDictionary()
+        #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
+        self.unreduced = compat.WeakTensorKeyDictionary()
         self.mode = _Functional(self)
         self.mode.__enter__()
 
@@ -208,6 +229,7 @@ class Engine(_Engine):
         self.handles.clear()
         self.producer = compat.WeakTensorKeyDictionary()
         self.merged = compat.WeakTensorKeyDictionary()
+        self.unreduced = compat.WeakTensorKeyDictionary()
 
     def new_state(self) -> _State:
         return _State()
@@ -230,6 +252,7 @@ class Engine(_Engine):
         if self.known:
             self.known.pop()
 
+    @_outside_mode
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
@@ -262,9 +285,14 @@ class Engine(_Engine):
         if isinstance(op, Merged):
             self.merged[out] = op
             return out
+        if isinstance(op, Reduced):
+            op = self._reduced(op)
         if op is None:
             return out
         module, inputs = op
+        if getattr(module, "reduction", None) == "none" and lookup_loss(module) is not None:
+            self.unreduced[out] = op  # a loss once its sum or mean is taken
+            return out
         producers = [self._producer_of(x) for x in inputs]
         if any(p is not None and p.loss is not None for p in producers):
             return out  # after the loss (2 * loss, a sum of losses): no link of the chain
@@ -273,9 +301,19 @@ class Engine(_Engine):
         edges = None
         if any(out is x for x in inputs):
             edges = tuple(before if x is first else (x.grad_fn, x.output_nr) for x in inputs)
-        names = ", ".join(p.name if p is not None else "·" for p in producers)
+        shown = producers[:1] if lookup_loss(module) is not None else producers  # not the target
+        names = ", ".join(p.name if p is not None else "·" for p in shown)
         self._node(module, f"{_op_name(func)}({names})", inputs, out, edges)
         return out
+
+    def _reduced(self, op: Reduced) -> tuple[nn.Module, tuple] | None:
+        """The sum or mean of a loss with ``reduction="none"``: that loss, summed and scaled."""
+        loss = self.unreduced.get(op.x)
+        if loss is None:
+            return None
+        module, inputs = loss
+        module.reduction = "sum"
+        return StandInLoss(module, scale=1 / op.x.numel() if op.mean else 1.0), inputs
 
     def _node(self, module: nn.Module, name: str, inputs: tuple, output: Tensor, edges, args: tuple = ()) -> None:
         """Make the call a :class:`Node`; ``edges``: the inputs' ``(grad_fn, output_nr)``
@@ -284,7 +322,9 @@ class Engine(_Engine):
         loss = lookup_loss(module)
         merged = self.merged.get(inputs[0]) if loss is not None else None
         if merged is not None:  # a loss on x.view(-1, C): a loss on x (functional.py)
-            module, loss = UnmergedLoss(module, merged.k), lookup_loss(UnmergedLoss)
+            inner, scale = (module.inner, module.scale) if isinstance(module, StandInLoss) else (module, 1.0)
+            module = StandInLoss(inner, merged.k, scale)
+            loss = lookup_loss(module)
             inputs, edges = (merged.x, *inputs[1:]), None
         entry = None if loss is not None else lookup_passthrough(module)
         node = Node(module, name, loss, entry)
@@ -402,6 +442,7 @@ class Engine(_Engine):
 
     # -- backward ------------------------------------------------------------------
 
+    @_outside_mode
     def _on_grad(self, node: Node, grad: Tensor) -> None:
         run = self.passes.state(self)
         with precision.computing(grad.device):
@@ -410,6 +451,7 @@ class Engine(_Engine):
             else:
                 self._layer(run, node, grad)
 
+    @_outside_mode
     def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
@@ -605,10 +647,11 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
 
 def _check_chain(node: Node, dep: _Deposit | None, grad: Tensor) -> None:
     fix = (
-        " Second-order extensions follow a chain of modules from the loss back: write such "
-        "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
-        "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
-        "(nn.CrossEntropyLoss(), ...) inside the block."
+        " Second-order extensions follow a chain of modules, and of the functional ops in "
+        "jacmem.derivatives.functional.FUNCTIONAL (F.relu, x + y, x * c, torch.flatten, F.cross_entropy, ...), "
+        "from the loss back: write other operations as modules that jacmem knows (jacmem.nn.Scale, "
+        "jacmem.nn.Sum / jacmem.nn.Residual / jacmem.nn.Parallel for sums and skip connections) or register "
+        "one (jacmem.derivatives.jacobians.passthrough), and compute the loss inside the block."
     )
     downstream = ""
     if node.untracked_consumers:
