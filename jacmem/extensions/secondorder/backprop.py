@@ -3,9 +3,23 @@
 In the forward pass (inside :func:`jacmem.extend`), every call of a module that
 :mod:`jacmem.derivatives.jacobians` knows (a layer it can pass factors through, or a
 loss) becomes a :class:`Node`: its inputs, its output where its derivatives read it,
-and, for each input, the node that produced it (if a tracked module did). A hook on
-the node's output runs when autograd has the gradient of that output, which is after
-every consumer of the output has run its own hook:
+and, for each input, the node that produced it (if a tracked module did). So does each
+call of a function of :data:`jacmem.derivatives.functional.FUNCTIONAL` made outside
+the modules it knows (``F.relu``, ``torch.flatten``, ``out += identity``,
+``F.cross_entropy``), with the derivatives of its module equivalent: a
+:class:`torch.overrides.TorchFunctionMode` (:class:`_Functional`) sees the calls while
+the block is open, and nothing outside it; the engine's own tensor work runs without
+it. A function call becomes a node where it takes a tracked output (a loss: always; an
+op after a loss: never). In-place calls (``relu_``, ``add_``, ``nn.ReLU(inplace=True)``)
+are nodes whose input is the graph edge the in-place op took (read before the call, or
+from its autograd node). **Where the GGN splits:** at the input of the recognised loss
+(a loss module, or a loss function of the table); where that input is the output of a
+reshape that merged the batch axis with the next ones (``logits.view(-1, V)``), at the
+tensor before the reshape, whose rows are the samples. A loss with
+``reduction="none"`` is recognised at its ``.sum()`` or ``.mean()``.
+
+A hook on the node's output runs when autograd has the gradient of that output, which
+is after every consumer of the output has run its own hook:
 
 1. A loss node makes the factors of its Hessian (exact, sampled, or KFRA's
    batch-summed dense Hessian) and hands them to its input's producer.
@@ -25,10 +39,10 @@ each autograd node of ``c``'s call that takes the output directly (found at forw
 time, by a search of ``c``'s own graph) hands it over, so the check costs no
 arithmetic but a comparison (none when the only consumer's part is autograd's very
 tensor). They differ (beyond rounding) exactly when some operation jacmem does not
-see sits between this module and the loss (``F.relu(x)``, ``x * 2``, ``x + y`` on a
-branch); then, or when nothing was handed over at all, the backward raises
-:class:`ChainError`, naming the module and what lies downstream, rather than return a
-wrong curvature. A consumer whose own graph is too large to search (past
+see sits between this module and the loss (``torch.sin(x)``, ``x * y``, a broadcast
+sum on a branch); then, or when nothing was handed over at all, the backward raises
+:class:`ChainError`, naming the module, the op that took its output (its ``grad_fn``)
+and the tracked call it leads to, rather than return a wrong curvature. A consumer whose own graph is too large to search (past
 ``_TAP_NODES`` autograd nodes) hands over ``J_cᵀ g_c`` computed by its Jacobian
 instead, as one more row beside the factors. (What the check cannot see: an operation
 applied *after* the loss. A loss scaled by ``c > 0`` or a sum of losses is fine; the
