@@ -234,10 +234,26 @@ def test_chain_error_names_the_op(op, grad_fn):
     torch.manual_seed(8)
     model = mlp()
     with pytest.raises(
-        ChainError, match=rf"module '2' \(Linear\).*'cross_entropy\(·\)' \(through the operation {grad_fn}\)"
+        ChainError, match=rf"module '2' \(Linear\).*'cross_entropy' \(through the operation {grad_fn}\)"
     ):
         with jacmem.extend(DiagHessian()):
             F.cross_entropy(op(model(torch.randn(2, 4, dtype=DT))), torch.tensor([0, 1])).backward()
+
+
+def test_hf_gpt2_labels_refuses_at_layer_norm():
+    """HF GPT2 with ``labels=``: the loss inside the model is followed, and the chain
+    breaks at LayerNorm (no second derivatives here): ChainError names it, no number."""
+    import transformers
+
+    torch.manual_seed(10)
+    cfg = transformers.GPT2Config(n_layer=1, n_head=2, n_embd=8, vocab_size=11, n_positions=8)
+    cfg.bos_token_id = cfg.eos_token_id = 0
+    model = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
+    ids = torch.randint(0, 11, (2, 5))
+    with pytest.raises(ChainError, match=r"on its way to 'lm_head' \(through module 'transformer.ln_f' \(LayerNorm\)"):
+        with jacmem.extend(DiagGGNExact()):
+            model(ids, labels=ids).loss.backward()
+    assert all(not hasattr(p, "diag_ggn_exact") for p in model.parameters())
 
 
 def test_no_mode_outside_the_block():
@@ -339,7 +355,7 @@ def test_resnet18_kfac_kflr():
     """KFAC and KFLR run through stock resnet18 and give symmetric positive
     semi-definite factors of the layers' sizes."""
     model = _few_trainable(_resnet18())
-    run(model, F.cross_entropy, torch.randn(2, 3, 8, 8, dtype=DT), torch.tensor([0, 4]), KFAC(), KFLR())
+    run(model, F.cross_entropy, torch.randn(2, 3, 4, 4, dtype=DT), torch.tensor([0, 4]), KFAC(), KFLR())
     _check_factors(model, "kfac")
     _check_factors(model, "kflr")
 

@@ -99,6 +99,7 @@ class Node:
     __slots__ = (
         "module",
         "name",
+        "site",
         "loss",
         "entry",
         "hp",
@@ -119,6 +120,8 @@ class Node:
 
     def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
         self.module, self.name, self.loss, self.entry = module, name, loss, entry
+        #: the module it is, or, for a functional op, the module whose output it follows
+        self.site = name
         self.untracked_consumers: list[str] = []
         #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
         self.cast = False
@@ -315,9 +318,9 @@ class Engine(_Engine):
         edges = None
         if any(out is x for x in inputs):
             edges = tuple(before if x is first else (x.grad_fn, x.output_nr) for x in inputs)
-        shown = producers[:1] if lookup_loss(module) is not None else producers  # not the target
-        names = ", ".join(p.name if p is not None else "·" for p in shown)
-        self._node(module, f"{_op_name(func)}({names})", inputs, out, edges)
+        site = next((p.site for p in producers if p is not None), None)
+        self._node(module, _op_name(func) + (f" after {site}" if site else ""), inputs, out, edges)
+        self.producer[out].site = site
         return out
 
     def _reduced(self, op: Reduced) -> tuple[nn.Module, tuple] | None:
