@@ -131,7 +131,7 @@ passthrough(Cast, jac_t=_cast_jac_t, sample_independent=True, keep_input=False)
 # -- the table -----------------------------------------------------------------------
 
 _RELU, _TANH, _SIGMOID, _SILU = nn.ReLU(), nn.Tanh(), nn.Sigmoid(), nn.SiLU()
-_RESHAPE, _SUM, _CAST = Reshape(), Sum(), Cast()
+_RESHAPE, _SUM, _CAST, _IDENTITY = Reshape(), Sum(), Cast(), nn.Identity()
 
 
 def _unary(module: nn.Module):
@@ -170,22 +170,25 @@ def _cast(out, input, *args, **kwargs):
 
 
 def _add(out, input, other, *, alpha=1, **kwargs):
+    """Two tensors of one shape: :class:`jacmem.nn.Sum`; a number: the identity."""
     if isinstance(other, Tensor) and other.shape == input.shape == out.shape and alpha == 1:
         return _SUM, (input, other)
-    return None
+    return (_IDENTITY, (input,)) if _number(other) else None
+
+
+def _number(c) -> bool:
+    return isinstance(c, (int, float)) and not isinstance(c, bool)
 
 
 def _mul(out, input, other):
     """By a number: :class:`jacmem.nn.Scale`; by a tensor: not followed."""
-    if isinstance(other, (int, float)) and not isinstance(other, bool):
+    if _number(other):
         return Scale(float(other)), (input,)
-    if isinstance(input, (int, float)) and not isinstance(input, bool):
-        return Scale(float(input)), (other,)
-    return None
+    return (Scale(float(input)), (other,)) if _number(input) else None
 
 
 def _div(out, input, other, *, rounding_mode=None):
-    return _mul(out, input, 1 / other) if isinstance(other, (int, float)) and rounding_mode is None else None
+    return _mul(out, input, 1 / other) if _number(other) and rounding_mode is None else None
 
 
 def _getitem(out, input, index):

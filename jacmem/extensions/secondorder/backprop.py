@@ -228,8 +228,10 @@ class Engine(_Engine):
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: for each module forward running, whether the engine knows the module (then the
-        #: functional calls inside it are its own, not links of the chain)
+        #: functional calls inside it, and inside its children, are its own, not links)
         self.known: list[bool] = []
+        #: how many of them the engine knows
+        self.inside = 0
         #: a tensor with its batch axis merged -> :class:`Merged` (for a loss on it)
         self.merged = compat.WeakTensorKeyDictionary()
         #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
@@ -263,11 +265,13 @@ class Engine(_Engine):
     # -- forward -------------------------------------------------------------------
 
     def on_enter(self, module: nn.Module) -> None:
-        self.known.append(lookup_loss(module) is not None or lookup_passthrough(module) is not None)
+        known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
+        self.known.append(known)
+        self.inside += known
 
     def on_leave(self, module: nn.Module, outermost: bool) -> None:
         if self.known:
-            self.known.pop()
+            self.inside -= self.known.pop()
 
     @_outside_mode
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -638,7 +642,7 @@ class _Functional(TorchFunctionMode):
     def __torch_function__(self, func, types, args=(), kwargs=None):
         build = FUNCTIONAL.get(func)
         kwargs = kwargs or {}
-        if build is None or (self.engine.known and self.engine.known[-1]) or not torch.is_grad_enabled():
+        if build is None or self.engine.inside or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         return self.engine.on_function(func, build, args, kwargs)
 
