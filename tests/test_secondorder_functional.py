@@ -61,7 +61,7 @@ def tiny_block() -> nn.Module:
 
 class Smooth(nn.Module):
     """Functional activations with second derivatives (DiagHessian's residuals), a skip
-    sum, scales, a shift, a view and a slice."""
+    sum, scales, a shift, a view, a slice and dropout in eval."""
 
     def __init__(self):
         super().__init__()
@@ -71,7 +71,7 @@ class Smooth(nn.Module):
         h = F.silu(self.a(x))
         h = torch.tanh(self.b(h)) + h
         h = (F.gelu(0.5 * h + 0.1) / 2).view(x.shape[0], 2, 3).reshape(x.shape[0], 6)
-        return self.c(torch.sigmoid(h)[:, 1:])
+        return self.c(F.dropout(torch.sigmoid(h)[:, 1:], 0.3, training=False))
 
 
 def test_tiny_basic_block_exact():
@@ -196,6 +196,29 @@ def test_monte_carlo_matches_the_module_and_converges():
     run(model, F.cross_entropy, X, y, DiagGGNMC(mc_samples=20000), DiagGGNExact())
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.diag_ggn_mc, p.diag_ggn_exact, rtol=0.05, atol=1e-3, msg=name)
+
+
+@pytest.mark.parametrize(
+    "lossf, match",
+    [
+        (lambda z, t: F.cross_entropy(z, t, weight=torch.ones(3, dtype=DT)), r"weight=\.\.\.\) is not supported"),
+        (lambda z, t: F.cross_entropy(z, t, reduction="none").sum(1), "ChainError"),
+    ],
+    ids=["weight", "partial sum"],
+)
+def test_unsupported_loss_settings_refuse(lossf, match):
+    """A class weight: the loss module's own refusal, at the forward; a 'none' loss
+    reduced other than whole: not recognised, so the chain breaks."""
+    torch.manual_seed(12)
+    model, (X, y) = mlp(), _data("ce")
+    y = y.reshape(2, 3)
+    X = X.reshape(2, 3, 4)
+    if match == "ChainError":
+        with pytest.raises(ChainError, match=r"module '2' \(Linear\)"):
+            run(model, lambda z, t: lossf(z.transpose(1, 2), t).sum(), X, y, DiagGGNExact())
+    else:
+        with pytest.raises(NotImplementedError, match=match):
+            run(model, lossf, X[0], y[0], DiagGGNExact())
 
 
 # -- a loss computed inside the model (HuggingFace's labels=) -----------------------------

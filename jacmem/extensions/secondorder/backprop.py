@@ -302,6 +302,8 @@ class Engine(_Engine):
         out = func(*args, **kwargs)
         if not isinstance(out, Tensor) or not out.requires_grad or compat.functorch_transforms_active():
             return out
+        if out is first and before == (out.grad_fn, out.output_nr):
+            return out  # the input as it was (dropout in eval): nothing to pass through
         op = build(out, *args, **kwargs)
         if isinstance(op, Merged):
             self.merged[out] = op
