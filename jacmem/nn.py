@@ -1,9 +1,8 @@
 """Modules that make sums and branches visible to second-order extensions.
 
-Curvature flows backward along a chain of modules; an operation outside any module
-(``x + y``, ``x * 2``, ``F.relu(x)``) hides part of the chain, and jacmem then raises
-an error naming where (rather than answer wrongly). Write residual and branching
-architectures with these instead; they match BackPACK's ``custom_module`` ones::
+Curvature flows backward along a chain of modules; the common functional ops (``x + y``,
+``x * 2``, ``F.relu(x)``) stand for these modules (:mod:`jacmem.derivatives.functional`).
+They match BackPACK's ``custom_module`` ones, for models written with them::
 
     block = jacmem.nn.Residual(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 8))   # x + f(x)
     both = jacmem.nn.Parallel(nn.Linear(8, 4), nn.Sequential(...))           # f(x) + g(x)

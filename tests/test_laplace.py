@@ -260,7 +260,6 @@ def test_laplace_fits_a_resnet_that_backpack_cannot(structure):
     close(probs.sum(-1), torch.ones(N))
 
 
-@pytest.mark.xfail(strict=True, reason="needs curv-func")
 def test_laplace_on_stock_torchvision_resnet18():
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(1)

@@ -33,10 +33,17 @@ def test_branches_stay_exact(parts):
 
 
 @pytest.mark.parametrize("op, functional_sum", [(F.relu, False), (nn.Identity(), True)], ids=["F.relu", "x+y"])
-def test_functional_op_on_a_branch_raises(parts, op, functional_sum):
+def test_functional_op_on_a_branch_stays_exact(parts, op, functional_sum):
     torch.manual_seed(4)
     model = Block(op, functional_sum).to(DT)
-    with pytest.raises(ChainError, match=r"module 'lin(0|1)' \(Linear\)"):
+    check_exact(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)))
+
+
+@pytest.mark.parametrize("op", [torch.sin, lambda h: h * h], ids=["torch.sin", "h*h"])
+def test_unfollowed_op_on_a_branch_raises(parts, op):
+    torch.manual_seed(4)
+    model = Block(op).to(DT)
+    with pytest.raises(ChainError, match=r"module 'lin0' \(Linear\)"):
         run(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)), DiagGGNExact())
 
 

@@ -16,7 +16,7 @@ from torch import Tensor, nn
 from jacmem.derivatives.jacobians import passthrough
 
 
-def _flatten_jac_t(xs, out, S: Tensor):
+def flatten_jac_t(xs, out, S: Tensor):
     """[V, N, *out] -> [V, N, *in]: the same numbers, reshaped."""
     return (S.reshape(S.shape[0], *xs[0].shape),)
 
@@ -32,7 +32,7 @@ def _identity_jac_t(xs, out, S: Tensor):
     return (S,)
 
 
-passthrough(nn.Flatten, nn.Unflatten, jac_t=_flatten_jac_t, sample_independent=True)
+passthrough(nn.Flatten, nn.Unflatten, jac_t=flatten_jac_t, sample_independent=True)
 passthrough(
     nn.Dropout,
     df=_dropout_df,

@@ -3,9 +3,23 @@
 In the forward pass (inside :func:`jacmem.extend`), every call of a module that
 :mod:`jacmem.derivatives.jacobians` knows (a layer it can pass factors through, or a
 loss) becomes a :class:`Node`: its inputs, its output where its derivatives read it,
-and, for each input, the node that produced it (if a tracked module did). A hook on
-the node's output runs when autograd has the gradient of that output, which is after
-every consumer of the output has run its own hook:
+and, for each input, the node that produced it (if a tracked module did). So does each
+call of a function of :data:`jacmem.derivatives.functional.FUNCTIONAL` made outside
+the modules it knows (``F.relu``, ``torch.flatten``, ``out += identity``,
+``F.cross_entropy``), with the derivatives of its module equivalent: a
+:class:`torch.overrides.TorchFunctionMode` (:class:`_Functional`) sees the calls while
+the block is open, and nothing outside it; the engine's own tensor work runs without
+it. A function call becomes a node where it takes a tracked output (a loss: always; an
+op after a loss: never). In-place calls (``relu_``, ``add_``, ``nn.ReLU(inplace=True)``)
+are nodes whose input is the graph edge the in-place op took (read before the call, or
+from its autograd node). **Where the GGN splits:** at the input of the recognised loss
+(a loss module, or a loss function of the table); where that input is the output of a
+reshape that merged the batch axis with the next ones (``logits.view(-1, V)``), at the
+tensor before the reshape, whose rows are the samples. A loss with
+``reduction="none"`` is recognised at its ``.sum()`` or ``.mean()``.
+
+A hook on the node's output runs when autograd has the gradient of that output, which
+is after every consumer of the output has run its own hook:
 
 1. A loss node makes the factors of its Hessian (exact, sampled, or KFRA's
    batch-summed dense Hessian) and hands them to its input's producer.
@@ -25,10 +39,10 @@ each autograd node of ``c``'s call that takes the output directly (found at forw
 time, by a search of ``c``'s own graph) hands it over, so the check costs no
 arithmetic but a comparison (none when the only consumer's part is autograd's very
 tensor). They differ (beyond rounding) exactly when some operation jacmem does not
-see sits between this module and the loss (``F.relu(x)``, ``x * 2``, ``x + y`` on a
-branch); then, or when nothing was handed over at all, the backward raises
-:class:`ChainError`, naming the module and what lies downstream, rather than return a
-wrong curvature. A consumer whose own graph is too large to search (past
+see sits between this module and the loss (``torch.sin(x)``, ``x * y``, a broadcast
+sum on a branch); then, or when nothing was handed over at all, the backward raises
+:class:`ChainError`, naming the module, the op that took its output (its ``grad_fn``)
+and the tracked call it leads to, rather than return a wrong curvature. A consumer whose own graph is too large to search (past
 ``_TAP_NODES`` autograd nodes) hands over ``J_cᵀ g_c`` computed by its Jacobian
 instead, as one more row beside the factors. (What the check cannot see: an operation
 applied *after* the loss. A loss scaled by ``c > 0`` or a sum of losses is fine; the
@@ -37,6 +51,7 @@ Hessian of anything else is not the GGN's.)
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -45,9 +60,11 @@ from math import sqrt
 
 import torch
 from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, hooks, precision
 from jacmem.derivatives import detached, lookup
+from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.jacobians import (
     LossHessian,
     Passthrough,
@@ -82,6 +99,7 @@ class Node:
     __slots__ = (
         "module",
         "name",
+        "site",
         "loss",
         "entry",
         "hp",
@@ -103,6 +121,8 @@ class Node:
 
     def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
         self.module, self.name, self.loss, self.entry = module, name, loss, entry
+        #: the module it is, or, for a functional op, the module whose output it follows
+        self.site = name
         self.untracked_consumers: list[str] = []
         #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
         self.cast = False
@@ -176,6 +196,24 @@ def _tolerance(dtype: torch.dtype) -> float:
     return 1e-3 if dtype == torch.float32 else 3e-2  # bfloat16, float16 (autocast)
 
 
+def _outside_mode(method):
+    """The engine's own tensor work (in module hooks and backward hooks) runs without
+    :class:`_Functional`, which would otherwise see each of its calls."""
+
+    @functools.wraps(method)
+    def run(self, *args):
+        n = torch._C._len_torch_function_stack()
+        if self.mode is None or not n or torch._C._get_function_stack_at(n - 1) is not self.mode:
+            return method(self, *args)
+        torch._C._pop_torch_function_stack()
+        try:
+            return method(self, *args)
+        finally:
+            torch._C._push_on_torch_function_stack(self.mode)
+
+    return run
+
+
 class Engine(_Engine):
     """Second-order extensions for one :func:`jacmem.extend` block (the interface is
     :class:`jacmem.passes.Engine`)."""
@@ -190,12 +228,28 @@ class Engine(_Engine):
         self.warned: set = set()
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: for each module forward running, whether the engine knows the module (then the
+        #: functional calls inside it, and inside its children, are its own, not links)
+        self.known: list[bool] = []
+        #: how many of them the engine knows
+        self.inside = 0
+        #: a tensor with its batch axis merged -> :class:`Merged` (for a loss on it)
+        self.merged = compat.WeakTensorKeyDictionary()
+        #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
+        self.unreduced = compat.WeakTensorKeyDictionary()
+        self.mode = _Functional(self)
+        self.mode.__enter__()
 
     def close(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
         for h in self.handles:
             h.remove()
         self.handles.clear()
         self.producer = compat.WeakTensorKeyDictionary()
+        self.merged = compat.WeakTensorKeyDictionary()
+        self.unreduced = compat.WeakTensorKeyDictionary()
 
     def new_state(self) -> _State:
         return _State()
@@ -211,6 +265,16 @@ class Engine(_Engine):
 
     # -- forward -------------------------------------------------------------------
 
+    def on_enter(self, module: nn.Module) -> None:
+        known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
+        self.known.append(known)
+        self.inside += known
+
+    def on_leave(self, module: nn.Module, outermost: bool) -> None:
+        if self.known:
+            self.inside -= self.known.pop()
+
+    @_outside_mode
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
@@ -224,14 +288,75 @@ class Engine(_Engine):
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         inputs = tuple(a for a in args if isinstance(a, Tensor))
+        edges = None
         if any(output is x for x in inputs):
-            if getattr(module, "inplace", False):
-                raise NotImplementedError(
-                    f"jacmem: module {self.name(module)!r} ({type(module).__name__}) works in place, which "
-                    "second-order extensions cannot follow; construct it with inplace=False"
-                )
-            return  # the identity: nothing to pass through
-        node = Node(module, self.name(module), loss, entry)
+            fn = output.grad_fn
+            if fn is None or "jacmem" in fn.metadata or not getattr(module, "inplace", False) or len(inputs) > 1:
+                return  # the identity: nothing to pass through
+            edges = (fn.next_functions[0],)  # in place: the input is what the op's autograd node takes
+        self._node(module, self.name(module), inputs, output, edges, args, kwargs)
+
+    def on_function(self, func, build, args: tuple, kwargs: dict):
+        """A call of ``func`` in :data:`FUNCTIONAL`, outside any module the engine knows:
+        run it, and make it a node where it takes a tracked output (a loss: always)."""
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        before = None if first is None else (first.grad_fn, first.output_nr)  # in-place ops move it
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) or not out.requires_grad or compat.functorch_transforms_active():
+            return out
+        if out is first and before == (out.grad_fn, out.output_nr):
+            return out  # the input as it was (dropout in eval): nothing to pass through
+        op = build(out, *args, **kwargs)
+        if isinstance(op, Merged):
+            self.merged[out] = op
+            return out
+        if isinstance(op, Reduced):
+            op = self._reduced(op)
+        if op is None:
+            return out
+        module, inputs = op
+        if getattr(module, "reduction", None) == "none" and lookup_loss(module) is not None:
+            self.unreduced[out] = op  # a loss once its sum or mean is taken
+            return out
+        producers = [self._producer_of(x) for x in inputs]
+        if any(p is not None and p.loss is not None for p in producers):
+            return out  # after the loss (2 * loss, a sum of losses): no link of the chain
+        if lookup_loss(module) is None and not any(producers):
+            return out
+        edges = None
+        if any(out is x for x in inputs):
+            edges = tuple(before if x is first else (x.grad_fn, x.output_nr) for x in inputs)
+        site = next((p.site for p in producers if p is not None), None)
+        self._node(module, _op_name(func) + (f" after {site}" if site else ""), inputs, out, edges)
+        self.producer[out].site = site
+        return out
+
+    def _reduced(self, op: Reduced) -> tuple[nn.Module, tuple] | None:
+        """The sum or mean of a loss with ``reduction="none"``: that loss, summed and scaled."""
+        loss = self.unreduced.get(op.x)
+        if loss is None:
+            return None
+        module, inputs = loss
+        module.reduction = "sum"
+        return StandInLoss(module, scale=1 / op.x.numel() if op.mean else 1.0), inputs
+
+    def _node(
+        self, module: nn.Module, name: str, inputs: tuple, output: Tensor, edges, args: tuple = (), kwargs=None
+    ) -> None:
+        """Make the call a :class:`Node`; ``edges``: the inputs' ``(grad_fn, output_nr)``
+        where the call worked in place (the input's are the output's now); ``args``,
+        ``kwargs``: the module's arguments, for its parameters' derivatives."""
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        loss = lookup_loss(module)
+        merged = self.merged.get(inputs[0]) if loss is not None else None
+        if merged is not None:  # a loss on x.view(-1, C): a loss on x (functional.py)
+            inner, scale = (module.inner, module.scale) if isinstance(module, StandInLoss) else (module, 1.0)
+            module = StandInLoss(inner, merged.k, scale)
+            loss = lookup_loss(module)
+            inputs, edges = (merged.x, *inputs[1:]), None
+        entry = None if loss is not None else lookup_passthrough(module, first, output)
+        node = Node(module, name, loss, entry)
         node.hp = (loss or entry).params(module)
         keep = entry is None or entry.keep_input
         node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
@@ -242,8 +367,8 @@ class Engine(_Engine):
         node.producers = [self._producer_of(x) for x in inputs]
         for x, p in zip(inputs, node.producers):
             if p is None and x.grad_fn is not None:
-                self._mark_untracked_path(x.grad_fn, node.name)
-        self._tap(node, inputs, output)
+                self._mark_untracked_path(x.grad_fn, node)
+        self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
@@ -264,13 +389,14 @@ class Engine(_Engine):
         # the hook (so the graph) holds the node: it goes when the graph goes
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
 
-    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor) -> None:
-        """Hooks on the autograd nodes of this call that take an input with a producer:
-        in backward they hand that producer autograd's own part of its gradient (see
-        the module docstring). ``node.row``: the search failed, the row it is."""
-        taps = {(x.grad_fn, x.output_nr): i for i, (x, p) in enumerate(zip(inputs, node.producers)) if p is not None}
+    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
+        """Hooks on the autograd nodes of this call that take an input with a producer
+        (along the edges ``into``, one per input): in backward they hand that producer
+        autograd's own part of its gradient (see the module docstring). ``node.row``:
+        the search failed, the row it is."""
+        taps = {e: i for i, (e, p) in enumerate(zip(into, node.producers)) if p is not None}
         found = taps and output.grad_fn is not None
-        edges = _input_edges(output.grad_fn, taps, {x.grad_fn for x in inputs}) if found else {}
+        edges = _input_edges(output.grad_fn, taps, {fn for fn, _ in into}) if found else {}
         node.row = edges is None
         for fn, ks in (edges or {}).items():
             self.handles.add(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
@@ -286,22 +412,24 @@ class Engine(_Engine):
             node = ref() if ref is not None else None
         return node
 
-    def _mark_untracked_path(self, fn, consumer: str) -> None:
+    def _mark_untracked_path(self, fn, consumer: Node) -> None:
         """Tell the tracked nodes above ``fn`` (through untracked operations) who
-        consumes their output, and through which unsupported module, for the error."""
-        seen, queue = set(), deque([(fn, None)])
+        consumes their output, through which unsupported module, and which operation
+        (its ``grad_fn``) took their output, for the error."""
+        seen, queue = set(), deque([(fn, None, None)])
         while queue and len(seen) < _SEARCH_NODES:
-            fn, via = queue.popleft()
+            fn, via, op = queue.popleft()
             if fn is None or fn in seen:
                 continue
             seen.add(fn)
             ref = fn.metadata.get("jacmem")
             node = ref() if ref is not None else None
             if node is not None:
-                node.untracked_consumers.append(f"{consumer!r}" + (f" (through module {via})" if via else ""))
+                through = f"module {via}" if via else f"the operation {op}"
+                node.untracked_consumers.append(f"{consumer.name!r} (through {through})")
                 continue
             via = via or fn.metadata.get("jacmem_unsupported")
-            queue.extend((f, via) for f, _ in fn.next_functions)
+            queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, output) -> None:
         """A leaf module that nothing here can pass through: marked in the graph (for
@@ -345,6 +473,7 @@ class Engine(_Engine):
 
     # -- backward ------------------------------------------------------------------
 
+    @_outside_mode
     def _on_grad(self, node: Node, grad: Tensor) -> None:
         run = self.passes.state(self)
         with precision.computing(grad.device):
@@ -353,6 +482,7 @@ class Engine(_Engine):
             else:
                 self._layer(run, node, grad)
 
+    @_outside_mode
     def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
@@ -511,6 +641,28 @@ class Engine(_Engine):
         return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
 
 
+class _Functional(TorchFunctionMode):
+    """Sees the calls of :data:`FUNCTIONAL`'s functions while the block is open (nothing
+    outside it), and hands those made outside the modules the engine knows to
+    :meth:`Engine.on_function`; every other call runs as it is."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = weakref.proxy(engine)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        build = FUNCTIONAL.get(func)
+        kwargs = kwargs or {}
+        if build is None or self.engine.inside or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        return self.engine.on_function(func, build, args, kwargs)
+
+
+def _op_name(func) -> str:
+    """``F.relu`` -> ``relu``, ``Tensor.add_`` -> ``add_``."""
+    return getattr(func, "__name__", None) or str(func)
+
+
 def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
     """DiagHessian's residual of an elementwise activation at its input:
     ``f''(x) ⊙ g_out`` split into ``diag(√r₊)`` (+) and ``diag(√r₋)`` (-)."""
@@ -532,10 +684,11 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
 
 def _check_chain(node: Node, dep: _Deposit | None, grad: Tensor) -> None:
     fix = (
-        " Second-order extensions follow a chain of modules from the loss back: write such "
-        "operations as modules (nn.ReLU(), jacmem.nn.Scale, jacmem.nn.Sum / jacmem.nn.Residual / "
-        "jacmem.nn.Parallel for sums and skip connections), and compute the loss with a loss module "
-        "(nn.CrossEntropyLoss(), ...) inside the block."
+        " Second-order extensions follow a chain of modules, and of the functional ops in "
+        "jacmem.derivatives.functional.FUNCTIONAL (F.relu, x + y, x * c, torch.flatten, F.cross_entropy, ...), "
+        "from the loss back: write other operations as modules that jacmem knows (jacmem.nn.Scale, "
+        "jacmem.nn.Sum / jacmem.nn.Residual / jacmem.nn.Parallel for sums and skip connections) or register "
+        "one (jacmem.derivatives.jacobians.passthrough), and compute the loss inside the block."
     )
     downstream = ""
     if node.untracked_consumers:
