@@ -1,0 +1,38 @@
+"""Figures shared by the memory examples (not an example itself: the gallery skips it)."""
+
+from __future__ import annotations
+
+import os
+
+from jacmem.memory import MemoryReport
+
+MiB = 2**20
+
+
+def quick() -> bool:
+    """Whether to run small: ``JACMEM_QUICK=1`` (the docs build) or ``--quick``."""
+    return os.environ.get("JACMEM_QUICK") == "1"
+
+
+def saved_by_module(reports: dict[str, MemoryReport], title: str, top: int = 8):
+    """A horizontal bar chart: what autograd keeps, per module (the ``top`` largest of
+    the first report), for each report in ``reports`` ({label: report}); its figure."""
+    from matplotlib import pyplot as plt
+
+    first = next(iter(reports.values()))
+    names = [m.name for m in sorted(first.modules, key=lambda m: -m.bytes)[:top] if m.bytes]
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) * len(reports) + 1.6))
+    height = 0.8 / len(reports)
+    for i, (label, rep) in enumerate(reports.items()):
+        rows = {m.name: m.bytes for m in rep.modules}
+        total = rep.saved_bytes / MiB
+        ys = [k + i * height for k in range(len(names))]
+        ax.barh(ys, [rows.get(n, 0) / MiB for n in names], height, label=f"{label} (total {total:.2f} MiB)")
+    ax.set_yticks([k + height * (len(reports) - 1) / 2 for k in range(len(names))], names)
+    ax.invert_yaxis()
+    ax.set_xlabel("saved for the backward pass (MiB)")
+    ax.set_ylabel("module")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.tight_layout()
+    return fig
