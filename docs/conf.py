@@ -39,7 +39,7 @@ sphinx_gallery_conf = {
     "examples_dirs": "../examples",
     "gallery_dirs": "auto_examples",
     "filename_pattern": r"/plot_",
-    "ignore_pattern": r"(__init__|/_\w+)\.py",
+    "ignore_pattern": r"^(__init__|_\w+)\.py$",  # examples/_*.py: helpers, not examples
     "within_subsection_order": "jacmem_docs.ExampleOrder",
     "abort_on_example_error": True,
     "image_scrapers": ("matplotlib",),
@@ -61,3 +61,7 @@ html_context = {"default_mode": "light"}
 html_show_sourcelink = False
 html_copy_source = False
 assert jacmem.__file__.startswith(str(ROOT)), f"the docs would document {jacmem.__file__}, not {ROOT}"
+html_static_path = ["_static"]
+html_css_files = ["jacmem.css"]
+# pages without sub-pages get no empty "Section Navigation" column
+html_sidebars = {page: [] for page in ("index", "install", "api", "benchmarks")}

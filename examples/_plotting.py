@@ -21,7 +21,7 @@ def saved_by_module(reports: dict[str, MemoryReport], title: str, top: int = 8):
 
     first = next(iter(reports.values()))
     names = [m.name for m in sorted(first.modules, key=lambda m: -m.bytes)[:top] if m.bytes]
-    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) * len(reports) + 1.6))
+    fig, ax = plt.subplots(figsize=(8, 0.45 * len(names) * len(reports) + 2.2), layout="constrained")
     height = 0.8 / len(reports)
     for i, (label, rep) in enumerate(reports.items()):
         rows = {m.name: m.bytes for m in rep.modules}
@@ -33,6 +33,5 @@ def saved_by_module(reports: dict[str, MemoryReport], title: str, top: int = 8):
     ax.set_xlabel("saved for the backward pass (MiB)")
     ax.set_ylabel("module")
     ax.set_title(title)
-    ax.legend(loc="lower right")
-    fig.tight_layout()
+    fig.legend(loc="outside lower center")  # below the axes: never over a bar
     return fig

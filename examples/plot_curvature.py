@@ -92,15 +92,18 @@ offset = sizes[0] + sizes[1]
 weight = model[2].weight
 exact = ggn[offset : offset + weight.numel(), offset : offset + weight.numel()]
 panels = {"exact GGN block": exact, "KFLR: G ⊗ A": torch.kron(*weight.kflr), "KFAC: G ⊗ A": torch.kron(*weight.kfac)}
-fig, axes = plt.subplots(1, 4, figsize=(14, 3.6))
+fig, axes = plt.subplots(1, 3, figsize=(12, 4.2), sharey=True, layout="constrained")
 scale = float(exact.abs().max())
 for ax, (title, block) in zip(axes, panels.items()):
     image = ax.imshow(block, cmap="RdBu_r", vmin=-scale, vmax=scale)
-    ax.set(title=f"2.weight: {title}", xlabel="parameter index", ylabel="parameter index")
-fig.colorbar(image, ax=axes[:3], shrink=0.8)
-ax = axes[3]
+    ax.set(title=title, xlabel="parameter index")
+axes[0].set_ylabel("parameter index")
+fig.colorbar(image, ax=axes, shrink=0.8)
+fig.suptitle(f"the GGN block of 2.weight ({weight.numel()} parameters)")
+
+fig, ax = plt.subplots(figsize=(5.5, 4.5), layout="constrained")
 for name, p in model.named_parameters():
     ax.loglog(blocks[name], p.diag_ggn_exact.flatten().detach(), ".", label=name)
 ax.axline((1e-6, 1e-6), (1.0, 1.0), color="k", lw=0.5)
 ax.set(title="diagonal of the GGN", xlabel="torch.func", ylabel="jacmem: diag_ggn_exact")
-ax.legend(fontsize=7)
+ax.legend(fontsize=8)

@@ -65,6 +65,11 @@ from benchmarks.run import MEMORY_MALLOC, TIME_MALLOC  # noqa: E402
 MiB = 2**20
 
 
+# %%
+# The model and its data, then the worker (one strategy in a process of its own) and the
+# parent (spawn, check, tabulate, plot). The run itself is at the end of the page.
+
+
 def build_model() -> nn.Sequential:
     """The CNN of BackPACK's example: [N, 1, 28, 28] -> [N, 10]."""
     return nn.Sequential(
@@ -297,6 +302,12 @@ def main(argv=None) -> None:
     print("\nauto's choices (ctx.explain()):\n" + results["auto"]["explain"])
     plot(rows, grad_batch_bytes, args.batch, args.out / "plot_save_memory.png")
 
+
+# %%
+# Run every strategy in processes of its own, check that they agree, print the table and
+# what ``auto`` chose, and plot. The docs build runs it in quick mode (batch 8, one
+# repeat), where the memory differences are within noise; ``python
+# examples/plot_save_memory.py`` runs batch 64.
 
 if __name__ == "__main__":
     main()

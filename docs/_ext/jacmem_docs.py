@@ -194,7 +194,7 @@ def _autodoc(dotted: str) -> list[str]:
     if callable(obj):
         return [f".. autofunction:: {dotted}", ""]
     doc = _attribute_doc(module, name)
-    return [f".. py:data:: {dotted}", "   :no-index-entry:", ""] + [f"   {line}" for line in doc] + [""]
+    return [f".. py:data:: {name}", f"   :module: {module}", ""] + [f"   {line}" for line in doc] + [""]
 
 
 def _attribute_doc(module: str, name: str) -> list[str]:
