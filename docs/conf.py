@@ -29,6 +29,8 @@ extensions = [
 ]
 
 exclude_patterns = ["_build", "auto_examples/*.ipynb", "auto_examples/*.py", "auto_examples/*.zip"]
+# quotes and ellipses only: "--from-json" in BENCHMARKS.md stays two hyphens
+smartquotes_action = "qe"
 autodoc_member_order = "bysource"
 autodoc_typehints = "signature"
 autodoc_inherit_docstrings = False

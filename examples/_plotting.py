@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 from jacmem.memory import MemoryReport
+from jacmem.memory.report import fmt_bytes
 
 MiB = 2**20
 
@@ -25,13 +26,30 @@ def saved_by_module(reports: dict[str, MemoryReport], title: str, top: int = 8):
     height = 0.8 / len(reports)
     for i, (label, rep) in enumerate(reports.items()):
         rows = {m.name: m.bytes for m in rep.modules}
-        total = rep.saved_bytes / MiB
         ys = [k + i * height for k in range(len(names))]
-        ax.barh(ys, [rows.get(n, 0) / MiB for n in names], height, label=f"{label} (total {total:.2f} MiB)")
+        ax.barh(
+            ys, [rows.get(n, 0) / MiB for n in names], height, label=f"{label} (total {fmt_bytes(rep.saved_bytes)})"
+        )
     ax.set_yticks([k + height * (len(reports) - 1) / 2 for k in range(len(names))], names)
     ax.invert_yaxis()
     ax.set_xlabel("saved for the backward pass (MiB)")
     ax.set_ylabel("module")
     ax.set_title(title)
     fig.legend(loc="outside lower center")  # below the axes: never over a bar
+    return fig
+
+
+def saved_totals(reports: dict[str, MemoryReport], title: str):
+    """A bar per report in ``reports`` ({label: report}): all that autograd keeps; its figure."""
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 3.2), layout="constrained")
+    totals = [rep.saved_bytes / MiB for rep in reports.values()]
+    ax.barh(list(reports), totals, color=[f"C{i}" for i in range(len(reports))])
+    for y, (total, rep) in enumerate(zip(totals, reports.values())):
+        ax.annotate(f" {fmt_bytes(rep.saved_bytes)}", (total, y), va="center")
+    ax.set_xlim(0, 1.25 * max(totals))
+    ax.invert_yaxis()
+    ax.set_xlabel("saved for the backward pass (MiB)")
+    ax.set_title(title)
     return fig

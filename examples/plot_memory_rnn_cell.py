@@ -33,7 +33,7 @@ from jacmem.memory.report import fmt_bytes
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_rnn_cell.py")).resolve().parent))
-from _plotting import quick, saved_by_module  # noqa: E402
+from _plotting import quick, saved_totals  # noqa: E402
 
 
 class Cell(nn.Module):
@@ -128,7 +128,7 @@ def main(argv=None):
     )
     print(f"  largest difference of the weight gradients, checkpointed vs not: {diff:.2e}")
     reports = {"hand-written": before, "checkpointed": after, "nn.GRU": reference}
-    saved_by_module(reports, f"GRU over {steps} steps: saved tensors")
+    saved_totals(reports, f"GRU over {steps} steps, batch {batch}: saved tensors")
     return {
         "before": before,
         "after": after,
