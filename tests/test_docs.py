@@ -153,3 +153,23 @@ def test_readme_headline_figures_are_the_benchmarks():
     for model, extension, time, peak in readme:
         key = (model.split(" ")[0], extension.split(" ")[0])
         assert measured[key] == (time, peak), f"README's {key} is not BENCHMARKS.md's: run make bench, then copy"
+
+
+def _python_blocks(path: Path) -> list[str]:
+    """The ``.. code-block:: python`` blocks of an rst file, dedented."""
+    import textwrap
+
+    blocks = re.findall(r"^( *)\.\. code-block:: python\n\n((?:\1   .*\n|\n)+)", path.read_text(), re.M)
+    return [textwrap.dedent(code) for _, code in blocks]
+
+
+@pytest.mark.parametrize("page", ["index.rst", "guide/concepts.rst"])
+def test_guide_code_runs_as_written(page):
+    """The self-contained pages' Python blocks, in order, in one namespace."""
+    blocks = _python_blocks(DOCS / page)
+    assert blocks
+    namespace: dict = {}
+    for code in blocks:
+        exec(compile(code, page, "exec"), namespace)
+    weight = namespace["model"][0].weight
+    assert weight.grad_batch.shape == (32, 8, 1, 3, 3)  # as the pages say
