@@ -1,11 +1,11 @@
-# Two commands on a fresh machine: `make demo` and `make test`.
+# Two commands on a fresh machine: `make demo` and `make test`; `make docs` builds the site.
 # Each creates .venv if missing and installs what it needs, pinned by constraints.txt.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test lint bench docs clean
 
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
@@ -14,6 +14,12 @@ $(STAMP): pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
 	$(PY) tools/torchvision_cpu_shim.py install
 	touch $(STAMP)
+
+# The docs extra beside dev: the gallery's examples import what dev installs.
+DOCS_STAMP := $(VENV)/.installed-docs
+$(DOCS_STAMP): $(STAMP)
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,docs]"
+	touch $(DOCS_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/plot_save_memory.py
@@ -29,5 +35,12 @@ bench: $(STAMP)
 	$(PY) -m benchmarks
 	$(PY) -m benchmarks.second_order
 
+# Offline, warnings as errors, every page read afresh (-E: the generated pages follow the
+# registry and the docstrings, which Sphinx does not track); the gallery runs examples/plot_*.py in quick mode
+# (JACMEM_QUICK=1, set by docs/conf.py), then docs/check_site.py checks the HTML.
+docs: $(DOCS_STAMP)
+	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
+	$(PY) docs/check_site.py docs/_build/html
+
 clean:
-	rm -rf $(VENV) build *.egg-info
+	rm -rf $(VENV) build *.egg-info docs/_build docs/auto_examples docs/sg_execution_times.rst

@@ -1,4 +1,5 @@
-"""Saving memory in convolutions: jacmem's strategies side by side.
+"""Comparing strategies: saving memory in convolutions
+===================================================
 
 jacmem's version of BackPACK's example "Saving memory in convolutions". There are
 several ways to compute a convolution's per-sample weight gradients, and they trade
@@ -26,8 +27,9 @@ other work loads the machine. The script checks that all
 strategies give the same ``grad_batch`` (and that it sums to the plain ``.grad``),
 prints a table and saves a bar chart to ``out/plot_save_memory.png``.
 
-Run: ``python examples/plot_save_memory.py`` (or ``make demo``); ``--quick`` for a
-few-second smoke run (batch 8, one repeat).
+Run: ``python examples/plot_save_memory.py`` (or ``make demo``); ``--quick`` (or
+``JACMEM_QUICK=1``, as the docs build runs it) for a few-second smoke run (batch 8, one
+repeat): its figures say little about the strategies at real sizes.
 
 As in BackPACK's example, which strategy wins depends on the layer shapes and the
 machine; measure your own setting. ``ctx.explain()`` says what ``auto`` chose, and why.
@@ -54,11 +56,18 @@ import jacmem
 from jacmem.derivatives import REGISTRY
 
 PLAIN = "plain"
-ROOT = Path(__file__).resolve().parents[1]
+# sphinx-gallery runs an example without __file__, in the example's folder
+HERE = Path(globals().get("__file__", "plot_save_memory.py")).resolve()
+ROOT = HERE.parents[1]
 sys.path.insert(0, str(ROOT))
 from benchmarks.run import MEMORY_MALLOC, TIME_MALLOC  # noqa: E402
 
 MiB = 2**20
+
+
+# %%
+# The model and its data, then the worker (one strategy in a process of its own) and the
+# parent (spawn, check, tabulate, plot). The run itself is at the end of the page.
 
 
 def build_model() -> nn.Sequential:
@@ -147,7 +156,7 @@ def worker(strategy: str, batch: int, repeats: int, dump: str | None) -> dict:
 def run_worker(strategy: str, batch: int, repeats: int, dump: str | None, malloc: dict[str, str]) -> dict:
     """Run :func:`worker` for ``strategy`` in a fresh interpreter, with glibc settings
     ``malloc``; its JSON result."""
-    cmd = [sys.executable, __file__, "--worker", strategy, "--batch", str(batch)]
+    cmd = [sys.executable, str(HERE), "--worker", strategy, "--batch", str(batch)]
     cmd += ["--repeats", str(repeats)] + (["--dump", dump] if dump is not None else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=dict(os.environ, **malloc))
     if proc.returncode != 0:
@@ -228,8 +237,9 @@ def table(results: dict[str, dict], grad_batch_bytes: int) -> list[dict]:
     return rows
 
 
-def plot(rows: list[dict], grad_batch_bytes: int, batch: int, path: Path) -> None:
-    """Bar charts of peak memory above setup, and of time relative to plain, to ``path``."""
+def plot(rows: list[dict], grad_batch_bytes: int, batch: int, path: Path):
+    """Bar charts of peak memory above setup, and of time relative to plain, saved to
+    ``path``; the figure (left open, for the docs' gallery to collect)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,25 +247,35 @@ def plot(rows: list[dict], grad_batch_bytes: int, batch: int, path: Path) -> Non
 
     names = [r["strategy"] for r in rows]
     colors = ["0.6" if n == PLAIN else f"C{i}" for i, n in enumerate(names)]
-    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
-    left.bar(names, [r["over_setup"] for r in rows], color=colors)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4.5))
+    memory = [r["over_setup"] for r in rows]
+    left.bar(names, memory, color=colors)
     plain = next(r["over_setup"] for r in rows if r["strategy"] == PLAIN)
-    left.axhline(plain + grad_batch_bytes / MiB, color="k", ls="--", lw=1, label="plain + size of grad_batch")
+    budget = plain + grad_batch_bytes / MiB
+    left.axhline(budget, color="k", ls="--", lw=1, label="plain + size of grad_batch")
+    left.set_ylim(0, 1.3 * max(*memory, budget))  # headroom above the bars for the legend
     left.set_ylabel("peak RSS above setup (MiB)")
-    left.legend(loc="lower right")
-    right.bar(names, [r["ratio"] for r in rows], color=colors)
+    left.legend(loc="upper left")
+    ratios = [r["ratio"] for r in rows]
+    right.bar(names, ratios, color=colors)
     right.axhline(1, color="k", lw=0.5)
-    right.set_ylabel("time / plain forward+backward (paired, median)")
+    right.set_ylim(0, 1.15 * max(ratios))
+    right.set_ylabel("time / plain forward+backward\n(paired, median)")
+    for ax in (left, right):
+        ax.set_xlabel("strategy (each in its own process)")
+        ax.tick_params(axis="x", labelrotation=25)
+        for label in ax.get_xticklabels():
+            label.set_horizontalalignment("right")
     fig.suptitle(f"BatchGrad on the example CNN, batch {batch}, CPU, {torch.get_num_threads()} threads")
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
     print(f"\nsaved {path}")
+    return fig
 
 
 def main(argv=None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="BatchGrad under each conv strategy: time and peak memory")
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5, help="timed passes after one warm-up")
     parser.add_argument("--quick", action="store_true", help="batch 8, one repeat: a smoke test")
@@ -263,7 +283,7 @@ def main(argv=None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--dump", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.quick:
+    if args.quick or os.environ.get("JACMEM_QUICK") == "1":
         args.batch, args.repeats = 8, 1
     if args.worker:
         print(json.dumps(worker(args.worker, args.batch, args.repeats, args.dump)))
@@ -282,6 +302,12 @@ def main(argv=None) -> None:
     print("\nauto's choices (ctx.explain()):\n" + results["auto"]["explain"])
     plot(rows, grad_batch_bytes, args.batch, args.out / "plot_save_memory.png")
 
+
+# %%
+# Run every strategy in processes of its own, check that they agree, print the table and
+# what ``auto`` chose, and plot. The docs build runs it in quick mode (batch 8, one
+# repeat), where the memory differences are within noise; ``python
+# examples/plot_save_memory.py`` runs batch 64.
 
 if __name__ == "__main__":
     main()

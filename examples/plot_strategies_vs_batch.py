@@ -1,4 +1,7 @@
-"""Where each conv strategy wins: time and memory versus batch size.
+"""Strategies against batch size
+=============================
+
+Where each conv strategy wins: time and memory versus batch size.
 
 jacmem has three ways to get a convolution's per-sample weight gradients, and two more
 for their norms alone:
@@ -22,17 +25,20 @@ process of its own (the benchmark suite's ``benchmarks.child``). It prints a tab
 saves ``out/plot_strategies_vs_batch.png``: step time, and peak memory above the plain
 run's, versus N.
 
-Run: ``python examples/plot_strategies_vs_batch.py``; ``--quick`` for a smoke run (small
-batches, one repeat).
+Run: ``python examples/plot_strategies_vs_batch.py``; ``--quick`` (or ``JACMEM_QUICK=1``,
+as the docs build runs it) for a smoke run (batches 4 and 16, fewer strategies, one repeat,
+one process per point), whose figure says little about large batches.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+# sphinx-gallery runs an example without __file__, in the example's folder
+ROOT = Path(globals().get("__file__", "plot_strategies_vs_batch.py")).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from benchmarks import run as harness  # noqa: E402
@@ -50,16 +56,22 @@ METHODS = {
     "BatchGrad": ["unfold", "save_memory", "grouped", "auto"],
     "BatchL2Grad": ["unfold", "save_memory", "grouped", "ghost", "ghost_gram", "auto"],
 }
+#: quick mode: fewer points, each in one process (time and memory together, glibc's
+#: default malloc), so that the docs build stays short
+QUICK_METHODS = {
+    "BatchGrad": ["unfold", "save_memory", "grouped", "auto"],
+    "BatchL2Grad": ["unfold", "ghost", "auto"],
+}
 
 
-def measure(batches, quick: bool, threads: int):
+def measure(batches, methods, quick: bool, threads: int):
     """{(extension, strategy or "plain", N): result dict of benchmarks.child}"""
     results = {}
     todo = [("plain", "plain", n) for n in batches]
-    todo += [(ext, s, n) for n in batches for ext, names in METHODS.items() for s in names]
+    todo += [(ext, s, n) for n in batches for ext, names in methods.items() for s in names]
     for i, (ext, strategy, n) in enumerate(todo, 1):
         method = "plain" if ext == "plain" else f"jacmem:{ext}:{strategy}"
-        case = dict(model="seed-cnn-256", method=method, quick=False, device="cpu", threads=threads, batch=n)
+        case = dict(model="seed-cnn-256", method=method, quick=quick, device="cpu", threads=threads, batch=n)
         case.update(warmup=1, repeats=1 if quick else 5, seconds=0 if quick else 4.0)
         r = harness.measure(case, timeout=300)  # on CPU: time and memory from two processes
         results[(ext, strategy, n)] = r
@@ -68,10 +80,10 @@ def measure(batches, quick: bool, threads: int):
     return results
 
 
-def table(results, batches) -> str:
+def table(results, batches, methods) -> str:
     lines = ["| extension | strategy | " + " | ".join(f"N={n}" for n in batches) + " |"]
     lines.append("|---|---|" + "---|" * len(batches))
-    for ext, names in [("plain", ["plain"]), *METHODS.items()]:
+    for ext, names in [("plain", ["plain"]), *methods.items()]:
         for s in names:
             cells = []
             for n in batches:
@@ -85,7 +97,7 @@ def table(results, batches) -> str:
     return "\n".join(lines)
 
 
-def plot(results, batches, path: Path) -> None:
+def plot(results, batches, methods, path: Path):
     import matplotlib
 
     matplotlib.use("Agg")
@@ -93,7 +105,7 @@ def plot(results, batches, path: Path) -> None:
     from matplotlib.ticker import ScalarFormatter
 
     fig, axes = plt.subplots(2, 2, figsize=(11, 8), sharex=True)
-    for row, (ext, names) in enumerate(METHODS.items()):
+    for row, (ext, names) in enumerate(methods.items()):
         ax_t, ax_m = axes[row]
         ns = [n for n in batches if "error" not in results[("plain", "plain", n)]]
         ax_t.plot(ns, [results[("plain", "plain", n)]["time_s"] * 1e3 for n in ns], "k--", label="plain")
@@ -122,19 +134,20 @@ def plot(results, batches, path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=90)
-    plt.close(fig)
+    return fig  # left open, for the docs' gallery to collect
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="batches 2 and 8, one repeat")
+    parser = argparse.ArgumentParser(description="Conv strategies against batch size: time and peak memory")
+    parser.add_argument("--quick", action="store_true", help="batches 4 and 16, fewer strategies, one repeat")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "plot_strategies_vs_batch.png")
     args = parser.parse_args()
-    batches = [2, 8] if args.quick else [16, 32, 64, 128, 256]
-    results = measure(batches, args.quick, args.threads)
-    print(table(results, batches))
-    plot(results, batches, args.out)
+    args.quick = args.quick or os.environ.get("JACMEM_QUICK") == "1"
+    batches, methods = ([4, 16], QUICK_METHODS) if args.quick else ([16, 32, 64, 128, 256], METHODS)
+    results = measure(batches, methods, args.quick, args.threads)
+    print(table(results, batches, methods))
+    plot(results, batches, methods, args.out)
     print(f"saved {args.out}")
 
 

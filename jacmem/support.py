@@ -6,12 +6,13 @@ extension, listing the strategy names that extension can use on that parameter (
 with equal rows. A line after the table names the losses and modules that the
 second-order extensions' curvature passes through.
 Modules registered by users (their functions live outside jacmem) are left out.
+The docs render it when the site is built (``docs/guide/support.rst``).
 
 .. code-block:: text
 
-    python -m jacmem.support                    # print the Markdown table
-    python -m jacmem.support --write README.md  # rewrite the block between the markers
-    python -m jacmem.support --check README.md  # exit 1 if that block is stale
+    python -m jacmem.support                  # print the Markdown table
+    python -m jacmem.support --write FILE.md  # rewrite the block between the markers of a file
+    python -m jacmem.support --check FILE.md  # exit 1 if that block is stale
 """
 
 from __future__ import annotations

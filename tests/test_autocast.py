@@ -15,7 +15,7 @@ parameter's dtype. Two checks:
    backward passes. Measured norm-wise relative error (``‖a - b‖ / ‖b‖``, per
    parameter and quantity) on these models (tanh activations) over 20 seeds: at most
    8e-3 (bfloat16) and 8e-4 (float16); the documented bounds, ``AGAINST_FLOAT32``
-   below and in README.md ("Distributed training", mixed precision), are 2e-2 and
+   below and in docs/guide/distributed.rst (mixed precision), are 2e-2 and
    3e-3. With ReLU instead, a pre-activation whose sign flips under 16-bit rounding
    changes that sample's gradient outright: up to ~1e-1 on the same models, a property
    of the 16-bit forward, not of jacmem (check 1 holds either way).

@@ -76,7 +76,7 @@ def test_custom_module(capsys):
     is taken out of the registry afterwards."""
     before = set(REGISTRY)
     try:
-        runpy.run_path(str(EXAMPLES / "custom_module.py"), run_name="__main__")
+        runpy.run_path(str(EXAMPLES / "plot_custom_module.py"), run_name="__main__")
     finally:
         for module_type in set(REGISTRY) - before:
             del REGISTRY[module_type]

@@ -17,7 +17,7 @@ def _run(name: str, capsys):
 
 
 def test_nngp_kernel(capsys):
-    result, out = _run("memory_nngp_kernel", capsys)
+    result, out = _run("plot_memory_nngp_kernel", capsys)
     n, size, depth = result["shape"]
     before, after = result["before"], result["after"]
     suggested = [s for s in before.suggestions if "torch.utils.checkpoint.checkpoint" in s]
@@ -32,7 +32,7 @@ def test_nngp_kernel(capsys):
 
 
 def test_rnn_cell(capsys):
-    result, out = _run("memory_rnn_cell", capsys)
+    result, out = _run("plot_memory_rnn_cell", capsys)
     steps, batch, inputs, hidden = result["shape"]
     before, after = result["before"], result["after"]
     cell = {m.name: m for m in before.modules}["cell"]
@@ -45,7 +45,7 @@ def test_rnn_cell(capsys):
 
 
 def test_conv_bn_relu(capsys):
-    result, out = _run("memory_conv_bn_relu", capsys)
+    result, out = _run("plot_memory_conv_bn_relu", capsys)
     depth, width, n, size = result["shape"]
     act, stats, head_input = n * width * size * size * 4, width * 4, n * width * 4
     before, fused = result["training"]
@@ -65,7 +65,7 @@ def test_transformer_finetune(capsys):
     import pytest
 
     pytest.importorskip("transformers")
-    result, out = _run("memory_transformer_finetune", capsys)
+    result, out = _run("plot_memory_transformer_finetune", capsys)
     before, after = result["before"], result["after"]
     assert after.saved_bytes == before.lean_saved_bytes  # the report's forecast is what lean keeps
     assert after.saved_bytes < 0.6 * before.saved_bytes

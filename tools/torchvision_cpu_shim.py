@@ -92,7 +92,7 @@ def _unavailable(name: str):
             f"torchvision::{name} is not available: torchvision's C++ extension could not be loaded "
             f"beside this torch ({REASON}). Only torchvision's pure-Python parts (models, transforms "
             "on tensors) work here; install a torchvision built for this torch to use its C++ ops. "
-            f"(Set up by {MODULE}, which the jacmem development environment installs; see jacmem's README.)"
+            f"(Set up by {MODULE}, which the jacmem development environment installs; see docs/install.rst in jacmem's repository.)"
         )
 
     return kernel

@@ -262,7 +262,7 @@ def register(
     parameter ``param`` of ``module_type``.
 
     This is also the public way to teach jacmem a module of your own, see
-    ``examples/custom_module.py``. Declare the module's hyper-parameters and what to
+    ``examples/plot_custom_module.py``. Declare the module's hyper-parameters and what to
     keep with :func:`layer` first, where the defaults do not fit.
 
     ``param`` is checked against the module at the first lookup of an instance of

@@ -72,7 +72,7 @@ class BatchNormActFunction(torch.autograd.Function):
 
 
 class BatchNormAct(nn.modules.batchnorm._BatchNorm):
-    """``LeakyReLU(negative_slope)(BatchNormNd(num_features)(x))`` for x [N, C, *S], in one
+    """``LeakyReLU(negative_slope)(BatchNormNd(num_features)(x))`` for ``x [N, C, *S]``, in one
     layer that keeps only its output for the backward pass.
 
     Parameters, buffers and ``state_dict`` keys are those of ``nn.BatchNorm2d``, so

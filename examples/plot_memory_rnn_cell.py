@@ -1,5 +1,8 @@
-"""A hand-written GRU cell in a Python loop: what autograd keeps per step, and the fix
-jacmem.memory.report suggests.
+"""The memory report on a hand-written RNN cell
+============================================
+
+A hand-written GRU cell in a Python loop: what autograd keeps per step, and the fix
+:func:`jacmem.memory.report` suggests.
 
 A user on the PyTorch forum wrote a GRU-like cell with ``torch.mm`` in a Python loop
 and found it needs about twice the memory of the built-in recurrent layers. Each
@@ -12,12 +15,14 @@ during backward, one more cell forward per step.
 The cell is exactly ``nn.GRU(bias=False)``: the script checks that both give the
 same outputs, and shows nn.GRU's report beside it.
 
-``python examples/memory_rnn_cell.py [--quick]``
+``python examples/plot_memory_rnn_cell.py [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -25,6 +30,10 @@ from torch.utils.checkpoint import checkpoint
 
 from jacmem.memory import peak_memory, report
 from jacmem.memory.report import fmt_bytes
+
+# sphinx-gallery runs an example without __file__, in the example's folder
+sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_rnn_cell.py")).resolve().parent))
+from _plotting import quick, saved_totals  # noqa: E402
 
 
 class Cell(nn.Module):
@@ -70,9 +79,10 @@ class HandGRU(nn.Module):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or quick()
     torch.manual_seed(0)
     steps, batch, inputs, hidden = (12, 8, 16, 32) if args.quick else (200, 32, 64, 256)
     seq, h0 = torch.randn(steps, batch, inputs), torch.zeros(batch, hidden)
@@ -117,6 +127,8 @@ def main(argv=None):
         f"{fmt_bytes(peak_after)}, nn.GRU {fmt_bytes(peak_gru)}"
     )
     print(f"  largest difference of the weight gradients, checkpointed vs not: {diff:.2e}")
+    reports = {"hand-written": before, "checkpointed": after, "nn.GRU": reference}
+    saved_totals(reports, f"GRU over {steps} steps, batch {batch}: saved tensors")
     return {
         "before": before,
         "after": after,

@@ -1,4 +1,7 @@
-"""Teaching jacmem a module of your own: ``jacmem.layer`` and ``@jacmem.register``.
+"""A module of your own: jacmem.layer and jacmem.register
+======================================================
+
+Teaching jacmem a module of your own: ``jacmem.layer`` and ``@jacmem.register``.
 
 ``ScaleShift`` below is a trainable per-feature affine map, ``y = x * weight + bias``
 on the last axis, that jacmem does not know. Without registration, jacmem would
@@ -17,9 +20,10 @@ closed form instead:
 ``BatchL2Grad``, ``SumGradSquared`` and ``Variance`` are derived from ``batch_grad``;
 register ``"batch_l2"``, ``"sum_grad_squared"`` or ``"grad"`` strategies as well where
 you can compute them more cheaply. The script then checks every parameter's
-``grad_batch`` and ``batch_l2`` in float64 against a per-sample autograd loop.
+``grad_batch`` and ``batch_l2`` in float64 against a per-sample autograd loop, and plots
+one against the other.
 
-Run: ``python examples/custom_module.py``
+Run: ``python examples/plot_custom_module.py``
 """
 
 from __future__ import annotations
@@ -99,6 +103,22 @@ def main() -> None:
         torch.testing.assert_close(p.batch_l2, expected.flatten(1).square().sum(1), msg=lambda m: f"{name}: {m}")
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad, msg=lambda m: f"{name} .grad: {m}")
         print(f"{name:<9} grad_batch {tuple(p.grad_batch.shape)} and batch_l2 match the per-sample loop")
+    plot(model, reference)
+
+
+def plot(model: nn.Module, reference: dict):
+    """Each sample's squared gradient norm, jacmem's ``batch_l2`` against the loop's."""
+    from matplotlib import pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    for name, p in model.named_parameters():
+        loop = reference[name].flatten(1).square().sum(1)
+        ax.loglog(loop.detach(), p.batch_l2.detach(), "o", label=name, alpha=0.7)
+    ax.axline((1e-3, 1e-3), (1.0, 1.0), color="k", lw=0.5)  # y = x
+    ax.set(xlabel="per-sample loop: squared norm", ylabel="jacmem: batch_l2", title="per-sample squared gradient norms")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
 
 
 if __name__ == "__main__":

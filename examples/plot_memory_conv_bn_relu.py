@@ -1,5 +1,8 @@
-"""A conv-bn-relu stack: each op saves its own tensor. What jacmem.memory.report sees,
-and the two fixes it suggests.
+"""Lean layers on a conv-bn-relu stack
+===================================
+
+A conv-bn-relu stack: each op saves its own tensor. What :func:`jacmem.memory.report`
+sees, and the two fixes it suggests.
 
 1. Training (BatchNorm in train mode, every parameter trainable). Each block keeps
    the BN's input and the ReLU's output (which the next conv keeps too): two tensors
@@ -14,13 +17,15 @@ and the two fixes it suggests.
    suggests ``jacmem.memory.lean(model)``, which keeps none of them and packs
    ReLU's mask to 1 bit per element. Outputs and gradients do not change.
 
-``python examples/memory_conv_bn_relu.py [--quick]``
+``python examples/plot_memory_conv_bn_relu.py [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -28,6 +33,10 @@ from torch.nn import functional as F
 
 from jacmem.memory import BatchNormAct, lean, peak_memory, report
 from jacmem.memory.report import fmt_bytes
+
+# sphinx-gallery runs an example without __file__, in the example's folder
+sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_conv_bn_relu.py")).resolve().parent))
+from _plotting import quick, saved_by_module  # noqa: E402
 
 
 def stack(depth: int, width: int, classes: int = 10) -> nn.Sequential:
@@ -80,9 +89,10 @@ def compare(title, before_model, after_model, x, y, quick):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or quick()
     torch.manual_seed(0)
     depth, width, n, size = (3, 8, 4, 16) if args.quick else (8, 64, 32, 64)
     x, y = torch.randn(n, 3, size, size), torch.randint(0, 10, (n,))
@@ -106,6 +116,8 @@ def main(argv=None):
     gx_lean = torch.autograd.grad(F.cross_entropy(leaned(x), y), x)[0]
     diff = (gx - gx_lean).abs().max().item()
     print(f"  largest difference of the input gradients, stock vs lean: {diff:.2e}")
+    saved_by_module({"training": training[0], "BatchNormAct": training[1]}, "1. training: saved tensors")
+    saved_by_module({"fine-tuning": tuning[0], "lean": tuning[1]}, "2. fine-tuning the head: saved tensors")
     return {"training": training, "tuning": tuning, "grad_diff": diff, "shape": (depth, width, n, size)}
 
 

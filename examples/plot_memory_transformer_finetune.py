@@ -1,5 +1,8 @@
-"""Fine-tuning only the LayerNorms of an HF BERT encoder: what autograd keeps, and what
-``jacmem.memory.lean`` keeps instead.
+"""Lean layers on a BERT encoder
+=============================
+
+Fine-tuning only the LayerNorms of an HF BERT encoder: what autograd keeps, and what
+:func:`jacmem.memory.lean` keeps instead.
 
 memsave's poster found that on transformers (T5, Mistral) selective differentiation
 saved least: 0.88x and 0.94x of stock's saved activations. With only the norms
@@ -10,23 +13,30 @@ mask and the dropped softmax. The report names them by module and says what a le
 copy keeps; ``lean`` keeps dropout seeds and, in the attention, q, k, v, a
 log-sum-exp and a seed.
 
-``python examples/memory_transformer_finetune.py [--quick]``
+``python examples/plot_memory_transformer_finetune.py [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
+from pathlib import Path
 
 import torch
 
 from jacmem.memory import lean, peak_memory, report
 from jacmem.memory.report import fmt_bytes
 
+# sphinx-gallery runs an example without __file__, in the example's folder
+sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_transformer_finetune.py")).resolve().parent))
+from _plotting import quick, saved_by_module  # noqa: E402
+
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or quick()
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
@@ -65,6 +75,7 @@ def main(argv=None):
         f"({after.saved_bytes / before.saved_bytes:.2f}x; memsave on T5: 0.88x)"
     )
     print(f"  forward + backward, peak RSS: stock {fmt_bytes(peak_before)}, lean {fmt_bytes(peak_after)}")
+    saved_by_module({"stock": before, "lean": after}, "BERT, LayerNorms trainable: saved tensors")
     return {"before": before, "after": after}
 
 

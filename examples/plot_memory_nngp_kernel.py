@@ -1,5 +1,8 @@
-"""NNGP-style covariance propagation with trainable variances: why it eats memory
-under autograd, and the fix jacmem.memory.report suggests.
+"""The memory report on an NNGP kernel
+===================================
+
+NNGP-style covariance propagation with trainable variances: why it eats memory
+under autograd, and the fix :func:`jacmem.memory.report` suggests.
 
 A user on the PyTorch forum computes the covariance (kernel) matrix of a
 convolutional neural-network Gaussian process: each Conv layer maps the covariances
@@ -14,13 +17,15 @@ size of ``xy``; the conv layers save their input, which the variance's gradient
 needs. The fix it suggests, checkpointing the ReLU layers, keeps only each ReLU
 layer's input and recomputes the rest during backward.
 
-``python examples/memory_nngp_kernel.py [--quick]``
+``python examples/plot_memory_nngp_kernel.py [--quick]``
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import sys
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -29,6 +34,10 @@ from torch.utils.checkpoint import checkpoint
 
 from jacmem.memory import peak_memory, report
 from jacmem.memory.report import fmt_bytes
+
+# sphinx-gallery runs an example without __file__, in the example's folder
+sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_nngp_kernel.py")).resolve().parent))
+from _plotting import quick, saved_by_module  # noqa: E402
 
 
 class Conv(nn.Module):
@@ -106,9 +115,10 @@ def gp_loss(kernel: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
     args = parser.parse_args(argv)
+    args.quick = args.quick or quick()
     torch.manual_seed(0)
     n, size, depth = (8, 12, 2) if args.quick else (48, 28, 4)
     x, y = torch.randn(n, 1, size, size), torch.randn(n)
@@ -152,6 +162,7 @@ def main(argv=None):
     )
     print(f"  forward + backward, peak RSS: before {fmt_bytes(peak_before)}, after {fmt_bytes(peak_after)}")
     print(f"  largest difference of the variances' gradients: {diff:.2e}")
+    saved_by_module({"stock": before, "checkpointed ReLU layers": after}, f"NNGP kernel of {n} images: saved tensors")
     return {"before": before, "after": after, "grad_diff": diff, "shape": (n, size, depth)}
 
 
