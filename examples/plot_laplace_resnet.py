@@ -110,8 +110,12 @@ def confidences(predict, X: torch.Tensor, y: torch.Tensor, generator: torch.Gene
 
 
 def main(argv=None) -> dict[str, list[tuple[float, float]]]:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[1] / "out")
+    p = argparse.ArgumentParser(description="A diagonal and a Kronecker Laplace on a small ResNet")
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=Path(globals().get("__file__", "examples/plot_laplace_resnet.py")).resolve().parents[1] / "out",
+    )
     args = p.parse_args(argv)
     torch.manual_seed(0)
     data = torch.Generator().manual_seed(0)
