@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 
 from jacmem.memory import MemoryReport
@@ -13,6 +14,13 @@ MiB = 2**20
 def quick() -> bool:
     """Whether to run small: ``JACMEM_QUICK=1`` (the docs build) or ``--quick``."""
     return os.environ.get("JACMEM_QUICK") == "1"
+
+
+def small_run(argv, doc: str | None) -> bool:
+    """Whether to run small: ``--quick`` in ``argv`` (the tests), or :func:`quick`."""
+    parser = argparse.ArgumentParser(description=(doc or "").split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
+    return parser.parse_args(argv).quick or quick()
 
 
 def saved_by_module(reports: dict[str, MemoryReport], title: str, top: int = 8):

@@ -22,7 +22,6 @@ sees, and the two fixes it suggests.
 
 from __future__ import annotations
 
-import argparse
 import copy
 import sys
 from pathlib import Path
@@ -36,7 +35,7 @@ from jacmem.memory.report import fmt_bytes
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_conv_bn_relu.py")).resolve().parent))
-from _plotting import quick, saved_by_module  # noqa: E402
+from _plotting import saved_by_module, small_run  # noqa: E402
 
 
 def stack(depth: int, width: int, classes: int = 10) -> nn.Sequential:
@@ -89,19 +88,16 @@ def compare(title, before_model, after_model, x, y, quick):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
-    args = parser.parse_args(argv)
-    args.quick = args.quick or quick()
+    small = small_run(argv, __doc__)
     torch.manual_seed(0)
-    depth, width, n, size = (3, 8, 4, 16) if args.quick else (8, 64, 32, 64)
+    depth, width, n, size = (3, 8, 4, 16) if small else (8, 64, 32, 64)
     x, y = torch.randn(n, 3, size, size), torch.randint(0, 10, (n,))
     model = stack(depth, width)
 
     print(f"=== 1. Training a {depth}-block conv-bn-relu stack, batch {n}x3x{size}x{size} ===\n")
     fused = fuse(copy.deepcopy(model))
     assert fused.state_dict().keys() == model.state_dict().keys()
-    training = compare("training", model, fused, x, y, args.quick)
+    training = compare("training", model, fused, x, y, small)
 
     print("=== 2. Fine-tuning the head, frozen BatchNorm statistics, input gradients ===\n")
     model.eval()
@@ -111,7 +107,7 @@ def main(argv=None):
         p.requires_grad_(True)
     x.requires_grad_(True)
     leaned = lean(copy.deepcopy(model))
-    tuning = compare("fine-tuning", model, leaned, x, y, args.quick)
+    tuning = compare("fine-tuning", model, leaned, x, y, small)
     gx = torch.autograd.grad(F.cross_entropy(model(x), y), x)[0]
     gx_lean = torch.autograd.grad(F.cross_entropy(leaned(x), y), x)[0]
     diff = (gx - gx_lean).abs().max().item()

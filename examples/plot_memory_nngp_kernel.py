@@ -22,7 +22,6 @@ layer's input and recomputes the rest during backward.
 
 from __future__ import annotations
 
-import argparse
 import math
 import sys
 from pathlib import Path
@@ -37,7 +36,7 @@ from jacmem.memory.report import fmt_bytes
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_nngp_kernel.py")).resolve().parent))
-from _plotting import quick, saved_by_module  # noqa: E402
+from _plotting import saved_by_module, small_run  # noqa: E402
 
 
 class Conv(nn.Module):
@@ -115,12 +114,9 @@ def gp_loss(kernel: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
-    args = parser.parse_args(argv)
-    args.quick = args.quick or quick()
+    small = small_run(argv, __doc__)
     torch.manual_seed(0)
-    n, size, depth = (8, 12, 2) if args.quick else (48, 28, 4)
+    n, size, depth = (8, 12, 2) if small else (48, 28, 4)
     x, y = torch.randn(n, 1, size, size), torch.randn(n)
     model = NNGP(depth, size)
 
@@ -133,7 +129,7 @@ def main(argv=None):
     def peak(fn):
         """Peak RSS of fn(); None with --quick (tensors too small to show in the resident
         set, and measuring tunes malloc for the whole process)."""
-        return None if args.quick else peak_memory(fn)
+        return None if small else peak_memory(fn)
 
     with torch.no_grad():
         model(x)  # warm-up

@@ -20,7 +20,6 @@ same outputs, and shows nn.GRU's report beside it.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from jacmem.memory.report import fmt_bytes
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_rnn_cell.py")).resolve().parent))
-from _plotting import quick, saved_totals  # noqa: E402
+from _plotting import saved_totals, small_run  # noqa: E402
 
 
 class Cell(nn.Module):
@@ -79,12 +78,9 @@ class HandGRU(nn.Module):
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
-    args = parser.parse_args(argv)
-    args.quick = args.quick or quick()
+    small = small_run(argv, __doc__)
     torch.manual_seed(0)
-    steps, batch, inputs, hidden = (12, 8, 16, 32) if args.quick else (200, 32, 64, 256)
+    steps, batch, inputs, hidden = (12, 8, 16, 32) if small else (200, 32, 64, 256)
     seq, h0 = torch.randn(steps, batch, inputs), torch.zeros(batch, hidden)
     model = HandGRU(inputs, hidden)
     gru = model.as_gru()
@@ -97,7 +93,7 @@ def main(argv=None):
     def measure(net, h=h0):
         train_step(net, h)  # warm-up
         # --quick: tensors too small to show in the resident set, and measuring tunes malloc process-wide
-        return None if args.quick else peak_memory(lambda: train_step(net, h))
+        return None if small else peak_memory(lambda: train_step(net, h))
 
     print(f"A hand-written GRU cell over {steps} steps, batch {batch}, {inputs} -> {hidden}\n")
     with torch.no_grad():

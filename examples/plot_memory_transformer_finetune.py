@@ -18,7 +18,6 @@ log-sum-exp and a seed.
 
 from __future__ import annotations
 
-import argparse
 import sys
 from pathlib import Path
 
@@ -29,23 +28,20 @@ from jacmem.memory.report import fmt_bytes
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 sys.path.insert(0, str(Path(globals().get("__file__", "plot_memory_transformer_finetune.py")).resolve().parent))
-from _plotting import quick, saved_by_module  # noqa: E402
+from _plotting import saved_by_module, small_run  # noqa: E402
 
 
 def main(argv=None):
-    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small run (for the tests)")
-    args = parser.parse_args(argv)
-    args.quick = args.quick or quick()
+    small = small_run(argv, __doc__)
     from transformers import BertConfig, BertModel
 
     torch.manual_seed(0)
     size = (
         dict(hidden_size=32, num_attention_heads=2, intermediate_size=64, num_hidden_layers=2)
-        if args.quick
+        if small
         else dict(num_hidden_layers=2)  # BERT-base's layer shape
     )
-    n, t = (2, 16) if args.quick else (8, 128)
+    n, t = (2, 16) if small else (8, 128)
     model = BertModel(BertConfig(**size), add_pooling_layer=False).train()
     for name, p in model.named_parameters():
         p.requires_grad_("LayerNorm" in name)
@@ -57,7 +53,7 @@ def main(argv=None):
     def measure(net):
         loss(net).backward()  # warm-up (lean layers learn which layers read their outputs)
         # --quick: tensors too small to show in the resident set, and measuring tunes malloc process-wide
-        return None if args.quick else peak_memory(lambda: loss(net).backward())
+        return None if small else peak_memory(lambda: loss(net).backward())
 
     print(f"HF BERT, {size['num_hidden_layers']} layers, LayerNorm-only fine-tuning, batch {n}x{t}\n")
     before = report(model, inputs_embeds=x)
