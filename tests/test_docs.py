@@ -134,7 +134,9 @@ def test_example_follows_the_gallery_conventions(path):
     lines = ast.get_docstring(ast.parse(source), clean=False).splitlines()
     assert lines[0].strip() and re.fullmatch(r"=+", lines[1]) and len(lines[1]) >= len(lines[0]), lines[:2]
     assert lines[2] == "" and lines[3].strip(), "the title needs a paragraph after it"
-    assert path.name in ALWAYS_SMALL or "JACMEM_QUICK" in source or "quick()" in source or "small_run(" in source, "no quick mode"
+    assert path.name in ALWAYS_SMALL or "JACMEM_QUICK" in source or "quick()" in source or "small_run(" in source, (
+        "no quick mode"
+    )
     code = "\n".join(line.split("# ")[0] for line in source.splitlines())
     assert code.count("__file__") == code.count('globals().get("__file__"'), "a bare __file__"
 
