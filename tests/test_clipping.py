@@ -390,6 +390,28 @@ def _ddp_worker(rank: int, port: int) -> None:
         torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
         assert ext.samples == WORLD * PER_RANK
         assert ddp.require_backward_grad_sync  # given back on exit
+
+        other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
+        jacmem.track(other)
+        try:
+            loss = F.cross_entropy(other(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))  # DDP's sync on
+            with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
+                with jacmem.extend(jacmem.ClipGrad(C)):
+                    loss.backward()
+        finally:
+            jacmem.untrack(other)
+
+        model.zero_grad(set_to_none=True)
+        jacmem.track(ddp)
+        try:
+            ddp.require_backward_grad_sync = False
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(X[rows]), y[rows])
+            with jacmem.extend(jacmem.ClipGrad(C)):
+                loss.backward()
+            assert_grads(model, expected(grads, C), f"rank {rank} tracked")
+        finally:
+            jacmem.untrack(ddp)
     finally:
         dist.destroy_process_group()
 
