@@ -1,9 +1,9 @@
 """One clipped step (jacmem.ClipGrad) against one plain SGD step: median of 5, paired.
 
-    python -m benchmarks.dp_step [gpt2 seed-cnn-256 vit-tiny ...] [--threads 2] [--flow inside|track]
+    python -m benchmarks.dp_step [gpt2 seed-cnn-256 vit-tiny ...] [--threads 2] [--flow inside|track] [--autotune]
 
 Each step: forward, backward, ``optimizer.step()``, ``zero_grad``; the DP step inside
-``jacmem.extend(ClipGrad(1.0))`` (noise and accounting are the privacy engine's, not
+``jacmem.extend(ClipGrad(1.0))`` (``--autotune``: with ``autotune=True``; the warm-up step times the candidates) (noise and accounting are the privacy engine's, not
 timed here). Prints the two medians and their ratio per model.
 """
 
@@ -21,15 +21,15 @@ import jacmem
 from benchmarks.models import MODELS
 
 
-def step(model, opt, X, y, clip=None, flow="inside"):
+def step(model, opt, X, y, clip=None, flow="inside", autotune=False):
     if clip is None:
         F.cross_entropy(model(X), y).backward()
     elif flow == "track":
         loss = F.cross_entropy(model(X), y)
-        with jacmem.extend(clip):
+        with jacmem.extend(clip, autotune=autotune):
             loss.backward()
     else:
-        with jacmem.extend(clip):
+        with jacmem.extend(clip, autotune=autotune):
             F.cross_entropy(model(X), y).backward()
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -48,6 +48,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--flow", choices=["inside", "track"], default="inside")
+    parser.add_argument("--autotune", action="store_true", help="time each layer's strategies (extend(autotune=True))")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     for name in args.models:
@@ -60,7 +61,7 @@ def main() -> None:
         plain, private = [], []
         for i in range(args.repeats + 1):  # the first pair warms up
             t0 = timed(model, opts[0], X, y)
-            t1 = timed(dp, opts[1], X, y, clip, args.flow)
+            t1 = timed(dp, opts[1], X, y, clip, args.flow, args.autotune)
             if i:
                 plain.append(t0)
                 private.append(t1)

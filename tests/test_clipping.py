@@ -446,3 +446,19 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch():
         pytest.skip("no gloo backend in this build")
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method=method)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])
+def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
+    """The norms by each of a conv's strategies (chosen by name), the clipped sum as always."""
+    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: False)  # norms, not per-sample gradients
+    model, X, y = family("conv2d")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    with jacmem.extend(jacmem.ClipGrad(C), strategy={nn.Conv2d: strategy}) as ctx:
+        F.cross_entropy(model(X), y).backward()
+    assert (
+        f"0.weight batch_l2 <- {strategy}" in ctx.explain()
+        or f"0.weight batch_l2 <- per-sample gradients by {strategy}" in ctx.explain()
+    )
+    assert_grads(model, expected(grads, C), strategy)
