@@ -27,6 +27,7 @@ lint: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) -m benchmarks
+	$(PY) -m benchmarks.dp
 
 clean:
 	rm -rf $(VENV) build *.egg-info
