@@ -22,6 +22,8 @@ from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
 from jacmem import distributed, hooks, recorder
+from jacmem.clipping_engine import Clipping
+from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import FirstOrderExtension
 from jacmem.extensions.secondorder import SecondOrderExtension
 from jacmem.extensions.secondorder.backprop import Engine as SecondOrder
@@ -37,7 +39,7 @@ _LOCK = threading.Lock()
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: each kind of extension, and the engine that runs it
-ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrder))
+ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrder), (ClipGrad, Clipping))
 
 
 class extend:
@@ -83,7 +85,7 @@ class extend:
 
     def __init__(
         self,
-        *extensions: FirstOrderExtension | SecondOrderExtension,
+        *extensions: FirstOrderExtension | SecondOrderExtension | ClipGrad,
         strategy: StrategySpec = AUTO,
         strict: bool = False,
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
@@ -105,6 +107,12 @@ class extend:
         #: the extensions of each engine, in :data:`ENGINES` order (those it has)
         self._kinds = [(cls, [e for e in extensions if isinstance(e, kind)]) for kind, cls in ENGINES]
         self._kinds = [(cls, exts) for cls, exts in self._kinds if exts]
+        alone = [exts for cls, exts in self._kinds if getattr(cls, "exclusive", False)]
+        if alone and len(self._kinds) > 1:
+            raise ValueError(
+                f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
+                "block; put the other extensions in a block of their own."
+            )
         self.extensions = [e for e in extensions if isinstance(e, FirstOrderExtension)]
         self.second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
         self.plan = StrategyPlan(strategy, autotune=autotune)

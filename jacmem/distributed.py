@@ -91,3 +91,25 @@ def synchronize(
     for p, count in zip(params, buffer[offset:].tolist()):
         if id(p) in sizes:
             sizes[id(p)] = int(round(count))
+
+
+def sum_over_ranks(
+    group: Any, params: list[nn.Parameter], values: dict[int, Tensor], count: int
+) -> tuple[dict[int, Tensor], int]:
+    """The sums over the ranks of ``group`` of ``values`` (``id(param) -> tensor`` of the
+    parameter's shape, for those of ``params`` this rank has; the others contribute
+    zeros) and of ``count``, with one ``all_reduce``. ``params`` must be the same list,
+    in the same order, on every rank; values of other parameters stay as they are."""
+    own = {id(p) for p in params}
+    dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
+    device = params[0].device if params else torch.device("cpu")
+    parts = [values.get(id(p), torch.zeros(p.shape, dtype=dtype, device=device)).to(dtype).flatten() for p in params]
+    buffer = torch.cat([*parts, torch.tensor([float(count)], dtype=dtype, device=device)])
+    torch.distributed.all_reduce(buffer, group=group)
+    out = {key: v for key, v in values.items() if key not in own}
+    offset = 0
+    for p in params:
+        if id(p) in values:
+            out[id(p)] = buffer[offset : offset + p.numel()].view(p.shape).to(values[id(p)].dtype)
+        offset += p.numel()
+    return out, int(round(buffer[offset].item()))

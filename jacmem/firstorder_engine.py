@@ -171,57 +171,62 @@ class FirstOrder(Engine):
         """Stage the call's quantities; returns each parameter's summed gradient where
         the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
         is planned), else nothing."""
-        entry, hp = rec.entry, rec.hp
-        supported = entry.params
-        params = {
-            n: p for n, p in rec.params.items() if n in supported and compat.will_engine_execute_node(rec.nodes[n])
-        }
+        params = self._params(rec)
         grads: dict[str, Tensor] = {}
         if not params:
             return grads
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
-        xs, gs = shapes(x), shapes(g)
         for pname, param in params.items():
-            staged = run.staged.get(id(param))
-            summed = rec.shared(param) or (staged is not None and staged.summed)
-            if staged is None:
-                staged = run.staged[id(param)] = _Staged(param, n, summed)
-                run.names[id(param)] = rec.name
-            elif staged.batch_size != n:
-                raise ValueError(
-                    f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
-                    "backward pass; per-sample quantities need one batch size"
-                )
-            elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
-                raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
-            wanted = {"batch_grad"} if summed else self.quantities
+            staged = self._stage(run, rec, pname, param, n)
+            wanted = {"batch_grad"} if staged.summed else self.quantities
             extra = {"grad"} - wanted if rec.once else set()
-            if n == 0:  # an empty batch: empty per-sample quantities, zero sums
-                values = derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted | extra)
-            else:
-                chosen = planned(
-                    self.strategies, rec.module, rec.name, entry, hp, xs, gs, itemsize(g), pname, param, wanted | extra,
-                    x, g, self.chunk_bytes,
-                )  # fmt: skip
-                values = execute(chosen, entry, hp, x, g, pname, param, self.chunk_bytes, rec.name)
+            values = self._quantities(rec, pname, param, wanted | extra, x, g, dtype)
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
                 staged.grad = grads[pname] if staged.grad is None else staged.grad + grads[pname]
             staged.add(values)
         return grads
 
+    @staticmethod
+    def _params(rec: hooks.Record) -> dict[str, nn.Parameter]:
+        """The call's parameters that its layer covers and this backward pass computes."""
+        supported = rec.entry.params
+        return {n: p for n, p in rec.params.items() if n in supported and compat.will_engine_execute_node(rec.nodes[n])}
+
+    def _stage(self, run: Staging, rec: hooks.Record, pname: str, param: nn.Parameter, n: int) -> _Staged:
+        """The parameter's staging in this pass, made on its first call; a parameter
+        shared by several calls (``summed``) sums their per-sample gradients."""
+        staged = run.staged.get(id(param))
+        summed = rec.shared(param) or (staged is not None and staged.summed)
+        if staged is None:
+            staged = run.staged[id(param)] = _Staged(param, n, summed)
+            run.names[id(param)] = rec.name
+        elif staged.batch_size != n:
+            raise ValueError(
+                f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
+                "backward pass; per-sample quantities need one batch size"
+            )
+        elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
+            raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
+        return staged
+
+    def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
+        """``wanted`` quantities of one parameter in one call, from its input ``x`` and
+        output gradient ``g`` (in ``dtype``), by the planned strategies."""
+        if batch_size(g) == 0:  # an empty batch: empty per-sample quantities, zero sums
+            return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
+        chosen = planned(
+            self.strategies, rec.module, rec.name, rec.entry, rec.hp, shapes(x), shapes(g), itemsize(g), pname, param,
+            wanted, x, g, self.chunk_bytes,
+        )  # fmt: skip
+        return execute(chosen, rec.entry, rec.hp, x, g, pname, param, self.chunk_bytes, rec.name)
+
     def finish(self, run: Staging) -> list[Write]:
         """End of the backward pass: finish the partial records and the summed
         parameters, sum over the ranks what is global; the results, unwritten."""
-        for rec in dict.fromkeys(r for r in run.partial if any(g is not None for g in r.grads)):
-            rec.complete()
-            try:
-                self._process(run, rec)
-            finally:
-                rec.reset()
-        run.partial.clear()
+        self._finish_partial(run)
         staged, run.staged = run.staged, {}
         quantities = {
             key: derive(s.quantities["batch_grad"], self.quantities) if s.summed else dict(s.quantities)
@@ -237,6 +242,16 @@ class FirstOrder(Engine):
             for key, s in staged.items()
             for ext in self.extensions
         ]
+
+    def _finish_partial(self, run: Staging) -> None:
+        """The records whose outputs got only some gradients: zeros for the others."""
+        for rec in dict.fromkeys(r for r in run.partial if any(g is not None for g in r.grads)):
+            rec.complete()
+            try:
+                self._process(run, rec)
+            finally:
+                rec.reset()
+        run.partial.clear()
 
     # -- warnings ------------------------------------------------------------------
 

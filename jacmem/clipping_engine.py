@@ -1,0 +1,241 @@
+"""The clipping engine: clipped per-sample gradients summed into ``.grad``, in the one
+backward pass (:class:`jacmem.ClipGrad`; the math is in :mod:`jacmem.extensions.clipping`).
+
+It is the first-order engine (:mod:`jacmem.firstorder_engine`: the same records,
+strategies and staging) with another end of pass. While the backward runs, each call
+of a module stages its parameters' squared per-sample norms (ghost norms where the
+planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
+parameter used by several calls (tied weights) stages its per-sample gradients instead,
+summed over the calls. At the end of the pass, once every norm is known, the clip
+factors ``c`` follow, and each parameter's clipped sum ``Σ_i c_i g_i`` is its summed
+gradient computed from ``x`` and ``g`` scaled by ``c`` row by row (book-keeping, Bu et
+al. 2023: a parameter's gradient is linear in the output gradient, and sample ``i``'s
+term in it depends on row ``i`` alone), or, for staged per-sample gradients,
+``einsum('n,n...->...', c, g)``.
+
+autograd's own gradient never reaches ``.grad``: a call through
+:class:`jacmem.hooks.ComputeOnce` returns none for its parameters, and every trainable
+parameter the block sees carries a hook that turns the gradient autograd would
+accumulate into zeros (so ``.grad`` keeps what it held). That hook also tells which
+parameters the loss reached: one that no recorded call staged raises, as its clipped
+gradient is unknown.
+
+``DistributedDataParallel``: the block turns DDP's own gradient synchronisation off
+(``require_backward_grad_sync``, as ``no_sync()`` does) for forwards run inside it, and
+sums the ranks' clipped sums itself, with one ``all_reduce``: every rank's ``.grad``
+gets the global sum ``Σ_r Σ_{i ∈ r} c_i g_i``, what one process would get on the whole
+batch, and ``ClipGrad.samples`` the global sample count.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+
+import torch
+from torch import Tensor, nn
+from torch.utils._pytree import tree_map
+
+from jacmem import compat, distributed, hooks, precision, recorder
+from jacmem.extensions.clipping import ClipGrad
+from jacmem.extensions.firstorder import squared_norms
+from jacmem.firstorder_engine import FirstOrder, Staging
+from jacmem.notices import listing
+from jacmem.passes import Setup, Write
+from jacmem.planner import batch_size
+
+
+class ClipStaging(Staging):
+    """The clipping engine's state in one backward pass."""
+
+    __slots__ = ("calls", "reached", "autograd", "recorded", "narrowest")
+
+    def __init__(self):
+        super().__init__()
+        #: id(parameter) -> (record, parameter name, x, g) of its one call, for the clipped sum
+        self.calls: dict[int, tuple] = {}
+        #: id(parameter) -> its name, for each parameter whose autograd gradient arrived
+        self.reached: dict[int, str] = {}
+        #: id(parameter) -> the gradient autograd computed for it (and did not accumulate)
+        self.autograd: dict[int, Tensor] = {}
+        #: id(parameter) -> the unclipped sum of the recorded calls that autograd also
+        #: computed (not those through ComputeOnce): it must equal ``autograd``
+        self.recorded: dict[int, Tensor] = {}
+        #: id(parameter) -> the narrowest dtype of its calls' output gradients
+        self.narrowest: dict[int, torch.dtype] = {}
+
+
+class Clipping(FirstOrder):
+    """:class:`ClipGrad` for one block (the interface is :class:`jacmem.passes.Engine`)."""
+
+    #: the engine takes over ``.grad``: no other engine may share its block
+    exclusive = True
+
+    def __init__(self, extensions: list[ClipGrad], setup: Setup):
+        if len(extensions) != 1:
+            raise ValueError(f"jacmem: one ClipGrad per block, not {len(extensions)}")
+        super().__init__(extensions, setup)
+        self.clip = extensions[0]
+        #: id(parameter) -> the handle of its hook (see :meth:`_intercept`)
+        self.guarded: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        #: DDP modules whose gradient synchronisation the block turned off
+        self.unsynced: list[nn.Module] = []
+        #: the models called at depth 0 in the block, in order (per-layer thresholds)
+        self.roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
+        self.depth = 0
+
+    # -- forward -------------------------------------------------------------------
+
+    def on_enter(self, module):
+        if self.depth == 0 and module not in self.roots:
+            self.roots[module] = None  # every parameter of a model, used in a call or not
+            self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
+        self.depth += 1
+        if isinstance(module, nn.parallel.DistributedDataParallel) and module.require_backward_grad_sync:
+            module.require_backward_grad_sync = False  # the block sums the clipped gradients itself
+            self.unsynced.append(module)
+        super().on_enter(module)
+
+    def on_leave(self, module, outermost):
+        self.depth = 0 if outermost else max(self.depth - 1, 0)
+        super().on_leave(module, outermost)
+
+    def close(self) -> None:
+        hooks.remove(list(self.guarded.values()))
+        self.guarded.clear()
+        for module in self.unsynced:
+            module.require_backward_grad_sync = True
+        self.unsynced = []
+        self.roots = weakref.WeakKeyDictionary()
+        super().close()
+
+    def _guard(self, named) -> None:
+        """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once."""
+        for name, p in named:
+            if p.requires_grad and id(p) not in self.guarded:
+                self.guarded[id(p)] = p.register_hook(functools.partial(self._intercept, id(p), name))
+
+    def _intercept(self, key: int, name: str, grad: Tensor | None) -> Tensor | None:
+        """autograd's gradient for a parameter, about to be accumulated into ``.grad``:
+        zeros instead (the clipped sum comes at the end of the pass), and a note that
+        the loss reached the parameter. None (a call through ComputeOnce) stays None, and
+        so does the gradient of a derivative's own recomputation (inside torch.func)."""
+        if grad is None or compat.functorch_transforms_active():
+            return None
+        run = self.passes.state(self)
+        run.reached[key], run.autograd[key] = name, grad
+        return torch.zeros_like(grad)
+
+    # -- backward ------------------------------------------------------------------
+
+    def new_state(self) -> ClipStaging:
+        for model in recorder.tracked_models():  # their forwards ran outside the block
+            self._guard((f"{recorder.tracked_name(model)}.{n}", p) for n, p in model.named_parameters())
+        return ClipStaging()
+
+    def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
+        """Stage the call's squared per-sample norms (per-sample gradients, for a
+        parameter that several calls share) and keep its ``x`` and ``g``; returns no
+        gradient for a call through ComputeOnce, so that autograd accumulates none."""
+        params = self._params(rec)
+        if not params:
+            return {}
+        dtype = precision.compute_dtype(params.values())
+        x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
+        n = batch_size(g)
+        for pname, param in params.items():
+            self._guard([(f"{rec.name}.{pname}", param)])
+            staged = self._stage(run, rec, pname, param, n)
+            wanted = ({"batch_grad"} if staged.summed else {"batch_l2"}) | (set() if rec.once else {"grad"})
+            values = self._quantities(rec, pname, param, wanted, x, g, dtype)
+            if not rec.once:
+                grad, key = values.pop("grad"), id(param)
+                dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype)
+                run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)
+                run.recorded[key] = grad + run.recorded[key] if key in run.recorded else grad
+            staged.add(values)
+            if not staged.summed:
+                run.calls[id(param)] = (rec, pname, x, g)
+        return {}
+
+    def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
+        """A trainable parameter without exact per-sample gradients: an unclipped
+        gradient would leak, so it raises."""
+        raise RuntimeError(
+            f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) has trainable parameter(s) "
+            f"{params} whose per-sample gradients jacmem cannot compute exactly, so it cannot clip them. Register "
+            "derivatives for it with jacmem.register(...), replace it by a supported layer (e.g. GroupNorm for "
+            "BatchNorm), or freeze them (requires_grad=False)."
+        )
+
+    def finish(self, run: ClipStaging) -> list[Write]:
+        """End of the backward pass: the clip factors from every parameter's norms, the
+        clipped sums, summed over the ranks under DDP; ``.grad`` gets them added."""
+        self._finish_partial(run)
+        staged, run.staged = run.staged, {}
+        self._check_recorded(run)
+        n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
+        scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
+        squared = {
+            key: (s.quantities["batch_l2"] if not s.summed else squared_norms(s.quantities["batch_grad"]))
+            for key, s in staged.items()
+        }
+        squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
+        if self.clip.clipping == "per_layer":
+            self.clip.bind(p for model in [*self.roots, *recorder.tracked_models()] for p in model.parameters())
+        factors, norms = self.clip.factors(squared, run.names) if squared else ({}, torch.zeros(0))
+        sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
+        count = n
+        for group, params in self.groups():
+            sums, count = distributed.sum_over_ranks(group, params, sums, count)
+        writes: list[Write] = [(self.clip, "norms", norms), (self.clip, "samples", self.clip.samples + count)]
+        for key, s in staged.items():
+            value = precision.result(sums[key], s.param)
+            writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))
+        return writes
+
+    def _check_recorded(self, run: ClipStaging) -> None:
+        """Raise where autograd's gradient of a parameter is not the sum of its recorded
+        calls' (of those that autograd computed): a use outside them reached the loss,
+        and its per-sample gradients are unknown. Tolerance: ``sqrt(eps)`` of the norm,
+        ``eps`` that of the narrowest dtype the calls ran in (the sums add in different
+        orders; under autocast, autograd's in bfloat16): 1.5e-8 for float64, 3.5e-4 for
+        float32, 0.09 for bfloat16."""
+        for key, grad in run.autograd.items():
+            recorded = run.recorded.get(key)
+            diff = grad.norm() if recorded is None else (grad - recorded.to(grad.dtype)).norm()
+            eps = max(torch.finfo(dtype).eps for dtype in (grad.dtype, run.narrowest.get(key, grad.dtype)))
+            tol = eps**0.5 * max(grad.norm().item(), 1e-30)
+            if diff.item() > tol:
+                raise RuntimeError(
+                    f"jacmem: ClipGrad: the loss reaches parameter {run.reached[key]!r} outside every module call "
+                    "jacmem recorded (e.g. a parameter read in a loss term or in a functional op of a parent "
+                    "module), so its per-sample gradients, and its clipped gradient, are unknown. Use it only "
+                    "inside the forward of modules (as their own parameter), or freeze it."
+                )
+
+    def _batch_size(self, names: dict[int, str], sizes: dict[int, int]) -> int:
+        """The pass's one batch size; modules that disagree raise (a module whose axis 0
+        is not the batch would be clipped per row, not per sample)."""
+        self._check_batch_sizes(names, sizes)  # a batch of one among larger ones: its own message
+        if len(set(sizes.values())) > 1:
+            seen = {n: [names[k] for k, m in sizes.items() if m == n] for n in set(sizes.values())}
+            raise RuntimeError(
+                "jacmem: ClipGrad: the modules of one backward pass see different batch sizes ("
+                + "; ".join(f"{n}: {listing(mods)}" for n, mods in seen.items())
+                + "), so axis 0 is not the batch everywhere and per-sample gradients would be wrong. Put the batch "
+                "first (batch_first=True), and run one batch per backward pass."
+            )
+        return next(iter(sizes.values()), 0)
+
+    def _clipped_sum(self, run: ClipStaging, staged, c: Tensor) -> Tensor:
+        """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or its
+        gradient computed from the call's ``x`` and ``g`` scaled by ``c`` (``[N]``)."""
+        if staged.summed:
+            bg = staged.quantities["batch_grad"]
+            return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
+        rec, pname, x, g = run.calls[id(staged.param)]
+        scaled = tree_map(lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g)
+        dtype = staged.quantities["batch_l2"].dtype
+        with precision.computing(precision.device_of(scaled)):
+            return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]

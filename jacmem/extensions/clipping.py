@@ -1,0 +1,169 @@
+"""Clipped per-sample gradients in the one backward pass: :class:`ClipGrad`, for DP-SGD.
+
+Inside ``with jacmem.extend(jacmem.ClipGrad(max_norm)):``, ``loss.backward()`` adds to
+each trainable parameter's ``.grad`` the sum over the samples of their clipped
+gradients, ``Σ_i c_i g_i``, and nothing else: autograd's own (unclipped) gradient never
+reaches ``.grad``. The engine that does it is :mod:`jacmem.clipping_engine`; the
+clipping math is here.
+
+``g_i`` is the gradient of sample ``i``'s own loss term: with ``loss_reduction="mean"``
+(the batch loss is the mean of the terms, as ``F.cross_entropy`` reduces by default),
+the gradient of the reduced loss times the batch size ``N``, as in Opacus; with
+``"sum"``, as it is. The clip factors (``‖·‖`` the Euclidean norm, taken in float32 at
+least):
+
+- ``"flat"``: ``c_i = min(1, C / (‖g_i‖ + 1e-6))``, ``‖g_i‖`` over every trainable
+  parameter the block computes (Opacus's flat clipping);
+- ``"per_layer"``: each parameter ``p`` by its own threshold,
+  ``c_ip = min(1, C_p / (‖g_ip‖ + 1e-6))``; ``max_norm`` is a dict ``{param: C_p}``, or a
+  list with one threshold per trainable parameter of the model, in ``model.parameters()``
+  order (as Opacus's ``per_layer``; resolved against the models the block runs);
+- ``"automatic"``: ``c_i = C / (‖g_i‖ + γ)``, ``γ = stability`` (Bu et al. 2023,
+  "Automatic clipping"): every sample's gradient is normalised to norm about ``C``
+  (``C = 1`` is the paper's choice; any ``C`` only rescales the step).
+
+After each backward pass, ``ext.norms`` holds the pass's per-sample total norms ``‖g_i‖``
+``[N]`` (float32 at least; over every parameter, whatever the clipping style), and
+``ext.samples`` counts the samples clipped since the last :meth:`ClipGrad.reset`
+(under DDP, those of every rank). Several backward passes add up in ``.grad`` (virtual
+batches), as autograd's gradients do.
+
+Calls that jacmem cannot give exact per-sample gradients raise, before anything is
+written: a module with trainable parameters that no derivative covers, a BatchNorm
+with batch statistics, a parameter the loss reaches outside every recorded module call.
+:func:`check` finds what can be found before any step, from the model alone.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+
+import torch
+from torch import Tensor, nn
+
+from jacmem.derivatives import lookup
+from jacmem.derivatives.generic import normalises_over_batch
+
+CLIPPINGS = ("flat", "per_layer", "automatic")
+REDUCTIONS = ("mean", "sum")
+#: added to the norm in flat and per-layer clipping, as Opacus does
+EPSILON = 1e-6
+
+
+class ClipGrad:
+    """Clip each sample's gradient and sum them into ``.grad`` (see the module docstring).
+
+    Args:
+        max_norm: ``C``, a float; for ``clipping="per_layer"``, a dict ``{param: C_p}`` or
+            a list of floats in the order of the model's trainable parameters.
+        clipping: ``"flat"``, ``"per_layer"`` or ``"automatic"``.
+        loss_reduction: how the batch loss reduces its per-sample terms, ``"mean"`` or ``"sum"``.
+        stability: ``γ`` of automatic clipping.
+    """
+
+    #: what the engine's messages call the result, and the quantity it stages per call
+    savefield, quantities = "grad", ("batch_l2",)
+
+    def __init__(
+        self,
+        max_norm: float | Sequence[float] | Mapping[nn.Parameter, float],
+        clipping: str = "flat",
+        loss_reduction: str = "mean",
+        stability: float = 0.01,
+    ):
+        if clipping not in CLIPPINGS:
+            raise ValueError(f"clipping must be one of {CLIPPINGS}, not {clipping!r}")
+        if loss_reduction not in REDUCTIONS:
+            raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, not {loss_reduction!r}")
+        per_layer = clipping == "per_layer"
+        if per_layer != (not isinstance(max_norm, (int, float))):
+            raise TypeError(
+                "max_norm is one float for flat and automatic clipping, and a list or dict of floats (one per "
+                f"parameter) for per_layer clipping; got {type(max_norm).__name__} with clipping={clipping!r}"
+            )
+        if stability <= 0:
+            raise ValueError(f"stability must be positive, not {stability}")
+        self.max_norm, self.clipping, self.loss_reduction, self.stability = (
+            max_norm,
+            clipping,
+            loss_reduction,
+            stability,
+        )
+        #: id(parameter) -> its threshold (per-layer clipping), once resolved
+        self._thresholds: dict[int, float] | None = (
+            {id(p): float(c) for p, c in max_norm.items()} if isinstance(max_norm, Mapping) else None
+        )
+        #: the latest backward pass's per-sample total norms ``[N]``
+        self.norms: Tensor | None = None
+        #: samples clipped since the last :meth:`reset`
+        self.samples = 0
+
+    def reset(self) -> None:
+        """Start counting samples afresh (after an optimizer step)."""
+        self.samples = 0
+
+    def __repr__(self) -> str:
+        return f"ClipGrad(clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r})"
+
+    def bind(self, params: Iterable[nn.Parameter]) -> None:
+        """Per-layer thresholds given as a list: pair them with the model's trainable
+        parameters ``params``, in order (the engine does this on the first pass)."""
+        if self._thresholds is not None:
+            return
+        params = list(dict.fromkeys(p for p in params if p.requires_grad))
+        if len(params) != len(self.max_norm):
+            raise ValueError(
+                f"jacmem: ClipGrad(clipping='per_layer') got {len(self.max_norm)} thresholds, but the model has "
+                f"{len(params)} trainable parameters: give one per trainable parameter, in model.parameters() "
+                "order, or a dict {param: max_norm}."
+            )
+        self._thresholds = {id(p): float(c) for p, c in zip(params, self.max_norm)}
+
+    def factors(self, squared: dict[int, Tensor], names: dict[int, str]) -> tuple[dict[int, Tensor], Tensor]:
+        """The clip factors and the total norms, from each parameter's squared per-sample
+        norms ``squared: id(param) -> [N]`` (of the per-sample gradients as defined in
+        the module docstring); ``names`` for errors. Returns ``id(param) -> c [N]`` and
+        ``‖g_i‖ [N]``."""
+        total = torch.stack(list(squared.values())).sum(0).sqrt()
+        if self.clipping == "flat":
+            c = (self.max_norm / (total + EPSILON)).clamp(max=1.0)
+            return dict.fromkeys(squared, c), total
+        if self.clipping == "automatic":
+            c = self.max_norm / (total + self.stability)
+            return dict.fromkeys(squared, c), total
+        missing = [names[key] for key in squared if key not in self._thresholds]
+        if missing:
+            raise ValueError(f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing}")
+        return {
+            key: (self._thresholds[key] / (sq.sqrt() + EPSILON)).clamp(max=1.0) for key, sq in squared.items()
+        }, total
+
+
+def check(model: nn.Module) -> None:
+    """Raise, before any step, where ``model`` cannot have exact per-sample gradients,
+    naming the module and the fix; what only a forward shows (a parameter used outside
+    any module's call, a module called on a batch of one whose output mixes the
+    samples) raises in the backward pass instead.
+
+    Checked here: a BatchNorm that uses batch statistics (training mode, or no running
+    statistics), anywhere in the model (its output mixes the samples, so every layer
+    before it would get wrong per-sample gradients); a registered layer with a trainable
+    parameter its derivatives do not cover."""
+    for name, module in model.named_modules():
+        label = f"{name or type(module).__name__!r} ({type(module).__name__})"
+        if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
+            raise ValueError(
+                f"jacmem: module {label} normalises with batch statistics, which mix the samples: per-sample "
+                "gradients, and so clipping, are not defined. Replace it with GroupNorm (e.g. "
+                f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
+                "ModuleValidator.fix does), or put it in eval mode with running statistics."
+            )
+        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        entry = lookup(module) if own else None
+        uncovered = [n for n in own if entry is not None and n not in entry.params]
+        if uncovered:
+            raise ValueError(
+                f"jacmem: module {label} has trainable parameter(s) {uncovered} that its registered derivatives "
+                "do not cover: their per-sample gradients are unknown. Register them with jacmem.register(...), "
+                "or freeze them (requires_grad=False)."
+            )
