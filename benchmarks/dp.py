@@ -91,6 +91,18 @@ def prepare(engine: str, model, X, y):
     return step
 
 
+def _training(model):
+    """Training mode (Opacus refuses models in eval mode), with dropout off so that
+    every engine and the ordinary step compute the same function."""
+    from torch import nn
+
+    model.train()
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+    return model
+
+
 def child(case: dict) -> dict:
     """One case: ``paired`` times the engine against a plain SGD step of a copy;
     otherwise the engine's (or plain's) peak memory."""
@@ -102,6 +114,7 @@ def child(case: dict) -> dict:
     torch.set_num_threads(case["threads"])
     warnings.simplefilter("ignore")
     model, X, y = BENCHES[case["model"]].build(case["quick"])
+    model = _training(model)
     plain = prepare("plain", copy.deepcopy(model), X, y) if case["paired"] else None
     step = prepare(case["engine"], model, X, y)
     for _ in range(case["warmup"]):

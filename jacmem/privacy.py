@@ -63,11 +63,14 @@ class _Private(extend):
     has no global module hooks and does not watch untracked backwards: other models'
     calls are none of its business and cost nothing. It counts its backward passes.
 
-    A ``DistributedDataParallel`` model's own gradient synchronisation is off while it
-    is open: the clipping engine sums the clipped sums over the ranks itself."""
+    Distributed: the clipping engine sums the clipped sums over the ranks itself, in
+    the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
+    off while the block is open, and a model that is not DDP-wrapped, in a process
+    group of more than one rank, is summed over the default group."""
 
     def __init__(self, module: nn.Module, clip: ClipGrad):
-        super().__init__(clip)
+        ddp = isinstance(module, nn.parallel.DistributedDataParallel)
+        super().__init__(clip, process_group=dist.group.WORLD if _distributed(module) and not ddp else None)
         self.module, self.clip = module, clip
         #: backward passes ended since the block opened
         self.passes = 0
@@ -116,9 +119,14 @@ class _ClippedSum:
         self.private.clip.reset()
 
     def accumulate(self) -> None:
+        """Opacus's, with zeros for a gradient no sample gave (in place, so that a
+        second step without ``zero_grad`` raises, as Opacus's does)."""
         for p in self.params:
             grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
-            p.summed_grad = grad.clone() if p.summed_grad is None else p.summed_grad + grad
+            if p.summed_grad is None:
+                p.summed_grad = grad.clone()
+            else:
+                p.summed_grad.add_(grad)
 
     def pre_step(self, closure=None) -> bool:
         stepped = super().pre_step(closure)

@@ -343,7 +343,19 @@ def _ddp_worker(rank: int, port: int) -> None:
             train(ddp, opt, [(X[rows], y[rows])])
         finally:
             eng.detach()
-        assert_params(model, expected, f"rank {rank}")
+        assert_params(model, expected, f"rank {rank} DDP")
+
+        torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
+        model = net()
+        _, opt, _ = eng.make_private(
+            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(X, y, 2 * N),
+            noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+        )  # fmt: skip
+        try:
+            train(model, opt, [(X[rows], y[rows])])
+        finally:
+            eng.detach()
+        assert_params(model, expected, f"rank {rank} process group")
     finally:
         dist.destroy_process_group()
 
