@@ -28,6 +28,13 @@ What is jacmem's and what is Opacus's:
   ClipGrad writes; :class:`DPOptimizer` and :class:`DistributedDPOptimizer` change only
   how they count backward passes and what an empty batch gives (see there).
 
+Not reused, and why: Opacus's ``make_private`` itself (it wraps the module, or hooks
+it for per-sample gradients, and forbids gradient accumulation with Poisson sampling),
+its ``GradSampleModule`` and ghost-clipping criterion (jacmem clips in the one backward
+pass, without a second one), and its ``ModuleValidator`` (what jacmem cannot clip
+exactly is its own question: :func:`jacmem.extensions.clipping.check`, and errors in
+the backward pass).
+
 One step therefore moves the parameters (plain SGD, ``loss_reduction="mean"``) by
 ``-lr/(B·k) · (Σ_i clip_C(g_i) + n)``: ``B`` the expected batch size (the loader's
 ``batch_size`` without Poisson sampling), ``k`` the backward passes since the last step
