@@ -247,7 +247,10 @@ class PrivacyEngine(OpacusEngine):
             noise_generator: the noise's ``torch.Generator`` (not with ``secure_mode``).
 
         Returns:
-            ``(module, optimizer, data_loader)``.
+            ``(module, optimizer, data_loader)``. Until :meth:`detach`, the model's
+            clipping block is open in the calling thread, the process's one jacmem
+            block: ``with jacmem.extend(...)`` raises meanwhile. Other models'
+            forward and backward passes are untouched.
 
         Raises:
             ValueError: where a trainable parameter's per-sample gradient cannot be
