@@ -364,3 +364,18 @@ def _ddp_worker(rank: int, port: int) -> None:
 def test_two_ddp_ranks_equal_one_process():
     method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
     mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method=method)
+
+
+def test_other_models_are_untouched_while_private(engine):
+    """The private model's block has no global hooks: another model's backward gives
+    autograd's own gradient; a jacmem block cannot open meanwhile (one per process)."""
+    other = net()
+    X, y = batch()
+    expected = torch.autograd.grad(nn.functional.cross_entropy(other(X), y), list(other.parameters()))
+    private(engine, net(), FLAT)
+    nn.functional.cross_entropy(other(X), y).backward()
+    for p, e in zip(other.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="do not nest"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            pass
