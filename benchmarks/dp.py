@@ -189,7 +189,7 @@ def table(results: list[dict], args) -> list[str]:
             mem, mem_ratio = "n/a", "n/a"
             if m and "error" not in m and m.get("extra_bytes") is not None:
                 mem = f"{m['extra_bytes'] / 2**20:.0f}"
-                if plain_mem.get("extra_bytes"):
+                if (plain_mem.get("extra_bytes") or 0) >= 2**20:  # no ratio to a figure under 1 MiB
                     mem_ratio = f"{m['extra_bytes'] / plain_mem['extra_bytes']:.2f}"
             met = t["ratio"] <= TARGET and mem_ratio != "n/a" and float(mem_ratio) <= TARGET
             lines.append(
@@ -249,7 +249,7 @@ def main(argv=None) -> None:
         elif case["paired"]:
             shown = f"{r['time_s'] * 1e3:.0f} ms, {r['ratio']:.2f}x an SGD step ({r['steps']} pairs)"
         else:
-            shown = f"peak +{(r['extra_bytes'] or 0) / 2**20:.0f} MiB"
+            shown = "peak n/a" if r["extra_bytes"] is None else f"peak {r['extra_bytes'] / 2**20:+.0f} MiB"
         print(f"[{i}/{len(todo)}] {case['model']} {case['engine']} {kind}: {shown}", file=sys.stderr, flush=True)
     block = "\n".join(table(results, args))
     print(block)
