@@ -146,7 +146,8 @@ class Clipping(FirstOrder):
         for pname, param in params.items():
             self._guard([(f"{rec.name}.{pname}", param)])
             staged = self._stage(run, rec, pname, param, n)
-            wanted = ({"batch_grad"} if staged.summed else {"batch_l2"}) | (set() if rec.once else {"grad"})
+            per_sample = staged.summed or _small(param, n, x, g)
+            wanted = ({"batch_grad"} if per_sample else {"batch_l2"}) | (set() if rec.once else {"grad"})
             values = self._quantities(rec, pname, param, wanted, x, g, dtype)
             if not rec.once:
                 grad, key = values.pop("grad"), id(param)
@@ -154,7 +155,7 @@ class Clipping(FirstOrder):
                 run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)
                 run.recorded[key] = grad + run.recorded[key] if key in run.recorded else grad
             staged.add(values)
-            if not staged.summed:
+            if not per_sample:
                 run.calls[id(param)] = (rec, pname, x, g)
         return {}
 
@@ -177,7 +178,7 @@ class Clipping(FirstOrder):
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
         scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
         squared = {
-            key: (s.quantities["batch_l2"] if not s.summed else squared_norms(s.quantities["batch_grad"]))
+            key: (s.quantities["batch_l2"] if "batch_l2" in s.quantities else squared_norms(s.quantities["batch_grad"]))
             for key, s in staged.items()
         }
         squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
@@ -231,11 +232,26 @@ class Clipping(FirstOrder):
     def _clipped_sum(self, run: ClipStaging, staged, c: Tensor) -> Tensor:
         """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or its
         gradient computed from the call's ``x`` and ``g`` scaled by ``c`` (``[N]``)."""
-        if staged.summed:
-            bg = staged.quantities["batch_grad"]
+        bg = staged.quantities.get("batch_grad")
+        if bg is not None:
             return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
         rec, pname, x, g = run.calls[id(staged.param)]
         scaled = tree_map(lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g)
         dtype = staged.quantities["batch_l2"].dtype
         with precision.computing(precision.device_of(scaled)):
             return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
+
+
+def _numel(obj) -> int:
+    """Entries of a tensor, or of the tensors in a tuple or list."""
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    return sum(_numel(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
+
+
+def _small(param: nn.Parameter, n: int, x, g) -> bool:
+    """Whether the per-sample gradients ``[n, *param.shape]`` take no more memory than
+    the call's ``x`` and ``g``, which the clipped sum would otherwise keep (a bias, a
+    norm's scale, a Linear on long sequences): then they are staged, and the clipped sum
+    needs no second pass over the call."""
+    return n * param.numel() <= _numel(x) + _numel(g)

@@ -18,6 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import jacmem
+import jacmem.clipping_engine
 from jacmem.extensions.clipping import check
 
 DT = torch.float64
@@ -145,8 +146,16 @@ def family(name: str, seed: int = 0):
     return model, (X if shape is None else X.to(DT)), torch.randint(0, 3, (N,))
 
 
+@pytest.fixture(params=["bookkeeping", "per_sample"])
+def path(request, monkeypatch):
+    """Both ways to the clipped sum: from each call's x and c-scaled g, or from staged
+    per-sample gradients (the engine picks by memory; here each is forced in turn)."""
+    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: request.param == "per_sample")
+    return request.param
+
+
 @pytest.mark.parametrize("name", list(FAMILIES))
-def test_every_layer_family_gets_the_sum_of_clipped_per_sample_gradients(name):
+def test_every_layer_family_gets_the_sum_of_clipped_per_sample_gradients(name, path):
     model, X, y = family(name)
     grads = per_sample(model, X, y, cross_entropy, "mean")
     C = median_norm(grads)
@@ -162,7 +171,7 @@ def test_every_layer_family_gets_the_sum_of_clipped_per_sample_gradients(name):
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
 @pytest.mark.parametrize("flow", ["inside", "track"])
-def test_clipping_styles_and_reductions(clipping, reduction, flow):
+def test_clipping_styles_and_reductions(clipping, reduction, flow, path):
     model, X, y = family("conv2d")
     grads = per_sample(model, X, y, cross_entropy, reduction)
     if clipping == "per_layer":
@@ -188,7 +197,7 @@ def test_per_layer_thresholds_must_match_the_parameters():
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
 
 
-def test_two_backward_passes_accumulate_and_samples_count():
+def test_two_backward_passes_accumulate_and_samples_count(path):
     """Virtual batches: each pass adds its clipped sum to what .grad held."""
     model, X, y = family("conv2d")
     model2, X2, y2 = family("conv2d", seed=1)
@@ -208,7 +217,7 @@ def test_two_backward_passes_accumulate_and_samples_count():
     assert ext.samples == 0
 
 
-def test_tied_and_frozen_parameters():
+def test_tied_and_frozen_parameters(path):
     """A weight used twice is clipped by the norm of its summed use; a frozen one gets nothing."""
 
     class Tied(nn.Module):
@@ -282,7 +291,7 @@ def vit():
 
 @pytest.mark.parametrize("make", [gpt2, vit], ids=["gpt2", "vit"])
 @pytest.mark.parametrize("flow", ["inside", "track"])
-def test_real_models(make, flow):
+def test_real_models(make, flow, path):
     """GPT-2 with its default [1, T] position ids and tied embeddings; ViT with its
     cls_token and pos_embed, parameters of the model itself."""
     model, X, y = make()
