@@ -92,6 +92,12 @@ class _Private(extend):
         for ddp in self._ddp:
             ddp.require_backward_grad_sync = False
         recorder.track(self.module)
+        # the engine's hooks that keep autograd's unclipped gradients out of .grad, from
+        # now on rather than from the first recorded call: a backward the block cannot
+        # clip (another thread's) raises, even the first one
+        root = type(self.module).__name__
+        for engine in self._engines:
+            engine._guard((f"{root}.{n}", p) for n, p in self.module.named_parameters())
         return self
 
     def _ended(self) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import os
+import threading
 import warnings
 
 import opacus
@@ -379,3 +380,23 @@ def test_other_models_are_untouched_while_private(engine):
     with pytest.raises(RuntimeError, match="do not nest"):
         with jacmem.extend(jacmem.BatchGrad()):
             pass
+
+
+def test_a_backward_the_block_cannot_clip_raises(engine):
+    """Another thread's backward is not the block's (one block per thread): it raises,
+    even as the first backward, rather than leave an unclipped gradient in .grad."""
+    model = net()
+    private(engine, model, FLAT)
+    errors = []
+
+    def step():
+        try:
+            nn.functional.cross_entropy(model(batch()[0]), batch()[1]).backward()
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert errors and "jacmem: ClipGrad" in str(errors[0])
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
