@@ -45,7 +45,7 @@ def synthetic_mnist(n: int, seed: int = 0) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     templates = torch.randn(10, 1, 28, 28, generator=g)
     labels = torch.randint(0, 10, (n,), generator=g)
-    return TensorDataset(templates[labels] + 2.0 * torch.randn(n, 1, 28, 28, generator=g), labels)
+    return TensorDataset(templates[labels] + torch.randn(n, 1, 28, 28, generator=g), labels)
 
 
 def train() -> tuple[list[float], dict[int, float]]:
