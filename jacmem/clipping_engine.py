@@ -5,8 +5,9 @@ It is the first-order engine (:mod:`jacmem.firstorder_engine`: the same records,
 strategies and staging) with another end of pass. While the backward runs, each call
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
-parameter used by several calls (tied weights) stages its per-sample gradients instead,
-summed over the calls. At the end of the pass, once every norm is known, the clip
+parameter used by several calls (tied weights), or whose per-sample gradients take no
+more memory than ``x`` and ``g`` (a bias, a norm's scale), stages its per-sample
+gradients instead, summed over the calls. At the end of the pass, once every norm is known, the clip
 factors ``c`` follow, and each parameter's clipped sum ``Σ_i c_i g_i`` is its summed
 gradient computed from ``x`` and ``g`` scaled by ``c`` row by row (book-keeping, Bu et
 al. 2023: a parameter's gradient is linear in the output gradient, and sample ``i``'s
@@ -16,15 +17,19 @@ term in it depends on row ``i`` alone), or, for staged per-sample gradients,
 autograd's own gradient never reaches ``.grad``: a call through
 :class:`jacmem.hooks.ComputeOnce` returns none for its parameters, and every trainable
 parameter the block sees carries a hook that turns the gradient autograd would
-accumulate into zeros (so ``.grad`` keeps what it held). That hook also tells which
-parameters the loss reached: one that no recorded call staged raises, as its clipped
-gradient is unknown.
+accumulate into zeros (so ``.grad`` keeps what it held; inside the block,
+``torch.autograd.grad`` w.r.t. a parameter gives zeros too). That hook also checks
+autograd's gradient against the sum of the recorded calls' (those not through
+ComputeOnce): a parameter the loss reaches outside them raises, as its clipped gradient
+is unknown.
 
 ``DistributedDataParallel``: the block turns DDP's own gradient synchronisation off
 (``require_backward_grad_sync``, as ``no_sync()`` does) for forwards run inside it, and
 sums the ranks' clipped sums itself, with one ``all_reduce``: every rank's ``.grad``
 gets the global sum ``Σ_r Σ_{i ∈ r} c_i g_i``, what one process would get on the whole
-batch, and ``ClipGrad.samples`` the global sample count.
+batch, and ``ClipGrad.samples`` the global sample count. A tracked DDP model whose
+forward ran outside the block with the synchronisation on raises (DDP would overwrite
+``.grad``): set ``ddp_model.require_backward_grad_sync = False`` for such forwards.
 """
 
 from __future__ import annotations
@@ -175,6 +180,7 @@ class Clipping(FirstOrder):
         self._finish_partial(run)
         staged, run.staged = run.staged, {}
         self._check_recorded(run)
+        self._check_unsynced(staged)
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
         scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
         squared = {
@@ -187,8 +193,8 @@ class Clipping(FirstOrder):
         factors, norms = self.clip.factors(squared, run.names) if squared else ({}, torch.zeros(0))
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
-        for group, params in self.groups():
-            sums, count = distributed.sum_over_ranks(group, params, sums, count)
+        for group, params in self.groups():  # every group holds the same samples: each gives the global count
+            sums, count = distributed.sum_over_ranks(group, params, sums, n)
         writes: list[Write] = [(self.clip, "norms", norms), (self.clip, "samples", self.clip.samples + count)]
         for key, s in staged.items():
             value = precision.result(sums[key], s.param)
@@ -214,6 +220,21 @@ class Clipping(FirstOrder):
                     "module), so its per-sample gradients, and its clipped gradient, are unknown. Use it only "
                     "inside the forward of modules (as their own parameter), or freeze it."
                 )
+
+    @staticmethod
+    def _check_unsynced(staged: dict) -> None:
+        """A tracked DDP model whose forward ran outside the block with DDP's gradient
+        synchronisation on: DDP would overwrite ``.grad`` with the average of autograd's
+        gradients after this pass, so it raises instead."""
+        for model in recorder.tracked_models():
+            if isinstance(model, nn.parallel.DistributedDataParallel) and model.require_backward_grad_sync:
+                if any(id(p) in staged for p in model.parameters()):
+                    raise RuntimeError(
+                        "jacmem: ClipGrad: the forward of the DistributedDataParallel model ran outside the block "
+                        "with DDP's gradient synchronisation on, which would overwrite the clipped sums in .grad. "
+                        "Run the forward inside the block (the block sums the clipped sums over the ranks itself), "
+                        "or set ddp_model.require_backward_grad_sync = False before it (as ddp_model.no_sync() does)."
+                    )
 
     def _batch_size(self, names: dict[int, str], sizes: dict[int, int]) -> int:
         """The pass's one batch size; modules that disagree raise (a module whose axis 0

@@ -154,7 +154,8 @@ class extend:
                 module_hooks.register_module_forward_hook(self._leave_module, always_call=True),
                 module_hooks.register_module_forward_hook(self._on_forward, with_kwargs=True),
             ]
-            recorder.sink(self._on_record)
+            once = any(getattr(getattr(e, "recorder", None), "once", False) for e in self._engines)
+            recorder.sink(self._on_record, once)
             self._watch.open(self._owner)
         except BaseException:
             self.__exit__(*sys.exc_info())

@@ -197,6 +197,9 @@ class Tracker(Recorder):
         self.leave(module, module is self.model())
 
     def _on_forward(self, module, args, kwargs, output):
+        # inside a block, a layer may run through ComputeOnce as the block's own calls do
+        # (its backward recomputes the forward where the block has ended by then)
+        self.once = _once[0]
         return self.record(module, args, kwargs, output, self.names[module])
 
     def close(self) -> None:
@@ -208,12 +211,16 @@ class Tracker(Recorder):
 _TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 #: where tracked calls' gradients go: set by the active block (None outside blocks)
 _sink: list[Callable[[hooks.Record], dict | None] | None] = [None]
+#: whether the active block computes the gradients of calls through ComputeOnce
+_once = [False]
 
 
-def sink(on_record: Callable[[hooks.Record], dict | None] | None) -> None:
+def sink(on_record: Callable[[hooks.Record], dict | None] | None, once: bool = False) -> None:
     """Where tracked calls' gradients go from now on: the active block's ``on_record``
-    (None: nowhere)."""
+    (None: nowhere); ``once``: tracked calls inside the block may run through
+    ComputeOnce (the block's ``on_record`` then returns their parameters' gradients)."""
     _sink[0] = on_record
+    _once[0] = once and on_record is not None
 
 
 def _dispatch(rec: hooks.Record) -> dict | None:

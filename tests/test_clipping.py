@@ -182,6 +182,27 @@ def test_clipping_styles_and_reductions(clipping, reduction, flow, path):
     assert_grads(model, expected(grads, C, clipping, stability=0.05), f"{clipping} {reduction} {flow}")
 
 
+def test_a_tracked_model_called_inside_the_block():
+    """The tracker's calls inside a block run through ComputeOnce, as the block's own do;
+    a backward after the block gets autograd's gradients."""
+    model, X, y = family("linear_sequence")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    jacmem.track(model)
+    try:
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            out = model(X)
+            assert type(out.grad_fn).__name__ == "ComputeOnceBackward"
+            F.cross_entropy(out, y).backward()
+            late = F.cross_entropy(model(X), y)
+        assert_grads(model, expected(grads, C))
+        model.zero_grad(set_to_none=True)
+        late.backward()
+    finally:
+        jacmem.untrack(model)
+    assert_grads(model, {p: g.sum(0) / N for p, g in grads.items()}, "after the block")
+
+
 def test_per_layer_thresholds_as_a_dict():
     model, X, y = family("linear_sequence")
     grads = per_sample(model, X, y, cross_entropy, "mean")
@@ -243,7 +264,7 @@ def test_tied_and_frozen_parameters(path):
     assert model.frozen.weight.grad is None and model.frozen.bias.grad is None
 
 
-def test_empty_batch_adds_zeros():
+def test_empty_batch_adds_zeros(path):
     model, X, y = family("linear_sequence")
     ext = jacmem.ClipGrad(1.0)
     with jacmem.extend(ext):
@@ -390,6 +411,28 @@ def _ddp_worker(rank: int, port: int) -> None:
         torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
         assert ext.samples == WORLD * PER_RANK
         assert ddp.require_backward_grad_sync  # given back on exit
+
+        other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
+        jacmem.track(other)
+        try:
+            loss = F.cross_entropy(other(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))  # DDP's sync on
+            with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
+                with jacmem.extend(jacmem.ClipGrad(C)):
+                    loss.backward()
+        finally:
+            jacmem.untrack(other)
+
+        model.zero_grad(set_to_none=True)
+        jacmem.track(ddp)
+        try:
+            ddp.require_backward_grad_sync = False
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(ddp(X[rows]), y[rows])
+            with jacmem.extend(jacmem.ClipGrad(C)):
+                loss.backward()
+            assert_grads(model, expected(grads, C), f"rank {rank} tracked")
+        finally:
+            jacmem.untrack(ddp)
     finally:
         dist.destroy_process_group()
 

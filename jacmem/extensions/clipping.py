@@ -26,7 +26,9 @@ After each backward pass, ``ext.norms`` holds the pass's per-sample total norms 
 ``[N]`` (float32 at least; over every parameter, whatever the clipping style), and
 ``ext.samples`` counts the samples clipped since the last :meth:`ClipGrad.reset`
 (under DDP, those of every rank). Several backward passes add up in ``.grad`` (virtual
-batches), as autograd's gradients do.
+batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
+works: ``loss.backward()`` on its loss (NaN under ``"mean"``, the mean of nothing) adds
+zeros to ``.grad`` and no samples to ``ext.samples``.
 
 Calls that jacmem cannot give exact per-sample gradients raise, before anything is
 written: a module with trainable parameters that no derivative covers, a BatchNorm
