@@ -31,3 +31,14 @@ def test_a_refusing_engine_is_a_row_not_a_crash():
     refused = dict(model="gpt2", engine="opacus:ghost", paired=True, error="ValueError: tied weights")
     lines = dp.table([refused, dict(refused, paired=False)], args)
     assert "| gpt2 | Opacus 1.6 ghost clipping | fails: tied weights | | | | |" in lines
+
+
+def test_the_main_benchmark_selects_the_dp_section(monkeypatch):
+    """``python -m benchmarks --dp [--quick]`` runs this section alone."""
+    from benchmarks import run
+
+    calls = []
+    monkeypatch.setattr(dp, "main", calls.append)
+    run.main(["--dp", "--quick"])
+    run.main(["--dp"])
+    assert calls == [["--quick"], []]
