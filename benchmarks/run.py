@@ -19,6 +19,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__)
     p.add_argument("--quick", action="store_true", help="tiny models and batches, 1 repeat: checks the harness")
+    p.add_argument(
+        "--dp", action="store_true", help="the private-training section only (benchmarks/dp.py), --quick passed on"
+    )
     p.add_argument("--models", nargs="+", help="model names (default: all); see benchmarks/models.py")
     p.add_argument("--only", help="regular expression: run only cases whose 'model method' matches")
     p.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto", help="auto: cuda if available")
@@ -165,6 +168,10 @@ def load() -> str:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
+    if args.dp:
+        from benchmarks import dp
+
+        return dp.main(["--quick"] if args.quick else [])
     from benchmarks import report
 
     if args.from_json:

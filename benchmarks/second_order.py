@@ -337,10 +337,11 @@ def separate(model: str, by: dict) -> list[str]:
     return lines + [""]
 
 
-def write_block(path: Path, block: str) -> None:
-    """Replace our block in ``path`` (read right before writing), or append it."""
+def write_block(path: Path, block: str, start: str = START, end: str = END) -> None:
+    """Replace the block between ``start`` and ``end`` in ``path`` (read right before
+    writing), or append it; by default this module's block."""
     text = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(START) + ".*?" + re.escape(END), re.S)
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text.lstrip("\n"))
 

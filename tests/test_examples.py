@@ -86,6 +86,31 @@ def test_custom_module(capsys):
     assert out.count("match the per-sample loop") == 6
 
 
+def _run_quick(monkeypatch, name: str) -> None:
+    """``examples/<name>`` in this process, with ``JACMEM_QUICK=1``."""
+    monkeypatch.setenv("JACMEM_QUICK", "1")
+    runpy.run_path(str(EXAMPLES / name), run_name="__main__")
+
+
+def test_plot_dp_cnn_quick(monkeypatch, capsys):
+    """Two epochs of DP-SGD on the seed CNN: ε grows, the figure is written."""
+    _run_quick(monkeypatch, "plot_dp_cnn.py")
+    out = capsys.readouterr().out
+    eps = [float(e) for e in re.findall(r"ε = ([\d.]+) at δ = 1e-05", out)]
+    assert len(eps) == 2 and 0 < eps[0] < eps[1], out
+    assert (ROOT / "out" / "plot_dp_cnn.png").stat().st_size > 10_000
+
+
+def test_plot_dp_gpt2_finetune_quick(monkeypatch, capsys):
+    """A tiny GPT-2, most weights frozen: two epochs, then HF's generate on the same object."""
+    _run_quick(monkeypatch, "plot_dp_gpt2_finetune.py")
+    out = capsys.readouterr().out
+    assert "12,768 of 26,880 parameters trainable" in out, out
+    eps = [float(e) for e in re.findall(r"ε = ([\d.]+) at δ = 1e-05", out)]
+    assert len(eps) == 2 and 0 < eps[0] < eps[1], out
+    assert re.search(r"prompt \[3, 5, 7\] -> generated \[(\d+, ){5}\d+\]", out), out
+
+
 def test_readme_quick_start_runs():
     """Every ```python block of the README, in order, as written."""
     blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
