@@ -1,5 +1,4 @@
-"""
-Private training of a CNN with jacmem's PrivacyEngine
+"""Private training of a CNN with jacmem's PrivacyEngine
 =====================================================
 
 Differentially private training of the seed CNN (Conv2d 1→128→256→64→32 with ReLUs and MaxPools, then
@@ -27,7 +26,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(globals().get("__file__", "plot_dp_cnn.py")).resolve().parents[1]  # the gallery runs it in examples/
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.models import seed_cnn  # noqa: E402

@@ -1,5 +1,4 @@
-"""
-Private fine-tuning of a GPT-2 with most weights frozen
+"""Private fine-tuning of a GPT-2 with most weights frozen
 =======================================================
 
 DP-SGD fine-tuning of a tiny Hugging Face GPT-2 (``GPT2LMHeadModel`` from a config,

@@ -114,7 +114,7 @@ def main(argv=None) -> dict[str, list[tuple[float, float]]]:
     p.add_argument(
         "--out",
         type=Path,
-        default=Path(globals().get("__file__", "examples/plot_laplace_resnet.py")).resolve().parents[1] / "out",
+        default=Path(globals().get("__file__", "plot_laplace_resnet.py")).resolve().parents[1] / "out",
     )
     args = p.parse_args(argv)
     torch.manual_seed(0)
