@@ -59,6 +59,8 @@ from jacmem import hooks, recorder
 from jacmem.context import extend
 from jacmem.extensions.clipping import ClipGrad, check
 
+__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer"]
+
 CLIPPING = ("flat", "per_layer", "automatic")
 
 
