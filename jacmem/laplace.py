@@ -1,14 +1,12 @@
-"""A laplace-torch backend: jacmem's extensions behind laplace-torch's curvature interface.
+"""A laplace-torch backend: jacmem's extensions behind laplace-torch's curvature interface::
 
-```python
-from laplace import Laplace
-from jacmem.laplace import JacmemGGN
+    from laplace import Laplace
+    from jacmem.laplace import JacmemGGN
 
-la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron", backend=JacmemGGN)
-la.fit(train_loader)
-la.optimize_prior_precision()
-probs = la(X_test, pred_type="glm", link_approx="probit")
-```
+    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron", backend=JacmemGGN)
+    la.fit(train_loader)
+    la.optimize_prior_precision()
+    probs = la(X_test, pred_type="glm", link_approx="probit")
 
 The backends mirror laplace-torch's BackPACK backend (``laplace/curvature/backpack.py``),
 with jacmem in place of BackPACK, and keep its conventions:
