@@ -147,6 +147,7 @@ class extend:
                 module_hooks.register_module_forward_hook(self._on_forward, with_kwargs=True),
             ]
             recorder.sink(self._on_record)
+            self._watch.on_backward = self._on_backward
             self._watch.open(self._owner)
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -241,6 +242,11 @@ class extend:
             if new is not None:
                 replaced = new
         return replaced
+
+    def _on_backward(self, tensors, grad_tensors) -> None:
+        """A backward of the block's thread is about to begin: to every engine."""
+        for engine in self._engines:
+            engine.on_backward(tensors, grad_tensors)
 
     def _on_record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A tracked call's output gradients arrived: to every engine. Returns the summed

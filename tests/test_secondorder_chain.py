@@ -137,13 +137,14 @@ class Block(nn.Module):
     ids=["F.relu", "times2", "torch.tanh", "x+y"],
 )
 def test_functional_op_on_a_branch_raises(op, functional_sum):
-    """Where BackPACK returns a wrong DiagGGNExact, jacmem names the first module (in
+    """Where BackPACK returns a wrong curvature, jacmem names the first module (in
     backward order) whose output leaves the chain ('lin0'; 'lin1' for the functional
-    sum) and the module it reaches untracked ('lin1' or 'head')."""
+    sum) and the module it reaches untracked ('lin1' or 'head'), for DiagHessian (the
+    GGN-type extensions take the autograd path there: test_secondorder_autograd.py)."""
     torch.manual_seed(4)
     model = Block(op, functional_sum).to(DT)
     with pytest.raises(ChainError, match=r"module 'lin(0|1)' \(Linear\).*on its way to '(lin1|head)'"):
-        run(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)), DiagGGNExact())
+        run(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)), DiagHessian())
 
 
 def test_the_same_block_with_modules_is_exact():
@@ -157,12 +158,12 @@ def test_functional_loss_and_unsupported_module_raise():
     model = nn.Sequential(nn.Linear(4, 3)).to(DT)
     X, y = torch.randn(2, 4, dtype=DT), torch.randint(0, 3, (2,))
     with pytest.raises(ChainError, match="module '0'.*loss module"):
-        with jacmem.extend(DiagGGNExact()):
+        with jacmem.extend(DiagHessian()):
             F.cross_entropy(model(X), y).backward()
     model = nn.Sequential(nn.Linear(4, 3), nn.LayerNorm(3), nn.Linear(3, 3)).to(DT)
     with pytest.warns(UserWarning, match="'1' \\(LayerNorm\\) is not supported"):
         with pytest.raises(ChainError, match=r"module '0'.*on its way to '2' \(through module '1' \(LayerNorm\)\)"):
-            run(model, nn.CrossEntropyLoss(), X, y, DiagGGNExact())
+            run(model, nn.CrossEntropyLoss(), X, y, DiagHessian())
 
 
 def test_inplace_activation_raises():

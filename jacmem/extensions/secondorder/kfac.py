@@ -203,6 +203,10 @@ class _KF(SecondOrderExtension):
     def output_factor(self, call: Call) -> Tensor | None:
         return output_factor_sqrt(call, self.kinds)
 
+    def merge_chunks(self, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
+        """``G`` sums over slices of ``V``; ``A`` (the input's) is each slice's own."""
+        return [a[0] + b[0], *a[1:]]
+
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
         rule = _rule(call, self)
         G = self.output_factor(call)
