@@ -246,7 +246,7 @@ class extend:
     def _on_backward(self, tensors, grad_tensors) -> None:
         """A backward of the block's thread is about to begin: to every engine."""
         for engine in self._engines:
-            engine.on_backward(tensors, grad_tensors)
+            engine.on_backward(tensors, grad_tensors, len(self._engines) == 1)
 
     def _on_record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A tracked call's output gradients arrived: to every engine. Returns the summed

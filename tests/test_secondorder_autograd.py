@@ -14,6 +14,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from secondorder_ref import blocks, dense, diagonals
+from test_secondorder_chain import Block
 from torch import Tensor, nn
 from torch.func import hessian
 
@@ -208,6 +210,7 @@ def test_llama_sequence_ggn_is_exact(labels):
     check_diagonals(model, loss, logits, lambda z: _causal_lm_loss(z, ids), rtol=1e-5 if labels else 1e-7)
 
 
+@pytest.mark.filterwarnings("ignore:jacmem: KF.* has no Kronecker factors for (LayerNorm|LlamaRMSNorm)")
 @pytest.mark.parametrize("make", [bert, vit, llama])
 def test_kronecker_factors_on_transformers(make):
     torch.manual_seed(0)
@@ -221,3 +224,85 @@ def test_kronecker_factors_on_transformers(make):
     else:
         ids = torch.randint(0, V, (2, T))
         check_kronecker(model, lambda: model(ids, labels=ids).loss)
+
+
+# -- where the chain breaks, the GGN-type extensions are now exact ------------------
+
+
+@pytest.mark.parametrize("op", [F.relu, torch.tanh, lambda h: h * 2], ids=["F.relu", "torch.tanh", "times2"])
+def test_functional_ops_on_a_branch_are_exact(op):
+    """The blocks on which the chain raises (test_secondorder_chain.py), against the dense
+    GGN of secondorder_ref (torch.func.jacrev)."""
+    torch.manual_seed(4)
+    model, lossf = Block(op, functional_sum=True), nn.CrossEntropyLoss()
+    X, y = torch.randn(3, 4), torch.randint(0, 3, (3,))
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        lossf(model(X), y).backward()
+    ggn, ggn_n = dense(model, lossf, X, y)[0], dense(model, lossf, X, y, per_sample=True)[0]
+    ref, ref_n = diagonals(model, ggn), diagonals(model, ggn_n)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, ref[name], msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, ref_n[name], msg=name)
+
+
+def test_kflr_is_the_exact_ggn_block_for_one_sample():
+    """With one sample and 2d Linear inputs, G ⊗ A is the GGN block (Botev et al. 2017)."""
+    torch.manual_seed(5)
+    model, lossf = Block(F.relu, functional_sum=True), nn.CrossEntropyLoss()
+    X, y = torch.randn(1, 4), torch.randint(0, 3, (1,))
+    with jacmem.extend(KFLR()):
+        lossf(model(X), y).backward()
+    ref = blocks(model, dense(model, lossf, X, y)[0])
+    for name, p in model.named_parameters():
+        got = torch.kron(*p.kflr) if name.endswith("weight") else p.kflr[0]
+        torch.testing.assert_close(got, ref[name], msg=name)
+
+
+# -- refusals ---------------------------------------------------------------------
+
+
+def test_a_loss_term_on_hidden_states_raises():
+    """A penalty on a hidden layer's output reaches the loss other than through the
+    logits: the GGN split there is not the loss's; refused, and nothing is written."""
+    torch.manual_seed(0)
+    model, X, y = FunctionalMLP(), torch.randn(3, 5), torch.tensor([0, 3, 1])
+    with pytest.raises(ChainError, match="module .*\\(Linear\\) reaches the loss other than through"):
+        with jacmem.extend(DiagGGNExact()):
+            h = model.a(X)
+            z = model.b(model.norm(F.gelu(h)))
+            (F.cross_entropy(z, y) + h.square().mean()).backward()
+    assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
+
+
+def test_a_loss_coupling_samples_raises():
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+    with pytest.raises(ChainError, match="couples the samples"):
+        with jacmem.extend(DiagGGNExact()):
+            model(X).sum(0).square().sum().backward()
+
+
+def test_a_loss_not_convex_in_the_output_raises():
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+    with pytest.raises(ChainError, match="not convex"):
+        with jacmem.extend(DiagGGNExact()):
+            torch.cos(model(X)).sum().backward()
+
+
+def test_tokens_flattened_into_the_batch_raise():
+    torch.manual_seed(0)
+    lin, head = nn.Linear(5, 6), nn.Linear(6 * 4, 3)
+    X, y = torch.randn(2, 4, 5), torch.tensor([0, 2])
+    with pytest.raises(ChainError, match="module 'Linear' \\(Linear\\) has 8 rows where the model's output has 2"):
+        with jacmem.extend(DiagGGNExact()):
+            h = F.gelu(lin(X.reshape(8, 5)))
+            F.cross_entropy(head(h.reshape(2, 24)), y).backward()
+
+
+def test_first_order_extensions_beside_the_autograd_path_raise():
+    torch.manual_seed(0)
+    model, X, y = FunctionalMLP(), torch.randn(3, 5), torch.tensor([0, 3, 1])
+    with pytest.raises(NotImplementedError, match="separate block"):
+        with jacmem.extend(DiagGGNExact(), jacmem.BatchGrad()):
+            F.cross_entropy(model(X), y).backward()

@@ -70,7 +70,6 @@ from jacmem import hooks, precision
 from jacmem.extensions.secondorder import backprop
 from jacmem.extensions.secondorder.base import Factor
 
-
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
 #: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
 _LOOSE = 1e-5
@@ -116,13 +115,20 @@ class AutogradPath:
 
     # -- backward ------------------------------------------------------------------
 
-    def on_backward(self, tensors, grad_tensors) -> None:
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
         """A backward is about to begin: where the chain is incomplete and the block's
-        extensions are GGN-type, hook the path onto the root."""
+        extensions are GGN-type, hook the path onto the root (``alone``: no first-order
+        engine in the block, whose hooks would see the path's batched products)."""
         records, self.records = self.records, []
         needed, self.untracked, self.loss = self.untracked or not self.loss, False, False
         if not records or not needed or not self.serves():
             return
+        if not alone:
+            raise NotImplementedError(
+                "jacmem: this model's curvature needs the autograd path (operations with no module-level "
+                "Jacobian lie between its modules and the loss), which does not run beside first-order "
+                "extensions: compute them in a separate block and backward"
+            )
         roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         if len(roots) != 1 or roots[0].grad_fn is None:
             raise backprop.ChainError(

@@ -366,8 +366,8 @@ class Engine(_Engine):
 
     # -- backward ------------------------------------------------------------------
 
-    def on_backward(self, tensors, grad_tensors) -> None:
-        self.autograd.on_backward(tensors, grad_tensors)
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        self.autograd.on_backward(tensors, grad_tensors, alone)
 
     def _on_grad(self, node: Node, grad: Tensor) -> None:
         if self.autograd.busy:
