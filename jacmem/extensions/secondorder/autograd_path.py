@@ -45,12 +45,20 @@ same GGN (BackPACK samples labels from the predictive distribution instead: the 
 expectation, a different estimator).
 
 **Crossing the graph.** The factors go from ``z`` to the output of every module with
-trainable parameters by ``torch.autograd.grad(..., is_grads_batched=True)``, in slices
-of ``V`` so that one slice's gradients at all those outputs stay under the block's
-``chunk_bytes``; each module then computes its quantities from its kept input and its
-slice, as the chain's modules do (:class:`.base.Call`), and the slices' results merge
-(:meth:`.base.SecondOrderExtension.merge_chunks`). The first slice carries one more
-vector, ``∂L/∂z``, whose image at each module's output is the check above.
+trainable parameters by VJPs (``torch.autograd.grad`` with those outputs' autograd
+edges as inputs), one column of ``V`` per backward: autograd's batching over ``V``
+(``is_grads_batched``, which the Hessian probes above use, in slices under the block's
+``chunk_bytes``) holds ``V`` times every module output's gradient at once, and even
+one batched column keeps more than a plain one. Each module computes its quantities
+from its kept input and the column at its output, as the chain's modules do
+(:class:`.base.Call`), and the columns' results merge
+(:meth:`.base.SecondOrderExtension.merge_chunks`). A call whose output all samples
+share (batch axis 1, broadcast over the batch: BERT's position embeddings) gets its
+column one sample at a time. One more backward, of ``∂L/∂z``, gives its image at each
+module's output, for the check above. Measured on a small BERT (CPU, float32, ``python
+-m benchmarks.autograd_path_memory``), the peak is 1.9× a plain backward's for
+DiagGGNExact, 2.2× for KFLR, 1.7× for DiagGGNMC, and 4.5× for BatchDiagGGNExact,
+whose results alone are ``N`` times the parameters; the time grows with ``V``.
 
 Limits: records of forwards never backpropagated are held until the next backward or
 the block's end; a module with its own parameters and submodules (a ViT's
@@ -227,38 +235,26 @@ class AutogradPath:
         return out
 
     def _push(self, run, L: Tensor, g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
-        """Every kind's factor from ``z`` to each module's output, in slices of ``V``;
-        the modules' results staged in ``run``. Returns ``{id(node): the image of
-        ∂L/∂z at its output}``, for :meth:`_check`."""
+        """Every kind's factor from ``z`` to each module's output, one column of ``V``
+        per backward; the modules' results staged in ``run``. Returns ``{id(node): the
+        image of ∂L/∂z at its output}``, for :meth:`_check`."""
         nodes, edges = [r[0] for r in records], [r[1] for r in records]
         n = z_node.out_shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
-        per_v = sum(prod(node.out_shape) * (n if i in shared else 1) for i, node in enumerate(nodes))
-        step = max(1, int(self.engine.budget // max(per_v * g_z.element_size() * 2, 1)))
+        expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
-        expected: dict = {}
-        first = True
         for kind, S in self._factors(L, z_node.out_shape).items():
             exts = [e for e in self.engine.extensions if kind in e.kinds]
-            for start in range(0, S.shape[0], step):
-                chunk = S[start : start + step]
-                lead = torch.cat([g_z.unsqueeze(0), chunk]) if first else chunk
-                grads = list(
-                    torch.autograd.grad([z], edges, [lead], is_grads_batched=True, retain_graph=True, allow_unused=True)
-                )
-                if first:
-                    for node, G in zip(nodes, grads):
-                        if G is not None:
-                            expected[id(node)] = _summary(G[0])
-                    grads = [None if G is None else G[1:] for G in grads]
+            for s in S:
+                grads = _vjps(z, edges, s)
                 if shared:
-                    for i, G in zip(shared, _per_sample(z, [edges[i] for i in shared], chunk)):
+                    for i, G in zip(shared, _per_sample(z, [edges[i] for i in shared], s)):
                         grads[i] = G
-                for i, (node, G) in enumerate(zip(nodes, grads)):
+                for i, node in enumerate(nodes):
+                    G, grads[i] = grads[i], None  # freed once used
                     if G is not None:
-                        G = backprop._in_compute_dtype(node, G.detach())
+                        G = backprop._in_compute_dtype(node, G.detach().unsqueeze(0))
                         self._compute(node, acc[i], exts, kind, G, i in shared)
-                first = False
         for node, results in zip(nodes, acc):
             self.engine.stage(
                 run,
@@ -335,14 +331,20 @@ def _shared(node, n: int) -> bool:
     )
 
 
-def _per_sample(z: GradientEdge, edges: list, S: Tensor) -> list[Tensor | None]:
-    """``S [v, N, *z]`` to shared outputs ``[1, *out]``, one sample at a time:
-    ``[v, N, 1, *out]`` (the VJP of the whole factor would sum the samples)."""
-    v, n = S.shape[:2]
-    eye = torch.eye(n, dtype=S.dtype, device=S.device).reshape(1, n, n, *([1] * (S.dim() - 2)))
-    spread = (S.unsqueeze(1) * eye).reshape(v * n, *S.shape[1:])  # column (j, m): sample m of S[j]
-    grads = torch.autograd.grad([z], edges, [spread], is_grads_batched=True, retain_graph=True, allow_unused=True)
-    return [None if G is None else G.reshape(v, n, *G.shape[1:]) for G in grads]
+def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
+    """One column ``s [N, *z]`` to each edge (``None`` where unused)."""
+    return list(torch.autograd.grad([z], edges, [s], retain_graph=True, allow_unused=True))
+
+
+def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
+    """One column ``s [N, *z]`` to shared outputs ``[1, *out]``, one sample at a time
+    (the VJP of the whole column would sum the samples): ``[N, 1, *out]``."""
+    parts = []
+    for m in range(s.shape[0]):
+        one = torch.zeros_like(s)
+        one[m] = s[m]
+        parts.append(_vjps(z, edges, one))
+    return [None if parts[0][k] is None else torch.stack([p[k] for p in parts]) for k in range(len(edges))]
 
 
 def _across_samples(ext, parts: list[dict]) -> dict:
