@@ -258,6 +258,16 @@ def test_kflr_is_the_exact_ggn_block_for_one_sample():
         torch.testing.assert_close(got, ref[name], msg=name)
 
 
+def test_a_loss_linear_in_the_output_has_a_zero_ggn():
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        (2 * model(X)).sum().backward()
+    for p in model.parameters():
+        assert torch.equal(p.diag_ggn_exact, torch.zeros_like(p))
+        assert p.diag_ggn_exact_batch.shape == (3, *p.shape) and not p.diag_ggn_exact_batch.any()
+
+
 # -- refusals ---------------------------------------------------------------------
 
 

@@ -203,6 +203,7 @@ class AutogradPath:
                 "module and the loss. Compute the loss from the model's output directly"
             )
         keep = (lam > tol).any(0)
+        keep[-1] = True  # one column at least: a loss linear in z has a GGN of zeros, not none
         L = U[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)
         return L, g_z.detach()
 
