@@ -156,6 +156,7 @@ class extend:
             ]
             once = any(getattr(getattr(e, "recorder", None), "once", False) for e in self._engines)
             recorder.sink(self._on_record, once)
+            self._watch.on_backward = self._on_backward
             self._watch.open(self._owner)
         except BaseException:
             self.__exit__(*sys.exc_info())
@@ -250,6 +251,11 @@ class extend:
             if new is not None:
                 replaced = new
         return replaced
+
+    def _on_backward(self, tensors, grad_tensors) -> None:
+        """A backward of the block's thread is about to begin: to every engine."""
+        for engine in self._engines:
+            engine.on_backward(tensors, grad_tensors, len(self._engines) == 1)
 
     def _on_record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A tracked call's output gradients arrived: to every engine. Returns the summed

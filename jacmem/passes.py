@@ -34,6 +34,9 @@ class Engine:
     - ``on_record(record)``: the output gradients of a call recorded by
       :func:`jacmem.track` arrived (the block's own calls reach the engine by the hooks
       it set); return the summed gradients where the engine computed them, or None.
+    - ``on_backward(tensors, grad_tensors, alone)``: a backward (``torch.autograd.backward``
+      or ``grad``, outside any other) of the block's thread is about to begin;
+      ``alone``: no other engine runs in the block.
     - ``new_state()``: this engine's state for one backward pass.
     - ``finish(state)``: the pass ended; compute the final results from ``state``, write
       nothing, and return them as ``(object, attribute, value)``.
@@ -56,6 +59,9 @@ class Engine:
 
     def on_record(self, record) -> dict | None:
         return None
+
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        pass
 
     def new_state(self) -> Any:
         return None

@@ -270,12 +270,16 @@ class UntrackedWatch:
     thread that began outside any other backward and in which no pass of the block
     began, the graph is searched (at most :data:`_SEARCH_NODES` nodes) for a parameter's
     AccumulateGrad; if one is there, the block warns, once, naming ``jacmem.track``. A
-    backward the block took part in costs one comparison; the wrappers go at exit."""
+    backward the block took part in costs one comparison; the wrappers go at exit.
+    Before such a backward begins, ``on_backward(tensors, grad_tensors)`` runs."""
 
     _SEARCH_NODES = 10_000
 
-    def __init__(self, passes):
+    def __init__(self, passes, on_backward: Callable | None = None):
         self.passes = passes
+        #: ``(tensors, grad_tensors)``: a backward of the block's thread is about to
+        #: begin (the second-order engine's autograd path starts there)
+        self.on_backward = on_backward
         self.owner: int | None = None
         self.warned = False
         self.originals: tuple | None = None
@@ -283,8 +287,8 @@ class UntrackedWatch:
     def open(self, owner: int) -> None:
         self.owner = owner
         self.originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = self._wrap(self.originals[0])
-        torch.autograd.grad = self._wrap(self.originals[1])
+        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors")
+        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs")
 
     def close(self) -> None:
         if self.originals is None:
@@ -294,10 +298,17 @@ class UntrackedWatch:
                 setattr(torch.autograd, attr, original)
         self.originals, self.owner = None, None
 
-    def _wrap(self, original):
+    def _wrap(self, original, at: int, keyword: str):
+        """``original``, watched; its output gradients are argument ``at`` (after the
+        tensors) or ``keyword``."""
+
         @functools.wraps(original)
         def watched(tensors, *args, **kwargs):
-            if self.warned or threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
+            if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
+                return original(tensors, *args, **kwargs)
+            if self.on_backward is not None:
+                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword))
+            if self.warned:
                 return original(tensors, *args, **kwargs)
             started = self.passes.started
             out = original(tensors, *args, **kwargs)

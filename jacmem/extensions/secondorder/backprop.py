@@ -74,6 +74,7 @@ from jacmem.derivatives.jacobians import (
     lookup_passthrough,
     vjp_generic,
 )
+from jacmem.extensions.secondorder.autograd_path import AutogradPath
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
 from jacmem.notices import LIMIT, listing
@@ -153,10 +154,13 @@ class _State:
     """The engine's state in one backward pass: deposits in flight, results staged
     until its end."""
 
-    __slots__ = ("deposits", "staged")
+    __slots__ = ("deposits", "staged", "autograd")
 
     def __init__(self):
         self.deposits: dict[int, _Deposit] = {}
+        #: where the autograd path runs this pass (:mod:`.autograd_path`), what its check
+        #: expects at each module's output; the chain's hooks then stand by
+        self.autograd: dict | None = None
         #: id(param) -> (param, owner node, {savefield: value})
         self.staged: dict[int, tuple] = {}
 
@@ -239,6 +243,7 @@ class Engine(_Engine):
         self.unreduced = compat.WeakTensorKeyDictionary()
         self.mode = _Functional(self)
         self.mode.__enter__()
+        self.autograd = AutogradPath(self)
 
     def close(self) -> None:
         if self.mode is not None:
@@ -247,6 +252,7 @@ class Engine(_Engine):
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.autograd.close()
         self.producer = compat.WeakTensorKeyDictionary()
         self.merged = compat.WeakTensorKeyDictionary()
         self.unreduced = compat.WeakTensorKeyDictionary()
@@ -282,7 +288,7 @@ class Engine(_Engine):
         first = args[0] if args else None
         entry = None if loss is not None else lookup_passthrough(module, first, output)
         if loss is None and entry is None:
-            self._untracked(module, output)
+            self._untracked(module, args, kwargs, output)
             return
         self.seen.add(module)
         if not isinstance(output, Tensor) or not output.requires_grad:
@@ -368,7 +374,25 @@ class Engine(_Engine):
         for x, p in zip(inputs, node.producers):
             if p is None and x.grad_fn is not None:
                 self._mark_untracked_path(x.grad_fn, node)
+                self.autograd.untracked = True
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
+        self._first_order(node, args, kwargs, output)
+        # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
+        node.cast = output.dtype in precision.LOW
+        for x in inputs:
+            node.cast = node.cast or x.dtype in precision.LOW
+        self.producer[output] = node
+        if output.grad_fn is not None:
+            output.grad_fn.metadata["jacmem"] = weakref.ref(node)
+        # the hook (so the graph) holds the node: it goes when the graph goes
+        self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
+        self.autograd.record(node, output)
+
+    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
+        """``node.params``: the module's own trainable parameters that its first-order
+        entry covers (a warning names the others), with what that entry keeps."""
+        module = node.module
+        first = args[0] if args else None
         node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
@@ -379,15 +403,6 @@ class Engine(_Engine):
                 node.fo_entry, node.fo_hp = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
                 node.fo_x = fo.arrange_input(detached(x), **node.fo_hp)
-        # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
-        node.cast = output.dtype in precision.LOW
-        for x in inputs:
-            node.cast = node.cast or x.dtype in precision.LOW
-        self.producer[output] = node
-        if output.grad_fn is not None:
-            output.grad_fn.metadata["jacmem"] = weakref.ref(node)
-        # the hook (so the graph) holds the node: it goes when the graph goes
-        self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
 
     def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
         """Hooks on the autograd nodes of this call that take an input with a producer
@@ -431,15 +446,26 @@ class Engine(_Engine):
             via = via or fn.metadata.get("jacmem_unsupported")
             queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
-    def _untracked(self, module: nn.Module, output) -> None:
+    def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """A leaf module that nothing here can pass through: marked in the graph (for
-        the chain error), and a warning if it has trainable parameters."""
+        the chain error); one whose parameters have first-order derivatives is kept for
+        the autograd path (:mod:`.autograd_path`), any other with trainable parameters
+        is warned about."""
         if next(module.children(), None) is not None:
             return
         fn = getattr(output, "grad_fn", None)
         if fn is not None:
             fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
+            self.autograd.untracked = True
         if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return
+        if self.autograd.serves() and isinstance(output, Tensor) and output.requires_grad and lookup(module, args[0] if args else None, output):
+            self.seen.add(module)
+            node = Node(module, self.name(module), None, None)
+            node.out_shape = tuple(output.shape)
+            self._first_order(node, args, kwargs, output)
+            if node.params:
+                self.autograd.record(node, output)
             return
         self.warned.add(module)
         exts = ", ".join(map(repr, self.extensions))
@@ -473,9 +499,16 @@ class Engine(_Engine):
 
     # -- backward ------------------------------------------------------------------
 
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        self.autograd.on_backward(tensors, grad_tensors, alone)
+
     @_outside_mode
     def _on_grad(self, node: Node, grad: Tensor) -> None:
+        if self.autograd.busy:
+            return  # the autograd path's own products
         run = self.passes.state(self)
+        if run.autograd is not None:
+            return
         with precision.computing(grad.device):
             if node.loss is not None:
                 self._loss(run, node, _in_compute_dtype(node, grad) if node.cast or node.dtype else grad)
@@ -486,7 +519,11 @@ class Engine(_Engine):
     def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
         """An autograd node of ``node``'s call ran: its gradients along ``edges``
         (``(position, input)``) are the call's part of its producers' gradients."""
+        if self.autograd.busy:
+            return
         run = self.passes.state(self)
+        if run.autograd is not None:
+            return
         for k, i in edges:
             if grad_inputs[k] is not None:
                 run.deposit_grad(node, i, grad_inputs[k])
@@ -591,6 +628,17 @@ class Engine(_Engine):
         return tuple(outs)
 
     def _compute(self, run: _State, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
+        self._check_unshared(run, node)
+        call = self.call(node, factors, dense)
+        results: dict[str, dict[str, object]] = {pname: {} for pname in node.params}
+        for ext in self.extensions:
+            out = self.run_extension(ext, call)
+            for pname, value in (out or {}).items():
+                results[pname][ext.savefield] = precision.result(value, node.params[pname])
+        self.stage(run, node, results)
+
+    @staticmethod
+    def _check_unshared(run: _State, node: Node) -> None:
         for pname, p in node.params.items():
             if id(p) in run.staged:
                 raise NotImplementedError(
@@ -600,8 +648,11 @@ class Engine(_Engine):
                     "cross terms between its calls, which they do not form. Give each call its own parameter, "
                     "freeze it (requires_grad=False), or use first-order extensions, which sum the calls"
                 )
+
+    def call(self, node: Node, factors: list[Factor], dense: Tensor | None) -> Call:
+        """What the extensions see of ``node`` with these factors at its output."""
         module, offered = node.module, node.fo_entry.names()
-        call = Call(
+        return Call(
             module=module,
             name=node.name,
             params=node.params,
@@ -617,21 +668,27 @@ class Engine(_Engine):
             ),
             budget=self.budget,
         )
-        results: dict[str, dict[str, object]] = {pname: {} for pname in node.params}
-        for ext in self.extensions:
-            try:
-                out = ext.compute(call)
-            except UnsupportedModule as err:
-                if (node.module, type(ext)) not in self.warned:
-                    self.warned.add((node.module, type(ext)))
-                    self.notices.add(("second-order unsupported", ext), node.name, _unsupported_by(ext, err))
-                continue
-            except NotImplementedError:
-                raise
-            except Exception as err:
-                raise RuntimeError(f"jacmem: computing {ext!r} for module {node} failed: {err}") from err
-            for pname, value in out.items():
-                results[pname][ext.savefield] = precision.result(value, node.params[pname])
+
+    def run_extension(self, ext: SecondOrderExtension, call: Call) -> dict | None:
+        """``ext.compute(call)``; ``None`` (and a warning, once) where ``ext`` has nothing
+        for the module."""
+        try:
+            return ext.compute(call)
+        except UnsupportedModule as err:
+            if (call.module, type(ext)) not in self.warned:
+                self.warned.add((call.module, type(ext)))
+                self.notices.add(("second-order unsupported", ext), call.name, _unsupported_by(ext, err))
+            return None
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            raise RuntimeError(
+                f"jacmem: computing {ext!r} for module {call.name!r} ({type(call.module).__name__}) failed: {err}"
+            ) from err
+
+    def stage(self, run: _State, node: Node, results: dict[str, dict[str, object]]) -> None:
+        """``{param name: {savefield: value}}``, written when the pass ends."""
+        self._check_unshared(run, node)
         for pname, p in node.params.items():
             run.staged[id(p)] = (p, node, results[pname])
 

@@ -83,6 +83,14 @@ class SecondOrderExtension:
         """``{param name: result}`` for one call."""
         raise NotImplementedError
 
+    def merge_chunks(self, a: Any, b: Any) -> Any:
+        """One parameter's results from two slices of the factors' ``V`` axis, merged
+        (the autograd path, :mod:`.autograd_path`, computes in slices): summed by
+        default, tensor by tensor in a list."""
+        if isinstance(a, (list, tuple)):
+            return type(a)(x + y for x, y in zip(a, b))
+        return a + b
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 

@@ -267,6 +267,10 @@ class _KF(SecondOrderExtension):
     def output_factor(self, call: Call) -> Tensor | None:
         return output_factor_sqrt(call, self.kinds, self.kfac_approx)
 
+    def merge_chunks(self, a: list[Tensor], b: list[Tensor]) -> list[Tensor]:
+        """``G`` sums over slices of ``V``; ``A`` (the input's) is each slice's own."""
+        return [a[0] + b[0], *a[1:]]
+
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
         rule = _rule(call, self)
         if rule.input_factor is None:  # a diagonal rule

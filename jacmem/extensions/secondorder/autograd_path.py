@@ -1,0 +1,369 @@
+"""The autograd path: GGN-type curvature through operations that have no module-level
+Jacobian (functional GELU, attention, embeddings summed by ``+``, residual streams
+written any way), with no rewriting of the model.
+
+**When it runs.** The module-level chain (:mod:`.backprop`) stays the fast path; it
+runs when it is complete. The autograd path runs instead for a backward pass where,
+in the forward since the last backward, either some tracked module's input came from
+an operation no tracked module made (an untracked operation or module between two
+modules, or between a module and a loss module), or no loss module was called (a loss
+written ``F.cross_entropy(...)``, or computed inside the model). It serves the
+factor kinds of the GGN (``exact``, ``mc<M>``: DiagGGNExact/MC, their batch variants,
+KFAC, KFLR); with DiagHessian or KFRA in the block the chain runs, and raises
+:class:`.backprop.ChainError` at the operation it cannot pass. It starts where the
+block intercepts ``torch.autograd.backward`` / ``Tensor.backward`` /
+``torch.autograd.grad`` (:class:`jacmem.recorder.UntrackedWatch`), with a hook on the
+root's autograd node, so it runs inside that backward, first, while the graph is whole;
+the chain's hooks then stand by for the pass.
+
+**Where the GGN splits: the model's output** ``z [N, *]`` is the output of the last
+call (in forward order, since the last backward) of a module with trainable parameters
+that jacmem has first-order derivatives for (a classifier's head, an LM head). The GGN
+is ``Σ_n J_nᵀ H_n J_n``, with ``J_n`` the Jacobian of ``z_n`` w.r.t. the parameters
+and ``H_n`` the Hessian of the loss (the backward's root, everything after ``z``) w.r.t.
+``z_n``. Refused with :class:`.backprop.ChainError`, naming the fix: a loss that does not
+depend on ``z`` (a module with parameters called after the model, or several models
+before one backward: call the backward per model); one that reaches a parameter's
+module other than through ``z`` (an auxiliary loss on hidden states, weight decay in
+the loss: checked, in the backward, against autograd's own gradient at every such
+module's output); a loss that couples the samples (``H`` not block-diagonal over
+``n``: checked with a random probe); a loss not convex in ``z`` (``H_n`` with a negative
+eigenvalue: an operation with curvature between the head and the loss).
+
+**The loss Hessian** comes from the graph itself, by double backward from the root to
+``z`` and ``D = |z_n|`` Hessian-vector products batched over the probes ``e_d`` (each
+laid on every sample): ``H_n [D, D]`` for all ``n`` at once, whatever the loss (a loss
+module, ``F.cross_entropy`` with ``ignore_index``, HF's ``labels=`` with its shift).
+The exact factor is ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``K ≤ D``; the columns zero
+for every sample dropped). **Sequences** ``z [N, T, C]``: ``D = T·C``, and ``H_n`` is the
+whole ``[T·C, T·C]`` block of sample ``n`` (block-diagonal over tokens for a per-token
+loss), so ``Σ_v J_nᵀ S_n[:, v] S_n[:, v]ᵀ J_n = Σ_t J_tᵀ H_t J_t``: no cross terms
+``t ≠ t'``, which pushing a loss's per-token factors over all tokens at once would make.
+The Monte-Carlo kinds ``mc<M>`` use ``S_n ε / √M``, ``ε [K, M]`` standard normal, one
+draw per sample (and so per token): ``E[S Sᵀ] = H_n``, an unbiased estimate of the
+same GGN (BackPACK samples labels from the predictive distribution instead: the same
+expectation, a different estimator).
+
+**Crossing the graph.** The factors go from ``z`` to the output of every module with
+trainable parameters by VJPs (``torch.autograd.grad`` with those outputs' autograd
+edges as inputs), one column of ``V`` per backward: autograd's batching over ``V``
+(``is_grads_batched``, which the Hessian probes above use, in slices under the block's
+``chunk_bytes``) holds ``V`` times every module output's gradient at once, and even
+one batched column keeps more than a plain one. Each module computes its quantities
+from its kept input and the column at its output, as the chain's modules do
+(:class:`.base.Call`), and the columns' results merge
+(:meth:`.base.SecondOrderExtension.merge_chunks`). A call whose output all samples
+share (batch axis 1, broadcast over the batch: BERT's position embeddings) gets its
+column one sample at a time. One more backward, of ``∂L/∂z``, gives its image at each
+module's output, for the check above. Measured on a small BERT (CPU, float32, ``python
+-m benchmarks.autograd_path_memory``), the peak is 1.9× a plain backward's for
+DiagGGNExact, 2.2× for KFLR, 1.7× for DiagGGNMC, and 4.5× for BatchDiagGGNExact,
+whose results alone are ``N`` times the parameters; the time grows with ``V``.
+
+Limits: records of forwards never backpropagated are held until the next backward or
+the block's end; a module with its own parameters and submodules (a ViT's
+``cls_token``) gets nothing, as on the chain; the cost grows with ``D`` (``V = D`` for
+the exact kinds).
+"""
+
+from __future__ import annotations
+
+from math import prod, sqrt
+
+import torch
+from torch import Tensor
+from torch.autograd.graph import GradientEdge, get_gradient_edge
+
+from jacmem import hooks, precision
+from jacmem.extensions.secondorder import backprop
+from jacmem.extensions.secondorder.base import Factor
+
+#: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
+#: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
+_LOOSE = 1e-5
+
+
+def _is_ggn_kind(kind: str) -> bool:
+    return kind == "exact" or kind.startswith("mc")
+
+
+class AutogradPath:
+    """The autograd path of one second-order engine (see the module docstring)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        #: (node, its output's autograd edge) of each call of a module with parameters
+        self.records: list[tuple[backprop.Node, GradientEdge]] = []
+        #: an untracked operation fed a tracked module since the last backward
+        self.untracked = False
+        #: a loss module was called since the last backward
+        self.loss = False
+        #: the path's own products are running: every hook of the engine stands by
+        self.busy = False
+        self.handles = hooks.Handles()
+
+    def close(self) -> None:
+        hooks.remove(self.handles)
+        self.records = []
+
+    def serves(self) -> bool:
+        """Whether the block's extensions are all GGN-type (else the chain runs)."""
+        return all(_is_ggn_kind(k) for k in self.engine.kinds)
+
+    # -- forward -------------------------------------------------------------------
+
+    def record(self, node: backprop.Node, output: Tensor) -> None:
+        """A call the engine kept: a loss, or a module whose parameters the path serves."""
+        if node.loss is not None:
+            self.loss = True
+        if not node.params:
+            return
+        self.records.append((node, get_gradient_edge(output)))
+        self.handles.add(output.register_hook(lambda grad: self._check(node, grad)))
+
+    # -- backward ------------------------------------------------------------------
+
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        """A backward is about to begin: where the chain is incomplete and the block's
+        extensions are GGN-type, hook the path onto the root (``alone``: no first-order
+        engine in the block, whose hooks would see the path's batched products)."""
+        records, self.records = self.records, []
+        needed, self.untracked, self.loss = self.untracked or not self.loss, False, False
+        if not records or not needed or not self.serves():
+            return
+        if not alone:
+            raise NotImplementedError(
+                "jacmem: this model's curvature needs the autograd path (operations with no module-level "
+                "Jacobian lie between its modules and the loss), which does not run beside first-order "
+                "extensions: compute them in a separate block and backward"
+            )
+        roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
+        if len(roots) != 1 or roots[0].grad_fn is None:
+            raise backprop.ChainError(
+                f"jacmem: the curvature of this model goes through operations that only autograd can "
+                f"differentiate, which needs a backward from one loss tensor; this one starts from {len(roots)} "
+                "tensors: sum the losses first (torch.stack(losses).sum().backward())"
+            )
+        root = get_gradient_edge(roots[0])
+        handle = None
+
+        def start(grad_outputs):
+            if self.busy:
+                return
+            handle.remove()
+            self._run(root, grad_outputs[root.output_nr], records)
+
+        handle = root.node.register_prehook(start)
+        self.handles.add(handle)
+
+    def _run(self, root: GradientEdge, g_root: Tensor, records: list) -> None:
+        run = self.engine.passes.state(self.engine)
+        self.busy = True
+        try:
+            with torch.enable_grad(), precision.computing(g_root.device):
+                z_node, z = records[-1]
+                L, g_z = self._loss_factor(root, g_root, z_node, z)
+                run.autograd = self._push(run, L, g_z, z_node, z, records)
+        finally:
+            self.busy = False
+
+    def _loss_factor(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge) -> tuple[Tensor, Tensor]:
+        """``(L [N, D, K], ∂L/∂z)``: ``L_n L_nᵀ = H_n``, the loss Hessian of sample ``n``
+        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
+        (g_z,) = torch.autograd.grad([root], [z], [g_root], create_graph=True, retain_graph=True, allow_unused=True)
+        if g_z is None:
+            raise backprop.ChainError(
+                f"jacmem: the loss does not depend on the output of module {z_node}, the last module with trainable "
+                "parameters called before this backward, where the GGN splits (the autograd path takes it for the "
+                "model's output): call the loss's backward after each model's forward, with no module with "
+                "parameters called after the model"
+            )
+        n, shape = z_node.out_shape[0], z_node.out_shape[1:]
+        d = prod(shape)
+        H = g_z.new_zeros(d, n, d)
+        if g_z.requires_grad:  # else the loss is linear in z: H = 0
+            step = max(1, int(self.engine.budget // max(n * d * g_z.element_size() * 4, 1)))
+            for start in range(0, d, step):
+                k = min(step, d - start)
+                E = torch.zeros(k, n, d, dtype=g_z.dtype, device=g_z.device)
+                E[torch.arange(k), :, torch.arange(start, start + k)] = 1
+                (Hk,) = torch.autograd.grad(
+                    [g_z], [z], [E.reshape(k, n, *shape)], is_grads_batched=True, retain_graph=True
+                )
+                H[start : start + k] = Hk.reshape(k, n, d)
+            self._check_separable(g_z, z, H, z_node)
+        H = H.permute(1, 2, 0)  # [N, D (row), D (probe)]
+        lam, U = torch.linalg.eigh((H + H.transpose(1, 2)) / 2)
+        top = float(lam.abs().max())
+        tol = top * d * torch.finfo(lam.dtype).eps * 10
+        if bool((lam < -max(tol, _LOOSE * top)).any()):
+            raise backprop.ChainError(
+                f"jacmem: the loss is not convex in the output of module {z_node}, where the GGN splits (its Hessian "
+                f"there has the eigenvalue {float(lam.min()):.3g}): some operation with curvature lies between that "
+                "module and the loss. Compute the loss from the model's output directly"
+            )
+        keep = (lam > tol).any(0)
+        keep[-1] = True  # one column at least: a loss linear in z has a GGN of zeros, not none
+        L = U[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)
+        return L, g_z.detach()
+
+    def _check_separable(self, g_z: Tensor, z: GradientEdge, H: Tensor, z_node) -> None:
+        """``H [D, N, D]`` holds every sample's Hessian block only if the loss has no
+        cross-sample terms: checked on one random vector against the whole Hessian."""
+        n = H.shape[1]
+        w = torch.randn(g_z.shape, dtype=g_z.dtype, device=g_z.device)
+        (Hw,) = torch.autograd.grad([g_z], [z], [w], retain_graph=True)
+        blocks = torch.einsum("dne,ne->nd", H, w.reshape(n, -1))
+        diff, scale = float((Hw.reshape(n, -1) - blocks).norm()), float(Hw.norm() + blocks.norm())
+        if diff > max(backprop._tolerance(g_z.dtype), _LOOSE) * max(scale, torch.finfo(g_z.dtype).tiny):
+            raise backprop.ChainError(
+                f"jacmem: the loss couples the samples at the output of module {z_node}, where the GGN splits (its "
+                "Hessian there is not block-diagonal over the batch), so it has no per-sample GGN: compute the loss "
+                "as a sum or mean of per-sample terms"
+            )
+
+    def _factors(self, L: Tensor, shape: tuple[int, ...]) -> dict[str, Tensor]:
+        """Each GGN kind's factor at ``z``, ``[V, N, *z]`` (module docstring)."""
+        n, _, k = L.shape
+        out = {}
+        for kind in sorted(self.engine.kinds):
+            if kind == "exact":
+                out[kind] = L.permute(2, 0, 1).reshape(k, *shape)
+            else:
+                m = int(kind[2:])
+                eps = torch.randn(m, n, k, dtype=L.dtype, device=L.device)
+                out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
+        return out
+
+    def _push(self, run, L: Tensor, g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
+        """Every kind's factor from ``z`` to each module's output, one column of ``V``
+        per backward; the modules' results staged in ``run``. Returns ``{id(node): the
+        image of ∂L/∂z at its output}``, for :meth:`_check`."""
+        nodes, edges = [r[0] for r in records], [r[1] for r in records]
+        n = z_node.out_shape[0]
+        shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
+        expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
+        acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
+        for kind, S in self._factors(L, z_node.out_shape).items():
+            exts = [e for e in self.engine.extensions if kind in e.kinds]
+            for s in S:
+                grads = _vjps(z, edges, s)
+                if shared:
+                    for i, G in zip(shared, _per_sample(z, [edges[i] for i in shared], s)):
+                        grads[i] = G
+                for i, node in enumerate(nodes):
+                    G, grads[i] = grads[i], None  # freed once used
+                    if G is not None:
+                        G = backprop._in_compute_dtype(node, G.detach().unsqueeze(0))
+                        self._compute(node, acc[i], exts, kind, G, i in shared)
+        for node, results in zip(nodes, acc):
+            self.engine.stage(
+                run,
+                node,
+                {
+                    p: {e.savefield: precision.result(v, node.params[p]) for e, v in results.get(p, {}).items()}
+                    for p in node.params
+                },
+            )
+        return expected
+
+    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
+        """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
+        shared call's: ``[v, N, 1, *out]``, one sample's slice at a time), merged into
+        ``acc`` (``{param: {ext: result}}``)."""
+        parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
+        for ext in exts:
+            if shared:
+                got = [part[ext] for part in parts if ext in part]
+                out = _across_samples(ext, got) if got else None
+            else:
+                out = self._results(node, [ext], kind, G).get(ext)
+            for pname, value in (out or {}).items():
+                have = acc.setdefault(pname, {}).get(ext)
+                acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
+
+    def _results(self, node, exts: list, kind: str, G: Tensor) -> dict:
+        """``{ext: {param: result}}`` from the factor ``G [v, N, *out]``."""
+        call = self.engine.call(node, [Factor(kind, 1.0, G)], None)
+        out = {}
+        for ext in exts:
+            res = self.engine.run_extension(ext, call)
+            if res is not None:
+                out[ext] = res
+        return out
+
+    def _check(self, node: backprop.Node, grad: Tensor) -> None:
+        """autograd's gradient at a module's output, where the path ran: all of it must
+        have come through ``z`` (module docstring)."""
+        if self.busy:
+            return
+        run = self.engine.passes.state(self.engine)
+        if run.autograd is None:
+            return
+        want = run.autograd.get(id(node))
+        have = _summary(grad)
+        norm = have[0] + (want[0] if want is not None else 0.0)
+        tol = backprop._tolerance(grad.dtype) * max(norm, torch.finfo(grad.dtype).tiny)
+        if want is None:
+            off = have[0] > tol
+        else:
+            off = abs(have[0] - want[0]) > tol or abs(have[1] - want[1]) > tol * sqrt(grad.numel())
+        if off:
+            raise backprop.ChainError(
+                f"jacmem: the output of module {node} reaches the loss other than through the model's output, where "
+                "the GGN splits (the autograd path takes it to be the output of the last module with trainable "
+                "parameters called before the backward): compute the loss from the model's output alone (no "
+                "auxiliary losses on hidden states or parameters), or freeze that module's parameters"
+            )
+
+
+def _shared(node, n: int) -> bool:
+    """A call whose output all ``n`` samples share (batch axis 1, broadcast over the
+    batch: BERT's position embeddings); raises where its batch axis is neither."""
+    b = node.out_shape[0] if node.out_shape else None
+    if b == n:
+        return False
+    if b == 1:
+        return True
+    raise backprop.ChainError(
+        f"jacmem: the output of module {node} has {b} rows where the model's output has {n} samples: the "
+        "autograd path needs every module with parameters called per sample (batch axis first) or once for "
+        "all samples (batch axis 1). Keep the batch axis through the model (no flattening of tokens into it)"
+    )
+
+
+def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
+    """One column ``s [N, *z]`` to each edge (``None`` where unused)."""
+    return list(torch.autograd.grad([z], edges, [s], retain_graph=True, allow_unused=True))
+
+
+def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
+    """One column ``s [N, *z]`` to shared outputs ``[1, *out]``, one sample at a time
+    (the VJP of the whole column would sum the samples): ``[N, 1, *out]``."""
+    parts = []
+    for m in range(s.shape[0]):
+        one = torch.zeros_like(s)
+        one[m] = s[m]
+        parts.append(_vjps(z, edges, one))
+    return [None if parts[0][k] is None else torch.stack([p[k] for p in parts]) for k in range(len(edges))]
+
+
+def _across_samples(ext, parts: list[dict]) -> dict:
+    """One shared call's results, sample by sample, as one: a per-sample quantity
+    (``ext.batch``) stacks them, any other merges them."""
+    out = {}
+    for pname in parts[0]:
+        values = [part[pname] for part in parts]
+        if getattr(ext, "batch", False):
+            out[pname] = torch.cat(values)
+        else:
+            merged = values[0]
+            for value in values[1:]:
+                merged = ext.merge_chunks(merged, value)
+            out[pname] = merged
+    return out
+
+
+def _summary(g: Tensor) -> tuple[float, float]:
+    """What the check compares of a gradient: its norm and its sum."""
+    return float(g.norm()), float(g.sum())
