@@ -272,7 +272,6 @@ def test_laplace_on_stock_torchvision_resnet18():
     close(H, ref_H)
 
 
-@pytest.mark.xfail(strict=True, reason="needs curv-autograd")
 def test_laplace_on_hf_bert_classifier():
     transformers = pytest.importorskip("transformers")
     config = transformers.BertConfig(

@@ -129,6 +129,8 @@ class Node:
         self.cast = False
         #: the dtype it computes in, where that is not what autograd hands it
         self.dtype: torch.dtype | None = None
+        #: ``inputs`` are the call's every argument (curvature-matrix products rerun it)
+        self.whole = False
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
@@ -366,7 +368,6 @@ class Engine(_Engine):
         node.hp = (loss or entry).params(module)
         keep = entry is None or entry.keep_input
         node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
-        #: ``inputs`` are the call's every argument (forward(*inputs) repeats it)
         node.whole = keep and len(inputs) == len(args) and not kwargs
         node.out = output.detach() if entry is not None and (entry.keep_output or entry.df is not None) else None
         node.out_shape = tuple(output.shape)
@@ -459,7 +460,12 @@ class Engine(_Engine):
             self.autograd.untracked = True
         if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
             return
-        if self.autograd.serves() and isinstance(output, Tensor) and output.requires_grad and lookup(module, args[0] if args else None, output):
+        if (
+            self.autograd.serves()
+            and isinstance(output, Tensor)
+            and output.requires_grad
+            and lookup(module, args[0] if args else None, output)
+        ):
             self.seen.add(module)
             node = Node(module, self.name(module), None, None)
             node.out_shape = tuple(output.shape)
