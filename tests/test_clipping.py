@@ -444,8 +444,7 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch():
 
     if not dist.is_available() or not dist.is_gloo_available():
         pytest.skip("no gloo backend in this build")
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method=method)
+    mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])

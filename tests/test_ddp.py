@@ -109,7 +109,6 @@ def free_port() -> int:
 
 @pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this build")
 def test_two_ranks_equal_one_process_on_the_concatenated_batch():
-    # fork where there is one: the children start with torch and jacmem imported (spawn
-    # imports them again, which is most of this test's time)
-    method = "fork" if "fork" in mp.get_all_start_methods() else "spawn"
-    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method=method)
+    # spawn, not fork: a fork inherits the state of every test before it (a lock held by
+    # another thread at the fork left a rank waiting forever after the benchmark tests)
+    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
