@@ -8,7 +8,9 @@ Each step (forward + backward) is timed alternately plain and with jacmem (media
 the repeats, after warm-ups, in one process); the overhead per layer call is
 ``(jacmem - plain) / calls``, where ``calls`` counts the module calls jacmem recorded.
 The arithmetic jacmem adds (per-sample gradients of 4 samples) is in that difference
-too, so it bounds the Python work from above.
+too, so it bounds the Python work from above. torch.func's per-sample gradients (vmap
+over grad) of the same model are timed the same way, for scale: at this size every
+method pays for many small kernels.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 import jacmem
+from benchmarks.methods import prepare
 from benchmarks.models import CausalLM, _tokens
 
 
@@ -31,6 +34,14 @@ def _time(step, repeats: int) -> list[float]:
         step()
         times.append(time.perf_counter() - start)
     return times
+
+
+def _paired(plain, step, repeats: int) -> tuple[float, float]:
+    """Medians of ``plain`` and ``step`` timed alternately, after three warm-ups of each."""
+    for _ in range(3):
+        plain(), step()
+    pairs = [(_time(plain, 1)[0], _time(step, 1)[0]) for _ in range(repeats)]
+    return statistics.median(p for p, _ in pairs), statistics.median(e for _, e in pairs)
 
 
 def measure(layers: int, d: int, batch: int, tokens: int, repeats: int) -> dict:
@@ -55,14 +66,12 @@ def measure(layers: int, d: int, batch: int, tokens: int, repeats: int) -> dict:
 
     out = {}
     for name in ("BatchGrad", "BatchL2Grad"):
-        step = extended(getattr(jacmem, name)())
-        for _ in range(3):
-            plain(), step()
-        pairs = [(_time(plain, 1)[0], _time(step, 1)[0]) for _ in range(repeats)]
-        t_plain = statistics.median(p for p, _ in pairs)
-        t_ext = statistics.median(e for _, e in pairs)
+        t_plain, t_ext = _paired(plain, extended(getattr(jacmem, name)()), repeats)
         params = calls[-1]
         out[name] = dict(plain=t_plain, jacmem=t_ext, params=params, per_param=(t_ext - t_plain) / params)
+    # the same per-sample gradients by torch.func (vmap over grad), for scale
+    t_plain, t_func = _paired(plain, prepare("torch.func", model, X, y, {}), repeats)
+    out["torch.func (BatchGrad's quantity)"] = dict(plain=t_plain, jacmem=t_func, params=None, per_param=None)
     return out
 
 
@@ -76,12 +85,13 @@ def main(argv=None) -> None:
     torch.set_num_threads(args.threads)
     results = measure(args.layers, 64, args.batch, 32, args.repeats)
     print(f"HF GPT-2, {args.layers} layers, d=64, T=32, N={args.batch}, {args.threads} threads, {args.repeats} pairs")
-    print("| extension | plain ms | jacmem ms | ratio | parameters | overhead per parameter |")
+    print("| method | plain ms | method ms | ratio | parameters | overhead per parameter |")
     print("|---|---|---|---|---|---|")
     for name, r in results.items():
+        per_param = "" if r["per_param"] is None else f"{r['per_param'] * 1e6:.0f} µs"
         print(
             f"| {name} | {r['plain'] * 1e3:.1f} | {r['jacmem'] * 1e3:.1f} | {r['jacmem'] / r['plain']:.2f}x | "
-            f"{r['params']} | {r['per_param'] * 1e6:.0f} µs |"
+            f"{r['params'] or ''} | {per_param} |"
         )
 
 
