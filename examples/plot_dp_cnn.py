@@ -91,7 +91,6 @@ def plot(losses: list[float], epsilons: dict[int, float], path: Path) -> None:
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

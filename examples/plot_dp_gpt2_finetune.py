@@ -54,6 +54,20 @@ def tiny_gpt2() -> GPT2LMHeadModel:
     return model
 
 
+def plot(history: list[tuple[int, float, float]]) -> None:
+    """The mean training loss and ε after each epoch (left open: the gallery shows it)."""
+    from matplotlib import pyplot as plt
+
+    epochs, losses, epsilons = zip(*history)
+    fig, (ax_loss, ax_eps) = plt.subplots(1, 2, figsize=(10, 3.5), layout="constrained")
+    ax_loss.plot(epochs, losses, marker="o")
+    ax_loss.set(xlabel="epoch", ylabel="mean training loss", title="next-token loss")
+    ax_eps.plot(epochs, epsilons, marker="o", color="C1")
+    ax_eps.set(xlabel="epoch", ylabel=f"ε at δ = {DELTA:g}", title="privacy spent")
+    for ax in (ax_loss, ax_eps):
+        ax.set_xticks(epochs)
+
+
 def main() -> None:
     model = tiny_gpt2()
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -68,6 +82,7 @@ def main() -> None:
         module=model, optimizer=optimizer, data_loader=loader, noise_multiplier=SIGMA, max_grad_norm=C
     )
     assert private is model  # the Hugging Face model itself
+    history = []  # (epoch, mean loss, ε)
     try:
         for epoch in range(EPOCHS):
             losses = []
@@ -78,10 +93,11 @@ def main() -> None:
                 optimizer.step()
                 if len(ids):
                     losses.append(loss.item())
-            epsilon = engine.get_epsilon(DELTA)
-            print(f"epoch {epoch + 1}: mean loss {sum(losses) / len(losses):.3f}, ε = {epsilon:.2f} at δ = {DELTA:g}")
+            history.append((epoch + 1, sum(losses) / len(losses), engine.get_epsilon(DELTA)))
+            print(f"epoch {epoch + 1}: mean loss {history[-1][1]:.3f}, ε = {history[-1][2]:.2f} at δ = {DELTA:g}")
     finally:
         engine.detach()
+    plot(history)
     prompt = torch.tensor([[3, 5, 7]])
     out = model.generate(prompt, max_new_tokens=6, do_sample=False, pad_token_id=0)
     print(f"prompt {prompt[0].tolist()} -> generated {out[0, 3:].tolist()}")

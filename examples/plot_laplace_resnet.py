@@ -156,7 +156,6 @@ def main(argv=None) -> dict[str, list[tuple[float, float]]]:
     fig.tight_layout()
     args.out.mkdir(parents=True, exist_ok=True)
     fig.savefig(args.out / "plot_laplace_resnet.png", dpi=100)
-    plt.close(fig)
     return results
 
 
