@@ -15,13 +15,14 @@ from __future__ import annotations
 
 import copy
 import gc
-import json
 import os
 import resource
 import statistics
 import sys
 import time
 import warnings
+
+from benchmarks.run import answer
 
 
 def _rss_bytes() -> int:
@@ -108,12 +109,7 @@ def run(case: dict) -> dict:
 
 
 def main() -> None:
-    case = json.loads(sys.argv[1])
-    try:
-        result = run(case)
-    except Exception as err:  # reported as n/a in the table, with the reason
-        result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
-    print("RESULT " + json.dumps(result), flush=True)
+    answer(sys.argv[1], run)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import copy
 import gc
-import json
 import re
 import resource
 import statistics
@@ -226,12 +225,7 @@ def main(argv=None) -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        case = json.loads(args.child)
-        try:
-            result = child(case)
-        except Exception as err:  # an engine that refuses the model: "fails: <reason>" in the table
-            result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
-        print("RESULT " + json.dumps(result), flush=True)
+        run.answer(args.child, child)
         return
     args.repeats = args.repeats or (1 if args.quick else 7)
     args.seconds = 0.0 if args.quick else args.seconds

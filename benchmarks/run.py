@@ -104,6 +104,18 @@ def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: 
     return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
 
 
+def answer(case_json: str, fn) -> None:
+    """The child's side of :func:`run_case`: print ``fn(case)`` after ``RESULT ``, or,
+    where it raises (an engine that refuses the model), the case with an ``error``
+    (the table's "fails: <reason>")."""
+    case = json.loads(case_json)
+    try:
+        result = fn(case)
+    except Exception as err:
+        result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
 #: glibc settings for the timed process: freed memory stays in the heap for the next
 #: step, as jemalloc or tcmalloc would keep it. With glibc's defaults every buffer over
 #: 32 MiB is a fresh mapping, and on the benchmark machine (a VM) each fresh 4 KiB page

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import re
 import resource
 import statistics
@@ -360,12 +359,7 @@ def main(argv=None) -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        case = json.loads(args.child)
-        try:
-            result = child(case)
-        except Exception as err:
-            result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:160])
-        print("RESULT " + json.dumps(result), flush=True)
+        run.answer(args.child, child)
         return
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.warmup = 1
