@@ -333,29 +333,26 @@ def _ddp_worker(rank: int, port: int) -> None:
         model = net()
         X, y = batch(2 * N)
         expected = loop_step(copy.deepcopy(model), [(X, y)], FLAT, "flat")
-        ddp = nn.parallel.DistributedDataParallel(model)
         eng = PrivacyEngine()
         rows = slice(rank * N, (rank + 1) * N)
-        _, opt, _ = eng.make_private(
-            module=ddp, optimizer=torch.optim.SGD(ddp.parameters(), lr=LR), data_loader=loader(X, y, 2 * N),
-            noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
-        )  # fmt: skip
-        try:
-            train(ddp, opt, [(X[rows], y[rows])])
-        finally:
-            eng.detach()
+
+        def step_on_own_rows(module: nn.Module) -> None:
+            """One private step of ``module`` on this rank's rows of the batch."""
+            _, opt, _ = eng.make_private(
+                module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
+                data_loader=loader(X, y, 2 * N), noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+            )  # fmt: skip
+            try:
+                train(module, opt, [(X[rows], y[rows])])
+            finally:
+                eng.detach()
+
+        step_on_own_rows(nn.parallel.DistributedDataParallel(model))
         assert_params(model, expected, f"rank {rank} DDP")
 
         torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
         model = net()
-        _, opt, _ = eng.make_private(
-            module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(X, y, 2 * N),
-            noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
-        )  # fmt: skip
-        try:
-            train(model, opt, [(X[rows], y[rows])])
-        finally:
-            eng.detach()
+        step_on_own_rows(model)
         assert_params(model, expected, f"rank {rank} process group")
     finally:
         dist.destroy_process_group()
