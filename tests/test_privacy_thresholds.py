@@ -20,6 +20,7 @@ from reference import cross_entropy, per_sample_grads
 from test_privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private
 from torch import nn
 
+import jacmem
 from jacmem.privacy import PrivacyEngine
 
 pytestmark = [
@@ -248,3 +249,31 @@ def test_adaptive_clipping_takes_opacus_checks(engine):
             module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(*batch()),
             noise_multiplier=5.0, max_grad_norm=FLAT, clipping="adaptive", **ADAPTIVE,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_clip_grad_reads_a_callable_threshold_in_every_pass(clipping):
+    """Without the engine: ``ClipGrad(max_norm=callable)`` clips each pass at what the
+    callable returns then; ``unclipped`` counts the flat clip's ``c_i = 1``."""
+    model = net()
+    ref = copy.deepcopy(model)
+    first = FLAT if clipping == "flat" else medians(model, *batch())
+    current = {"max_norm": first}
+
+    def threshold():
+        max_norm = current["max_norm"]
+        return max_norm if clipping == "flat" else dict(zip(model.parameters(), max_norm))
+
+    clip = jacmem.ClipGrad(threshold, clipping=clipping)
+    for t, factor in enumerate((1.0, 0.9)):
+        current["max_norm"] = scaled(first, factor)
+        X, y = passes(t)[0]
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(clip):
+            nn.functional.cross_entropy(model(X), y).backward()
+        close([p.grad for p in model.parameters()], clipped_sum(ref, [(X, y)], current["max_norm"], clipping), f"{t}")
+        if clipping == "flat":
+            grads = per_sample_grads(ref, X, y, cross_entropy, "sum").values()
+            norms = torch.cat([g.flatten(1) for g in grads], 1).norm(dim=1)
+            assert int(clip.unclipped) == int((current["max_norm"] / (norms + 1e-6) >= 1).sum()) > 0
+        clip.reset()
