@@ -195,7 +195,11 @@ class Clipping(FirstOrder):
         count = n
         for group, params in self.groups():  # every group holds the same samples: each gives the global count
             sums, count = distributed.sum_over_ranks(group, params, sums, n)
-        writes: list[Write] = [(self.clip, "norms", norms), (self.clip, "samples", self.clip.samples + count)]
+        writes: list[Write] = [
+            (self.clip, "norms", norms),
+            (self.clip, "samples", self.clip.samples + count),
+            (self.clip, "unclipped", self.clip.count_unclipped(factors)),
+        ]
         for key, s in staged.items():
             value = precision.result(sums[key], s.param)
             writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))

@@ -45,13 +45,18 @@ drawn once per step for the global batch under ``DistributedDataParallel``.
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine as OpacusEngine
 from opacus.accountants.utils import get_noise_multiplier
-from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+from opacus.optimizers import (
+    AdaClipDPOptimizer,
+    DistributedDPOptimizerFastGradientClipping,
+    DPOptimizerFastGradientClipping,
+)
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
@@ -59,9 +64,9 @@ from jacmem import hooks, recorder
 from jacmem.context import extend
 from jacmem.extensions.clipping import ClipGrad, check
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
 
-CLIPPING = ("flat", "per_layer", "automatic")
+CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
 
 
 class _Private(extend):
@@ -118,11 +123,73 @@ class _ClippedSum:
     as the clipped sum already: backward passes are counted (each adds its clipped sum
     to ``.grad``), ``k`` of them make the accountant's sampling rate ``k·q`` and the
     divisor ``B·k``, as Opacus's per-sample optimizers count them; a parameter no sample
-    reached (an empty Poisson batch) has a zero clipped sum and gets noise alone."""
+    reached (an empty Poisson batch) has a zero clipped sum and gets noise alone.
+
+    The clipping threshold is the optimizer's: the block's :class:`ClipGrad` reads it
+    from :meth:`clip_threshold` in every backward pass, so that what Opacus's grad-clip
+    schedulers (or adaptive clipping) set between steps clips the next step's passes,
+    and the noise of a step has the ``C`` its passes were clipped at."""
 
     private: _Private
     #: the block's pass count at the last step or zero_grad
     _mark = 0
+    #: per_layer: one threshold per parameter of ``self.params``, in its order (as
+    #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
+    max_grad_norms: list[float] | None = None
+    #: the threshold the passes since the last step were clipped at (None before the first)
+    _held: float | list[float] | None = None
+
+    def _own_threshold(self, private: _Private, max_grad_norm: float | Sequence[float]) -> float:
+        """Take the block's clipping threshold over (before Opacus's ``__init__``, to which
+        it returns the noise's ``C``)."""
+        self.private = private
+        private.clip.max_norm = self.clip_threshold
+        if isinstance(max_grad_norm, numbers.Real):
+            return max_grad_norm
+        self.max_grad_norms = [float(c) for c in max_grad_norm]
+        return self.max_grad_norm
+
+    @property
+    def max_grad_norm(self) -> float:
+        """``C``, the noise's scale: the clipping threshold, or with per-layer thresholds
+        their Euclidean norm (the clipped sum's sensitivity). Setting it (as Opacus's
+        grad-clip schedulers do) sets the threshold of the next backward pass; per
+        layer, it scales every threshold by the same factor (Opacus's per-layer
+        optimizer would scale its noise alone, and leave its clipping as it was)."""
+        if self.max_grad_norms is None:
+            return self._max_grad_norm
+        return math.sqrt(sum(c * c for c in self.max_grad_norms))
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if self.max_grad_norms is None:
+            self._max_grad_norm = value
+        else:
+            scale = value / self.max_grad_norm
+            self.max_grad_norms = [c * scale for c in self.max_grad_norms]
+
+    def _threshold_now(self) -> float | list[float]:
+        return self.max_grad_norm if self.max_grad_norms is None else list(self.max_grad_norms)
+
+    def clip_threshold(self) -> float | dict[nn.Parameter, float]:
+        """The threshold of a backward pass: the optimizer's at the first pass since the
+        last step, for every pass until the next step (they share one noise)."""
+        if self._held is None:
+            self._held = self._threshold_now()
+        if self.max_grad_norms is None:
+            return self._held
+        return dict(zip(self.params, self._held))
+
+    def _check_threshold(self) -> None:
+        """Raise where the threshold changed after this step's first backward pass: its
+        passes were clipped at the old one, and the noise would take the new one."""
+        if self._held is not None and self._held != self._threshold_now():
+            raise RuntimeError(
+                f"jacmem: max_grad_norm changed from {self._held} to {self._threshold_now()} after the backward "
+                "passes of this step were clipped at the former, so the noise would not match their sensitivity. "
+                "Change it between optimizer.step() and the next backward pass (as Opacus's grad-clip schedulers "
+                "do when they step after the optimizer), or set it back before this step."
+            )
 
     @property
     def accumulated_iterations(self) -> int:
@@ -132,6 +199,8 @@ class _ClippedSum:
     def _restart(self) -> None:
         self._mark = self.private.passes
         self.private.clip.reset()
+        if not self._is_last_step_skipped:  # a skipped step's passes are the next step's
+            self._held = None
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a
@@ -144,6 +213,7 @@ class _ClippedSum:
                 p.summed_grad.add_(grad)
 
     def pre_step(self, closure=None) -> bool:
+        self._check_threshold()
         stepped = super().pre_step(closure)
         self._restart()
         return stepped
@@ -156,11 +226,13 @@ class _ClippedSum:
 class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
     """Opacus's ghost-clipping optimizer on ``.grad`` = ClipGrad's clipped sums:
     ``step()`` adds ``N(0, σ²C²)`` noise, divides by ``B·k`` (``loss_reduction="mean"``),
-    steps the accountant, then the wrapped optimizer."""
+    steps the accountant, then the wrapped optimizer. ``max_grad_norm``: ``C``, or with
+    per-layer clipping the list of thresholds (kept as ``max_grad_norms``)."""
 
-    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, **kwargs):
-        self.private = private
-        super().__init__(optimizer, **kwargs)
+    def __init__(
+        self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
+    ):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
 
 
 class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClipping):
@@ -170,13 +242,44 @@ class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClip
     ``add_noise``) and its gradient goes to every rank, in place of Opacus's all-reduce
     of per-rank sums: the noise is drawn once, for the global batch."""
 
-    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, **kwargs):
-        self.private = private
-        super().__init__(optimizer, **kwargs)
+    def __init__(
+        self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
+    ):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
 
     def reduce_gradients(self) -> None:
         for p in self.params:
             dist.broadcast(p.grad, src=0)
+
+
+class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradientClipping):
+    """Adaptive clipping (Andrew et al. 2021), Opacus's ``AdaClipDPOptimizer`` on
+    ClipGrad's flat clipped sums. Each step, with ``b`` the samples of the step's passes
+    whose gradient the clip left as it was (``c_i = 1``) and ``n`` all of them: the
+    noise's multiplier is ``(σ⁻² - (2σ_b)⁻²)^(-1/2)`` (the count's noise spends the rest
+    of ``σ``; the accountant takes ``σ``), ``b̃ = b + N(0, σ_b²)``, and the next
+    threshold is ``C·exp(-η (b̃/n - γ))`` clamped to ``[min_clipbound, max_clipbound]``;
+    ``σ_b = unclipped_num_std``, ``η = clipbound_learning_rate``,
+    ``γ = target_unclipped_quantile``. The count, the noise and the update are
+    Opacus's; ``b`` and ``n`` come from :class:`ClipGrad`'s counts."""
+
+    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float, **kwargs):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+
+    def clip_and_accumulate(self) -> None:
+        """Opacus's counts, of the passes since the last step (clipped in the backward)."""
+        self.sample_size += self.private.clip.samples
+        self.unclipped_num = self.unclipped_num + torch.as_tensor(self.private.clip.unclipped)
+
+    def update_max_grad_norm(self) -> None:
+        """Opacus's update (in float32, as Opacus computes it), then a Python float,
+        which the next backward passes read without a host synchronisation."""
+        super().update_max_grad_norm()
+        self.max_grad_norm = float(self.max_grad_norm)
+
+    def pre_step(self, closure=None) -> bool:
+        self.clip_and_accumulate()
+        return super().pre_step(closure)
 
 
 def _distributed(module: nn.Module) -> bool:
@@ -185,26 +288,22 @@ def _distributed(module: nn.Module) -> bool:
     )
 
 
-def _thresholds(
-    optimizer: optim.Optimizer, clipping: str, max_grad_norm: float | Sequence[float]
-) -> tuple[float | dict, float]:
-    """ClipGrad's ``max_norm`` and the noise's ``C``. ``per_layer``: one threshold per
-    parameter of the optimizer, in its order (as Opacus), and the noise's ``C`` their
-    Euclidean norm (the clipped sum's sensitivity)."""
+def _thresholds(optimizer: optim.Optimizer, clipping: str, max_grad_norm: float | Sequence[float]) -> float | list:
+    """``max_grad_norm`` checked: one float, or for ``per_layer`` one threshold per
+    trainable parameter of the optimizer, in its order (as Opacus)."""
     if clipping not in CLIPPING:
         raise ValueError(f"clipping={clipping!r}: choose from {', '.join(map(repr, CLIPPING))}")
     if clipping != "per_layer":
-        if not isinstance(max_grad_norm, (int, float)):
+        if not isinstance(max_grad_norm, numbers.Real):
             raise TypeError(f"max_grad_norm: one float with clipping={clipping!r}; a list is for 'per_layer'")
-        return float(max_grad_norm), float(max_grad_norm)
+        return float(max_grad_norm)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if isinstance(max_grad_norm, (int, float)) or len(max_grad_norm) != len(params):
+    if isinstance(max_grad_norm, numbers.Real) or len(max_grad_norm) != len(params):
         raise ValueError(
             f"clipping='per_layer' takes one max_grad_norm per trainable parameter of the optimizer "
             f"({len(params)}), in its order"
         )
-    norms = [float(c) for c in max_grad_norm]
-    return dict(zip(params, norms)), math.sqrt(sum(c * c for c in norms))
+    return [float(c) for c in max_grad_norm]
 
 
 class PrivacyEngine(OpacusEngine):
@@ -233,6 +332,7 @@ class PrivacyEngine(OpacusEngine):
         clipping: str = "flat",
         loss_reduction: str = "mean",
         noise_generator: torch.Generator | None = None,
+        **kwargs,
     ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
         """Clip every sample's gradient in ``module``'s backward passes, and noise and
         account ``optimizer``'s steps.
@@ -247,12 +347,21 @@ class PrivacyEngine(OpacusEngine):
             noise_multiplier: σ; the noise's standard deviation is ``σ·C``.
             max_grad_norm: ``C``; with ``clipping="per_layer"`` one per trainable
                 parameter of the optimizer, in its order (the noise then takes the
-                norm of the list).
+                norm of the list). Kept by the optimizer (``optimizer.max_grad_norm``,
+                and ``optimizer.max_grad_norms`` per layer), which every backward pass
+                reads: what a grad-clip scheduler sets there between steps clips the
+                next step.
             clipping: ``"flat"`` (one norm over all trainable parameters),
-                ``"per_layer"`` or ``"automatic"`` (``C·g/(‖g‖+γ)``, Bu et al. 2023);
-                see :class:`jacmem.ClipGrad`.
+                ``"per_layer"``, ``"automatic"`` (``C·g/(‖g‖+γ)``, Bu et al. 2023;
+                see :class:`jacmem.ClipGrad`) or ``"adaptive"`` (flat, with the
+                threshold moved at each step towards a quantile of the per-sample
+                norms: :class:`AdaptiveDPOptimizer`).
             loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``.
             noise_generator: the noise's ``torch.Generator`` (not with ``secure_mode``).
+            kwargs: to the optimizer, as Opacus forwards them; ``clipping="adaptive"``
+                takes Opacus's ``target_unclipped_quantile``,
+                ``clipbound_learning_rate``, ``max_clipbound``, ``min_clipbound`` and
+                ``unclipped_num_std``.
 
         Returns:
             ``(module, optimizer, data_loader)``. Until :meth:`detach`, the model's
@@ -281,24 +390,33 @@ class PrivacyEngine(OpacusEngine):
             )
         if isinstance(optimizer, _ClippedSum):
             optimizer = optimizer.original_optimizer
-        max_norm, noise_norm = _thresholds(optimizer, clipping, max_grad_norm)
+        max_grad_norm = _thresholds(optimizer, clipping, max_grad_norm)
         check(module)  # refuses before anything is installed
         distributed = _distributed(module)
+        if clipping == "adaptive" and distributed:
+            raise ValueError("clipping='adaptive' is not for distributed training (nor is Opacus's)")
         data_loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling, distributed=distributed)
         sample_rate = 1 / len(data_loader)
         # the global batch's: under DDP every rank's .grad holds the global clipped sum
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
-        private = _Private(module, ClipGrad(max_norm, clipping=clipping, loss_reduction=loss_reduction))
-        optimizer_class = DistributedDPOptimizer if distributed else DPOptimizer
-        optimizer = optimizer_class(
+        # adaptive clipping clips flat; its optimizer moves the threshold between steps
+        clip = ClipGrad(
+            max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
+        )
+        private = _Private(module, clip)
+        optimizer_class = (
+            AdaptiveDPOptimizer if clipping == "adaptive" else DistributedDPOptimizer if distributed else DPOptimizer
+        )
+        optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,
             noise_multiplier=noise_multiplier,
-            max_grad_norm=noise_norm,
+            max_grad_norm=max_grad_norm,
             expected_batch_size=expected_batch_size,
             loss_reduction=loss_reduction,
             generator=self.secure_rng if self.secure_mode else noise_generator,
             secure_mode=self.secure_mode,
+            **kwargs,
         )
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
         self._private = private.__enter__()
