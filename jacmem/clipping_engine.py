@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
-from jacmem import compat, distributed, hooks, precision, recorder
+from jacmem import compat, distributed, hooks, precision
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import squared_norms
 from jacmem.firstorder_engine import FirstOrder, Staging
@@ -88,6 +88,8 @@ class Clipping(FirstOrder):
         #: the models called at depth 0 in the block, in order (per-layer thresholds)
         self.roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self.depth = 0
+        #: ``models()``: the tracked models whose calls reach the block
+        self.models = setup.models
 
     # -- forward -------------------------------------------------------------------
 
@@ -114,6 +116,11 @@ class Clipping(FirstOrder):
         self.roots = weakref.WeakKeyDictionary()
         super().close()
 
+    def on_track(self, model: nn.Module) -> None:
+        """Guard every parameter of a model the block tracks from now on, so that a
+        backward the block cannot clip (another thread's) raises, even the first one."""
+        self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
+
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once."""
         for name, p in named:
@@ -134,8 +141,8 @@ class Clipping(FirstOrder):
     # -- backward ------------------------------------------------------------------
 
     def new_state(self) -> ClipStaging:
-        for model in recorder.tracked_models():  # their forwards ran outside the block
-            self._guard((f"{recorder.tracked_name(model)}.{n}", p) for n, p in model.named_parameters())
+        for model in self.models():  # their forwards ran outside the block
+            self.on_track(model)
         return ClipStaging()
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
@@ -189,7 +196,7 @@ class Clipping(FirstOrder):
         }
         squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
         if self.clip.clipping == "per_layer":
-            self.clip.bind(p for model in [*self.roots, *recorder.tracked_models()] for p in model.parameters())
+            self.clip.bind(p for model in [*self.roots, *self.models()] for p in model.parameters())
         factors, norms = self.clip.factors(squared, run.names) if squared else ({}, torch.zeros(0))
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
@@ -225,12 +232,11 @@ class Clipping(FirstOrder):
                     "inside the forward of modules (as their own parameter), or freeze it."
                 )
 
-    @staticmethod
-    def _check_unsynced(staged: dict) -> None:
+    def _check_unsynced(self, staged: dict) -> None:
         """A tracked DDP model whose forward ran outside the block with DDP's gradient
         synchronisation on: DDP would overwrite ``.grad`` with the average of autograd's
         gradients after this pass, so it raises instead."""
-        for model in recorder.tracked_models():
+        for model in self.models():
             if isinstance(model, nn.parallel.DistributedDataParallel) and model.require_backward_grad_sync:
                 if any(id(p) in staged for p in model.parameters()):
                     raise RuntimeError(

@@ -44,14 +44,17 @@ drawn once per step for the global batch under ``DistributedDataParallel``.
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
-from collections.abc import Sequence
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 from opacus import PrivacyEngine as OpacusEngine
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.grad_sample.utils import get_gsm_class
 from opacus.optimizers import (
     AdaClipDPOptimizer,
     DistributedDPOptimizerFastGradientClipping,
@@ -60,22 +63,26 @@ from opacus.optimizers import (
 from torch import nn, optim
 from torch.utils.data import DataLoader
 
-from jacmem import hooks, recorder
-from jacmem.context import extend
+from jacmem import recorder
+from jacmem.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
 
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
 
+#: Opacus's default criterion (returned only for a ghost grad_sample_mode)
+_CROSS_ENTROPY = nn.CrossEntropyLoss()
 
-class _Private(extend):
-    """The block of one private model, open from :meth:`PrivacyEngine.make_private` to
-    :meth:`PrivacyEngine.detach`: the model is tracked (:func:`jacmem.track`), so that
-    its forwards are recorded wherever they run, and the block takes their gradients
-    in the user's own ``loss.backward()``. Unlike a ``with jacmem.extend(...)`` block it
-    has no global module hooks and does not watch untracked backwards: other models'
-    calls are none of its business and cost nothing. It counts its backward passes.
+
+class _Private:
+    """The block of one private model (:class:`jacmem.block.Block`), open from
+    :meth:`PrivacyEngine.make_private` to :meth:`PrivacyEngine.detach`. The block tracks
+    the model, so that its forwards are recorded wherever they run, for this block
+    alone, and it takes their gradients in the user's own ``loss.backward()``. It has no
+    global hook: other models' calls, other private models' and a ``jacmem.extend``
+    block's are none of its business, and cost nothing. ``passes`` counts its backward
+    passes.
 
     Distributed: the clipping engine sums the clipped sums over the ranks itself, in
     the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
@@ -84,38 +91,30 @@ class _Private(extend):
 
     def __init__(self, module: nn.Module, clip: ClipGrad):
         ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-        super().__init__(clip, process_group=dist.group.WORLD if _distributed(module) and not ddp else None)
+        self.block = Block(clip, process_group=dist.group.WORLD if _distributed(module) and not ddp else None)
         self.module, self.clip = module, clip
-        #: backward passes ended since the block opened
-        self.passes = 0
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
 
-    def __enter__(self) -> _Private:
-        super().__enter__()
-        hooks.remove(self._module_handles)
-        self._module_handles = []
-        self._watch.close()
-        self._passes.on_end = self._ended
-        for ddp in self._ddp:
-            ddp.require_backward_grad_sync = False
-        recorder.track(self.module)
-        # the engine's hooks that keep autograd's unclipped gradients out of .grad, from
-        # now on rather than from the first recorded call: a backward the block cannot
-        # clip (another thread's) raises, even the first one
-        root = type(self.module).__name__
-        for engine in self._engines:
-            engine._guard((f"{root}.{n}", p) for n, p in self.module.named_parameters())
+    @property
+    def passes(self) -> int:
+        """Backward passes ended since the block opened."""
+        return self.block.ended
+
+    def open(self) -> _Private:
+        try:
+            self.block.open()
+            for ddp in self._ddp:
+                ddp.require_backward_grad_sync = False
+            self.block.track(self.module)
+        except BaseException:
+            self.close()
+            raise
         return self
 
-    def _ended(self) -> None:
-        self.passes += 1
-        self._notices.flush()
-
-    def __exit__(self, *exc) -> None:
-        recorder.untrack(self.module)
+    def close(self) -> None:
         for ddp in self._ddp:
             ddp.require_backward_grad_sync = True
-        super().__exit__(*exc)
+        self.block.close()
 
 
 class _ClippedSum:
@@ -288,6 +287,37 @@ def _distributed(module: nn.Module) -> bool:
     )
 
 
+def _refuse_tracked(module: nn.Module) -> None:
+    """A model that shares parameters with a tracked one (a private model, or one given
+    to :func:`jacmem.track`) would have its gradients taken twice: it raises."""
+    own = {id(p) for p in module.parameters()}
+    for model in recorder.tracked_models():
+        if own & {id(p) for p in model.parameters()}:
+            private = recorder.owner(model) is not None
+            raise ValueError(
+                f"jacmem: the model ({type(module).__name__}) is, or shares parameters with, a model "
+                + ("made private already" if private else "given to jacmem.track")
+                + f" ({type(model).__name__}); call "
+                + ("detach() on the PrivacyEngine that made it private" if private else "jacmem.untrack(model)")
+                + " first."
+            )
+
+
+def _refuse_unknown(optimizer_class: type, kwargs: dict) -> None:
+    """Python's ``TypeError`` for keywords that ``optimizer_class`` does not name (Opacus's
+    optimizers take ``**kwargs`` and would drop them silently)."""
+    named = {
+        name
+        for cls in optimizer_class.__mro__
+        if "__init__" in vars(cls)
+        for name, param in inspect.signature(cls.__init__).parameters.items()
+        if param.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    unknown = sorted(set(kwargs) - named)
+    if unknown:
+        raise TypeError(f"make_private() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+
+
 def _thresholds(optimizer: optim.Optimizer, clipping: str, max_grad_norm: float | Sequence[float]) -> float | list:
     """``max_grad_norm`` checked: one float, or for ``per_layer`` one threshold per
     trainable parameter of the optimizer, in its order (as Opacus)."""
@@ -325,23 +355,33 @@ class PrivacyEngine(OpacusEngine):
         *,
         module: nn.Module,
         optimizer: optim.Optimizer,
+        criterion: Callable = _CROSS_ENTROPY,
         data_loader: DataLoader,
         noise_multiplier: float,
         max_grad_norm: float | Sequence[float],
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
         poisson_sampling: bool = True,
         clipping: str = "flat",
-        loss_reduction: str = "mean",
         noise_generator: torch.Generator | None = None,
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+        rand_on_empty: bool = False,
         **kwargs,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    ) -> tuple[nn.Module, DPOptimizer, DataLoader] | tuple[nn.Module, DPOptimizer, Callable, DataLoader]:
         """Clip every sample's gradient in ``module``'s backward passes, and noise and
-        account ``optimizer``'s steps.
+        account ``optimizer``'s steps. Opacus 1.6's keywords, in its order.
 
         Args:
             module: the model; returned as it is (``model is module``), its hooks
                 installed. A ``DistributedDataParallel`` model (or a process group of
                 more than one rank) gets the distributed optimizer.
             optimizer: over (a subset of) ``module``'s parameters.
+            criterion: the loss, returned as it is where Opacus returns its ghost-clipping
+                criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
+                ``criterion(out, y).backward()`` clips, as any backward of the model
+                does, in one pass. Its ``reduction``, where it has one, must be
+                ``loss_reduction``.
             data_loader: with ``poisson_sampling``, replaced by Opacus's
                 ``DPDataLoader`` over the same dataset.
             noise_multiplier: σ; the noise's standard deviation is ``σ·C``.
@@ -351,33 +391,59 @@ class PrivacyEngine(OpacusEngine):
                 and ``optimizer.max_grad_norms`` per layer), which every backward pass
                 reads: what a grad-clip scheduler sets there between steps clips the
                 next step.
+            batch_first: whether the model's inputs have the batch on axis 0 (Opacus's);
+                only ``True`` is supported for now.
+            loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``.
+            poisson_sampling: replace the loader by Opacus's Poisson-sampling one.
             clipping: ``"flat"`` (one norm over all trainable parameters),
                 ``"per_layer"``, ``"automatic"`` (``C·g/(‖g‖+γ)``, Bu et al. 2023;
                 see :class:`jacmem.ClipGrad`) or ``"adaptive"`` (flat, with the
                 threshold moved at each step towards a quantile of the per-sample
                 norms: :class:`AdaptiveDPOptimizer`).
-            loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``.
             noise_generator: the noise's ``torch.Generator`` (not with ``secure_mode``).
-            kwargs: to the optimizer, as Opacus forwards them; ``clipping="adaptive"``
-                takes Opacus's ``target_unclipped_quantile``,
-                ``clipbound_learning_rate``, ``max_clipbound``, ``min_clipbound`` and
-                ``unclipped_num_std``.
+            grad_sample_mode: any of Opacus's (``"hooks"``, ``"functorch"``, ``"ew"``,
+                ``"ghost"``, ``"ghost_fsdp"``, ``"no_op"``). jacmem has one code path
+                for all: per-sample norms (ghost norms where cheaper) and the clipped
+                sum in the one backward pass. The mode only decides, as in Opacus,
+                whether ``criterion`` is returned.
+            wrap_model: accepted for Opacus's sake; jacmem returns the user's own module
+                either way, as it hooks the module in place and wraps nothing (so HF and
+                PEFT models keep their attributes and methods).
+            rand_on_empty: Opacus's ``DPDataLoader`` option for empty Poisson batches.
+            **kwargs: go to the optimizer, as Opacus forwards them; one it does not
+                take raises ``TypeError``. ``clipping="adaptive"`` takes Opacus's
+                ``target_unclipped_quantile``, ``clipbound_learning_rate``,
+                ``max_clipbound``, ``min_clipbound`` and ``unclipped_num_std``.
 
         Returns:
-            ``(module, optimizer, data_loader)``. Until :meth:`detach`, the model's
-            clipping block is open in the calling thread, the process's one jacmem
-            block: ``with jacmem.extend(...)`` raises meanwhile. Other models'
-            forward and backward passes are untouched.
+            ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
+            data_loader)`` for a ghost ``grad_sample_mode``, as Opacus. Until
+            :meth:`detach`, the model's clipping block is open in the calling thread.
+            Other models' forward and backward passes are untouched; other private
+            models (each with its own engine) and ``with jacmem.extend(...)`` blocks on
+            other models run beside it.
 
         Raises:
-            ValueError: where a trainable parameter's per-sample gradient cannot be
-                computed exactly (e.g. BatchNorm in training mode), before any hook is
-                installed; or on bad arguments.
+            UnsupportedModuleError: where a trainable parameter's per-sample gradient
+                cannot be computed exactly (e.g. BatchNorm in training mode), before any
+                hook is installed (a ``ValueError``, and Opacus's error of that name).
+            ValueError: on bad arguments, or a model that is private already.
         """
         if noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator: not with secure_mode, whose noise comes from torchcsprng")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: 'mean' or 'sum'")
+        get_gsm_class(grad_sample_mode)  # Opacus's ValueError for a mode it does not know
+        ghost = "ghost" in grad_sample_mode
+        if ghost and getattr(criterion, "reduction", loss_reduction) != loss_reduction:
+            raise ValueError(
+                f"criterion.reduction={criterion.reduction!r} but loss_reduction={loss_reduction!r}: they must agree"
+            )
+        if not batch_first:
+            raise NotImplementedError(
+                "make_private(batch_first=False): jacmem's clipping does not yet take the batch on axis 1; "
+                "transpose the inputs to [batch, ...] (batch_first=True)"
+            )
         own = {id(p) for p in module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
@@ -385,9 +451,10 @@ class PrivacyEngine(OpacusEngine):
             )
         if self._private is not None:
             raise ValueError(
-                "this PrivacyEngine has a private model already: one per engine (and per process, as jacmem's "
-                "block); call engine.detach() first"
+                "this PrivacyEngine has a private model already: one per engine. Make another PrivacyEngine for "
+                "another model, or call engine.detach() first"
             )
+        _refuse_tracked(module)
         if isinstance(optimizer, _ClippedSum):
             optimizer = optimizer.original_optimizer
         max_grad_norm = _thresholds(optimizer, clipping, max_grad_norm)
@@ -395,7 +462,17 @@ class PrivacyEngine(OpacusEngine):
         distributed = _distributed(module)
         if clipping == "adaptive" and distributed:
             raise ValueError("clipping='adaptive' is not for distributed training (nor is Opacus's)")
-        data_loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling, distributed=distributed)
+        optimizer_class = (
+            AdaptiveDPOptimizer if clipping == "adaptive" else DistributedDPOptimizer if distributed else DPOptimizer
+        )
+        _refuse_unknown(optimizer_class, kwargs)
+        data_loader = self._prepare_data_loader(
+            data_loader,
+            poisson_sampling=poisson_sampling,
+            distributed=distributed,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
         sample_rate = 1 / len(data_loader)
         # the global batch's: under DDP every rank's .grad holds the global clipped sum
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
@@ -404,9 +481,6 @@ class PrivacyEngine(OpacusEngine):
             max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
         )
         private = _Private(module, clip)
-        optimizer_class = (
-            AdaptiveDPOptimizer if clipping == "adaptive" else DistributedDPOptimizer if distributed else DPOptimizer
-        )
         optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,
@@ -419,7 +493,9 @@ class PrivacyEngine(OpacusEngine):
             **kwargs,
         )
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-        self._private = private.__enter__()
+        self._private = private.open()
+        if ghost:
+            return module, optimizer, criterion, data_loader
         return module, optimizer, data_loader
 
     def make_private_with_epsilon(
@@ -432,17 +508,28 @@ class PrivacyEngine(OpacusEngine):
         target_delta: float,
         epochs: int,
         max_grad_norm: float | Sequence[float],
+        epsilon_tolerance: float = 0.01,
         **kwargs,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    ) -> tuple:
         """:meth:`make_private` with the noise multiplier that spends ``target_epsilon``
-        at ``target_delta`` in ``epochs`` epochs (Opacus's ``get_noise_multiplier``,
-        with this engine's accountant); ``kwargs`` go to :meth:`make_private`."""
+        at ``target_delta`` in ``epochs`` epochs (Opacus's ``get_noise_multiplier``, with
+        this engine's accountant, to within ``epsilon_tolerance``); the other keywords
+        are :meth:`make_private`'s. As Opacus, it warns where the accountant has spent
+        some budget already (the noise multiplier assumes none)."""
+        sample_rate = 1 / len(data_loader)
+        if len(self.accountant) > 0:
+            warnings.warn(
+                "make_private_with_epsilon: this engine's accountant has spent some privacy budget already; the "
+                "noise multiplier assumes none, so the total budget will exceed target_epsilon.",
+                stacklevel=2,
+            )
         noise_multiplier = get_noise_multiplier(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
-            sample_rate=1 / len(data_loader),
+            sample_rate=sample_rate,
             epochs=epochs,
             accountant=self.accountant.mechanism(),
+            epsilon_tolerance=epsilon_tolerance,
         )
         return self.make_private(
             module=module,
@@ -455,10 +542,10 @@ class PrivacyEngine(OpacusEngine):
 
     def detach(self) -> nn.Module | None:
         """Remove every hook :meth:`make_private` installed: the model's backward passes
-        are plain again, and jacmem blocks can open. Returns the model (None if there
-        is none)."""
+        are plain again, and it may be made private anew. Returns the model (None if
+        there is none)."""
         private, self._private = self._private, None
         if private is None:
             return None
-        private.__exit__(None, None, None)
+        private.close()
         return private.module

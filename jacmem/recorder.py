@@ -5,7 +5,8 @@ a :class:`jacmem.hooks.Record` whose output hooks call ``on_grad(record)`` in ba
 and keeps the hooks' handles so that :meth:`Recorder.close` takes them all off. The
 first-order engine owns one for the calls inside its block; :func:`track` gives a
 model one (a :class:`Tracker`) for forwards run before a block, whose records go to
-whichever block is active when their gradients arrive.
+the block that owns the tracking (a private model's), or else to the ``jacmem.extend``
+block active when their gradients arrive (:func:`sink`).
 """
 
 from __future__ import annotations
@@ -173,10 +174,14 @@ def _expand_batch(x, n: int):
 
 
 class Tracker(Recorder):
-    """Forward hooks on one model's modules, for forwards that run outside a block."""
+    """Forward hooks on one model's modules, for forwards that run outside a block.
 
-    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad):
-        super().__init__(on_grad)
+    ``owner``: the block that takes the model's calls (see :func:`track`); None: the
+    block of :func:`sink`, the active ``jacmem.extend``, if any."""
+
+    def __init__(self, model: nn.Module, owner: Any = None):
+        super().__init__(self._dispatch)
+        self.owner = owner
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
@@ -190,6 +195,15 @@ class Tracker(Recorder):
                 module.register_forward_hook(self._on_forward, with_kwargs=True),
             ]
 
+    @property
+    def block(self) -> Any:
+        """The block the calls go to now, or None."""
+        return self.owner if self.owner is not None else _sink[0]
+
+    def _dispatch(self, rec: hooks.Record) -> dict | None:
+        block = self.block
+        return None if block is None else block.record(rec)
+
     def _on_enter(self, module, args):
         self.enter(module, self.names[module])
 
@@ -197,9 +211,10 @@ class Tracker(Recorder):
         self.leave(module, module is self.model())
 
     def _on_forward(self, module, args, kwargs, output):
-        # inside a block, a layer may run through ComputeOnce as the block's own calls do
-        # (its backward recomputes the forward where the block has ended by then)
-        self.once = _once[0]
+        # where a block takes the calls, a layer may run through ComputeOnce as the block's
+        # own calls do (its backward recomputes the forward where the block has ended by then)
+        block = self.block
+        self.once = block is not None and block.once
         return self.record(module, args, kwargs, output, self.names[module])
 
     def close(self) -> None:
@@ -209,24 +224,16 @@ class Tracker(Recorder):
 
 #: models registered with track(): model -> Tracker
 _TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
-#: where tracked calls' gradients go: set by the active block (None outside blocks)
-_sink: list[Callable[[hooks.Record], dict | None] | None] = [None]
-#: whether the active block computes the gradients of calls through ComputeOnce
-_once = [False]
+#: the block that takes the calls of models tracked without an owner: the active
+#: ``jacmem.extend`` (None outside it)
+_sink: list[Any] = [None]
 
 
-def sink(on_record: Callable[[hooks.Record], dict | None] | None, once: bool = False) -> None:
-    """Where tracked calls' gradients go from now on: the active block's ``on_record``
-    (None: nowhere); ``once``: tracked calls inside the block may run through
-    ComputeOnce (the block's ``on_record`` then returns their parameters' gradients)."""
-    _sink[0] = on_record
-    _once[0] = once and on_record is not None
-
-
-def _dispatch(rec: hooks.Record) -> dict | None:
-    """A tracked call's gradient arrived: to the active block, if there is one."""
-    sink = _sink[0]
-    return None if sink is None else sink(rec)
+def sink(block: Any) -> None:
+    """The block that takes, from now on, the calls of the models tracked without an
+    owner (None: none). A block has ``record(record)``, which returns the summed
+    gradients where it computed them, and ``once``."""
+    _sink[0] = block
 
 
 def tracked_name(module: nn.Module) -> str | None:
@@ -240,24 +247,53 @@ def tracked_name(module: nn.Module) -> str | None:
 
 
 def tracked_models() -> list[nn.Module]:
+    """Every tracked model, whichever block takes its calls."""
     return list(_TRACKED.keys())
 
 
-def track(model: nn.Module) -> nn.Module:
+def owner(model: nn.Module) -> Any:
+    """The block that owns ``model``'s tracking, or None (not tracked, or tracked by
+    :func:`track` without an owner)."""
+    tracker = _TRACKED.get(model)
+    return None if tracker is None else tracker.owner
+
+
+def routed_to(block: Any) -> list[nn.Module]:
+    """The tracked models whose calls go to ``block``: those it owns, and, where it is
+    the :func:`sink`, those without an owner."""
+    return [m for m, t in list(_TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
+
+
+def track(model: nn.Module, *, owner: Any = None) -> nn.Module:
     """Keep, from now on, what the extensions need from ``model``'s forward passes,
     so that a backward inside :func:`jacmem.extend` can use a forward run before it
-    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`."""
-    if model not in _TRACKED:
-        _TRACKED[model] = Tracker(model, _dispatch)
+    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`.
+
+    ``owner``: a block (:class:`jacmem.block.Block`) that takes the model's calls,
+    wherever they run, in place of the active ``jacmem.extend`` (a private model's)."""
+    tracker = _TRACKED.get(model)
+    if tracker is not None and tracker.owner is not owner:
+        raise ValueError(_taken(model, tracker.owner))
+    if tracker is None:
+        _TRACKED[model] = Tracker(model, owner)
     return model
 
 
-def untrack(model: nn.Module) -> nn.Module:
-    """Remove the hooks of :func:`track`, and everything they kept."""
-    tracker = _TRACKED.pop(model, None)
+def untrack(model: nn.Module, *, owner: Any = None) -> nn.Module:
+    """Remove the hooks of :func:`track` (given the same ``owner``), and everything they kept."""
+    tracker = _TRACKED.get(model)
+    if tracker is not None and tracker.owner is not owner:
+        raise ValueError(_taken(model, tracker.owner))
     if tracker is not None:
+        del _TRACKED[model]
         tracker.close()
     return model
+
+
+def _taken(model: nn.Module, by: Any) -> str:
+    where = "by jacmem.track(model)" if by is None else f"by another block ({type(by).__name__})"
+    fix = "jacmem.untrack(model)" if by is None else "that block's end (a private model's: engine.detach())"
+    return f"jacmem: the model ({type(model).__name__}) is tracked {where} already; free it first with {fix}."
 
 
 class UntrackedWatch:

@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.errors import unsupported_module_error
 
 CLIPPINGS = ("flat", "per_layer", "automatic")
 REDUCTIONS = ("mean", "sum")
@@ -193,11 +194,12 @@ def check(model: nn.Module) -> None:
     Checked here: a BatchNorm that uses batch statistics (training mode, or no running
     statistics), anywhere in the model (its output mixes the samples, so every layer
     before it would get wrong per-sample gradients); a registered layer with a trainable
-    parameter its derivatives do not cover."""
+    parameter its derivatives do not cover. Both raise
+    :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
         label = f"{name or type(module).__name__!r} ({type(module).__name__})"
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
-            raise ValueError(
+            raise unsupported_module_error()(
                 f"jacmem: module {label} normalises with batch statistics, which mix the samples: per-sample "
                 "gradients, and so clipping, are not defined. Replace it with GroupNorm (e.g. "
                 f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
@@ -207,7 +209,7 @@ def check(model: nn.Module) -> None:
         entry = lookup(module) if own else None
         uncovered = [n for n in own if entry is not None and n not in entry.params]
         if uncovered:
-            raise ValueError(
+            raise unsupported_module_error()(
                 f"jacmem: module {label} has trainable parameter(s) {uncovered} that its registered derivatives "
                 "do not cover: their per-sample gradients are unknown. Register them with jacmem.register(...), "
                 "or freeze them (requires_grad=False)."
