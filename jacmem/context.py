@@ -60,6 +60,15 @@ class extend:
         autotune: choose each layer's strategies by timing them, once per call shape,
             on the real tensors, rather than by the cost model (see
             :mod:`jacmem.strategies`); ``explain()`` then says "timed".
+        batch_first: ``False`` for a model fed ``[T, N, ...]`` (nn.LSTM's default layout):
+            each module call takes its batch on axis 1 of its inputs and outputs, as
+            Opacus's ``GradSampleModule(batch_first=False)``, except where the module
+            places it itself: RNNs and ``nn.MultiheadAttention`` by their own
+            ``batch_first``, convolutions, GroupNorm, InstanceNorm and EmbeddingBag on
+            axis 0 (their layout, ``[N, C, *]``). A call whose batch axis cannot be
+            told apart raises (see :mod:`jacmem.layout`). A model given to
+            :func:`track` must be tracked with the same value. First-order extensions
+            and ``ClipGrad`` only.
 
     ``as ctx`` gives the block; ``ctx.explain()`` says what each layer chose, and why.
 
@@ -91,6 +100,7 @@ class extend:
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
         process_group: Any = None,
         autotune: bool = False,
+        batch_first: bool = True,
     ):
         kinds = tuple(kind for kind, _ in ENGINES)
         for ext in extensions:
@@ -115,6 +125,13 @@ class extend:
             )
         self.extensions = [e for e in extensions if isinstance(e, FirstOrderExtension)]
         self.second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
+        if not batch_first and self.second_order:
+            raise ValueError(
+                f"jacmem: batch_first=False applies to first-order extensions and ClipGrad, not to "
+                f"{', '.join(map(repr, self.second_order))}: second-order extensions need the batch on axis 0. "
+                "Feed the model [N, T, ...] (e.g. nn.LSTM(..., batch_first=True)) and leave batch_first=True."
+            )
+        self.batch_first = batch_first
         self.plan = StrategyPlan(strategy, autotune=autotune)
         self.strict = strict
         self.chunk_bytes = chunk_bytes
@@ -146,7 +163,14 @@ class extend:
             self._owner = threading.get_ident()
         try:
             setup = Setup(
-                self.plan, self.chunk_bytes, self._passes, self._notices, self.name, self._groups, self._owner
+                self.plan,
+                self.chunk_bytes,
+                self._passes,
+                self._notices,
+                self.name,
+                self._groups,
+                self._owner,
+                self.batch_first,
             )
             self._engines = [cls(exts, setup) for cls, exts in self._kinds]
             self._module_handles = [
@@ -262,6 +286,13 @@ class extend:
         gradients where an engine computed them."""
         if rec.thread != self._owner:
             return None  # a graph another thread built: not this block's
+        if rec.batch_first != self.batch_first:
+            raise ValueError(
+                f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) was recorded by jacmem.track with "
+                f"batch_first={rec.batch_first}, but the block has batch_first={self.batch_first}: one of them "
+                f"misreads the batch axis. Pass the same value to both: jacmem.track(model, batch_first=...) and "
+                "jacmem.extend(..., batch_first=...)."
+            )
         grads = None
         for engine in self._engines:
             out = engine.on_record(rec)

@@ -162,3 +162,5 @@ class Setup:
     groups: Callable
     #: the thread that entered the block
     owner: int
+    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+    batch_first: bool = True

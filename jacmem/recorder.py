@@ -46,11 +46,17 @@ class Recorder:
       forward, or on integer ids (an embedding of ``[1, T]`` position ids), returns a
       watched view of its output: each use that meets the batch is a record of the
       module with its input expanded to that batch.
+
+    ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
+    Broadcasts are then not made explicit: a module's own parameters read in its forward
+    get the generic recomputation, and a call on a batch of one is recorded as one (the
+    engine's batch-size check names it).
     """
 
-    def __init__(self, on_grad: hooks.OnGrad, once: bool = False):
+    def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
         self.on_grad = on_grad
         self.once = once
+        self.batch_first = batch_first
         self.tensor_handles = hooks.Handles()
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
@@ -66,7 +72,7 @@ class Recorder:
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
-        if registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
+        if not self.batch_first or registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active():
@@ -112,11 +118,13 @@ class Recorder:
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
         exclude = self._direct_uses(module)
         rec, new = hooks.record(
-            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude
+            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
         )
         if rec is None:
             return None
         self.records.add(rec)
+        if not self.batch_first:
+            return None if new is output else new
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
@@ -175,8 +183,8 @@ def _expand_batch(x, n: int):
 class Tracker(Recorder):
     """Forward hooks on one model's modules, for forwards that run outside a block."""
 
-    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad):
-        super().__init__(on_grad)
+    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad, batch_first: bool = True):
+        super().__init__(on_grad, batch_first=batch_first)
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
@@ -243,12 +251,18 @@ def tracked_models() -> list[nn.Module]:
     return list(_TRACKED.keys())
 
 
-def track(model: nn.Module) -> nn.Module:
+def track(model: nn.Module, batch_first: bool = True) -> nn.Module:
     """Keep, from now on, what the extensions need from ``model``'s forward passes,
     so that a backward inside :func:`jacmem.extend` can use a forward run before it
-    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`."""
+    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`.
+
+    ``batch_first=False``: the model's modules take the batch on axis 1 of their inputs
+    and outputs, ``[T, N, ...]`` (Opacus's ``GradSampleModule(batch_first=False)``;
+    see :mod:`jacmem.layout`); the block that computes on its calls must say the same.
+    Tracking a tracked model again sets the option for its later forwards."""
     if model not in _TRACKED:
-        _TRACKED[model] = Tracker(model, _dispatch)
+        _TRACKED[model] = Tracker(model, _dispatch, batch_first)
+    _TRACKED[model].batch_first = batch_first
     return model
 
 
