@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from jacmem import compat, hooks
 from jacmem.broadcast import Origin, swap_in, watch
@@ -50,7 +50,8 @@ class Recorder:
     ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
     Broadcasts are then not made explicit: a module's own parameters read in its forward
     get the generic recomputation, and a call on a batch of one is recorded as one (the
-    engine's batch-size check names it).
+    engine's batch-size check names it). The calls of one outermost forward must agree
+    on the batch size; one that does not raises at once.
     """
 
     def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
@@ -62,6 +63,9 @@ class Recorder:
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
         self.batch = 1
+        #: under batch_first=False, the first call of the running outermost forward:
+        #: (its name, its batch size)
+        self.first: tuple[str, int] | None = None
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -94,7 +98,7 @@ class Recorder:
         if state is not None:
             state[0]()
         if outermost:
-            self.batch = 1
+            self.batch, self.first = 1, None
 
     def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
         """The parameters of ``module`` whose uses in the forward just ended were each
@@ -124,6 +128,7 @@ class Recorder:
             return None
         self.records.add(rec)
         if not self.batch_first:
+            self._check_batch(rec)
             return None if new is output else new
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
@@ -131,6 +136,23 @@ class Recorder:
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
             new = self._broadcast(rec, new)
         return None if new is output else new
+
+    def _check_batch(self, rec: hooks.Record) -> None:
+        """Under batch_first=False, a call whose batch size disagrees with that of the
+        forward's first call: one of them does not take the batch where jacmem reads it,
+        and would get its quantities per row of another axis."""
+        n = _batch_of(rec)
+        if self.first is None:
+            self.first = (rec.name, n)
+        elif self.first[1] != n:
+            first, m = self.first
+            raise ValueError(
+                f"jacmem: under batch_first=False, module {rec.name!r} ({type(rec.module).__name__}) has a batch of "
+                f"{n} where {first!r} had {m}: one of them does not take the batch on axis 1 (axis 0 for "
+                "convolutions; as their own batch_first says for RNNs and attention), and would get its quantities "
+                "per row of another axis. Keep the batch on axis 1 where it runs (e.g. out[-1:] rather than "
+                "out[-1]), or run the model batch-first with batch_first=True."
+            )
 
     def _broadcast(self, rec: hooks.Record, output: Tensor) -> Tensor:
         """A watched view of ``output`` (a call on a batch of one): each use that meets
@@ -153,6 +175,15 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _batch_of(rec: hooks.Record) -> int:
+    """A call's batch size: axis 1 of its output where its batch was moved first;
+    otherwise axis 0 of what its layer kept, arranged (of its output, where it kept nothing)."""
+    if rec.relaid:
+        return rec.outputs[0][0][1]
+    first = next((t for t in tree_flatten(rec.x)[0] if isinstance(t, Tensor) and t.dim()), None)
+    return first.shape[0] if first is not None else rec.outputs[0][0][0]
 
 
 def _void(records: list[hooks.Record]) -> None:
