@@ -48,9 +48,11 @@ class Recorder:
       module with its input expanded to that batch.
 
     ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
-    Broadcasts are then not made explicit: a module's own parameters read in its forward
-    get the generic recomputation, and a call on a batch of one is recorded as one (the
-    engine's batch-size check names it). The calls of one outermost forward must agree
+    Broadcasts are then not made explicit: the parameters that a module of no registered
+    type reads in its forward are left to its own record (the generic recomputation), and
+    only those it does not read (Opacus's DPLSTM holds its cells' parameters) are left
+    to the records of the submodules that use them; a call on a batch of one is recorded
+    as one (the engine's batch-size check names it). The calls of one outermost forward must agree
     on the batch size; one that does not raises at once.
     """
 
@@ -76,7 +78,7 @@ class Recorder:
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
-        if not self.batch_first or registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
+        if registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active():
@@ -84,6 +86,9 @@ class Recorder:
         uses: list[hooks.Record] = []
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
+            if not self.batch_first:  # expanded on axis 0, not the batch: left to the module's record
+                origins[pname].unsafe.append("a use under batch_first=False")
+                return
             entry = use_entry(pname, tuple(p.shape))
             uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
 

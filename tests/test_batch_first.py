@@ -2,7 +2,7 @@
 ``GradSampleModule(batch_first=False)``.
 
 Every layer family that can take its batch on axis 1 (Linear, Embedding, LayerNorm,
-RMSNorm, the generic fallback; RNNs and attention by their own ``batch_first``;
+RMSNorm, the generic fallback; RNNs, Opacus's DPLSTM and attention by their own ``batch_first``;
 convolutions and GroupNorm on axis 0 inside a sequence-first model) against a
 per-sample autograd loop over axis 1, in float64: BatchGrad, BatchL2Grad,
 SumGradSquared, Variance in both flows (forward inside the block; ``jacmem.track``),
@@ -122,6 +122,13 @@ class TextLSTM(nn.Module):
         return self.fc(self.lstm(self.emb(x))[-1:])[0]
 
 
+def dp_lstm(batch_first: bool) -> nn.Module:
+    """Opacus's DPLSTM: its cells' RNNLinear run one step at a time on ``[N, I]``."""
+    from opacus.layers import DPLSTM
+
+    return SeqFirst(Steps(DPLSTM(4, 5, batch_first=batch_first)), width=5)
+
+
 def encoder() -> nn.Module:
     layer = nn.TransformerEncoderLayer(4, 2, dim_feedforward=8, dropout=0.0, batch_first=False)
     return SeqFirst(layer, width=4)
@@ -137,6 +144,8 @@ FAMILIES = {
     "gru": lambda: SeqFirst(Steps(nn.GRU(4, 5, num_layers=2, bidirectional=True)), width=10),
     "lstm": lambda: SeqFirst(Steps(nn.LSTM(4, 5)), width=5),
     "lstm_own_batch_first": lambda: SeqFirst(Steps(nn.LSTM(4, 5, batch_first=True)), width=5),
+    "opacus_dplstm": lambda: dp_lstm(False),
+    "opacus_dplstm_own_batch_first": lambda: dp_lstm(True),
     "attention": lambda: SeqFirst(SelfAttention(nn.MultiheadAttention(4, 2)), width=4),
     "attention_own_batch_first": lambda: SeqFirst(
         SelfAttention(nn.MultiheadAttention(4, 2, batch_first=True)), width=4
