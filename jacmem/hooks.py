@@ -105,7 +105,7 @@ class Record:
     def relaid(self) -> bool:
         """Whether the call took its batch on axis 1: ``x`` was kept with it moved first,
         and so is ``g``."""
-        return not self.batch_first and self.entry is not None and not self.entry.own_layout
+        return _relaid(self.batch_first, self.entry)
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
@@ -139,6 +139,12 @@ class Record:
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
         g = layout.front(g) if self.relaid else g
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
+
+
+def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
+    """Whether a call recorded under ``batch_first`` by ``entry`` has its batch moved
+    first: under ``batch_first=False``, unless the layer places it itself."""
+    return not batch_first and entry is not None and not entry.own_layout
 
 
 def _output_tensors(entry: LayerDerivatives | None, output) -> list[Tensor]:
@@ -179,10 +185,9 @@ def record(
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
         return None, output
-    relaid = not batch_first and entry is not None and not entry.own_layout
-    if relaid:  # the derivatives take the batch first
-        n = layout.batch_size(module, name, args, kwargs, outputs)
-    kept = layout.inputs_first(args, kwargs, n) if relaid else (args, kwargs)
+    kept = args, kwargs
+    if _relaid(batch_first, entry):  # the derivatives take the batch first
+        kept = layout.inputs_first(args, kwargs, layout.batch_size(module, name, args, kwargs, outputs))
     needs_input = entry is None or any(p not in entry.input_free for p in params)
     x = entry.keep(*kept) if entry is not None and needs_input else None
     x = detached(x)

@@ -52,8 +52,8 @@ class Recorder:
     type reads in its forward are left to its own record (the generic recomputation), and
     only those it does not read (Opacus's DPLSTM holds its cells' parameters) are left
     to the records of the submodules that use them; a call on a batch of one is recorded
-    as one (the engine's batch-size check names it). The calls of one outermost forward must agree
-    on the batch size; one that does not raises at once.
+    as one (the engine's batch-size check names it). The calls of one outermost forward
+    must agree on the batch size; one that does not raises at once.
     """
 
     def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
@@ -219,8 +219,8 @@ def _expand_batch(x, n: int):
 class Tracker(Recorder):
     """Forward hooks on one model's modules, for forwards that run outside a block."""
 
-    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad, batch_first: bool = True):
-        super().__init__(on_grad, batch_first=batch_first)
+    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad):
+        super().__init__(on_grad)
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
@@ -297,7 +297,7 @@ def track(model: nn.Module, batch_first: bool = True) -> nn.Module:
     see :mod:`jacmem.layout`); the block that computes on its calls must say the same.
     Tracking a tracked model again sets the option for its later forwards."""
     if model not in _TRACKED:
-        _TRACKED[model] = Tracker(model, _dispatch, batch_first)
+        _TRACKED[model] = Tracker(model, _dispatch)
     _TRACKED[model].batch_first = batch_first
     return model
 
