@@ -61,6 +61,7 @@ class Block:
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
         process_group: Any = None,
         autotune: bool = False,
+        batch_first: bool = True,
     ):
         extensions = _checked(extensions)
         #: the extensions of each engine, in :data:`ENGINES` order (those it has)
@@ -72,6 +73,15 @@ class Block:
                 f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
                 "block; put the other extensions in a block of their own."
             )
+        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
+        if not batch_first and second_order:
+            raise ValueError(
+                f"jacmem: batch_first=False applies to first-order extensions and ClipGrad, not to "
+                f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
+                "Feed the model [N, T, ...] (e.g. nn.LSTM(..., batch_first=True)) and leave batch_first=True."
+            )
+        #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+        self.batch_first = batch_first
         self.plan = StrategyPlan(strategy, autotune=autotune)
         self.chunk_bytes = chunk_bytes
         self.process_group = process_group
@@ -92,7 +102,15 @@ class Block:
         """Start the engines, in the calling thread."""
         self.owner = threading.get_ident()
         setup = Setup(
-            self.plan, self.chunk_bytes, self.passes, self.notices, self.name, self.groups, self.owner, self.models
+            self.plan,
+            self.chunk_bytes,
+            self.passes,
+            self.notices,
+            self.name,
+            self.groups,
+            self.owner,
+            self.models,
+            self.batch_first,
         )
         try:
             self.engines = [cls(exts, setup) for cls, exts in self.kinds]
@@ -142,7 +160,7 @@ class Block:
     def track(self, model: nn.Module) -> None:
         """Record ``model``'s calls for this block alone, wherever they run, until
         :meth:`untrack` or :meth:`close`; the engines see the model at once."""
-        recorder.track(model, owner=self)
+        recorder.track(model, self.batch_first, owner=self)
         for engine in self.engines:
             engine.on_track(model)
 
@@ -223,6 +241,13 @@ class Block:
         gradients where an engine computed them."""
         if rec.thread != self.owner:
             return None  # a graph another thread built: not this block's
+        if rec.batch_first != self.batch_first:
+            raise ValueError(
+                f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) was recorded by jacmem.track with "
+                f"batch_first={rec.batch_first}, but the block has batch_first={self.batch_first}: one of them "
+                f"misreads the batch axis. Pass the same value to both: jacmem.track(model, batch_first=...) and "
+                "jacmem.extend(..., batch_first=...)."
+            )
         grads = None
         for engine in self.engines:
             out = engine.on_record(rec)

@@ -255,8 +255,9 @@ class Clipping(FirstOrder):
             raise RuntimeError(
                 "jacmem: ClipGrad: the modules of one backward pass see different batch sizes ("
                 + "; ".join(f"{n}: {listing(mods)}" for n, mods in seen.items())
-                + "), so axis 0 is not the batch everywhere and per-sample gradients would be wrong. Put the batch "
-                "first (batch_first=True), and run one batch per backward pass."
+                + "), so axis 0 is not the batch everywhere and per-sample gradients would be wrong. For a model "
+                "fed [T, N, ...], pass batch_first=False; otherwise put the batch first, and run one batch per "
+                "backward pass."
             )
         return next(iter(sizes.values()), 0)
 

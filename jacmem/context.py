@@ -45,6 +45,15 @@ class extend:
         autotune: choose each layer's strategies by timing them, once per call shape,
             on the real tensors, rather than by the cost model (see
             :mod:`jacmem.strategies`); ``explain()`` then says "timed".
+        batch_first: ``False`` for a model fed ``[T, N, ...]`` (nn.LSTM's default layout):
+            each module call takes its batch on axis 1 of its inputs and outputs, as
+            Opacus's ``GradSampleModule(batch_first=False)``, except where the module
+            places it itself: RNNs and ``nn.MultiheadAttention`` by their own
+            ``batch_first``, convolutions, GroupNorm, InstanceNorm and EmbeddingBag on
+            axis 0 (their layout, ``[N, C, *]``). A call whose batch axis cannot be
+            told apart raises (see :mod:`jacmem.layout`). A model given to
+            :func:`track` must be tracked with the same value. First-order extensions
+            and ``ClipGrad`` only.
 
     ``as ctx`` gives the block; ``ctx.explain()`` says what each layer chose, and why.
 
@@ -78,6 +87,7 @@ class extend:
         chunk_bytes: float = DEFAULT_CHUNK_BYTES,
         process_group: Any = None,
         autotune: bool = False,
+        batch_first: bool = True,
     ):
         self.block = Block(
             *extensions,
@@ -86,6 +96,7 @@ class extend:
             chunk_bytes=chunk_bytes,
             process_group=process_group,
             autotune=autotune,
+            batch_first=batch_first,
         )
         self.plan = self.block.plan
         self._module_handles: list = []

@@ -80,8 +80,9 @@ class FirstOrder(Engine):
         self.strategies, self.chunk_bytes = setup.strategies, setup.chunk_bytes
         self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
         self.owner: int | None = setup.owner
+        self.batch_first = setup.batch_first
         #: the block's own calls; a layer that allows it runs through ComputeOnce
-        self.recorder = Recorder(self._on_grad, once=True)
+        self.recorder = Recorder(self._on_grad, once=True, batch_first=setup.batch_first)
         #: modules already warned about (weakly: a long block sees re-created modules)
         self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
@@ -277,12 +278,21 @@ class FirstOrder(Engine):
                 f"the batch axis (e.g. position_ids.expand({largest}, -1)), or freeze their parameters."
             )
         seen = "; ".join(f"{n}: {listing(mods)}" for n, mods in by_size.items())
+        if not self.batch_first:
+            raise RuntimeError(
+                f"jacmem: under batch_first=False, the modules of one backward pass see different batch sizes "
+                f"({seen}): a module whose axis 1 is not the batch (a layer on out[-1] rather than out[-1:], a "
+                "convolution fed [T, N, ...]) would get its quantities per row of that axis, not per sample. Keep "
+                "the batch on axis 1 (axis 0 for convolutions, and as the module's own batch_first says for "
+                "RNNs and attention), and run one batch per backward pass."
+            )
         warnings.warn(
             f"jacmem: the modules of one backward pass see different batch sizes ({seen}). Per-sample "
             "quantities take axis 0 of a module's input as the batch, so a module whose axis 0 is not "
-            "the batch (batch_first=False, e.g. nn.TransformerEncoderLayer; or a batch reshaped into "
-            "another axis) gets them per row of axis 0, not per sample. Put the batch first "
-            "(batch_first=True), or ignore this if the block really holds several batches.",
+            "the batch (a sequence-first model, e.g. nn.TransformerEncoderLayer(batch_first=False); or a batch "
+            "reshaped into another axis) gets them per row of axis 0, not per sample. For a model fed "
+            "[T, N, ...], pass batch_first=False to jacmem.extend (and jacmem.track); otherwise put the batch "
+            "first, or ignore this if the block really holds several batches.",
             RuntimeWarning,
             stacklevel=2,
         )

@@ -169,3 +169,5 @@ class Setup:
     owner: int
     #: ``models()``: the tracked models whose calls reach the block
     models: Callable
+    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+    batch_first: bool = True

@@ -89,9 +89,10 @@ class _Private:
     off while the block is open, and a model that is not DDP-wrapped, in a process
     group of more than one rank, is summed over the default group."""
 
-    def __init__(self, module: nn.Module, clip: ClipGrad):
+    def __init__(self, module: nn.Module, clip: ClipGrad, batch_first: bool = True):
         ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-        self.block = Block(clip, process_group=dist.group.WORLD if _distributed(module) and not ddp else None)
+        group = dist.group.WORLD if _distributed(module) and not ddp else None
+        self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
 
@@ -392,7 +393,8 @@ class PrivacyEngine(OpacusEngine):
                 reads: what a grad-clip scheduler sets there between steps clips the
                 next step.
             batch_first: whether the model's inputs have the batch on axis 0 (Opacus's);
-                only ``True`` is supported for now.
+                ``False`` for ``[T, N, ...]`` inputs (see :class:`jacmem.extend`'s
+                ``batch_first``, which it sets for the model's block).
             loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``.
             poisson_sampling: replace the loader by Opacus's Poisson-sampling one.
             clipping: ``"flat"`` (one norm over all trainable parameters),
@@ -439,11 +441,6 @@ class PrivacyEngine(OpacusEngine):
             raise ValueError(
                 f"criterion.reduction={criterion.reduction!r} but loss_reduction={loss_reduction!r}: they must agree"
             )
-        if not batch_first:
-            raise NotImplementedError(
-                "make_private(batch_first=False): jacmem's clipping does not yet take the batch on axis 1; "
-                "transpose the inputs to [batch, ...] (batch_first=True)"
-            )
         own = {id(p) for p in module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
@@ -480,7 +477,7 @@ class PrivacyEngine(OpacusEngine):
         clip = ClipGrad(
             max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
         )
-        private = _Private(module, clip)
+        private = _Private(module, clip, batch_first)
         optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from jacmem import compat, hooks
 from jacmem.broadcast import Origin, swap_in, watch
@@ -47,16 +47,28 @@ class Recorder:
       forward, or on integer ids (an embedding of ``[1, T]`` position ids), returns a
       watched view of its output: each use that meets the batch is a record of the
       module with its input expanded to that batch.
+
+    ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
+    Broadcasts are then not made explicit: the parameters that a module of no registered
+    type reads in its forward are left to its own record (the generic recomputation), and
+    only those it does not read (Opacus's DPLSTM holds its cells' parameters) are left
+    to the records of the submodules that use them; a call on a batch of one is recorded
+    as one (the engine's batch-size check names it). The calls of one outermost forward
+    must agree on the batch size; one that does not raises at once.
     """
 
-    def __init__(self, on_grad: hooks.OnGrad, once: bool = False):
+    def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
         self.on_grad = on_grad
         self.once = once
+        self.batch_first = batch_first
         self.tensor_handles = hooks.Handles()
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
         self.batch = 1
+        #: under batch_first=False, the first call of the running outermost forward:
+        #: (its name, its batch size)
+        self.first: tuple[str, int] | None = None
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -75,6 +87,9 @@ class Recorder:
         uses: list[hooks.Record] = []
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
+            if not self.batch_first:  # expanded on axis 0, not the batch: left to the module's record
+                origins[pname].unsafe.append("a use under batch_first=False")
+                return
             entry = use_entry(pname, tuple(p.shape))
             uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
 
@@ -89,7 +104,7 @@ class Recorder:
         if state is not None:
             state[0]()
         if outermost:
-            self.batch = 1
+            self.batch, self.first = 1, None
 
     def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
         """The parameters of ``module`` whose uses in the forward just ended were each
@@ -113,17 +128,37 @@ class Recorder:
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
         exclude = self._direct_uses(module)
         rec, new = hooks.record(
-            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude
+            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
         )
         if rec is None:
             return None
         self.records.add(rec)
+        if not self.batch_first:
+            self._check_batch(rec)
+            return None if new is output else new
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
             new = self._broadcast(rec, new)
         return None if new is output else new
+
+    def _check_batch(self, rec: hooks.Record) -> None:
+        """Under batch_first=False, a call whose batch size disagrees with that of the
+        forward's first call: one of them does not take the batch where jacmem reads it,
+        and would get its quantities per row of another axis."""
+        n = _batch_of(rec)
+        if self.first is None:
+            self.first = (rec.name, n)
+        elif self.first[1] != n:
+            first, m = self.first
+            raise ValueError(
+                f"jacmem: under batch_first=False, module {rec.name!r} ({type(rec.module).__name__}) has a batch of "
+                f"{n} where {first!r} had {m}: one of them does not take the batch on axis 1 (axis 0 for "
+                "convolutions; as their own batch_first says for RNNs and attention), and would get its quantities "
+                "per row of another axis. Keep the batch on axis 1 where it runs (e.g. out[-1:] rather than "
+                "out[-1]), or run the model batch-first with batch_first=True."
+            )
 
     def _broadcast(self, rec: hooks.Record, output: Tensor) -> Tensor:
         """A watched view of ``output`` (a call on a batch of one): each use that meets
@@ -146,6 +181,15 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _batch_of(rec: hooks.Record) -> int:
+    """A call's batch size: axis 1 of its output where its batch was moved first;
+    otherwise axis 0 of what its layer kept, arranged (of its output, where it kept nothing)."""
+    if rec.relaid:
+        return rec.outputs[0][0][1]
+    first = next((t for t in tree_flatten(rec.x)[0] if isinstance(t, Tensor) and t.dim()), None)
+    return first.shape[0] if first is not None else rec.outputs[0][0][0]
 
 
 def _void(records: list[hooks.Record]) -> None:
@@ -264,10 +308,15 @@ def routed_to(block: Any) -> list[nn.Module]:
     return [m for m, t in list(_TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
 
 
-def track(model: nn.Module, *, owner: Any = None) -> nn.Module:
+def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> nn.Module:
     """Keep, from now on, what the extensions need from ``model``'s forward passes,
     so that a backward inside :func:`jacmem.extend` can use a forward run before it
     (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`.
+
+    ``batch_first=False``: the model's modules take the batch on axis 1 of their inputs
+    and outputs, ``[T, N, ...]`` (Opacus's ``GradSampleModule(batch_first=False)``;
+    see :mod:`jacmem.layout`); the block that computes on its calls must say the same.
+    Tracking a tracked model again sets the option for its later forwards.
 
     ``owner``: a block (:class:`jacmem.block.Block`) that takes the model's calls,
     wherever they run, in place of the active ``jacmem.extend`` (a private model's)."""
@@ -275,7 +324,8 @@ def track(model: nn.Module, *, owner: Any = None) -> nn.Module:
     if tracker is not None and tracker.owner is not owner:
         raise ValueError(_taken(model, tracker.owner))
     if tracker is None:
-        _TRACKED[model] = Tracker(model, owner)
+        tracker = _TRACKED[model] = Tracker(model, owner)
+    tracker.batch_first = batch_first
     return model
 
 

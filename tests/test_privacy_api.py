@@ -195,9 +195,47 @@ def test_detach_after_a_failed_make_private_leaves_nothing(engines):
     model = net()
     with pytest.raises(TypeError, match="unexpected keyword"):
         sgd_private(engines(), model, N, FLAT, no_such_keyword=1)
-    with pytest.raises(NotImplementedError, match="batch_first=False"):
-        sgd_private(engines(), model, N, FLAT, batch_first=False)
     no_hooks_left(model)
+
+
+class SequenceFirst(nn.Module):
+    """``[T, N]`` token ids -> ``[N, 2]``: Embedding, then Linear on ``[T, N, 4]``, summed over T."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.fc = nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids)).sum(0)
+
+
+def test_batch_first_false_clips_each_sample_not_each_step(engines):
+    """``[T, N]`` inputs: the clip is per sample (axis 1), as the loop over axis 1 and
+    Opacus's own ``make_private(batch_first=False)`` on a copy take it."""
+    torch.manual_seed(0)
+    T, max_norm = 5, 0.3
+    ids, y = torch.randint(0, 7, (T, N)), torch.randint(0, 2, (N,))
+    model = SequenceFirst()
+    theirs = copy.deepcopy(model)
+    params = list(model.parameters())
+    rows = [lambda i=i: F.cross_entropy(model(ids[:, i : i + 1]), y[i : i + 1]) for i in range(N)]
+    expected = clipped_sgd(params, rows, max_norm)
+
+    def step(engine, m):
+        data = loader(ids.T, y, batch_size=N)  # the loader's rows are samples; the model takes [T, N]
+        m, opt, _ = engine.make_private(
+            module=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), data_loader=data, noise_multiplier=0.0,
+            max_grad_norm=max_norm, poisson_sampling=False, batch_first=False,
+        )  # fmt: skip
+        opt.zero_grad()
+        F.cross_entropy(m(ids), y).backward()
+        opt.step()
+
+    step(engines(), model)
+    assert_close(params, expected, "jacmem, batch_first=False")
+    opacus_engine = opacus.PrivacyEngine()
+    step(opacus_engine, theirs)
+    assert_close(list(theirs.parameters()), expected, "Opacus, batch_first=False")
 
 
 # -- each keyword ---------------------------------------------------------------------------

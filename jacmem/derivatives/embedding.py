@@ -284,7 +284,7 @@ layer(
     keep=keep_embedding,
     kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse),
 )
-layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag)
+layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True)  # one bag per row of axis 0
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)
     register(_module, "weight", "grad", "scatter", cost=_grad_cost)(weight_grad)
