@@ -86,9 +86,9 @@ class FirstOrder(Engine):
         self.recorder = Recorder(self._on_grad, once=True)
         #: modules already warned about (weakly: a long block sees re-created modules)
         self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        #: per pass and device: (module names, [K] bool on the device: whose results hold
-        #: NaN or Inf), read when the block ends
-        self.nonfinite: list[tuple[list[str], Tensor]] = []
+        #: (device, the names of K modules) -> [K] bool on the device: whose results held
+        #: NaN or Inf in a pass of the block with those modules; read when the block ends
+        self.nonfinite: dict[tuple[torch.device, tuple[str, ...]], Tensor] = {}
 
     # -- forward -------------------------------------------------------------------
 
@@ -114,7 +114,7 @@ class FirstOrder(Engine):
     def close(self) -> None:
         self.recorder.close()
         self.owner = None
-        pending, self.nonfinite = self.nonfinite, []
+        pending, self.nonfinite = self.nonfinite, {}
         self._warn_nonfinite(pending)
 
     # -- backward ------------------------------------------------------------------
@@ -301,8 +301,7 @@ class FirstOrder(Engine):
         or output gradient did), for :meth:`_warn_nonfinite`. It costs one sum per
         parameter, of its smallest quantity or of its summed gradient where ``grads``
         has it (a sum over the samples holds NaN or Inf wherever a sample does), and
-        nothing on the host. A pass with the same modules as the one before adds its
-        flags to that one's."""
+        nothing on the host. Passes with the same modules share their flags."""
         by_device: dict[torch.device, list[int]] = {}
         for key in reversed(list(quantities)):  # forward order, about
             if quantities[key]:
@@ -314,17 +313,17 @@ class FirstOrder(Engine):
                 if grads.get(k) is not None:
                     candidates.append(grads[k])
                 sums.append(min(candidates, key=Tensor.numel).sum())
-            bad, modules = torch.stack(sums).isfinite().logical_not_(), [names[k] for k in keys]
-            last = self.nonfinite[-1] if self.nonfinite else None
-            if last is not None and last[0] == modules and last[1].device == bad.device:
-                last[1].logical_or_(bad)
-            else:
-                self.nonfinite.append((modules, bad))
+            bad = torch.stack(sums).isfinite().logical_not_()
+            flags = self.nonfinite.setdefault((bad.device, tuple(names[k] for k in keys)), bad)
+            if flags is not bad:
+                flags.logical_or_(bad)
 
-    def _warn_nonfinite(self, flagged: list[tuple[list[str], Tensor]]) -> None:
+    def _warn_nonfinite(self, flagged: dict[tuple[torch.device, tuple[str, ...]], Tensor]) -> None:
         """One warning, naming the modules that :meth:`_flag_nonfinite` flagged in any
         pass of the block; one transfer per entry, after the block."""
-        modules = list(dict.fromkeys(m for names, bad in flagged for m, b in zip(names, bad.tolist()) if b))
+        modules = list(
+            dict.fromkeys(m for (_, names), bad in flagged.items() for m, b in zip(names, bad.tolist()) if b)
+        )
         if not modules:
             return
         warnings.warn(

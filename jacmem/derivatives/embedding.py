@@ -48,11 +48,11 @@ Strategies: per-sample gradients are ``[N, V, D]``, large. Only ``batch_grad`` f
   the ``U ≤ N·T`` pairs fill the first rows and zeros the rest; then
   ``‖grad[n]‖² = Σ_{pairs of n} ‖S‖²`` and ``Σ_n grad[n]² = Σ_{pairs of row v} S²``,
   scattered into ``[V, D]``. Never ``[N, V, D]``.
+* ``grad`` ``scatter``: ``index_add`` into ``[V, D]``.
 
 The derivatives read nothing on the host (no size depends on the data; only ``keep``
 of a 1d ``EmbeddingBag`` input does, in the forward): the row counts are an
 ``index_add``, not ``bincount``, and the pairs are sorted, not made ``unique``.
-* ``grad`` ``scatter``: ``index_add`` into ``[V, D]``.
 """
 
 from __future__ import annotations
