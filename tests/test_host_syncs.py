@@ -5,8 +5,9 @@ On an accelerator, an op whose result the host must read (``.item()``, ``bool(t)
 queue drains. :class:`HostReads` counts those ops under a ``TorchDispatchMode`` while
 ``loss.backward()`` runs (the forward may read the host), together with ``tolist`` and
 ``numpy``, which read a tensor's memory without an op the mode sees; every test requires
-zero. The models: tiny HF GPT-2 (tied embeddings, default position ids) and BERT, timm's
-ViT, a CNN and an LSTM, under every first-order extension and every ClipGrad clipping;
+zero. The models: tiny HF GPT-2 (tied embeddings, default position ids), BERT and LLaMA,
+timm's ViT, a CNN, an LSTM and custom modules (the torch.func fallback), under every
+first-order extension (BatchGrad also with subsampling) and every ClipGrad clipping;
 and one module of every registered layer type (the case bank of
 tests/test_registry_coverage.py, which must cover the registry), under the engine and
 with every strategy its entry offers called directly.
@@ -24,6 +25,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from reference import trainable
+from test_generic_fallback import Model as FallbackModel
 from test_registry_coverage import CASES, Case, _loss, applicable, capture
 from test_transformers import build
 from torch import Tensor, nn
@@ -156,12 +158,20 @@ def lstm():
     return LSTMNet().to(DT), torch.randint(0, 11, (N, 6)), torch.randint(0, 3, (N,))
 
 
+def fallback():
+    """Modules with no registered derivative (recomputed with torch.func) among registered ones."""
+    torch.manual_seed(0)
+    return FallbackModel().to(DT), torch.randn(N, 2, 6, 6, dtype=DT), torch.randint(0, 2, (N,))
+
+
 MODELS = {
     "gpt2": lambda: build("gpt2"),
     "bert": lambda: build("bert"),
+    "llama": lambda: build("llama"),
     "vit": lambda: build("vit"),
     "cnn": cnn,
     "lstm": lstm,
+    "fallback": fallback,
 }
 
 
@@ -262,3 +272,17 @@ def test_nan_is_flagged_on_the_device_and_warned_when_the_block_ends():
                     backward_reads(F.cross_entropy(model(inputs), y)).check("a pass with NaN")
     assert len(caught) == 1 and caught[0].filename == __file__
     assert model[0].weight.grad_batch[1].isnan().any() and not model[0].weight.grad_batch[0].isnan().any()
+
+
+def test_the_unrecorded_use_check_raises_without_host_reads():
+    """ClipGrad's check that no use of a parameter escaped the recorded calls runs on the
+    device, and still raises (at once on the CPU) before anything is written."""
+    model, X, y = cnn()
+    reads = HostReads()
+    with pytest.raises(RuntimeError, match="reaches parameter 'Sequential.6.weight' outside every module call"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            loss = F.cross_entropy(model(X), y) + model[6].weight.square().sum()
+            with reads:
+                loss.backward()
+    reads.check("ClipGrad's failing check")
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())  # autograd's zeros at most
