@@ -218,19 +218,20 @@ class Clipping(FirstOrder):
         and its per-sample gradients are unknown. Tolerance: ``sqrt(eps)`` of the norm,
         ``eps`` that of the narrowest dtype the calls ran in (the sums add in different
         orders; under autocast, autograd's in bfloat16): 1.5e-8 for float64, 3.5e-4 for
-        float32, 0.09 for bfloat16."""
+        float32, 0.09 for bfloat16. Checked on the device (the host reads nothing): on
+        CUDA, a failure is a device-side assertion."""
         for key, grad in run.autograd.items():
             recorded = run.recorded.get(key)
             diff = grad.norm() if recorded is None else (grad - recorded.to(grad.dtype)).norm()
             eps = max(torch.finfo(dtype).eps for dtype in (grad.dtype, run.narrowest.get(key, grad.dtype)))
-            tol = eps**0.5 * max(grad.norm().item(), 1e-30)
-            if diff.item() > tol:
-                raise RuntimeError(
-                    f"jacmem: ClipGrad: the loss reaches parameter {run.reached[key]!r} outside every module call "
-                    "jacmem recorded (e.g. a parameter read in a loss term or in a functional op of a parent "
-                    "module), so its per-sample gradients, and its clipped gradient, are unknown. Use it only "
-                    "inside the forward of modules (as their own parameter), or freeze it."
-                )
+            tol = eps**0.5 * grad.norm().clamp(min=1e-30)
+            compat.assert_on_device(
+                (diff > tol).logical_not(),  # a NaN gradient is no use outside the calls: it passes
+                f"jacmem: ClipGrad: the loss reaches parameter {run.reached[key]!r} outside every module call "
+                "jacmem recorded (e.g. a parameter read in a loss term or in a functional op of a parent "
+                "module), so its per-sample gradients, and its clipped gradient, are unknown. Use it only "
+                "inside the forward of modules (as their own parameter), or freeze it.",
+            )
 
     def _check_unsynced(self, staged: dict) -> None:
         """A tracked DDP model whose forward ran outside the block with DDP's gradient
