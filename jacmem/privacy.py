@@ -70,6 +70,8 @@ from jacmem.extensions.clipping import ClipGrad, check
 __all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
 
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
+#: set on a ``.grad`` that :meth:`_ClippedSum.accumulate` has added to ``summed_grad``
+_ACCUMULATED = "_jacmem_accumulated"
 
 #: Opacus's default criterion (returned only for a ghost grad_sample_mode)
 _CROSS_ENTROPY = nn.CrossEntropyLoss()
@@ -204,9 +206,24 @@ class _ClippedSum:
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a
-        second step without ``zero_grad`` raises, as Opacus's does)."""
+        second step without ``zero_grad`` raises, as Opacus's does).
+
+        Raises:
+            ValueError: as Opacus's per-sample optimizer, where a ``.grad`` was
+                accumulated already by a skipped step (``BatchMemoryManager``'s) with no
+                ``zero_grad`` since: its clipped sum would count twice.
+        """
+        if any(p.grad is not None and hasattr(p.grad, _ACCUMULATED) for p in self.params):
+            raise ValueError(
+                "Gradients haven't been cleared since the last optimizer step: call optimizer.zero_grad() after "
+                "every optimizer.step(), also those BatchMemoryManager skips, or a clipped sum counts twice"
+            )
         for p in self.params:
-            grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+            if p.grad is None:
+                grad = torch.zeros_like(p)
+            else:
+                grad = p.grad.detach()
+                setattr(p.grad, _ACCUMULATED, True)
             if p.summed_grad is None:
                 p.summed_grad = grad.clone()
             else:
@@ -219,6 +236,9 @@ class _ClippedSum:
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):
+                delattr(p.grad, _ACCUMULATED)  # zeroed in place (set_to_none=False): counts afresh
         super().zero_grad(set_to_none)
         self._restart()
 
