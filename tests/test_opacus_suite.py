@@ -34,6 +34,7 @@ HERE = Path(__file__).parent
 #: ``file::Class`` node ids (relative to Opacus's tests folder) that run
 SELECTED = [
     "gradient_accumulation_test.py::GradientAccumulationTest",
+    "batch_memory_manager_test.py::BatchMemoryManagerTest",
     "randomness_test.py",
     "accounting_noise_multiplier_test.py",
     "privacy_engine_validation_test.py",
@@ -70,8 +71,6 @@ INTERNALS = {
 
 #: deliberate differences, documented in docs/guide/from_opacus.rst
 DIFFERS = "differs"
-#: the item of issue 22 that closes each gap
-SEVERAL_MODELS = "item 3"
 
 #: test -> why it fails on jacmem: a deliberate difference, or the item whose fix it waits for
 EXPECTED_FAILURES = {
@@ -79,7 +78,6 @@ EXPECTED_FAILURES = {
         DIFFERS,
         "accumulation under Poisson sampling is allowed (each pass adds its clipped sum; the accountant counts k·q)",
     ),
-    "randomness_test.py::PrivacyEngineSecureModeTest::test_data_seed_consistency": (SEVERAL_MODELS,),
     **{
         f"privacy_engine_validation_test.py::PrivacyEngineValidationTest::{name}": (
             DIFFERS,
