@@ -32,17 +32,17 @@ def test_quick_cases_write_report(tmp_path, capsys):
 def test_cpu_time_and_memory_come_from_two_processes(monkeypatch):
     """On CPU a full run times a case with glibc keeping freed memory, and takes its peak
     from a second, unpaired process in which glibc returns memory at once."""
-    from benchmarks import run
+    from benchmarks import harness
 
     calls = []
 
     def fake_run_case(case, timeout, env=None):
         calls.append((case, env))
-        if env is run.TIME_MALLOC:
+        if env is harness.TIME_MALLOC:
             return dict(case, time_s=1.0, paired_ratio=1.5, rss_setup=1, rss_peak=9, extra_bytes=8)
         return dict(case, time_s=9.0, paired_ratio=None, rss_setup=2, rss_peak=5, extra_bytes=3)
 
-    monkeypatch.setattr(run, "run_case", fake_run_case)
+    monkeypatch.setattr(harness, "run_case", fake_run_case)
     case = dict(
         model="m",
         method="jacmem:BatchGrad:auto",
@@ -53,11 +53,11 @@ def test_cpu_time_and_memory_come_from_two_processes(monkeypatch):
         repeats=7,
         seconds=4.0,
     )
-    result = run.measure(case, timeout=10)
-    assert [env for _, env in calls] == [run.TIME_MALLOC, run.MEMORY_MALLOC]
+    result = harness.measure(case, timeout=10)
+    assert [env for _, env in calls] == [harness.TIME_MALLOC, harness.MEMORY_MALLOC]
     assert calls[1][0]["paired"] is False and calls[1][0]["repeats"] == 2
     assert (result["time_s"], result["paired_ratio"], result["extra_bytes"]) == (1.0, 1.5, 3)
 
     calls.clear()
-    run.measure(dict(case, device="cuda"), timeout=10)
+    harness.measure(dict(case, device="cuda"), timeout=10)
     assert [env for _, env in calls] == [None]  # one process: max_memory_allocated counts live tensors
