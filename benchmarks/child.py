@@ -1,8 +1,8 @@
 """One benchmark case in its own process: ``python -m benchmarks.child '<json>'``.
 
 Builds the model and batch, prepares the method, then measures. On CPU: the resident
-set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss``,
-its high-water mark reset after setup where Linux allows; ``benchmarks.harness.measure`` takes
+set size after setup, and the peak during the steps (``VmHWM``, its high-water
+mark reset after setup where Linux allows; ``benchmarks.harness.measure`` takes
 time and memory in separate processes on CPU, with different glibc settings); on CUDA:
 ``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
 median over up to ``repeats`` steps (fewer for slow steps: about
@@ -15,13 +15,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import resource
 import statistics
 import sys
 import time
 import warnings
 
-from benchmarks.harness import answer, reset_peak, rss_bytes
+from benchmarks.harness import answer, peak_rss_bytes, reset_peak, rss_bytes
 
 
 def run(case: dict) -> dict:
@@ -72,7 +71,7 @@ def run(case: dict) -> dict:
         times.append(timed(step))
         if paired:
             ratios.append(times[-1] / reference)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out = dict(
         case,

@@ -25,7 +25,6 @@ import argparse
 import copy
 import gc
 import re
-import resource
 import statistics
 import sys
 import time
@@ -135,7 +134,7 @@ def child(case: dict) -> dict:
         times.append(time.perf_counter() - start)
         if plain:
             ratios.append(times[-1] / reference)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = harness.peak_rss_bytes()
     return dict(
         case,
         time_s=statistics.median(times),

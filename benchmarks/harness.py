@@ -92,6 +92,14 @@ def reset_peak() -> bool:
         return False
 
 
+def peak_rss_bytes() -> int:
+    """The peak resident set size since :func:`reset_peak` (``VmHWM``). Not
+    ``getrusage``'s ``ru_maxrss``: Linux carries that over ``exec`` from the parent, so a
+    child's figure would be at least its parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
 def load() -> list[str] | str:
     """The load average over 1, 5 and 15 minutes."""
     try:

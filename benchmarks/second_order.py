@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-import resource
 import statistics
 import sys
 import time
@@ -237,7 +236,7 @@ def child(case: dict) -> dict:
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = harness.peak_rss_bytes()
     return dict(case, time_s=statistics.median(times), extra_bytes=peak - setup if reset or peak > setup else None)
 
 

@@ -61,3 +61,18 @@ def test_cpu_time_and_memory_come_from_two_processes(monkeypatch):
     calls.clear()
     harness.measure(dict(case, device="cuda"), timeout=10)
     assert [env for _, env in calls] == [None]  # one process: max_memory_allocated counts live tensors
+
+
+def test_a_child_peak_is_its_own(tmp_path):
+    """A case's peak memory is that of its own process, even where the process that
+    starts it has used far more (Linux carries ``ru_maxrss`` over ``exec``)."""
+    import torch
+
+    from benchmarks import harness
+
+    ballast = torch.ones(800 * 2**20 // 4)  # 800 MiB, touched
+    case = dict(model="seed-cnn-64", method="plain", quick=True, device="cpu", threads=1)
+    case.update(warmup=1, repeats=1, seconds=0.0, paired=False)
+    result = harness.run_case(case, timeout=300, env=harness.MEMORY_MALLOC)
+    assert harness.peak_rss_bytes() - result["rss_peak"] > 500 * 2**20, (harness.peak_rss_bytes(), result)
+    del ballast
