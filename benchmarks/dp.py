@@ -38,7 +38,7 @@ START, END = "<!-- dp:start -->", "<!-- dp:end -->"
 MODELS = ("vit-tiny", "gpt2", "seed-cnn-256")
 ENGINES = ("jacmem", "opacus:hooks", "opacus:ghost")
 LABELS = {"jacmem": "jacmem", "opacus:hooks": "Opacus 1.6 hooks", "opacus:ghost": "Opacus 1.6 ghost clipping"}
-#: issue 15's targets: a DP step over an ordinary one, in time and in peak memory
+#: the targets: a DP step over an ordinary one, in time and in peak memory
 TARGET = 1.2
 LR, SIGMA, C = 0.1, 1.0, 1.0
 
@@ -167,7 +167,7 @@ def table(results: list[dict], args) -> list[str]:
         "every step). **Time**: the private step and an ordinary SGD step of an untouched copy alternated in one "
         f"process ({args.repeats} pairs at least, more while under {args.seconds:g} s), the median of the per-step "
         "ratios. **Memory**: the peak RSS during two steps above that after setup, each engine and the ordinary step "
-        "in processes of their own (glibc returning freed buffers at once), and their ratio. Issue 15's target: "
+        "in processes of their own (glibc returning freed buffers at once), and their ratio. The target: "
         f"at most {TARGET}× in both." + (" " + args.note if args.note else ""),
         "",
         "| model | engine | DP step (ms) | × SGD step | target met | peak (MiB) | × SGD step's peak |",

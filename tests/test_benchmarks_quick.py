@@ -20,9 +20,15 @@ def test_quick_cases_write_report(tmp_path, capsys):
     text = md.read_text()
     assert "# old report" not in text and "stale text" not in text
     assert text.count(lean) == 1 and text.count(other) == 1
-    assert re.search(r"\| plain forward\+backward \| none \| \d+ \| 1\.00 \| 0 \| 0\.00 \|", text), text
+    details = (tmp_path / "details" / "seed-cnn-64.md").read_text()  # every method, and what auto chose
+    assert re.search(r"\| plain forward\+backward \| none \| \d+ \| 1\.00 \| 0 \| 0\.00 \|", details), details
     row = r"\| jacmem BatchL2Grad \(auto\) \| BatchL2Grad \| \d+ \| [\d.]+ \| -?\d+ \| -?[\d.]+ \|"
-    assert re.search(row, text), text
+    assert re.search(row, details), details
+    assert "ctx.explain()" in details and "ctx.explain()" not in text
+    # the summary's peers table links the details and gives jacmem's time spread
+    assert re.search(
+        r"\| \[seed-cnn-64\]\(benchmarks/details/seed-cnn-64\.md\) \| BatchL2Grad \| \d+ \(\d+–\d+\) \|", text
+    )
     assert "| seed-cnn-64 | BatchL2Grad |" in text  # the targets table
     assert "Command: `python -m benchmarks --quick" in text and "torch " in text
     assert png.stat().st_size > 10_000
