@@ -464,7 +464,8 @@ class PrivacyEngine(OpacusEngine):
         own = {id(p) for p in module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
-                "the optimizer has parameters that are not the module's: build it from module.parameters()"
+                "Module parameters are different than optimizer Parameters (Opacus's words): the optimizer has "
+                "parameters that are not the module's; build it from module.parameters()"
             )
         if self._private is not None:
             raise ValueError(

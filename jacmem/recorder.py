@@ -230,7 +230,8 @@ class Tracker(Recorder):
         self.model = weakref.ref(model)
         self.module_handles: list = []
         for name, module in model.named_modules():
-            if next(module.parameters(recurse=False), None) is None:
+            # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)
+            if module is not model and next(module.parameters(recurse=False), None) is None:
                 continue
             self.names[module] = name or type(module).__name__
             self.module_handles += [

@@ -342,3 +342,41 @@ def test_modules_of_one_pass_on_different_batches_raise_before_anything_is_writt
             (a(X).sum() + b(Y).sum()).backward()
     nothing_written(a, grad=False)  # autograd's .grad, as in any failed pass
     nothing_written(b, grad=False)
+
+
+class _NoRootParams(nn.Module):
+    """Token ids, ``[T, N]`` (``time=0``) or ``[N, T]`` (``time=1``) -> ``[N, 2]``; the
+    root holds no parameter of its own, so only its children would carry hooks were the
+    root not hooked too."""
+
+    def __init__(self, time: int):
+        super().__init__()
+        self.time = time
+        self.emb, self.fc = nn.Embedding(7, 4), nn.Linear(4, 2)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        return self.fc(self.emb(ids)).sum(self.time)
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+def test_tracked_forwards_of_other_batch_sizes_start_afresh(batch_first):
+    """A tracked model's later forward on another batch size (Poisson batches) is a new
+    forward: exact, neither refused nor taken for a broadcast of the last one."""
+    torch.manual_seed(0)
+    axis = 0 if batch_first else 1  # the batch's
+    model = jacmem.track(_NoRootParams(time=1 - axis), batch_first=batch_first)
+    params = [model.emb.weight, model.fc.weight, model.fc.bias]
+    try:
+        for n in (5, 3, 1):
+            ids, y = torch.randint(0, 7, (n, 4) if batch_first else (4, n)), torch.randint(0, 2, (n,))
+            with jacmem.extend(jacmem.BatchGrad(), batch_first=batch_first):
+                cross_entropy(model(ids), y, "mean").backward()
+            rows = [
+                torch.autograd.grad(cross_entropy(model(ids.narrow(axis, i, 1)), y[i : i + 1], "sum") / n, params)
+                for i in range(n)
+            ]
+            for k, p in enumerate(params):
+                torch.testing.assert_close(p.grad_batch, torch.stack([row[k] for row in rows]))
+            clear(model)
+    finally:
+        jacmem.untrack(model)
