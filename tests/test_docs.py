@@ -136,7 +136,7 @@ def test_api_covers_every_public_name_with_a_docstring():
 
 EXAMPLES = sorted((ROOT / "examples").glob("plot_*.py"))
 #: examples whose only size is small (a few float64 samples): no quick mode to select
-ALWAYS_SMALL = {"plot_custom_module.py"}
+ALWAYS_SMALL = {"plot_custom_module.py", "plot_first_steps.py"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

@@ -237,6 +237,7 @@ def setup(app):
 
 #: the gallery's first pages, in this order; other examples follow by file name
 FIRST = [
+    "plot_first_steps.py",
     "plot_save_memory.py",
     "plot_strategies_vs_batch.py",
     "plot_norms.py",
