@@ -12,7 +12,8 @@ STAMP := $(VENV)/.installed
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
 # The docs extra is in the one install because the gallery's examples import what dev
 # installs and the suite's tests/test_docs.py reads the docs' own Sphinx extension (docutils).
-$(STAMP): pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
+# The Makefile is a prerequisite: it says which extras go in.
+$(STAMP): Makefile pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q -c constraints.txt -e ".[dev,docs]"
 	$(PY) tools/torchvision_cpu_shim.py install
