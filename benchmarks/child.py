@@ -1,7 +1,7 @@
 """One benchmark case in its own process: ``python -m benchmarks.child '<json>'``.
 
 Builds the model and batch, prepares the method, then measures. On CPU: the resident
-set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss``,
+set size after setup, and the peak during the steps (``VmHWM`` of ``/proc/self/status``,
 its high-water mark reset after setup where Linux allows; ``benchmarks.run`` measures
 time and memory in separate processes on CPU, with different glibc settings); on CUDA:
 ``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
@@ -28,6 +28,17 @@ from benchmarks.run import answer
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def _peak_rss_bytes() -> int:
+    """The peak resident set since the last :func:`_reset_peak`: ``VmHWM``. Not
+    ``getrusage``'s ``ru_maxrss``, which an exec'd process starts at the RSS of the
+    process that spawned it (a docs build's, hundreds of MiB) and which no reset lowers."""
+    try:
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 def _reset_peak() -> bool:
@@ -88,7 +99,7 @@ def run(case: dict) -> dict:
         times.append(timed(step))
         if paired:
             ratios.append(times[-1] / reference)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out = dict(
         case,
