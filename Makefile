@@ -1,5 +1,6 @@
 # Two commands on a fresh machine: `make demo` and `make test`; `make docs` builds the site.
-# Each creates .venv if missing and installs what it needs, pinned by constraints.txt.
+# All share one environment: the first creates .venv and installs jacmem with its dev and docs
+# extras, pinned by constraints.txt; the others find it ready.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
@@ -9,23 +10,19 @@ STAMP := $(VENV)/.installed
 
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
-$(STAMP): pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
+# The docs extra is in the one install because the gallery's examples import what dev
+# installs and the suite's tests/test_docs.py reads the docs' own Sphinx extension (docutils).
+# The Makefile is a prerequisite: it says which extras go in.
+$(STAMP): Makefile pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	$(PY) -m pip install -q -c constraints.txt -e ".[dev,docs]"
 	$(PY) tools/torchvision_cpu_shim.py install
 	touch $(STAMP)
-
-# The docs extra beside dev: the gallery's examples import what dev installs, and the
-# suite's tests/test_docs.py reads the docs' own Sphinx extension (docutils).
-DOCS_STAMP := $(VENV)/.installed-docs
-$(DOCS_STAMP): $(STAMP)
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev,docs]"
-	touch $(DOCS_STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/plot_save_memory.py
 
-test: $(DOCS_STAMP) lint
+test: $(STAMP) lint
 	$(PY) -m pytest -q
 
 lint: $(STAMP)
@@ -40,7 +37,7 @@ bench: $(STAMP)
 # Offline, warnings as errors, every page read afresh (-E: the generated pages follow the
 # registry and the docstrings, which Sphinx does not track); the gallery runs examples/plot_*.py in quick mode
 # (JACMEM_QUICK=1, set by docs/conf.py), then docs/check_site.py checks the HTML.
-docs: $(DOCS_STAMP)
+docs: $(STAMP)
 	$(PY) -m sphinx -E -W --keep-going -b html docs docs/_build/html
 	$(PY) docs/check_site.py docs/_build/html
 

@@ -1,7 +1,8 @@
 """Check the built site with an HTML parser; ``make docs`` runs it after the build.
 
 * every page of the gallery has at least one image, and each image file exists;
-* every public name (:func:`jacmem_docs.api_entries`) has an entry in the API page;
+* every public name (:func:`jacmem_docs.api_entries`) has an entry in the API page, and
+  nothing else has one;
 * the support table in the docs equals the registry's (:func:`jacmem.support.rows`).
 
 ``python docs/check_site.py [docs/_build/html]``: exit 1, listing every failure.
@@ -68,11 +69,18 @@ def gallery_failures(html: Path) -> list[str]:
 
 
 def api_failures(html: Path) -> list[str]:
-    """Every public name must have an entry (``<dt id="jacmem.X">``) in ``api.html``."""
+    """Every public name must have an entry (``<dt id="jacmem.X">``) in ``api.html``, and
+    every entry must be a public name or one of its members (``jacmem.X.method``)."""
     from jacmem_docs import api_entries
 
-    entries = Page((html / "api.html").read_text()).entries
-    return [f"api.html: no entry for {name}" for name in api_entries() if name not in entries]
+    public, entries = api_entries(), Page((html / "api.html").read_text()).entries
+    missing = [f"api.html: no entry for {name}" for name in public if name not in entries]
+    internal = [
+        f"api.html: {entry} is not public"
+        for entry in sorted(entries)
+        if not any(entry == name or entry.startswith(name + ".") for name in public)
+    ]
+    return missing + internal
 
 
 def expected_support_rows() -> list[list[str]]:

@@ -17,6 +17,11 @@ sees, and the two fixes it suggests.
    suggests ``jacmem.memory.lean(model)``, which keeps none of them and packs
    ReLU's mask to 1 bit per element. Outputs and gradients do not change.
 
+The figures count the bytes autograd keeps, exactly, at any size. The peak resident
+memory is measured only at full size: with ``--quick`` (or ``JACMEM_QUICK=1``, as the
+docs build runs it) the tensors are too small to show in the resident set, and the
+peak lines read n/a.
+
 ``python examples/plot_memory_conv_bn_relu.py [--quick]``
 """
 

@@ -17,6 +17,11 @@ size of ``xy``; the conv layers save their input, which the variance's gradient
 needs. The fix it suggests, checkpointing the ReLU layers, keeps only each ReLU
 layer's input and recomputes the rest during backward.
 
+The figures count the bytes autograd keeps, exactly, at any size. The peak resident
+memory is measured only at full size: with ``--quick`` (or ``JACMEM_QUICK=1``, as the
+docs build runs it) the tensors are too small to show in the resident set, and the
+peak lines read n/a.
+
 ``python examples/plot_memory_nngp_kernel.py [--quick]``
 """
 

@@ -15,6 +15,11 @@ during backward, one more cell forward per step.
 The cell is exactly ``nn.GRU(bias=False)``: the script checks that both give the
 same outputs, and shows nn.GRU's report beside it.
 
+The figures count the bytes autograd keeps, exactly, at any size. The peak resident
+memory is measured only at full size: with ``--quick`` (or ``JACMEM_QUICK=1``, as the
+docs build runs it) the tensors are too small to show in the resident set, and the
+peak lines read n/a.
+
 ``python examples/plot_memory_rnn_cell.py [--quick]``
 """
 

@@ -13,6 +13,11 @@ mask and the dropped softmax. The report names them by module and says what a le
 copy keeps; ``lean`` keeps dropout seeds and, in the attention, q, k, v, a
 log-sum-exp and a seed.
 
+The figures count the bytes autograd keeps, exactly, at any size. The peak resident
+memory is measured only at full size: with ``--quick`` (or ``JACMEM_QUICK=1``, as the
+docs build runs it) the tensors are too small to show in the resident set, and the
+peak lines read n/a.
+
 ``python examples/plot_memory_transformer_finetune.py [--quick]``
 """
 

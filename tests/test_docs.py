@@ -10,6 +10,7 @@ conventions, and the README's headline figures are BENCHMARKS.md's.
 from __future__ import annotations
 
 import ast
+import importlib
 import importlib.util
 import inspect
 import re
@@ -93,16 +94,28 @@ def test_check_site_finds_each_failure(tmp_path):
 
     (gallery / "plot_b.html").write_text('<img src="images/sphx_glr_plot_b_thumb.png">')
     (gallery / "plot_c.html").write_text('<img src="images/sphx_glr_plot_c_001.png">')
-    (tmp_path / "api.html").write_text(entries.replace('id="jacmem.KFAC"', 'id="other"'))
+    internal = '<dt id="jacmem.compat.queue_callback">x</dt><dt id="jacmem.KFACX">x</dt><dt id="jacmem.KFAC.x">x</dt>'
+    (tmp_path / "api.html").write_text(entries.replace('id="jacmem.KFAC"', 'id="other"') + internal)
     (tmp_path / "guide" / "support.html").write_text(table([rows[0], [*rows[1][:-1], "a strategy it has not"]]))
     failures = check.gallery_failures(tmp_path) + check.api_failures(tmp_path) + check.support_failures(tmp_path)
     assert failures == [
         "plot_b.html: no figure",
         "plot_c.html: missing image images/sphx_glr_plot_c_001.png",
         "api.html: no entry for jacmem.KFAC",
+        "api.html: jacmem.KFACX is not public",
+        "api.html: jacmem.compat.queue_callback is not public",
+        "api.html: other is not public",
         "guide/support.html: the table differs from the registry's at row 1",
     ]
     assert check.main([str(tmp_path)]) == 1
+
+
+def test_api_lists_the_public_modules_only():
+    """``jacmem.__all__``'s modules and the add-ons; not the engine, whatever ``__all__``
+    an engine module declares (``jacmem.compat`` has one)."""
+    assert jacmem_docs.public_modules() == ["jacmem.memory", "jacmem.nn", "jacmem.privacy", "jacmem.laplace"]
+    assert hasattr(importlib.import_module("jacmem.compat"), "__all__")
+    assert not [name for name in jacmem_docs.api_entries() if name.startswith("jacmem.compat.")]
 
 
 def test_api_covers_every_public_name_with_a_docstring():
@@ -123,7 +136,7 @@ def test_api_covers_every_public_name_with_a_docstring():
 
 EXAMPLES = sorted((ROOT / "examples").glob("plot_*.py"))
 #: examples whose only size is small (a few float64 samples): no quick mode to select
-ALWAYS_SMALL = {"plot_custom_module.py"}
+ALWAYS_SMALL = {"plot_custom_module.py", "plot_first_steps.py"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=[p.name for p in EXAMPLES])

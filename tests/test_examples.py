@@ -154,3 +154,32 @@ def test_plot_laplace_resnet_quick(tmp_path, capsys, monkeypatch):
         assert results[name][-1][0] < results["MAP"][-1][0], results
     out = capsys.readouterr().out
     assert "diag Laplace: prior precision" in out and "kron Laplace: prior precision" in out
+
+
+def test_plot_first_steps_norms_are_each_samples_own():
+    """The start-here example's per-sample gradient norms, against a loop of one backward
+    per sample on the same model; and what its text claims: the mislabelled samples are
+    among the largest."""
+    example = runpy.run_path(str(EXAMPLES / "plot_first_steps.py"), run_name="__main__")
+    model, X, y, norms = example["model"], example["X"], example["y"], example["norms"]
+    loop = []
+    for x_n, y_n in zip(X, y):
+        grads = torch.autograd.grad(example["lossfunc"](model(x_n[None]), y_n[None]), list(model.parameters()))
+        loop.append(sum(g.square().sum() for g in grads).sqrt())
+    torch.testing.assert_close(norms, torch.stack(loop), rtol=1e-4, atol=1e-6)
+    top = set(norms.argsort(descending=True)[: example["WRONG"]].tolist())
+    assert len(top & set(example["wrong"].tolist())) >= example["WRONG"] - 1
+
+
+def test_benchmark_child_peak_is_its_own_not_its_spawners():
+    """The gallery's benchmark examples run children from the docs build, a process of
+    hundreds of MiB: a child's peak after its reset must not start at that size."""
+    import subprocess
+    import sys
+
+    ballast = bytearray(400 * 2**20)
+    ballast[::4096] = b"\1" * len(ballast[::4096])  # resident, page by page
+    code = "from benchmarks import child; child._reset_peak(); print(child._peak_rss_bytes())"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert int(out) < 200 * 2**20, f"the child's peak {int(out) / 2**20:.0f} MiB includes its spawner's"
+    del ballast

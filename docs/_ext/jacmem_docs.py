@@ -5,7 +5,7 @@
 * ``.. jacmem-support-table::``: the support table, from the registry
   (:func:`jacmem.support.generate`, the same Markdown the CLI prints).
 * ``.. jacmem-api::``: an autodoc entry for every name of ``jacmem.__all__`` and of
-  each public submodule (:func:`public_modules`).
+  each public submodule (:func:`public_modules`), and nothing else.
 
 The Markdown converter knows only what the repository's Markdown files use; text is
 escaped for rst, so that a ``*`` or a trailing ``_`` stays text.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import importlib
 import inspect
 import os
-import pkgutil
 import re
 from pathlib import Path
 
@@ -149,19 +148,18 @@ class SupportTable(SphinxDirective):
 # -- the API reference -------------------------------------------------------------------
 
 
+#: the public add-ons beside ``jacmem.__all__``'s own modules (DESIGN.md's layout): they
+#: import optional packages (Opacus, laplace-torch), so ``import jacmem`` leaves them out
+ADD_ONS = ["jacmem.memory", "jacmem.privacy", "jacmem.laplace"]
+
+
 def public_modules() -> list[str]:
-    """The public submodules of jacmem: those named in ``jacmem.__all__``, and every
-    other top-level submodule that declares an ``__all__`` of its own."""
+    """The public submodules of jacmem: those named in ``jacmem.__all__``, then the
+    add-ons (:data:`ADD_ONS`). Engine modules are internal, whatever ``__all__`` they declare."""
     import jacmem
 
     named = [f"jacmem.{n}" for n in jacmem.__all__ if inspect.ismodule(getattr(jacmem, n))]
-    others = []
-    for info in pkgutil.iter_modules(jacmem.__path__):
-        name = f"jacmem.{info.name}"
-        if name not in named and not info.name.startswith("_"):
-            if hasattr(importlib.import_module(name), "__all__"):
-                others.append(name)
-    return named + sorted(others)
+    return named + [m for m in ADD_ONS if m not in named]
 
 
 def module_members(module_name: str) -> list[str]:
@@ -239,6 +237,7 @@ def setup(app):
 
 #: the gallery's first pages, in this order; other examples follow by file name
 FIRST = [
+    "plot_first_steps.py",
     "plot_save_memory.py",
     "plot_strategies_vs_batch.py",
     "plot_norms.py",
