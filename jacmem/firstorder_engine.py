@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from jacmem import compat, distributed, hooks, precision
+from jacmem import compat, distributed, hooks, notices, precision
 from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
 from jacmem.notices import LIMIT, listing
 from jacmem.passes import Engine, Setup, Write
@@ -336,14 +336,13 @@ class FirstOrder(Engine):
         )
         if not modules:
             return
-        warnings.warn(
+        notices.warn(
             f"jacmem: the {', '.join(e.savefield for e in self.extensions)} of module(s) "
             f"{listing(modules)} hold NaN or Inf, as their input or the gradient of the loss "
             f"w.r.t. their output does. If it came with the data, it entered at {modules[0]!r}: check the "
             "data with torch.isfinite(X).all(); otherwise check the loss (log of 0, division by 0) or lower "
             "the learning rate.",
             RuntimeWarning,
-            stacklevel=4,
         )
 
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:

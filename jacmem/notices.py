@@ -9,6 +9,7 @@ the block. With ``strict=True``, the first notice raises instead.
 
 from __future__ import annotations
 
+import sys
 import warnings
 from collections.abc import Callable, Sequence
 
@@ -21,6 +22,15 @@ def listing(names: Sequence[str], limit: int = LIMIT) -> str:
     names = list(dict.fromkeys(names))
     shown = ", ".join(map(repr, names[:limit]))
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
+
+
+def warn(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn`` attributed to the first frame outside jacmem (the user's line),
+    however deep in the block's machinery the warning is given."""
+    frame, level = sys._getframe(1), 2
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "jacmem":
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, category, stacklevel=level)
 
 
 class Notices:
@@ -49,4 +59,4 @@ class Notices:
         """Give each pending kind of notice as one warning."""
         pending, self.pending = self.pending, {}
         for modules, say, category in pending.values():
-            warnings.warn(say(modules), category, stacklevel=3)
+            warn(say(modules), category)
