@@ -49,11 +49,15 @@ from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from opacus import PrivacyEngine as OpacusEngine
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
 from torch import nn, optim
 from torch.utils.data import DataLoader
+
+try:
+    from opacus import PrivacyEngine as OpacusEngine
+    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
 from jacmem import hooks, recorder
 from jacmem.context import extend
