@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
-from jacmem.broadcast import Origin
+from jacmem.broadcast import Origin, swap_in
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
 
@@ -249,19 +249,28 @@ class ComputeOnce(torch.autograd.Function):
         rec.receive(0, g)
         grads = ctx.on_grad(rec)
         if grads is None or create_graph:
-            return (None, None, None, None, *_recomputed(rec.module, x, params, g, needs, create_graph))
+            return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
         gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
         return (None, None, None, None, gx, *(grads.get(name) for name in rec.params))
 
 
-def _recomputed(module: nn.Module, x: Tensor, params, g: Tensor, needs, create_graph: bool) -> list:
-    """autograd's gradients w.r.t. ``(x, *params)`` (``None`` where not needed), from the
-    module's forward run again (its hooks do not run)."""
-    wrt = [t for t, need in zip((x, *params), needs) if need]
-    with torch.enable_grad():
-        out = type(module).forward(module, x)
-        found = iter(torch.autograd.grad(out, wrt, g, create_graph=create_graph, allow_unused=True))
-    return [next(found) if need else None for need in needs]
+def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tensor, needs) -> list:
+    """The gradients of this call alone w.r.t. ``(x, *params)`` (``params`` the module's
+    parameters ``names``; ``None`` where not needed), by ``torch.func.vjp`` of the
+    module's forward run again (its hooks do not run): partial derivatives, so a
+    parameter that also produced ``x`` (a tied embedding before its output head) gets
+    only this call's part, and none of ``x``'s history is traversed. Under
+    ``create_graph`` they are differentiable, as autograd's are."""
+
+    def forward(x: Tensor, *params: Tensor) -> Tensor:
+        restore = swap_in(module, dict(zip(names, params)))
+        try:
+            return type(module).forward(module, x)
+        finally:
+            restore()
+
+    _, vjp = torch.func.vjp(forward, x, *params)
+    return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
 def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
