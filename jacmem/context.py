@@ -129,6 +129,7 @@ class extend:
         self._notices = Notices(strict)
         self._passes = Passes(self._notices.flush)
         self._watch = recorder.UntrackedWatch(self._passes)
+        self._late = hooks.LateBackward()
 
     # -- block -------------------------------------------------------------------
 
@@ -144,6 +145,7 @@ class extend:
                 )
             _ACTIVE = self
             self._owner = threading.get_ident()
+        self._late = hooks.LateBackward()
         try:
             setup = Setup(
                 self.plan, self.chunk_bytes, self._passes, self._notices, self.name, self._groups, self._owner
@@ -173,6 +175,7 @@ class extend:
                 engine.close()
             self._passes.close()
         finally:
+            self._late.close()
             self._engines = []
             self._roots = []
             self._names = weakref.WeakKeyDictionary()
@@ -250,6 +253,8 @@ class extend:
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
             if new is not None:
                 replaced = new
+        if self._depth == 0:
+            self._late.watch(output if replaced is None else replaced)
         return replaced
 
     def _on_backward(self, tensors, grad_tensors) -> None:

@@ -13,6 +13,7 @@ take them off (and so free the records) when it is done.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -20,6 +21,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
@@ -309,3 +311,46 @@ def remove(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+class LateBackward:
+    """Warns when a backward pass reaches a graph whose forward ran inside a block after
+    the block has closed: its records went with the block, so no extension takes part
+    and ``.grad`` is autograd's plain gradient.
+
+    :meth:`watch` puts a pre-hook on the ``grad_fn`` of each tensor of an outermost
+    call's output. The hook lives with that graph, holds only this small object, and
+    compares two flags: a backward that reaches it while the block is open disarms it;
+    the first one after :meth:`close` warns, once for the block.
+    """
+
+    def __init__(self):
+        self.open = True
+        self.warned = False
+
+    def watch(self, output: Any) -> None:
+        """``output``: what an outermost module call in the block returned (any pytree)."""
+        if compat.functorch_transforms_active():
+            return  # a torch.func transform's own graph, not the user's
+        leaves = tree_flatten(output)[0]
+        nodes = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+        reached = [False]
+
+        def prehook(grad_outputs):
+            reached[0] = reached[0] or self.open
+            if not reached[0] and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    "jacmem: a backward pass went through a forward that ran inside a jacmem.extend(...) block, "
+                    "after the block had closed: no extension took part (nothing like grad_batch was written, "
+                    "and .grad is autograd's plain, unclipped gradient). Call loss.backward() inside the block, "
+                    "or call jacmem.track(model) before the forward and open the block around the backward.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+        for node in nodes:
+            node.register_prehook(prehook)
+
+    def close(self) -> None:
+        self.open = False

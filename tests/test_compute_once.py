@@ -65,7 +65,8 @@ def test_backward_after_the_block_is_autograds():
     want = autograd_grads(model, X)
     with jacmem.extend(jacmem.BatchGrad()):
         out = model(X)
-    got = torch.autograd.grad(loss(out), [X, *model.parameters()])
+    with pytest.warns(UserWarning, match="after the block had closed"):
+        got = torch.autograd.grad(loss(out), [X, *model.parameters()])
     assert_all_close(got, want)
     assert not any(hasattr(p, "grad_batch") for p in model.parameters())
 
@@ -79,6 +80,7 @@ def tied():
 
 
 @pytest.mark.parametrize("when", ["after the block", "create_graph"])
+@pytest.mark.filterwarnings("ignore:jacmem. a backward pass went through")
 def test_a_tied_weight_gets_autograds_gradient_where_autograds_path_runs(when):
     """The head's recomputed backward gives its own part only: the embedding's part comes
     from the rest of the backward, as in autograd (and, under ``create_graph``, so do the
