@@ -1,8 +1,8 @@
 """One benchmark case in its own process: ``python -m benchmarks.child '<json>'``.
 
 Builds the model and batch, prepares the method, then measures. On CPU: the resident
-set size after setup, and the peak during the steps (``getrusage``'s ``ru_maxrss``,
-its high-water mark reset after setup where Linux allows; ``benchmarks.run`` measures
+set size after setup, and the peak during the steps (``VmHWM``, its high-water
+mark reset after setup where Linux allows; ``benchmarks.harness.measure`` takes
 time and memory in separate processes on CPU, with different glibc settings); on CUDA:
 ``torch.cuda.max_memory_allocated`` above what was allocated after setup. Time: the
 median over up to ``repeats`` steps (fewer for slow steps: about
@@ -15,29 +15,12 @@ from __future__ import annotations
 
 import copy
 import gc
-import os
-import resource
 import statistics
 import sys
 import time
 import warnings
 
-from benchmarks.run import answer
-
-
-def _rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-def _reset_peak() -> bool:
-    """Reset the peak-RSS high-water mark (Linux >= 4.0); False where we cannot."""
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")
-        return True
-    except OSError:
-        return False
+from benchmarks.harness import answer, peak_rss_bytes, reset_peak, rss_bytes
 
 
 def run(case: dict) -> dict:
@@ -65,8 +48,8 @@ def run(case: dict) -> dict:
 
     gc.collect()
     sync()
-    rss_setup = _rss_bytes()
-    reset = _reset_peak()
+    rss_setup = rss_bytes()
+    reset = reset_peak()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
         allocated_setup = torch.cuda.memory_allocated()
@@ -88,7 +71,7 @@ def run(case: dict) -> dict:
         times.append(timed(step))
         if paired:
             ratios.append(times[-1] / reference)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_rss_bytes()
     n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
     out = dict(
         case,

@@ -12,7 +12,7 @@ its default per-sample hooks (``GradSampleModule``), and Opacus's ghost clipping
 ``σ = 1``, no Poisson sampling (the batch is the benchmark's own, the same every step),
 plain SGD. An engine that refuses a model is recorded as "fails: <reason>".
 
-Memory: as in :mod:`benchmarks.run` (glibc returning every freed buffer over 64 KiB at
+Memory: as in :mod:`benchmarks.harness` (glibc returning every freed buffer over 64 KiB at
 once): the peak resident set during two steps after one warm-up, above the resident
 set after setup. The table is written to BENCHMARKS.md between ``<!-- dp:start -->``
 and ``<!-- dp:end -->``; ``--quick``: tiny sizes, one repeat, written to
@@ -25,22 +25,20 @@ import argparse
 import copy
 import gc
 import re
-import resource
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from benchmarks import run
-from benchmarks.second_order import write_block
+from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 START, END = "<!-- dp:start -->", "<!-- dp:end -->"
 MODELS = ("vit-tiny", "gpt2", "seed-cnn-256")
 ENGINES = ("jacmem", "opacus:hooks", "opacus:ghost")
 LABELS = {"jacmem": "jacmem", "opacus:hooks": "Opacus 1.6 hooks", "opacus:ghost": "Opacus 1.6 ghost clipping"}
-#: issue 15's targets: a DP step over an ordinary one, in time and in peak memory
+#: the targets: a DP step over an ordinary one, in time and in peak memory
 TARGET = 1.2
 LR, SIGMA, C = 0.1, 1.0, 1.0
 
@@ -107,7 +105,6 @@ def child(case: dict) -> dict:
     otherwise the engine's (or plain's) peak memory."""
     import torch
 
-    from benchmarks.child import _reset_peak, _rss_bytes
     from benchmarks.models import MODELS as BENCHES
 
     torch.set_num_threads(case["threads"])
@@ -121,8 +118,8 @@ def child(case: dict) -> dict:
         if plain:
             plain()
     gc.collect()
-    setup = _rss_bytes()
-    reset = _reset_peak()
+    setup = harness.rss_bytes()
+    reset = harness.reset_peak()
     times, ratios = [], []
     begin = time.perf_counter()
     while len(times) < case["repeats"] or (
@@ -137,7 +134,7 @@ def child(case: dict) -> dict:
         times.append(time.perf_counter() - start)
         if plain:
             ratios.append(times[-1] / reference)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = harness.peak_rss_bytes()
     return dict(
         case,
         time_s=statistics.median(times),
@@ -149,9 +146,9 @@ def child(case: dict) -> dict:
 
 def run_case(case: dict, timeout: float) -> dict:
     """One case in its own process: the paired timing with glibc keeping freed memory,
-    a memory case with glibc returning it (see :mod:`benchmarks.run`)."""
-    env = run.TIME_MALLOC if case["paired"] else run.MEMORY_MALLOC
-    return run.run_case(case, timeout, child=("-m", "benchmarks.dp", "--child"), env=env)
+    a memory case with glibc returning it (see :mod:`benchmarks.harness`)."""
+    env = harness.TIME_MALLOC if case["paired"] else harness.MEMORY_MALLOC
+    return harness.run_case(case, timeout, child=("-m", "benchmarks.dp", "--child"), env=env)
 
 
 def _failure(r: dict) -> str:
@@ -165,12 +162,12 @@ def table(results: list[dict], args) -> list[str]:
         "## Private training: a DP-SGD step against an ordinary SGD step",
         "",
         f"`python -m benchmarks.dp{' --quick' if args.quick else ''}` ({args.started}, load average "
-        f"{args.load_before} before, {' '.join(run.load())} after; {args.threads} threads). One step: forward, "
+        f"{args.load_before} before, {' '.join(harness.load())} after; {args.threads} threads). One step: forward, "
         f"backward, clipping, noise and the SGD update (flat clipping, C = {C:g}, σ = {SIGMA:g}, the same batch "
         "every step). **Time**: the private step and an ordinary SGD step of an untouched copy alternated in one "
         f"process ({args.repeats} pairs at least, more while under {args.seconds:g} s), the median of the per-step "
         "ratios. **Memory**: the peak RSS during two steps above that after setup, each engine and the ordinary step "
-        "in processes of their own (glibc returning freed buffers at once), and their ratio. Issue 15's target: "
+        "in processes of their own (glibc returning freed buffers at once), and their ratio. The target: "
         f"at most {TARGET}× in both." + (" " + args.note if args.note else ""),
         "",
         "| model | engine | DP step (ms) | × SGD step | target met | peak (MiB) | × SGD step's peak |",
@@ -225,12 +222,12 @@ def main(argv=None) -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        run.answer(args.child, child)
+        harness.answer(args.child, child)
         return
     args.repeats = args.repeats or (1 if args.quick else 7)
     args.seconds = 0.0 if args.quick else args.seconds
     markdown = args.markdown or (ROOT / "out" / "dp-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
-    args.load_before = " ".join(run.load())
+    args.load_before = " ".join(harness.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     todo = cases(args)
     results = []
@@ -248,7 +245,7 @@ def main(argv=None) -> None:
     block = "\n".join(table(results, args))
     print(block)
     markdown.parent.mkdir(parents=True, exist_ok=True)
-    write_block(markdown, block, START, END)
+    harness.write_block(markdown, block, START, END)
 
 
 if __name__ == "__main__":

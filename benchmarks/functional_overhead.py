@@ -32,7 +32,7 @@ def _forward(model, X) -> float:
 
 def _in_block(model, X, how: str) -> float:
     with jacmem.extend(jacmem.DiagGGNExact()):
-        engine = jacmem.context._ACTIVE._engines[0]
+        engine = jacmem.context._ACTIVE.block.engines[0]
         if how == "no interception":
             engine.mode.__exit__(None, None, None)
             engine.mode = None

@@ -397,8 +397,8 @@ def _mb(n: float) -> str:
     return f"{n / 2**20:.1f}"
 
 
-#: memsave's figures against stock (Bhatia & Dangel's poster, as quoted in issue 18): lean/stock
-#: saved activations; the poster's models, and the setting where the issue names it
+#: memsave's figures against stock (Bhatia & Dangel's poster): lean/stock
+#: saved activations; the poster's models, and the setting where it is known
 MEMSAVE = {
     "resnet50": {"input": "0.18x (ResNet-101, input, BN eval)", "*": "0.39x (EfficientNet-v2-L)"},
     "bert": {"*": "0.88x (T5)"},
@@ -575,9 +575,9 @@ def main(argv: list[str] | None = None) -> dict:
 
 #: how to read the tables; the measured figures are above them
 NOTES: list[str] = [
-    "memsave's figures (Bhatia & Dangel's poster, as quoted in issue 18) are lean/stock saved activations on "
+    "memsave's figures (Bhatia & Dangel's poster) are lean/stock saved activations on "
     "their own models and a GPU: ResNet-101 input-only with BatchNorm in eval 0.18x, EfficientNet-v2-L 0.39x, "
-    "T5 0.88x, Mistral-7B 0.94x; the issue names the setting for the first only. Compare them with the graph "
+    "T5 0.88x, Mistral-7B 0.94x; the setting is known for the first only. Compare them with the graph "
     "column (what autograd keeps at the end of the forward, counted per storage), which does not depend on the "
     "allocator; the peak column adds the backward pass's own buffers and the allocator's behaviour.",
     "",

@@ -143,7 +143,7 @@ def vit_tiny(quick: bool) -> nn.Module:
     ).eval()
 
 
-def _tokens(shape: tuple[int, ...], vocab: int) -> tuple[Tensor, Tensor]:
+def token_batch(shape: tuple[int, ...], vocab: int) -> tuple[Tensor, Tensor]:
     """Random token ids [N, T + 1]: the inputs, and the next tokens as targets."""
     ids = torch.randint(0, vocab, (shape[0], shape[1] + 1))
     return ids[:, :-1], ids[:, 1:]
@@ -236,7 +236,7 @@ MODELS: dict[str, Bench] = {
         "2048, tied embeddings, default position ids, next-token loss; [16, T=128] token ids",
         lambda quick: CausalLM(1, 16, 2, 64, 16) if quick else CausalLM(4, 256, 4, 2048, 128),
         lambda quick: (2, 8) if quick else (16, 128),
-        data=lambda quick, shape: _tokens(shape, 64 if quick else 2048),
+        data=lambda quick, shape: token_batch(shape, 64 if quick else 2048),
     ),
     "vit-tiny": Bench(
         "timm ViT-tiny (vit_tiny_patch16_224, random init) at 32x32, patch 4: 12 blocks, d=192, 3 heads, "

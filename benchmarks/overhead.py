@@ -24,7 +24,7 @@ from torch import nn
 
 import jacmem
 from benchmarks.methods import prepare
-from benchmarks.models import CausalLM, _tokens
+from benchmarks.models import CausalLM, token_batch
 
 
 def _time(step, repeats: int) -> list[float]:
@@ -47,7 +47,7 @@ def _paired(plain, step, repeats: int) -> tuple[float, float]:
 def measure(layers: int, d: int, batch: int, tokens: int, repeats: int) -> dict:
     torch.manual_seed(0)
     model = CausalLM(layers, d, 4, 256, tokens)
-    X, y = _tokens((batch, tokens), 256)
+    X, y = token_batch((batch, tokens), 256)
     lossfunc = nn.CrossEntropyLoss()
     calls = []
 

@@ -1,4 +1,6 @@
-"""BENCHMARKS.md, its raw results (``results.json`` beside the plot) and the PNG plot.
+"""BENCHMARKS.md (a summary: the targets, and jacmem beside its peers per model), one
+file per model under ``details/`` beside the plot (every method and strategy, and what
+``auto`` chose), the raw results (``results.json``) and the PNG plot.
 
 Sections of an existing BENCHMARKS.md between ``<!-- NAME:start -->`` and
 ``<!-- NAME:end -->`` (the memory toolkit's ``lean``, the second-order benchmark's) belong
@@ -17,14 +19,14 @@ from benchmarks.models import MODELS, has_batchnorm_derivative
 #: sections other benchmarks own, kept as they are: ``<!-- NAME:start --> ... <!-- NAME:end -->``
 KEPT = re.compile(r"<!-- ([\w-]+):start -->.*?<!-- \1:end -->", re.S)
 
-#: issue 3's targets: extension -> (time vs plain, extra peak memory / per-sample grads)
+#: the targets: extension -> (time vs plain, extra peak memory / per-sample grads)
 TARGETS = {
     "BatchGrad": (1.2, 1.1),
     "BatchL2Grad": (1.15, 0.15),
     "SumGradSquared": (1.2, 0.3),
     "Variance": (1.2, 0.3),
 }
-#: issue 14's, on the real transformers: model -> extension -> (time, memory) as above
+#: on the real transformers, where more of a step is outside the hooked layers: model -> extension -> (time, memory) as above
 MODEL_TARGETS = {
     model: {"BatchGrad": (1.3, 1.1), "BatchL2Grad": (1.2, 0.15), "SumGradSquared": (1.3, 0.3), "Variance": (1.3, 0.3)}
     for model in ("gpt2", "vit-tiny")
@@ -75,11 +77,13 @@ def _auto_choices(explain: str | None) -> str:
 
 
 def targets_table(results: list[dict]) -> list[str]:
-    """One row per jacmem ``auto`` case; "floor" is the time of a plain step followed by
-    writing zeros of the per-sample gradients' size: what storing the result costs at
-    least."""
+    """One row per jacmem ``auto`` case, after the sentence that defines its columns."""
     floor = {r["model"]: r["time_ratio"] for r in results if r["method"] == "floor" and "time_ratio" in r}
     lines = [
+        "**time**: the step's × plain. **floor**: × plain of a plain step followed by writing zeros of the "
+        "per-sample gradients' size, what storing the result costs at least. **extra peak**: memory above plain's "
+        "peak, × the per-sample gradients' size. **met**: yes, or by how much each target is missed.",
+        "",
         "| model | extension (auto) | time | target | floor | extra peak | target | met |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -110,9 +114,10 @@ def targets_table(results: list[dict]) -> list[str]:
 
 
 def model_section(name: str, rows: list[dict]) -> list[str]:
+    """The details file of one model: every method's row, and what ``auto`` chose."""
     ok = [r for r in rows if "error" not in r]
     head = ok[0] if ok else rows[0]
-    lines = [f"## {name}", "", MODELS[name].description + "."]
+    lines = [f"# {name}", "", MODELS[name].description + "."]
     if ok:
         lines[-1] += (
             f" N = {head['batch']}, {head['n_params']:,} trainable parameters; per-sample gradients "
@@ -141,11 +146,56 @@ def model_section(name: str, rows: list[dict]) -> list[str]:
         )
     choices = [(r["method"], r["explain"]) for r in ok if r["method"].endswith(":auto") and r.get("explain")]
     if choices:
-        lines += ["", "<details><summary>what <code>auto</code> chose (<code>ctx.explain()</code>)</summary>", ""]
+        lines += ["", "## What `auto` chose (`ctx.explain()`)", ""]
         for method, explain in choices:
             lines += [f"`{method}`:", "```", explain.strip(), "```"]
-        lines += ["</details>"]
     return lines + [""]
+
+
+#: the peers' columns: title -> method names, the best-timed of which is shown
+PEERS = {
+    "BackPACK": ("backpack:{ext}", "backpack:{ext}:save_memory"),
+    "Opacus": ("opacus:hooks", "opacus:ew", "opacus:ghost"),
+    "torch.func": ("torch.func",),
+}
+
+
+def _cell(r: dict | None) -> str:
+    """``time × plain / extra peak × per-sample grads``, or why there is none."""
+    if r is None:
+        return "–"
+    if "error" in r:
+        return "skipped (memory)" if r["error"].startswith("skipped") else "fails"
+    return f"{r['time_ratio']:.2f}× / {_fmt(r.get('mem_ratio'), '.2f')}×"
+
+
+def peers_table(results: list[dict]) -> list[str]:
+    """Per model and quantity (BatchGrad, BatchL2Grad): jacmem's ``auto`` beside each
+    peer's fastest method that gives it, and jacmem's step time with its spread."""
+    by = {(r["model"], r["method"]): r for r in results}
+    lines = [
+        "| model | quantity | jacmem step, ms (min–max) | jacmem | " + " | ".join(PEERS) + " |",
+        "|---|---|---|---|" + "---|" * len(PEERS),
+    ]
+    for model in dict.fromkeys(r["model"] for r in results):
+        for ext in ("BatchGrad", "BatchL2Grad"):
+            mine = by.get((model, f"jacmem:{ext}:auto"))
+            if mine is None or "time_ratio" not in mine:
+                continue
+            cells = []
+            for methods in PEERS.values():
+                found = [by[key] for m in methods if (key := (model, m.format(ext=ext))) in by]
+                found = [r for r in found if per_sample_quantity(r["method"]) == ext]
+                timed = [r for r in found if "time_ratio" in r]
+                cells.append(_cell(min(timed, key=lambda r: r["time_ratio"]) if timed else (found or [None])[0]))
+            times = [t * 1e3 for t in mine.get("times_s") or [mine["time_s"]]]
+            spread = f"{mine['time_s'] * 1e3:.0f} ({min(times):.0f}–{max(times):.0f})"
+            lines.append(
+                f"| [{model}](benchmarks/details/{model}.md) | {ext} | {spread} | {_cell(mine)} | "
+                + " | ".join(cells)
+                + " |"
+            )
+    return lines
 
 
 def markdown(results: list[dict], meta: dict) -> str:
@@ -157,42 +207,42 @@ def markdown(results: list[dict], meta: dict) -> str:
         "# Benchmarks",
         "",
         "Per-sample quantities with jacmem, BackPACK 1.7.1, Opacus and torch.func, each beside a plain "
-        "forward+backward of the same model. Written by `benchmarks/` (`make bench`); do not edit by hand.",
+        "forward+backward of the same model; then curvature, private training and lean layers. Written by "
+        "`benchmarks/` (`make bench`); do not edit by hand.",
         "",
         f"- Command: `{meta['command']}`"
         + (" (quick: tiny sizes, 1 repeat; not figures to quote)" if meta["quick"] else ""),
-        f"- Date: {meta['date']}; the run took {meta['minutes']:.0f} min.",
+        f"- Date: {meta['date']}; the run took {meta['minutes']:.0f} min. Each section below gives its own date.",
         f"- Machine: {meta['cpu']}, {meta['cores']} cores"
         + (f", {meta['gpu']}" if meta.get("gpu") else "")
         + f"; Python {meta['python']}, torch {meta['torch']}, {meta['threads']} torch threads per case; "
-        f"device `{results[0]['device'] if results else 'cpu'}`.",
-        f"- Load average (1, 5, 15 min) before the run: {meta['load_before']}; after: {meta['load_after']}."
-        + (" The machine was shared with other work, so times are noisy: compare ratios." if busy else ""),
+        f"device `{results[0]['device'] if results else 'cpu'}`; load average {meta['load_before']} before, "
+        f"{meta['load_after']} after." + (" A shared machine: compare ratios, not times." if busy else ""),
         *([f"- Note: {meta['note']}"] if meta.get("note") else []),
         "",
-        "Each (model, method) runs in its own processes. **Time**: the median step (forward, backward, and the "
-        "extension's work) over 3 to 7 repeats (fewer for slower steps) after one warm-up; **× plain** is the median "
-        "of its ratios to a plain forward+backward of an unhooked copy of the model, timed in the same process just "
-        "before each step, so that the ratio holds while other work slows the machine. On CPU the timed process "
-        "runs with glibc keeping freed memory for reuse (`MALLOC_MMAP_THRESHOLD_`, `MALLOC_TRIM_THRESHOLD_`; "
-        "jemalloc and tcmalloc behave so by default): with glibc's defaults every buffer over 32 MiB is fresh memory "
-        "each step, and on this machine (a VM) faulting it in cost about 16 µs per 4 KiB page, which moved single "
-        "ratios by half between runs (see `benchmarks/run.py`). "
-        "**Extra peak**: measured in a second process (one warm-up step, two steps) in which glibc returns every "
-        "buffer over 64 KiB at once, so that the resident set follows live memory: the peak resident set size "
-        "(`ru_maxrss`, reset after setup) above the process's RSS after setup, minus the same for the plain run, "
-        "in units of the per-sample gradients' own size (N × parameters × 4 bytes); on CUDA, one process, and "
-        "`torch.cuda.max_memory_allocated` likewise. A method that keeps per-sample gradients therefore shows at "
-        "least 1×. Results are dropped after each step.",
+        "Each (model, method) runs in processes of its own (`benchmarks/harness.py`). **× plain**: the median of "
+        "the step's ratios to a plain forward+backward of an unhooked copy, timed just before it in the same "
+        "process, with glibc keeping freed memory for reuse. **Extra peak**: from a second process in which "
+        "glibc returns freed memory at once, the peak RSS during two steps above that after setup, minus plain's, "
+        "in units of the per-sample gradients' size (N × parameters × 4 bytes): keeping them costs 1×.",
         "",
-        "## Targets (issue 3; issue 14 for gpt2 and vit-tiny), jacmem with `auto`",
+        "## Targets: jacmem with `auto`",
         "",
         *targets_table(results),
         "",
+        "## Beside the peers",
+        "",
+        "Each cell: **time × plain / extra peak × per-sample gradients**, for the peer's fastest method that gives "
+        "the quantity (BackPACK default or `save_memory`; Opacus hooks, expanded weights or ghost clipping); "
+        '"fails": the library refuses the model; "skipped": it would need over 3 GiB. jacmem\'s step time is '
+        "the median over the repeats, with the fastest and slowest. Each model's name links to every method and "
+        "strategy, and what `auto` chose. On gpt2 and vit-tiny BackPACK 1.7.1 skips what it has no derivative for "
+        "(HF's Conv1D, LayerNorm, a ViT's own parameters), so its cells there cover less of the model.",
+        "",
+        *peers_table(results),
+        "",
+        "![time and extra peak memory per method](benchmarks/results.png)",
     ]
-    for name in dict.fromkeys(r["model"] for r in results):
-        lines += model_section(name, [r for r in results if r["model"] == name])
-    lines.append("![time and extra peak memory per method](benchmarks/results.png)")
     return "\n".join(lines) + "\n"
 
 
@@ -202,7 +252,6 @@ def plot(results: list[dict], path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = list(dict.fromkeys(r["model"] for r in results))
     colors = {
         "plain": "grey",
         "floor": "silver",
@@ -211,6 +260,7 @@ def plot(results: list[dict], path: Path) -> None:
         "opacus": "tab:green",
         "torch.func": "tab:red",
     }
+    models = list(dict.fromkeys(r["model"] for r in results))
     heights = [max(1, len([r for r in results if r["model"] == m])) for m in models]
     fig, axes = plt.subplots(
         len(models),
@@ -245,6 +295,11 @@ def plot(results: list[dict], path: Path) -> None:
 def write(results: list[dict], meta: dict, md_path: Path, png_path: Path) -> None:
     ratios(results)
     text = markdown(results, meta)
+    details = png_path.parent / "details"
+    details.mkdir(parents=True, exist_ok=True)
+    for name in dict.fromkeys(r["model"] for r in results):
+        section = model_section(name, [r for r in results if r["model"] == name])
+        (details / f"{name}.md").write_text("\n".join(section))
     if md_path.exists():
         for kept in KEPT.finditer(md_path.read_text()):
             text += "\n" + kept.group(0) + "\n"

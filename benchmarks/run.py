@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import re
-import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from benchmarks.harness import ROOT, load, machine, measure
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -84,66 +82,6 @@ def cases(args) -> list[dict]:
     return out
 
 
-def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: dict | None = None) -> dict:
-    """Run one case in a process of its own (``python <child> <case as JSON>``, with
-    ``env`` added), and return the dict it prints after ``RESULT ``, or the case with
-    an ``error``."""
-    if "skip" in case:
-        return dict(case, error=case["skip"])
-    threads = str(case["threads"])
-    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **(env or {}))
-    cmd = [sys.executable, *child, json.dumps(case)]
-    try:
-        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
-    except subprocess.TimeoutExpired:
-        return dict(case, error=f"timed out after {timeout:.0f} s")
-    for line in proc.stdout.splitlines():
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT ") :])
-    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
-    return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
-
-
-def answer(case_json: str, fn) -> None:
-    """The child's side of :func:`run_case`: print ``fn(case)`` after ``RESULT ``, or,
-    where it raises (an engine that refuses the model), the case with an ``error``
-    (the table's "fails: <reason>")."""
-    case = json.loads(case_json)
-    try:
-        result = fn(case)
-    except Exception as err:
-        result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
-    print("RESULT " + json.dumps(result), flush=True)
-
-
-#: glibc settings for the timed process: freed memory stays in the heap for the next
-#: step, as jemalloc or tcmalloc would keep it. With glibc's defaults every buffer over
-#: 32 MiB is a fresh mapping, and on the benchmark machine (a VM) each fresh 4 KiB page
-#: cost about 16 us to fault in, so a plain step of the seed CNN at 256 took 0.57 s or
-#: 1.05 s from one run to the next, and single ratios moved by half.
-TIME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
-#: glibc settings for the memory process: every buffer over 64 KiB is its own mapping,
-#: returned at once when freed, so that the peak resident set is the peak of live memory
-#: (with TIME_MALLOC it would include what the heap kept)
-MEMORY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
-
-
-def measure(case: dict, timeout: float) -> dict:
-    """Time and peak memory of one case. On CPU, from two processes (see TIME_MALLOC and
-    MEMORY_MALLOC): the time process's result with the memory process's peak; the
-    memory process runs one warm-up step and two steps, unpaired. On CUDA one process
-    gives both (``max_memory_allocated`` counts live tensors whatever the host allocator)."""
-    if case["device"] != "cpu" or case["quick"] or "skip" in case:
-        return run_case(case, timeout)
-    timed = run_case(case, timeout, env=TIME_MALLOC)
-    if "error" in timed:
-        return timed
-    memory = run_case(dict(case, warmup=1, repeats=2, seconds=0.0, paired=False), timeout, env=MEMORY_MALLOC)
-    if "error" in memory:
-        return dict(case, error=f"memory run: {memory['error']}"[:200])
-    return dict(timed, **{k: memory[k] for k in ("rss_setup", "rss_peak", "extra_bytes")})
-
-
 def progress(i: int, total: int, r: dict) -> str:
     head = f"[{i}/{total}] {r['model']} {r['method']}"
     if "error" in r:
@@ -154,28 +92,6 @@ def progress(i: int, total: int, r: dict) -> str:
     if r.get("extra_bytes") is not None:
         line += f", peak +{r['extra_bytes'] / 2**20:.0f} MiB over setup"
     return line
-
-
-def machine() -> dict:
-    import platform
-
-    import torch
-
-    cpu = next(
-        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
-        platform.processor() or "unknown",
-    )
-    info = dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=platform.python_version())
-    if torch.cuda.is_available():
-        info["gpu"] = torch.cuda.get_device_name()
-    return info
-
-
-def load() -> str:
-    try:
-        return open("/proc/loadavg").read().split()[0:3]
-    except OSError:
-        return "unknown"
 
 
 def main(argv=None) -> None:

@@ -29,16 +29,15 @@ from __future__ import annotations
 import argparse
 import gc
 import re
-import resource
 import statistics
 import sys
 import time
 import warnings
 from pathlib import Path
 
-from benchmarks import run
+from benchmarks import harness
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = harness.ROOT
 START, END = "<!-- secondorder:start -->", "<!-- secondorder:end -->"
 
 #: model -> extensions run on it (KFRA's dense [D, D] matrices do not fit for the CNN's
@@ -222,7 +221,6 @@ def paired(case: dict) -> dict:
 
 
 def child(case: dict) -> dict:
-    from benchmarks.child import _reset_peak, _rss_bytes
 
     warnings.simplefilter("ignore")
     if case["lib"] == "pair":
@@ -231,21 +229,21 @@ def child(case: dict) -> dict:
     for _ in range(case["warmup"]):
         step()
     gc.collect()
-    setup = _rss_bytes()
-    reset = _reset_peak()
+    setup = harness.rss_bytes()
+    reset = harness.reset_peak()
     times = []
     for _ in range(case["repeats"]):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = harness.peak_rss_bytes()
     return dict(case, time_s=statistics.median(times), extra_bytes=peak - setup if reset or peak > setup else None)
 
 
 def run_case(case: dict, timeout: float) -> dict:
     """One case in its own process, glibc returning freed buffers at once (see above)."""
     child = ("-m", "benchmarks.second_order", "--child")
-    return run.run_case(case, timeout, child=child, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
+    return harness.run_case(case, timeout, child=child, env={"MALLOC_MMAP_THRESHOLD_": "131072"})
 
 
 def _mb(b: float | None) -> str:
@@ -267,7 +265,7 @@ def table(results: list[dict], args) -> str:
         "## Second-order extensions: jacmem beside BackPACK",
         "",
         f"`python -m benchmarks.second_order{' --quick' if args.quick else ''}` ({args.started}, load average "
-        f"{args.load_before} before, {' '.join(run.load())} after): {args.threads} thread{'s' if args.threads != 1 else ''}, one warm-up step. A step is "
+        f"{args.load_before} before, {' '.join(harness.load())} after): {args.threads} thread{'s' if args.threads != 1 else ''}, one warm-up step. A step is "
         "forward, loss and backward inside the extension's block. Time: jacmem and BackPACK in one process, their "
         f"steps alternating ({args.repeats} pairs at least, more while under {args.seconds:g} s, up to "
         f"{10 * args.repeats}), the medians of each and of the per-step ratios (a shared machine's load moves both "
@@ -336,15 +334,6 @@ def separate(model: str, by: dict) -> list[str]:
     return lines + [""]
 
 
-def write_block(path: Path, block: str, start: str = START, end: str = END) -> None:
-    """Replace the block between ``start`` and ``end`` in ``path`` (read right before
-    writing), or append it; by default this module's block."""
-    text = path.read_text() if path.exists() else ""
-    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
-    text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
-    path.write_text(text.lstrip("\n"))
-
-
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(prog="python -m benchmarks.second_order", description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: checks the harness")
@@ -359,7 +348,7 @@ def main(argv=None) -> None:
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.child:
-        run.answer(args.child, child)
+        harness.answer(args.child, child)
         return
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.warmup = 1
@@ -370,7 +359,7 @@ def main(argv=None) -> None:
         cases.append(dict(model=model, lib="plain", ext="-"))
         cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in LIBS[model]]
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
-    args.load_before = " ".join(run.load())
+    args.load_before = " ".join(harness.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []
     for i, case in enumerate(cases, 1):
@@ -389,7 +378,7 @@ def main(argv=None) -> None:
     block = table(results, args)
     print(block)
     markdown.parent.mkdir(parents=True, exist_ok=True)
-    write_block(markdown, block)
+    harness.write_block(markdown, block, START, END)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from pathlib import Path
 ROOT = Path(globals().get("__file__", "plot_strategies_vs_batch.py")).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks import run as harness  # noqa: E402
+from benchmarks import harness  # noqa: E402
 
 MiB = 2**20
 COLORS = {

@@ -50,6 +50,16 @@ __all__ = [
     "HMP",
     "PCHMP",
     "ChainError",
+    "UnsupportedModuleError",
     "memory",
     "nn",
 ]
+
+
+def __getattr__(name: str):
+    # made on first use (jacmem.errors): it may import Opacus
+    if name == "UnsupportedModuleError":
+        from jacmem.errors import unsupported_module_error
+
+        return unsupported_module_error()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

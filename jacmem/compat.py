@@ -16,6 +16,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
     "WeakTensorKeyDictionary",
+    "assert_on_device",
     "current_graph_task_id",
     "functorch_transforms_active",
     "handle_alive",
@@ -27,6 +28,15 @@ __all__ = [
 #: the class name of the autograd node that ``register_full_backward_hook`` (and
 #: BackPACK, Opacus) put around a module's inputs and outputs: an identity
 _BACKWARD_HOOK_NODE = "BackwardHookFunctionBackward"
+
+
+def assert_on_device(condition: torch.Tensor, message: str) -> None:
+    """Raise ``RuntimeError(message)`` where the one-element bool ``condition`` is false,
+    without the host reading it: on the CPU it raises at once; on CUDA a device-side
+    assertion (which prints the message, maybe cut short) fails when the device gets
+    there, and the process's CUDA context with it. ``torch._assert_async`` with a
+    message, since torch 2.1."""
+    torch._assert_async(condition, message)
 
 
 def current_graph_task_id() -> int:

@@ -9,7 +9,9 @@ the pass's state (:class:`Staging`). A parameter used by several calls (a module
 twice, tied weights) sums its per-sample gradients over them first. At the end of the
 pass, :meth:`FirstOrder.finish` turns the staged quantities into each extension's
 result, sums over the ranks what is global (:mod:`jacmem.distributed`), warns where
-the results hold NaN or modules disagree on the batch size, and returns the writes.
+modules disagree on the batch size, and returns the writes. Whether the results hold
+NaN or Inf is flagged on the device in each pass and read when the block ends (a read
+in the backward would wait for the device), with one warning for the block.
 """
 
 from __future__ import annotations
@@ -80,10 +82,14 @@ class FirstOrder(Engine):
         self.strategies, self.chunk_bytes = setup.strategies, setup.chunk_bytes
         self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
         self.owner: int | None = setup.owner
+        self.batch_first = setup.batch_first
         #: the block's own calls; a layer that allows it runs through ComputeOnce
-        self.recorder = Recorder(self._on_grad, once=True)
+        self.recorder = Recorder(self._on_grad, once=True, batch_first=setup.batch_first)
         #: modules already warned about (weakly: a long block sees re-created modules)
         self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: (device, the names of K modules) -> [K] bool on the device: whose results held
+        #: NaN or Inf in a pass of the block with those modules; read when the block ends
+        self.nonfinite: dict[tuple[torch.device, tuple[str, ...]], Tensor] = {}
 
     # -- forward -------------------------------------------------------------------
 
@@ -109,6 +115,8 @@ class FirstOrder(Engine):
     def close(self) -> None:
         self.recorder.close()
         self.owner = None
+        pending, self.nonfinite = self.nonfinite, {}
+        self._warn_nonfinite(pending)
 
     # -- backward ------------------------------------------------------------------
 
@@ -234,7 +242,7 @@ class FirstOrder(Engine):
         }
         sizes = {key: s.batch_size for key, s in staged.items()}
         self._check_batch_sizes(run.names, sizes)
-        self._warn_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
+        self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
         for group, params in self.groups():
             distributed.synchronize(group, params, self.quantities, quantities, sizes)
         return [
@@ -277,30 +285,37 @@ class FirstOrder(Engine):
                 f"the batch axis (e.g. position_ids.expand({largest}, -1)), or freeze their parameters."
             )
         seen = "; ".join(f"{n}: {listing(mods)}" for n, mods in by_size.items())
+        if not self.batch_first:
+            raise RuntimeError(
+                f"jacmem: under batch_first=False, the modules of one backward pass see different batch sizes "
+                f"({seen}): a module whose axis 1 is not the batch (a layer on out[-1] rather than out[-1:], a "
+                "convolution fed [T, N, ...]) would get its quantities per row of that axis, not per sample. Keep "
+                "the batch on axis 1 (axis 0 for convolutions, and as the module's own batch_first says for "
+                "RNNs and attention), and run one batch per backward pass."
+            )
         warnings.warn(
             f"jacmem: the modules of one backward pass see different batch sizes ({seen}). Per-sample "
             "quantities take axis 0 of a module's input as the batch, so a module whose axis 0 is not "
-            "the batch (batch_first=False, e.g. nn.TransformerEncoderLayer; or a batch reshaped into "
-            "another axis) gets them per row of axis 0, not per sample. Put the batch first "
-            "(batch_first=True), or ignore this if the block really holds several batches.",
+            "the batch (a sequence-first model, e.g. nn.TransformerEncoderLayer(batch_first=False); or a batch "
+            "reshaped into another axis) gets them per row of axis 0, not per sample. For a model fed "
+            "[T, N, ...], pass batch_first=False to jacmem.extend (and jacmem.track); otherwise put the batch "
+            "first, or ignore this if the block really holds several batches.",
             RuntimeWarning,
             stacklevel=2,
         )
 
-    def _warn_nonfinite(
+    def _flag_nonfinite(
         self, names: dict[int, str], quantities: dict[int, dict[str, Tensor]], grads: dict[int, Tensor | None]
     ) -> None:
-        """One warning per backward pass, naming the modules whose quantities hold NaN or
-        Inf: their input or output gradient did. It costs one sum per parameter, of its
-        smallest quantity or of its summed gradient where ``grads`` has it (a sum over
-        the samples holds NaN or Inf wherever a sample does; summing the per-sample
-        gradients took 12 of the 37 ms of the MLP's BatchGrad step), and one transfer
-        per device."""
+        """Flag, on the device, the modules whose quantities hold NaN or Inf (their input
+        or output gradient did), for :meth:`_warn_nonfinite`. It costs one sum per
+        parameter, of its smallest quantity or of its summed gradient where ``grads``
+        has it (a sum over the samples holds NaN or Inf wherever a sample does), and
+        nothing on the host. Passes with the same modules share their flags."""
         by_device: dict[torch.device, list[int]] = {}
-        for key, q in quantities.items():
-            if q:
-                by_device.setdefault(next(iter(q.values())).device, []).append(key)
-        bad = set()
+        for key in reversed(list(quantities)):  # forward order, about
+            if quantities[key]:
+                by_device.setdefault(next(iter(quantities[key].values())).device, []).append(key)
         for keys in by_device.values():
             sums = []
             for k in keys:
@@ -308,11 +323,19 @@ class FirstOrder(Engine):
                 if grads.get(k) is not None:
                     candidates.append(grads[k])
                 sums.append(min(candidates, key=Tensor.numel).sum())
-            sums = torch.stack(sums)
-            bad.update(k for k, finite in zip(keys, sums.isfinite().tolist()) if not finite)
-        if not bad:
+            bad = torch.stack(sums).isfinite().logical_not_()
+            flags = self.nonfinite.setdefault((bad.device, tuple(names[k] for k in keys)), bad)
+            if flags is not bad:
+                flags.logical_or_(bad)
+
+    def _warn_nonfinite(self, flagged: dict[tuple[torch.device, tuple[str, ...]], Tensor]) -> None:
+        """One warning, naming the modules that :meth:`_flag_nonfinite` flagged in any
+        pass of the block; one transfer per entry, after the block."""
+        modules = list(
+            dict.fromkeys(m for (_, names), bad in flagged.items() for m, b in zip(names, bad.tolist()) if b)
+        )
+        if not modules:
             return
-        modules = list(dict.fromkeys(names[k] for k in reversed(list(quantities)) if k in bad))  # forward order, about
         warnings.warn(
             f"jacmem: the {', '.join(e.savefield for e in self.extensions)} of module(s) "
             f"{listing(modules)} hold NaN or Inf, as their input or the gradient of the loss "
@@ -320,7 +343,7 @@ class FirstOrder(Engine):
             "data with torch.isfinite(X).all(); otherwise check the loss (log of 0, division by 0) or lower "
             "the learning rate.",
             RuntimeWarning,
-            stacklevel=2,
+            stacklevel=4,
         )
 
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from jacmem import compat
+from jacmem import compat, layout
 from jacmem.broadcast import Origin, swap_in
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
@@ -64,7 +64,7 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "once", "broadcast", "void", "__weakref__",
+        "release", "once", "broadcast", "void", "batch_first", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
@@ -100,6 +100,14 @@ class Record:
         self.broadcast: Origin | None = None
         #: a record to ignore: a use of a tensor whose other uses mixed the samples
         self.void = False
+        #: the layout the call was recorded under (:mod:`jacmem.layout`)
+        self.batch_first = True
+
+    @property
+    def relaid(self) -> bool:
+        """Whether the call took its batch on axis 1: ``x`` was kept with it moved first,
+        and so is ``g``."""
+        return _relaid(self.batch_first, self.entry)
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
@@ -131,7 +139,14 @@ class Record:
     def g(self):
         """The output gradient(s), batch axis first, as the derivatives take them."""
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
+        g = layout.front(g) if self.relaid else g
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
+
+
+def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
+    """Whether a call recorded under ``batch_first`` by ``entry`` has its batch moved
+    first: under ``batch_first=False``, unless the layer places it itself."""
+    return not batch_first and entry is not None and not entry.own_layout
 
 
 def _output_tensors(entry: LayerDerivatives | None, output) -> list[Tensor]:
@@ -151,29 +166,35 @@ def record(
     handles: Handles | list[RemovableHandle],
     once: bool = False,
     exclude: Collection[str] = (),
+    batch_first: bool = True,
 ) -> tuple[Record | None, Any]:
     """The forward-hook body: record this call if it has trainable parameters (but those
     in ``exclude``, whose uses are recorded apart: :func:`record_use`); returns the
     record (or None), and the output, which is new where ``once`` lets the layer run
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
-    gradients, or None).
+    gradients, or None). ``batch_first=False``: the call takes its batch on axis 1,
+    unless its layer places it itself (:mod:`jacmem.layout`).
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    entry = lookup(module, args[0] if args else None, output)
+    entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
     params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
     if not params:
         return None, output
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
         return None, output
+    kept = args, kwargs
+    if _relaid(batch_first, entry):  # the derivatives take the batch first
+        kept = layout.inputs_first(args, kwargs, layout.batch_size(module, name, args, kwargs, outputs))
     needs_input = entry is None or any(p not in entry.input_free for p in params)
-    x = entry.keep(args, kwargs) if entry is not None and needs_input else None
+    x = entry.keep(*kept) if entry is not None and needs_input else None
     x = detached(x)
     rec = Record(module, name, entry, params, x, outputs)
+    rec.batch_first = batch_first
 
     fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
@@ -288,7 +309,8 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     if jac is None or jac.jac_t is None:
         return None
     hp = jac.params(rec.module)
-    return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((rec.x,), None, S, hp), [output.detach()], x, *params)
+    kept = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
+    return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((kept,), None, S, hp), [output.detach()], x, *params)
 
 
 class Handles(list):

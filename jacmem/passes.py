@@ -37,6 +37,8 @@ class Engine:
     - ``on_backward(tensors, grad_tensors, alone)``: a backward (``torch.autograd.backward``
       or ``grad``, outside any other) of the block's thread is about to begin;
       ``alone``: no other engine runs in the block.
+    - ``on_track(model)``: from now on, ``model``'s calls reach the engine by
+      ``on_record`` wherever they run (the block tracks it).
     - ``new_state()``: this engine's state for one backward pass.
     - ``finish(state)``: the pass ended; compute the final results from ``state``, write
       nothing, and return them as ``(object, attribute, value)``.
@@ -61,6 +63,9 @@ class Engine:
         return None
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        pass
+
+    def on_track(self, model) -> None:
         pass
 
     def new_state(self) -> Any:
@@ -162,3 +167,7 @@ class Setup:
     groups: Callable
     #: the thread that entered the block
     owner: int
+    #: ``models()``: the tracked models whose calls reach the block
+    models: Callable
+    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+    batch_first: bool = True

@@ -44,8 +44,11 @@ drawn once per step for the global batch under ``DistributedDataParallel``.
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Sequence
+import numbers
+import warnings
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -55,66 +58,70 @@ from torch.utils.data import DataLoader
 try:
     from opacus import PrivacyEngine as OpacusEngine
     from opacus.accountants.utils import get_noise_multiplier
-    from opacus.optimizers import DistributedDPOptimizerFastGradientClipping, DPOptimizerFastGradientClipping
+    from opacus.grad_sample.utils import get_gsm_class
+    from opacus.optimizers import (
+        AdaClipDPOptimizer,
+        DistributedDPOptimizerFastGradientClipping,
+        DPOptimizerFastGradientClipping,
+    )
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
-from jacmem import hooks, recorder
-from jacmem.context import extend
+from jacmem import recorder
+from jacmem.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
 
-CLIPPING = ("flat", "per_layer", "automatic")
+CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
+#: set on a ``.grad`` that :meth:`_ClippedSum.accumulate` has added to ``summed_grad``
+_ACCUMULATED = "_jacmem_accumulated"
+
+#: Opacus's default criterion (returned only for a ghost grad_sample_mode)
+_CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
-class _Private(extend):
-    """The block of one private model, open from :meth:`PrivacyEngine.make_private` to
-    :meth:`PrivacyEngine.detach`: the model is tracked (:func:`jacmem.track`), so that
-    its forwards are recorded wherever they run, and the block takes their gradients
-    in the user's own ``loss.backward()``. Unlike a ``with jacmem.extend(...)`` block it
-    has no global module hooks and does not watch untracked backwards: other models'
-    calls are none of its business and cost nothing. It counts its backward passes.
+class _Private:
+    """The block of one private model (:class:`jacmem.block.Block`), open from
+    :meth:`PrivacyEngine.make_private` to :meth:`PrivacyEngine.detach`. The block tracks
+    the model, so that its forwards are recorded wherever they run, for this block
+    alone, and it takes their gradients in the user's own ``loss.backward()``. It has no
+    global hook: other models' calls, other private models' and a ``jacmem.extend``
+    block's are none of its business, and cost nothing. ``passes`` counts its backward
+    passes.
 
     Distributed: the clipping engine sums the clipped sums over the ranks itself, in
     the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
     off while the block is open, and a model that is not DDP-wrapped, in a process
     group of more than one rank, is summed over the default group."""
 
-    def __init__(self, module: nn.Module, clip: ClipGrad):
+    def __init__(self, module: nn.Module, clip: ClipGrad, batch_first: bool = True):
         ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-        super().__init__(clip, process_group=dist.group.WORLD if _distributed(module) and not ddp else None)
+        group = dist.group.WORLD if _distributed(module) and not ddp else None
+        self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
-        #: backward passes ended since the block opened
-        self.passes = 0
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
 
-    def __enter__(self) -> _Private:
-        super().__enter__()
-        hooks.remove(self._module_handles)
-        self._module_handles = []
-        self._watch.close()
-        self._passes.on_end = self._ended
-        for ddp in self._ddp:
-            ddp.require_backward_grad_sync = False
-        recorder.track(self.module)
-        # the engine's hooks that keep autograd's unclipped gradients out of .grad, from
-        # now on rather than from the first recorded call: a backward the block cannot
-        # clip (another thread's) raises, even the first one
-        root = type(self.module).__name__
-        for engine in self._engines:
-            engine._guard((f"{root}.{n}", p) for n, p in self.module.named_parameters())
+    @property
+    def passes(self) -> int:
+        """Backward passes ended since the block opened."""
+        return self.block.ended
+
+    def open(self) -> _Private:
+        try:
+            self.block.open()
+            for ddp in self._ddp:
+                ddp.require_backward_grad_sync = False
+            self.block.track(self.module)
+        except BaseException:
+            self.close()
+            raise
         return self
 
-    def _ended(self) -> None:
-        self.passes += 1
-        self._notices.flush()
-
-    def __exit__(self, *exc) -> None:
-        recorder.untrack(self.module)
+    def close(self) -> None:
         for ddp in self._ddp:
             ddp.require_backward_grad_sync = True
-        super().__exit__(*exc)
+        self.block.close()
 
 
 class _ClippedSum:
@@ -122,11 +129,73 @@ class _ClippedSum:
     as the clipped sum already: backward passes are counted (each adds its clipped sum
     to ``.grad``), ``k`` of them make the accountant's sampling rate ``k·q`` and the
     divisor ``B·k``, as Opacus's per-sample optimizers count them; a parameter no sample
-    reached (an empty Poisson batch) has a zero clipped sum and gets noise alone."""
+    reached (an empty Poisson batch) has a zero clipped sum and gets noise alone.
+
+    The clipping threshold is the optimizer's: the block's :class:`ClipGrad` reads it
+    from :meth:`clip_threshold` in every backward pass, so that what Opacus's grad-clip
+    schedulers (or adaptive clipping) set between steps clips the next step's passes,
+    and the noise of a step has the ``C`` its passes were clipped at."""
 
     private: _Private
     #: the block's pass count at the last step or zero_grad
     _mark = 0
+    #: per_layer: one threshold per parameter of ``self.params``, in its order (as
+    #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
+    max_grad_norms: list[float] | None = None
+    #: the threshold the passes since the last step were clipped at (None before the first)
+    _held: float | list[float] | None = None
+
+    def _own_threshold(self, private: _Private, max_grad_norm: float | Sequence[float]) -> float:
+        """Take the block's clipping threshold over (before Opacus's ``__init__``, to which
+        it returns the noise's ``C``)."""
+        self.private = private
+        private.clip.max_norm = self.clip_threshold
+        if isinstance(max_grad_norm, numbers.Real):
+            return max_grad_norm
+        self.max_grad_norms = [float(c) for c in max_grad_norm]
+        return self.max_grad_norm
+
+    @property
+    def max_grad_norm(self) -> float:
+        """``C``, the noise's scale: the clipping threshold, or with per-layer thresholds
+        their Euclidean norm (the clipped sum's sensitivity). Setting it (as Opacus's
+        grad-clip schedulers do) sets the threshold of the next backward pass; per
+        layer, it scales every threshold by the same factor (Opacus's per-layer
+        optimizer would scale its noise alone, and leave its clipping as it was)."""
+        if self.max_grad_norms is None:
+            return self._max_grad_norm
+        return math.sqrt(sum(c * c for c in self.max_grad_norms))
+
+    @max_grad_norm.setter
+    def max_grad_norm(self, value: float) -> None:
+        if self.max_grad_norms is None:
+            self._max_grad_norm = value
+        else:
+            scale = value / self.max_grad_norm
+            self.max_grad_norms = [c * scale for c in self.max_grad_norms]
+
+    def _threshold_now(self) -> float | list[float]:
+        return self.max_grad_norm if self.max_grad_norms is None else list(self.max_grad_norms)
+
+    def clip_threshold(self) -> float | dict[nn.Parameter, float]:
+        """The threshold of a backward pass: the optimizer's at the first pass since the
+        last step, for every pass until the next step (they share one noise)."""
+        if self._held is None:
+            self._held = self._threshold_now()
+        if self.max_grad_norms is None:
+            return self._held
+        return dict(zip(self.params, self._held))
+
+    def _check_threshold(self) -> None:
+        """Raise where the threshold changed after this step's first backward pass: its
+        passes were clipped at the old one, and the noise would take the new one."""
+        if self._held is not None and self._held != self._threshold_now():
+            raise RuntimeError(
+                f"jacmem: max_grad_norm changed from {self._held} to {self._threshold_now()} after the backward "
+                "passes of this step were clipped at the former, so the noise would not match their sensitivity. "
+                "Change it between optimizer.step() and the next backward pass (as Opacus's grad-clip schedulers "
+                "do when they step after the optimizer), or set it back before this step."
+            )
 
     @property
     def accumulated_iterations(self) -> int:
@@ -136,23 +205,44 @@ class _ClippedSum:
     def _restart(self) -> None:
         self._mark = self.private.passes
         self.private.clip.reset()
+        if not self._is_last_step_skipped:  # a skipped step's passes are the next step's
+            self._held = None
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a
-        second step without ``zero_grad`` raises, as Opacus's does)."""
+        second step without ``zero_grad`` raises, as Opacus's does).
+
+        Raises:
+            ValueError: as Opacus's per-sample optimizer, where a ``.grad`` was
+                accumulated already by a skipped step (``BatchMemoryManager``'s) with no
+                ``zero_grad`` since: its clipped sum would count twice.
+        """
+        if any(p.grad is not None and hasattr(p.grad, _ACCUMULATED) for p in self.params):
+            raise ValueError(
+                "Gradients haven't been cleared since the last optimizer step: call optimizer.zero_grad() after "
+                "every optimizer.step(), also those BatchMemoryManager skips, or a clipped sum counts twice"
+            )
         for p in self.params:
-            grad = torch.zeros_like(p) if p.grad is None else p.grad.detach()
+            if p.grad is None:
+                grad = torch.zeros_like(p)
+            else:
+                grad = p.grad.detach()
+                setattr(p.grad, _ACCUMULATED, True)
             if p.summed_grad is None:
                 p.summed_grad = grad.clone()
             else:
                 p.summed_grad.add_(grad)
 
     def pre_step(self, closure=None) -> bool:
+        self._check_threshold()
         stepped = super().pre_step(closure)
         self._restart()
         return stepped
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        for p in self.params:
+            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):
+                delattr(p.grad, _ACCUMULATED)  # zeroed in place (set_to_none=False): counts afresh
         super().zero_grad(set_to_none)
         self._restart()
 
@@ -160,11 +250,13 @@ class _ClippedSum:
 class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
     """Opacus's ghost-clipping optimizer on ``.grad`` = ClipGrad's clipped sums:
     ``step()`` adds ``N(0, σ²C²)`` noise, divides by ``B·k`` (``loss_reduction="mean"``),
-    steps the accountant, then the wrapped optimizer."""
+    steps the accountant, then the wrapped optimizer. ``max_grad_norm``: ``C``, or with
+    per-layer clipping the list of thresholds (kept as ``max_grad_norms``)."""
 
-    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, **kwargs):
-        self.private = private
-        super().__init__(optimizer, **kwargs)
+    def __init__(
+        self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
+    ):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
 
 
 class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClipping):
@@ -174,13 +266,44 @@ class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClip
     ``add_noise``) and its gradient goes to every rank, in place of Opacus's all-reduce
     of per-rank sums: the noise is drawn once, for the global batch."""
 
-    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, **kwargs):
-        self.private = private
-        super().__init__(optimizer, **kwargs)
+    def __init__(
+        self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
+    ):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
 
     def reduce_gradients(self) -> None:
         for p in self.params:
             dist.broadcast(p.grad, src=0)
+
+
+class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradientClipping):
+    """Adaptive clipping (Andrew et al. 2021), Opacus's ``AdaClipDPOptimizer`` on
+    ClipGrad's flat clipped sums. Each step, with ``b`` the samples of the step's passes
+    whose gradient the clip left as it was (``c_i = 1``) and ``n`` all of them: the
+    noise's multiplier is ``(σ⁻² - (2σ_b)⁻²)^(-1/2)`` (the count's noise spends the rest
+    of ``σ``; the accountant takes ``σ``), ``b̃ = b + N(0, σ_b²)``, and the next
+    threshold is ``C·exp(-η (b̃/n - γ))`` clamped to ``[min_clipbound, max_clipbound]``;
+    ``σ_b = unclipped_num_std``, ``η = clipbound_learning_rate``,
+    ``γ = target_unclipped_quantile``. The count, the noise and the update are
+    Opacus's; ``b`` and ``n`` come from :class:`ClipGrad`'s counts."""
+
+    def __init__(self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float, **kwargs):
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+
+    def clip_and_accumulate(self) -> None:
+        """Opacus's counts, of the passes since the last step (clipped in the backward)."""
+        self.sample_size += self.private.clip.samples
+        self.unclipped_num = self.unclipped_num + torch.as_tensor(self.private.clip.unclipped)
+
+    def update_max_grad_norm(self) -> None:
+        """Opacus's update (in float32, as Opacus computes it), then a Python float,
+        which the next backward passes read without a host synchronisation."""
+        super().update_max_grad_norm()
+        self.max_grad_norm = float(self.max_grad_norm)
+
+    def pre_step(self, closure=None) -> bool:
+        self.clip_and_accumulate()
+        return super().pre_step(closure)
 
 
 def _distributed(module: nn.Module) -> bool:
@@ -189,26 +312,53 @@ def _distributed(module: nn.Module) -> bool:
     )
 
 
-def _thresholds(
-    optimizer: optim.Optimizer, clipping: str, max_grad_norm: float | Sequence[float]
-) -> tuple[float | dict, float]:
-    """ClipGrad's ``max_norm`` and the noise's ``C``. ``per_layer``: one threshold per
-    parameter of the optimizer, in its order (as Opacus), and the noise's ``C`` their
-    Euclidean norm (the clipped sum's sensitivity)."""
+def _refuse_tracked(module: nn.Module) -> None:
+    """A model that shares parameters with a tracked one (a private model, or one given
+    to :func:`jacmem.track`) would have its gradients taken twice: it raises."""
+    own = {id(p) for p in module.parameters()}
+    for model in recorder.tracked_models():
+        if own & {id(p) for p in model.parameters()}:
+            private = recorder.owner(model) is not None
+            raise ValueError(
+                f"jacmem: the model ({type(module).__name__}) is, or shares parameters with, a model "
+                + ("made private already" if private else "given to jacmem.track")
+                + f" ({type(model).__name__}); call "
+                + ("detach() on the PrivacyEngine that made it private" if private else "jacmem.untrack(model)")
+                + " first."
+            )
+
+
+def _refuse_unknown(optimizer_class: type, kwargs: dict) -> None:
+    """Python's ``TypeError`` for keywords that ``optimizer_class`` does not name (Opacus's
+    optimizers take ``**kwargs`` and would drop them silently)."""
+    named = {
+        name
+        for cls in optimizer_class.__mro__
+        if "__init__" in vars(cls)
+        for name, param in inspect.signature(cls.__init__).parameters.items()
+        if param.kind is not inspect.Parameter.VAR_KEYWORD
+    }
+    unknown = sorted(set(kwargs) - named)
+    if unknown:
+        raise TypeError(f"make_private() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}")
+
+
+def _thresholds(optimizer: optim.Optimizer, clipping: str, max_grad_norm: float | Sequence[float]) -> float | list:
+    """``max_grad_norm`` checked: one float, or for ``per_layer`` one threshold per
+    trainable parameter of the optimizer, in its order (as Opacus)."""
     if clipping not in CLIPPING:
         raise ValueError(f"clipping={clipping!r}: choose from {', '.join(map(repr, CLIPPING))}")
     if clipping != "per_layer":
-        if not isinstance(max_grad_norm, (int, float)):
+        if not isinstance(max_grad_norm, numbers.Real):
             raise TypeError(f"max_grad_norm: one float with clipping={clipping!r}; a list is for 'per_layer'")
-        return float(max_grad_norm), float(max_grad_norm)
+        return float(max_grad_norm)
     params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
-    if isinstance(max_grad_norm, (int, float)) or len(max_grad_norm) != len(params):
+    if isinstance(max_grad_norm, numbers.Real) or len(max_grad_norm) != len(params):
         raise ValueError(
             f"clipping='per_layer' takes one max_grad_norm per trainable parameter of the optimizer "
             f"({len(params)}), in its order"
         )
-    norms = [float(c) for c in max_grad_norm]
-    return dict(zip(params, norms)), math.sqrt(sum(c * c for c in norms))
+    return [float(c) for c in max_grad_norm]
 
 
 class PrivacyEngine(OpacusEngine):
@@ -230,49 +380,91 @@ class PrivacyEngine(OpacusEngine):
         *,
         module: nn.Module,
         optimizer: optim.Optimizer,
+        criterion: Callable = _CROSS_ENTROPY,
         data_loader: DataLoader,
         noise_multiplier: float,
         max_grad_norm: float | Sequence[float],
+        batch_first: bool = True,
+        loss_reduction: str = "mean",
         poisson_sampling: bool = True,
         clipping: str = "flat",
-        loss_reduction: str = "mean",
         noise_generator: torch.Generator | None = None,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+        grad_sample_mode: str = "hooks",
+        wrap_model: bool = True,
+        rand_on_empty: bool = False,
+        **kwargs,
+    ) -> tuple[nn.Module, DPOptimizer, DataLoader] | tuple[nn.Module, DPOptimizer, Callable, DataLoader]:
         """Clip every sample's gradient in ``module``'s backward passes, and noise and
-        account ``optimizer``'s steps.
+        account ``optimizer``'s steps. Opacus 1.6's keywords, in its order.
 
         Args:
             module: the model; returned as it is (``model is module``), its hooks
                 installed. A ``DistributedDataParallel`` model (or a process group of
                 more than one rank) gets the distributed optimizer.
             optimizer: over (a subset of) ``module``'s parameters.
+            criterion: the loss, returned as it is where Opacus returns its ghost-clipping
+                criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
+                ``criterion(out, y).backward()`` clips, as any backward of the model
+                does, in one pass. Its ``reduction``, where it has one, must be
+                ``loss_reduction``.
             data_loader: with ``poisson_sampling``, replaced by Opacus's
                 ``DPDataLoader`` over the same dataset.
             noise_multiplier: σ; the noise's standard deviation is ``σ·C``.
             max_grad_norm: ``C``; with ``clipping="per_layer"`` one per trainable
                 parameter of the optimizer, in its order (the noise then takes the
-                norm of the list).
-            clipping: ``"flat"`` (one norm over all trainable parameters),
-                ``"per_layer"`` or ``"automatic"`` (``C·g/(‖g‖+γ)``, Bu et al. 2023);
-                see :class:`jacmem.ClipGrad`.
+                norm of the list). Kept by the optimizer (``optimizer.max_grad_norm``,
+                and ``optimizer.max_grad_norms`` per layer), which every backward pass
+                reads: what a grad-clip scheduler sets there between steps clips the
+                next step.
+            batch_first: whether the model's inputs have the batch on axis 0 (Opacus's);
+                ``False`` for ``[T, N, ...]`` inputs (see :class:`jacmem.extend`'s
+                ``batch_first``, which it sets for the model's block).
             loss_reduction: how the loss reduces over the batch, ``"mean"`` or ``"sum"``.
+            poisson_sampling: replace the loader by Opacus's Poisson-sampling one.
+            clipping: ``"flat"`` (one norm over all trainable parameters),
+                ``"per_layer"``, ``"automatic"`` (``C·g/(‖g‖+γ)``, Bu et al. 2023;
+                see :class:`jacmem.ClipGrad`) or ``"adaptive"`` (flat, with the
+                threshold moved at each step towards a quantile of the per-sample
+                norms: :class:`AdaptiveDPOptimizer`).
             noise_generator: the noise's ``torch.Generator`` (not with ``secure_mode``).
+            grad_sample_mode: any of Opacus's (``"hooks"``, ``"functorch"``, ``"ew"``,
+                ``"ghost"``, ``"ghost_fsdp"``, ``"no_op"``). jacmem has one code path
+                for all: per-sample norms (ghost norms where cheaper) and the clipped
+                sum in the one backward pass. The mode only decides, as in Opacus,
+                whether ``criterion`` is returned.
+            wrap_model: accepted for Opacus's sake; jacmem returns the user's own module
+                either way, as it hooks the module in place and wraps nothing (so HF and
+                PEFT models keep their attributes and methods).
+            rand_on_empty: Opacus's ``DPDataLoader`` option for empty Poisson batches.
+            **kwargs: go to the optimizer, as Opacus forwards them; one it does not
+                take raises ``TypeError``. ``clipping="adaptive"`` takes Opacus's
+                ``target_unclipped_quantile``, ``clipbound_learning_rate``,
+                ``max_clipbound``, ``min_clipbound`` and ``unclipped_num_std``.
 
         Returns:
-            ``(module, optimizer, data_loader)``. Until :meth:`detach`, the model's
-            clipping block is open in the calling thread, the process's one jacmem
-            block: ``with jacmem.extend(...)`` raises meanwhile. Other models'
-            forward and backward passes are untouched.
+            ``(module, optimizer, data_loader)``, or ``(module, optimizer, criterion,
+            data_loader)`` for a ghost ``grad_sample_mode``, as Opacus. Until
+            :meth:`detach`, the model's clipping block is open in the calling thread.
+            Other models' forward and backward passes are untouched; other private
+            models (each with its own engine) and ``with jacmem.extend(...)`` blocks on
+            other models run beside it.
 
         Raises:
-            ValueError: where a trainable parameter's per-sample gradient cannot be
-                computed exactly (e.g. BatchNorm in training mode), before any hook is
-                installed; or on bad arguments.
+            UnsupportedModuleError: where a trainable parameter's per-sample gradient
+                cannot be computed exactly (e.g. BatchNorm in training mode), before any
+                hook is installed (a ``ValueError``, and Opacus's error of that name).
+            ValueError: on bad arguments, or a model that is private already.
         """
         if noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator: not with secure_mode, whose noise comes from torchcsprng")
         if loss_reduction not in ("mean", "sum"):
             raise ValueError(f"loss_reduction={loss_reduction!r}: 'mean' or 'sum'")
+        get_gsm_class(grad_sample_mode)  # Opacus's ValueError for a mode it does not know
+        ghost = "ghost" in grad_sample_mode
+        if ghost and getattr(criterion, "reduction", loss_reduction) != loss_reduction:
+            raise ValueError(
+                f"criterion.reduction={criterion.reduction!r} but loss_reduction={loss_reduction!r}: they must agree"
+            )
         own = {id(p) for p in module.parameters()}
         if any(id(p) not in own for group in optimizer.param_groups for p in group["params"]):
             raise ValueError(
@@ -280,32 +472,51 @@ class PrivacyEngine(OpacusEngine):
             )
         if self._private is not None:
             raise ValueError(
-                "this PrivacyEngine has a private model already: one per engine (and per process, as jacmem's "
-                "block); call engine.detach() first"
+                "this PrivacyEngine has a private model already: one per engine. Make another PrivacyEngine for "
+                "another model, or call engine.detach() first"
             )
+        _refuse_tracked(module)
         if isinstance(optimizer, _ClippedSum):
             optimizer = optimizer.original_optimizer
-        max_norm, noise_norm = _thresholds(optimizer, clipping, max_grad_norm)
+        max_grad_norm = _thresholds(optimizer, clipping, max_grad_norm)
         check(module)  # refuses before anything is installed
         distributed = _distributed(module)
-        data_loader = self._prepare_data_loader(data_loader, poisson_sampling=poisson_sampling, distributed=distributed)
+        if clipping == "adaptive" and distributed:
+            raise ValueError("clipping='adaptive' is not for distributed training (nor is Opacus's)")
+        optimizer_class = (
+            AdaptiveDPOptimizer if clipping == "adaptive" else DistributedDPOptimizer if distributed else DPOptimizer
+        )
+        _refuse_unknown(optimizer_class, kwargs)
+        data_loader = self._prepare_data_loader(
+            data_loader,
+            poisson_sampling=poisson_sampling,
+            distributed=distributed,
+            batch_first=batch_first,
+            rand_on_empty=rand_on_empty,
+        )
         sample_rate = 1 / len(data_loader)
         # the global batch's: under DDP every rank's .grad holds the global clipped sum
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
-        private = _Private(module, ClipGrad(max_norm, clipping=clipping, loss_reduction=loss_reduction))
-        optimizer_class = DistributedDPOptimizer if distributed else DPOptimizer
-        optimizer = optimizer_class(
+        # adaptive clipping clips flat; its optimizer moves the threshold between steps
+        clip = ClipGrad(
+            max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
+        )
+        private = _Private(module, clip, batch_first)
+        optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,
             noise_multiplier=noise_multiplier,
-            max_grad_norm=noise_norm,
+            max_grad_norm=max_grad_norm,
             expected_batch_size=expected_batch_size,
             loss_reduction=loss_reduction,
             generator=self.secure_rng if self.secure_mode else noise_generator,
             secure_mode=self.secure_mode,
+            **kwargs,
         )
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
-        self._private = private.__enter__()
+        self._private = private.open()
+        if ghost:
+            return module, optimizer, criterion, data_loader
         return module, optimizer, data_loader
 
     def make_private_with_epsilon(
@@ -318,17 +529,28 @@ class PrivacyEngine(OpacusEngine):
         target_delta: float,
         epochs: int,
         max_grad_norm: float | Sequence[float],
+        epsilon_tolerance: float = 0.01,
         **kwargs,
-    ) -> tuple[nn.Module, DPOptimizer, DataLoader]:
+    ) -> tuple:
         """:meth:`make_private` with the noise multiplier that spends ``target_epsilon``
-        at ``target_delta`` in ``epochs`` epochs (Opacus's ``get_noise_multiplier``,
-        with this engine's accountant); ``kwargs`` go to :meth:`make_private`."""
+        at ``target_delta`` in ``epochs`` epochs (Opacus's ``get_noise_multiplier``, with
+        this engine's accountant, to within ``epsilon_tolerance``); the other keywords
+        are :meth:`make_private`'s. As Opacus, it warns where the accountant has spent
+        some budget already (the noise multiplier assumes none)."""
+        sample_rate = 1 / len(data_loader)
+        if len(self.accountant) > 0:
+            warnings.warn(
+                "make_private_with_epsilon: this engine's accountant has spent some privacy budget already; the "
+                "noise multiplier assumes none, so the total budget will exceed target_epsilon.",
+                stacklevel=2,
+            )
         noise_multiplier = get_noise_multiplier(
             target_epsilon=target_epsilon,
             target_delta=target_delta,
-            sample_rate=1 / len(data_loader),
+            sample_rate=sample_rate,
             epochs=epochs,
             accountant=self.accountant.mechanism(),
+            epsilon_tolerance=epsilon_tolerance,
         )
         return self.make_private(
             module=module,
@@ -341,10 +563,10 @@ class PrivacyEngine(OpacusEngine):
 
     def detach(self) -> nn.Module | None:
         """Remove every hook :meth:`make_private` installed: the model's backward passes
-        are plain again, and jacmem blocks can open. Returns the model (None if there
-        is none)."""
+        are plain again, and it may be made private anew. Returns the model (None if
+        there is none)."""
         private, self._private = self._private, None
         if private is None:
             return None
-        private.__exit__(None, None, None)
+        private.close()
         return private.module

@@ -5,7 +5,8 @@ a :class:`jacmem.hooks.Record` whose output hooks call ``on_grad(record)`` in ba
 and keeps the hooks' handles so that :meth:`Recorder.close` takes them all off. The
 first-order engine owns one for the calls inside its block; :func:`track` gives a
 model one (a :class:`Tracker`) for forwards run before a block, whose records go to
-whichever block is active when their gradients arrive.
+the block that owns the tracking (a private model's), or else to the ``jacmem.extend``
+block active when their gradients arrive (:func:`sink`).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from jacmem import compat, hooks
 from jacmem.broadcast import Origin, swap_in, watch
@@ -46,16 +47,28 @@ class Recorder:
       forward, or on integer ids (an embedding of ``[1, T]`` position ids), returns a
       watched view of its output: each use that meets the batch is a record of the
       module with its input expanded to that batch.
+
+    ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
+    Broadcasts are then not made explicit: the parameters that a module of no registered
+    type reads in its forward are left to its own record (the generic recomputation), and
+    only those it does not read (Opacus's DPLSTM holds its cells' parameters) are left
+    to the records of the submodules that use them; a call on a batch of one is recorded
+    as one (the engine's batch-size check names it). The calls of one outermost forward
+    must agree on the batch size; one that does not raises at once.
     """
 
-    def __init__(self, on_grad: hooks.OnGrad, once: bool = False):
+    def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
         self.on_grad = on_grad
         self.once = once
+        self.batch_first = batch_first
         self.tensor_handles = hooks.Handles()
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
         self.batch = 1
+        #: under batch_first=False, the first call of the running outermost forward:
+        #: (its name, its batch size)
+        self.first: tuple[str, int] | None = None
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -74,6 +87,9 @@ class Recorder:
         uses: list[hooks.Record] = []
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
+            if not self.batch_first:  # expanded on axis 0, not the batch: left to the module's record
+                origins[pname].unsafe.append("a use under batch_first=False")
+                return
             entry = use_entry(pname, tuple(p.shape))
             uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
 
@@ -88,7 +104,7 @@ class Recorder:
         if state is not None:
             state[0]()
         if outermost:
-            self.batch = 1
+            self.batch, self.first = 1, None
 
     def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
         """The parameters of ``module`` whose uses in the forward just ended were each
@@ -112,17 +128,37 @@ class Recorder:
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
         exclude = self._direct_uses(module)
         rec, new = hooks.record(
-            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude
+            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
         )
         if rec is None:
             return None
         self.records.add(rec)
+        if not self.batch_first:
+            self._check_batch(rec)
+            return None if new is output else new
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
             new = self._broadcast(rec, new)
         return None if new is output else new
+
+    def _check_batch(self, rec: hooks.Record) -> None:
+        """Under batch_first=False, a call whose batch size disagrees with that of the
+        forward's first call: one of them does not take the batch where jacmem reads it,
+        and would get its quantities per row of another axis."""
+        n = _batch_of(rec)
+        if self.first is None:
+            self.first = (rec.name, n)
+        elif self.first[1] != n:
+            first, m = self.first
+            raise ValueError(
+                f"jacmem: under batch_first=False, module {rec.name!r} ({type(rec.module).__name__}) has a batch of "
+                f"{n} where {first!r} had {m}: one of them does not take the batch on axis 1 (axis 0 for "
+                "convolutions; as their own batch_first says for RNNs and attention), and would get its quantities "
+                "per row of another axis. Keep the batch on axis 1 where it runs (e.g. out[-1:] rather than "
+                "out[-1]), or run the model batch-first with batch_first=True."
+            )
 
     def _broadcast(self, rec: hooks.Record, output: Tensor) -> Tensor:
         """A watched view of ``output`` (a call on a batch of one): each use that meets
@@ -145,6 +181,15 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+def _batch_of(rec: hooks.Record) -> int:
+    """A call's batch size: axis 1 of its output where its batch was moved first;
+    otherwise axis 0 of what its layer kept, arranged (of its output, where it kept nothing)."""
+    if rec.relaid:
+        return rec.outputs[0][0][1]
+    first = next((t for t in tree_flatten(rec.x)[0] if isinstance(t, Tensor) and t.dim()), None)
+    return first.shape[0] if first is not None else rec.outputs[0][0][0]
 
 
 def _void(records: list[hooks.Record]) -> None:
@@ -173,10 +218,14 @@ def _expand_batch(x, n: int):
 
 
 class Tracker(Recorder):
-    """Forward hooks on one model's modules, for forwards that run outside a block."""
+    """Forward hooks on one model's modules, for forwards that run outside a block.
 
-    def __init__(self, model: nn.Module, on_grad: hooks.OnGrad):
-        super().__init__(on_grad)
+    ``owner``: the block that takes the model's calls (see :func:`track`); None: the
+    block of :func:`sink`, the active ``jacmem.extend``, if any."""
+
+    def __init__(self, model: nn.Module, owner: Any = None):
+        super().__init__(self._dispatch)
+        self.owner = owner
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
@@ -190,6 +239,15 @@ class Tracker(Recorder):
                 module.register_forward_hook(self._on_forward, with_kwargs=True),
             ]
 
+    @property
+    def block(self) -> Any:
+        """The block the calls go to now, or None."""
+        return self.owner if self.owner is not None else _sink[0]
+
+    def _dispatch(self, rec: hooks.Record) -> dict | None:
+        block = self.block
+        return None if block is None else block.record(rec)
+
     def _on_enter(self, module, args):
         self.enter(module, self.names[module])
 
@@ -197,9 +255,10 @@ class Tracker(Recorder):
         self.leave(module, module is self.model())
 
     def _on_forward(self, module, args, kwargs, output):
-        # inside a block, a layer may run through ComputeOnce as the block's own calls do
-        # (its backward recomputes the forward where the block has ended by then)
-        self.once = _once[0]
+        # where a block takes the calls, a layer may run through ComputeOnce as the block's
+        # own calls do (its backward recomputes the forward where the block has ended by then)
+        block = self.block
+        self.once = block is not None and block.once
         return self.record(module, args, kwargs, output, self.names[module])
 
     def close(self) -> None:
@@ -209,24 +268,16 @@ class Tracker(Recorder):
 
 #: models registered with track(): model -> Tracker
 _TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
-#: where tracked calls' gradients go: set by the active block (None outside blocks)
-_sink: list[Callable[[hooks.Record], dict | None] | None] = [None]
-#: whether the active block computes the gradients of calls through ComputeOnce
-_once = [False]
+#: the block that takes the calls of models tracked without an owner: the active
+#: ``jacmem.extend`` (None outside it)
+_sink: list[Any] = [None]
 
 
-def sink(on_record: Callable[[hooks.Record], dict | None] | None, once: bool = False) -> None:
-    """Where tracked calls' gradients go from now on: the active block's ``on_record``
-    (None: nowhere); ``once``: tracked calls inside the block may run through
-    ComputeOnce (the block's ``on_record`` then returns their parameters' gradients)."""
-    _sink[0] = on_record
-    _once[0] = once and on_record is not None
-
-
-def _dispatch(rec: hooks.Record) -> dict | None:
-    """A tracked call's gradient arrived: to the active block, if there is one."""
-    sink = _sink[0]
-    return None if sink is None else sink(rec)
+def sink(block: Any) -> None:
+    """The block that takes, from now on, the calls of the models tracked without an
+    owner (None: none). A block has ``record(record)``, which returns the summed
+    gradients where it computed them, and ``once``."""
+    _sink[0] = block
 
 
 def tracked_name(module: nn.Module) -> str | None:
@@ -240,24 +291,59 @@ def tracked_name(module: nn.Module) -> str | None:
 
 
 def tracked_models() -> list[nn.Module]:
+    """Every tracked model, whichever block takes its calls."""
     return list(_TRACKED.keys())
 
 
-def track(model: nn.Module) -> nn.Module:
+def owner(model: nn.Module) -> Any:
+    """The block that owns ``model``'s tracking, or None (not tracked, or tracked by
+    :func:`track` without an owner)."""
+    tracker = _TRACKED.get(model)
+    return None if tracker is None else tracker.owner
+
+
+def routed_to(block: Any) -> list[nn.Module]:
+    """The tracked models whose calls go to ``block``: those it owns, and, where it is
+    the :func:`sink`, those without an owner."""
+    return [m for m, t in list(_TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
+
+
+def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> nn.Module:
     """Keep, from now on, what the extensions need from ``model``'s forward passes,
     so that a backward inside :func:`jacmem.extend` can use a forward run before it
-    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`."""
-    if model not in _TRACKED:
-        _TRACKED[model] = Tracker(model, _dispatch)
+    (BackPACK's ``extend(model)``). Returns the model. Undo with :func:`untrack`.
+
+    ``batch_first=False``: the model's modules take the batch on axis 1 of their inputs
+    and outputs, ``[T, N, ...]`` (Opacus's ``GradSampleModule(batch_first=False)``;
+    see :mod:`jacmem.layout`); the block that computes on its calls must say the same.
+    Tracking a tracked model again sets the option for its later forwards.
+
+    ``owner``: a block (:class:`jacmem.block.Block`) that takes the model's calls,
+    wherever they run, in place of the active ``jacmem.extend`` (a private model's)."""
+    tracker = _TRACKED.get(model)
+    if tracker is not None and tracker.owner is not owner:
+        raise ValueError(_taken(model, tracker.owner))
+    if tracker is None:
+        tracker = _TRACKED[model] = Tracker(model, owner)
+    tracker.batch_first = batch_first
     return model
 
 
-def untrack(model: nn.Module) -> nn.Module:
-    """Remove the hooks of :func:`track`, and everything they kept."""
-    tracker = _TRACKED.pop(model, None)
+def untrack(model: nn.Module, *, owner: Any = None) -> nn.Module:
+    """Remove the hooks of :func:`track` (given the same ``owner``), and everything they kept."""
+    tracker = _TRACKED.get(model)
+    if tracker is not None and tracker.owner is not owner:
+        raise ValueError(_taken(model, tracker.owner))
     if tracker is not None:
+        del _TRACKED[model]
         tracker.close()
     return model
+
+
+def _taken(model: nn.Module, by: Any) -> str:
+    where = "by jacmem.track(model)" if by is None else f"by another block ({type(by).__name__})"
+    fix = "jacmem.untrack(model)" if by is None else "that block's end (a private model's: engine.detach())"
+    return f"jacmem: the model ({type(model).__name__}) is tracked {where} already; free it first with {fix}."
 
 
 class UntrackedWatch:

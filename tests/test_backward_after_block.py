@@ -145,7 +145,7 @@ def test_nothing_is_left_behind_but_a_hook_that_goes_with_the_graph():
         out = model(X)
         loss = out.square().sum()
     assert records
-    block_ref, late = weakref.ref(block), weakref.ref(block._late)
+    block_ref, late = weakref.ref(block), weakref.ref(block.block._late)
     del block
     gc.collect()
     assert jacmem.context._ACTIVE is None and block_ref() is None

@@ -1,6 +1,7 @@
 """jacmem.compat: each private torch API the engine uses still does what it says, on
 the torch installed here (a torch upgrade that moves one fails here first)."""
 
+import pytest
 import torch
 from torch import nn
 
@@ -41,3 +42,9 @@ def test_handle_alive():
     assert compat.handle_alive(handle)
     del x
     assert not compat.handle_alive(handle)
+
+
+def test_assert_on_device_raises_with_its_message():
+    compat.assert_on_device(torch.tensor(True), "never seen")
+    with pytest.raises(RuntimeError, match="the message"):
+        compat.assert_on_device(torch.ones(()) > 2, "the message")

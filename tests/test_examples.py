@@ -24,51 +24,62 @@ def _load_demo():
 
 
 def test_plot_save_memory_quick(tmp_path, capsys, monkeypatch):
-    """``--quick`` end to end. To keep it to seconds, the parent runs here, ``auto``'s
-    two workers (time, memory) in processes of their own as in the demo, and the other
-    workers in this process (the memory figures do not matter here, and each process
-    start imports torch)."""
+    """``--quick`` end to end: the check of every method in this process, then the
+    memory of plain and jacmem's ``auto`` each in a process of its own, as in the demo
+    (the other methods' processes are left out to keep it to seconds: each imports
+    torch). Quick mode measures memory only, so the table has no time columns."""
     demo = _load_demo()
-    spawn = demo.run_worker
+    spawn = demo.measure
 
-    def run_worker(strategy, batch, repeats, dump, malloc):
-        if strategy == "auto":
-            return spawn(strategy, batch, repeats, dump, malloc)
-        return demo.worker(strategy, batch, repeats, dump)
+    def measure(method, batch, repeats, quick):
+        if method in ("plain", "jacmem:BatchGrad:auto"):
+            return spawn(method, batch, repeats, quick)
+        return dict(extra_bytes=2**30)
 
-    monkeypatch.setattr(demo, "run_worker", run_worker)
+    monkeypatch.setattr(demo, "measure", measure)
     demo.main(["--quick", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert (tmp_path / "plot_save_memory.png").stat().st_size > 0
-    names = ["plain", *demo.strategies()]
-    assert {"unfold", "save_memory", "auto"} <= set(names)
-    for name in names:  # one table row each: name, then six numbers
-        assert re.search(rf"^{name}\s+(\S+\s+){{5}}\S+$", out, re.M), f"no table row for {name}:\n{out}"
+    assert {"BackPACK unfold", "BackPACK save_memory", "jacmem unfold", "jacmem save_memory"} <= set(demo.METHODS)
+    for label in demo.METHODS:  # one table row each: the label, then the peak alone
+        assert re.search(rf"^{label}\s+\d+$", out, re.M), f"no table row for {label}:\n{out}"
     assert out.count("| True") == 2 * 10, out  # 10 parameters: same grad_batch, and sums to .grad
+    per_sample = re.search(r"(\d+\.\d+) MiB per sample.* all 64 samples \((\d+\.\d+) MiB\), jacmem's for (\d+)", out)
+    assert per_sample, out
+    assert float(per_sample.group(2)) == pytest.approx(64 * float(per_sample.group(1)), abs=0.5)
+    assert 1 <= int(per_sample.group(3)) < 64  # jacmem's unfold holds a chunk of the batch, not all of it
 
 
-def test_plot_save_memory_check_raises_on_disagreement(tmp_path):
-    """The demo's own check must catch strategies that disagree, or a wrong sum."""
+def test_plot_save_memory_time_columns_agree(capsys):
+    """The table's ``× plain`` is its own ``time s`` over plain's, nothing else."""
+    demo = _load_demo()
+    results = {
+        "plain": dict(extra_bytes=100 * 2**20, time_s=0.660),
+        "jacmem save_memory": dict(extra_bytes=300 * 2**20, time_s=0.528),
+    }
+    rows = demo.table(results, 113 * 2**20)
+    assert rows[1]["ratio"] == pytest.approx(0.528 / 0.660)
+    out = capsys.readouterr().out
+    assert re.search(r"^jacmem save_memory\s+300\s+0\.528\s+0\.80$", out, re.M), out
+
+
+def test_plot_save_memory_check_raises_on_disagreement():
+    """The demo's own check must catch methods that disagree, or a wrong sum."""
     demo = _load_demo()
     torch.manual_seed(0)
     grad_batch = {"w": torch.randn(4, 3, 2), "b": torch.randn(4, 3)}
-    dumps = {name: str(tmp_path / f"{name}.pt") for name in ("plain", "a", "b")}
-    torch.save({k: v.sum(0) for k, v in grad_batch.items()}, dumps["plain"])
-    torch.save(grad_batch, dumps["a"])
-    torch.save(grad_batch, dumps["b"])
-    assert demo.check(dumps, 4) == sum(v.numel() * 4 for v in grad_batch.values())
+    plain = {k: v.sum(0) for k, v in grad_batch.items()}
+    demo.check({"plain": plain, "a": grad_batch, "b": grad_batch}, 4)
 
     off = {k: v.clone() for k, v in grad_batch.items()}
     off["w"][1, 0, 0] += 1e-2
     off["w"][2, 0, 0] -= 1e-2  # same sum: only the per-sample comparison can catch it
-    torch.save(off, dumps["b"])
     with pytest.raises(ValueError, match=r"\['w'\]"):
-        demo.check(dumps, 4)
+        demo.check({"plain": plain, "a": grad_batch, "b": off}, 4)
 
-    torch.save(grad_batch, dumps["b"])
-    torch.save({"w": grad_batch["w"].sum(0) * 2, "b": grad_batch["b"].sum(0)}, dumps["plain"])
+    wrong = {"w": plain["w"] * 2, "b": plain["b"]}
     with pytest.raises(ValueError, match=r"\['w'\]"):
-        demo.check(dumps, 4)
+        demo.check({"plain": wrong, "a": grad_batch, "b": grad_batch}, 4)
 
 
 def test_custom_module(capsys):

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.utils.batch_memory_manager import BatchMemoryManager
 from reference import cross_entropy, per_sample_grads
 from test_ddp import free_port
 from torch import nn
@@ -166,6 +167,51 @@ def test_two_backward_passes_then_one_step(engine):
     assert engine.accountant.history == [(0.0, 2 / 1, 1)]  # one batch per epoch: q = 1, twice
     train(model, opt, batches[:1])  # the count starts afresh after a step
     assert engine.accountant.history == [(0.0, 2.0, 1), (0.0, 1.0, 1)]
+
+
+def physical_steps(model, opt, data_loader, zero_grad) -> int:
+    """One epoch through Opacus's ``BatchMemoryManager`` (physical batches of 2), a step
+    after each backward pass; ``zero_grad(opt)`` before each backward. The number of
+    physical batches whose step ran before a ``ValueError``, or all of them."""
+    with BatchMemoryManager(data_loader=data_loader, max_physical_batch_size=2, optimizer=opt) as physical:
+        for done, (X, y) in enumerate(physical):
+            zero_grad(opt)
+            nn.functional.cross_entropy(model(X), y).backward()
+            try:
+                opt.step()
+            except ValueError as e:
+                assert "zero_grad" in str(e), e
+                return done
+    return done + 1
+
+
+def test_batch_memory_manager_without_zero_grad_raises_as_opacus(engine):
+    """Each step BatchMemoryManager skips leaves ``.grad`` accumulated: the next step
+    without ``zero_grad`` would count it twice. Opacus's optimizer raises a ValueError
+    at the second physical batch; jacmem's too, before any parameter moved."""
+    model = net()
+    twin = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, opt, data_loader = private(engine, model, FLAT)
+    assert physical_steps(model, opt, data_loader, zero_grad=lambda opt: None) == 1
+    assert_params(model, before, "unmoved")
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=LR)
+    wrapped, twin_opt, twin_loader = opacus.PrivacyEngine().make_private(
+        module=twin, optimizer=twin_opt, data_loader=loader(*batch()), noise_multiplier=0.0, max_grad_norm=FLAT,
+        poisson_sampling=False,
+    )  # fmt: skip
+    assert physical_steps(wrapped, twin_opt, twin_loader, zero_grad=lambda opt: None) == 1
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_batch_memory_manager_with_zero_grad_equals_the_loop(engine, set_to_none):
+    """With ``zero_grad`` between physical batches (its ``.grad`` zeroed in place or
+    dropped), the logical batch's step is the loop's on the whole batch."""
+    model = net()
+    twin = copy.deepcopy(model)
+    _, opt, data_loader = private(engine, model, FLAT)
+    assert physical_steps(model, opt, data_loader, lambda opt: opt.zero_grad(set_to_none)) == N // 2
+    assert_params(model, loop_step(twin, [batch()], FLAT, "flat"), "loop")
 
 
 def test_noise_has_std_sigma_c_over_b(engine):
@@ -365,7 +411,7 @@ def test_two_ddp_ranks_equal_one_process():
 
 def test_other_models_are_untouched_while_private(engine):
     """The private model's block has no global hooks: another model's backward gives
-    autograd's own gradient; a jacmem block cannot open meanwhile (one per process)."""
+    autograd's own gradient, and a jacmem block on it runs meanwhile (its own block)."""
     other = net()
     X, y = batch()
     expected = torch.autograd.grad(nn.functional.cross_entropy(other(X), y), list(other.parameters()))
@@ -373,9 +419,10 @@ def test_other_models_are_untouched_while_private(engine):
     nn.functional.cross_entropy(other(X), y).backward()
     for p, e in zip(other.parameters(), expected):
         torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
-    with pytest.raises(RuntimeError, match="do not nest"):
-        with jacmem.extend(jacmem.BatchGrad()):
-            pass
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.functional.cross_entropy(other(X), y).backward()
+    for p, g in per_sample_grads(other, X, y, cross_entropy).items():
+        torch.testing.assert_close(p.grad_batch, g, rtol=1e-10, atol=1e-12)
 
 
 def test_a_backward_the_block_cannot_clip_raises(engine):

@@ -77,6 +77,13 @@ def _hf_conv1d(nf: int, nx: int) -> nn.Module:
     return Conv1D(nf, nx)
 
 
+def _rnn_linear(nf: int, nx: int) -> nn.Module:
+    """Opacus's ``RNNLinear`` (the cells' Linear in its DPLSTM, registered by qualified name)."""
+    from opacus.layers.dp_rnn import RNNLinear
+
+    return RNNLinear(nx, nf)
+
+
 def _eval_bn(module: nn.modules.batchnorm._BatchNorm) -> nn.Module:
     """Eval mode, with running statistics that are not the defaults."""
     module.running_mean.copy_(torch.randn(module.num_features))
@@ -94,6 +101,7 @@ CASES: dict[str, Case] = {
     "linear-seq2-nobias": Case(lambda: nn.Linear(4, 3, bias=False), _float(N, 2, 3, 4)),
     "hf-conv1d": Case(lambda: _hf_conv1d(3, 4), _float(N, 4)),
     "hf-conv1d-seq": Case(lambda: _hf_conv1d(3, 4), _float(N, 5, 4)),
+    "opacus-rnn-linear": Case(lambda: _rnn_linear(3, 4), _float(N, 4)),
     "conv1d-groups-stride": Case(lambda: nn.Conv1d(4, 6, 3, stride=2, padding=1, groups=2), _float(N, 4, 9)),
     "conv1d-depthwise": Case(lambda: nn.Conv1d(3, 3, 3, groups=3, padding="same"), _float(N, 3, 7)),
     "conv2d": Case(lambda: nn.Conv2d(2, 3, 3), _float(N, 2, 6, 6)),

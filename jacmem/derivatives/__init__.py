@@ -163,6 +163,12 @@ class LayerDerivatives:
         instead of autograd computing the weight gradient a second time. The input
         gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
         which must then be registered.
+    own_layout: the layer places its batch axis itself, whatever a block's ``batch_first``
+        says: from its own flag (an RNN's or attention's ``batch_first``, read by
+        ``arrange_input`` and ``arrange``), or on axis 0 by its layout (convolutions,
+        GroupNorm: ``[N, C, *]``). Otherwise, under ``batch_first=False``, the block
+        hands ``keep`` the call's inputs and ``arrange`` its output gradients with axis 1
+        moved first (:mod:`jacmem.layout`), so that the derivatives see the batch first.
     kronecker: the layer's Kronecker factor rules (:class:`Kronecker`), or ``None``.
     squared_vjps: ``(x, S, params, batch, budget, **hyperparams) -> {name: tensor} or
         None``, a direct form of ``Σ_v (J_θᵀ S[v])²`` for the GGN and Hessian diagonals
@@ -193,6 +199,7 @@ class LayerDerivatives:
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
+    own_layout: bool = False
     kronecker: Kronecker | None = None
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
@@ -238,6 +245,7 @@ def layer(
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None,
     input_free: tuple[str, ...] = (),
     compute_once: bool = False,
+    own_layout: bool = False,
     kronecker: Kronecker | None = None,
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None,
@@ -262,6 +270,7 @@ def layer(
             setattr(entry, field_name, value)
     entry.input_free |= set(input_free)
     entry.compute_once |= compute_once
+    entry.own_layout |= own_layout
     return entry
 
 
@@ -342,17 +351,18 @@ def forward_of(module: nn.Module) -> Callable:
     return module.forward if stock is None else stock.forward.__get__(module)
 
 
-def lookup(module: nn.Module, x: Any = None, output: Any = None) -> LayerDerivatives | None:
+def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int = 0) -> LayerDerivatives | None:
     """The entry for ``module``'s type (:func:`registered_type`); otherwise, given a call's
     kept input ``x`` and ``output``, the entry of a layer whose function it computes
     (:func:`recognised`); otherwise the generic fallback for the module's own parameters
-    (:func:`generic.fallback`), or ``None`` where that does not apply either. Raises
+    (:func:`generic.fallback`, for a call whose batch is on ``batch_axis`` of its inputs
+    and outputs), or ``None`` where that does not apply either. Raises
     ``ValueError`` where a parameter name registered for the type is not one of the
     module's (see :func:`register`)."""
     cls = registered_type(REGISTRY, type(module))
     if cls is None:
         found = None if output is None else recognised(module, x, output)
-        return found or generic.fallback(module)
+        return found or generic.fallback(module, batch_axis)
     entry = REGISTRY[cls]
     if entry.for_module is not None:
         entry = entry.for_module(module)

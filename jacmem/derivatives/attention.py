@@ -265,6 +265,7 @@ layer(
     arrange_input=_arrange_input,
     outputs=_outputs,
     arrange=_arrange,
+    own_layout=True,
 )
 for _name in PARAMS:
     for _strategy, _all, _cost in ((OUTER, _outer_all, _outer_cost), (VMAP, _vmap_all, _vmap_cost)):

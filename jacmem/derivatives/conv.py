@@ -362,6 +362,7 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         hyperparams=conv_hyperparams,
         input_free=("bias",),
         compute_once=True,
+        own_layout=True,
         kronecker=Kronecker(kronecker_input),
         squared_vjps=squared_vjps,
     )

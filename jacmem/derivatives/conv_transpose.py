@@ -123,7 +123,13 @@ _STRATEGIES = [
 ]
 
 for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
-    layer(_module, hyperparams=conv_transpose_hyperparams, input_free=("bias",), kronecker=Kronecker(kronecker_input))
+    layer(
+        _module,
+        hyperparams=conv_transpose_hyperparams,
+        input_free=("bias",),
+        own_layout=True,
+        kronecker=Kronecker(kronecker_input),
+    )
     for _param, _quantity, _name, _fn, _cost in _STRATEGIES:
         register(_module, _param, _quantity, _name, cost=transposed_cost(_cost))(transposed(_fn))
     # the bias gradient sums g over S_out, as for a conv

@@ -44,10 +44,15 @@ Strategies: per-sample gradients are ``[N, V, D]``, large. Only ``batch_grad`` f
 * ``batch_grad`` ``scatter``: ``index_add`` into ``[N·V, D]``.
 * ``batch_l2`` ``ghost``: ``Σ_{t,s} [i_t = i_s] G_t·G_s`` per sample, ``[N, T, T]``.
 * ``batch_l2`` and ``sum_grad_squared`` ``segment``: sum ``G`` over the positions of each
-  (sample, row) pair that occurs (``torch.unique``), ``S [U, D]`` with ``U ≤ N·T``; then
+  (sample, row) pair that occurs (found by sorting the pairs), ``S [N·T, D]``, of which
+  the ``U ≤ N·T`` pairs fill the first rows and zeros the rest; then
   ``‖grad[n]‖² = Σ_{pairs of n} ‖S‖²`` and ``Σ_n grad[n]² = Σ_{pairs of row v} S²``,
   scattered into ``[V, D]``. Never ``[N, V, D]``.
 * ``grad`` ``scatter``: ``index_add`` into ``[V, D]``.
+
+The derivatives read nothing on the host (no size depends on the data; only ``keep``
+of a 1d ``EmbeddingBag`` input does, in the forward): the row counts are an
+``index_add``, not ``bincount``, and the pairs are sorted, not made ``unique``.
 """
 
 from __future__ import annotations
@@ -77,9 +82,16 @@ class Batch:
     def counts(self, num_embeddings: int) -> Tensor:
         """How often each row occurs in the batch: ``[V]``, computed once."""
         if self._counts is None:
-            flat = self.idx.flatten() if self.mask is None else self.idx[self.mask]
-            self._counts = torch.bincount(flat, minlength=num_embeddings)
+            self._counts = row_counts(self.idx, self.mask, num_embeddings)
         return self._counts
+
+
+def row_counts(idx: Tensor, valid: Tensor | None, num_embeddings: int) -> Tensor:
+    """How often each row occurs among the entries of ``idx [N, *]`` that ``valid`` (bool,
+    the same shape; ``None``: all) marks: ``[V]``."""
+    flat = idx.flatten()
+    ones = torch.ones_like(flat) if valid is None else valid.flatten().to(flat.dtype)
+    return flat.new_zeros(num_embeddings).index_add_(0, flat, ones)
 
 
 def _argument(args: tuple, kwargs: dict, position: int, name: str):
@@ -226,11 +238,13 @@ def weight_batch_l2_ghost(x, g: Tensor, **hp) -> Tensor:
 
 def segments(x, g: Tensor, **hp) -> tuple[Tensor, Tensor]:
     """Sums of ``G`` over the positions of each (sample, row) pair that occurs:
-    -> ``keys [U]`` (``n·V + v``), ``sums [U, D]``, ``U ≤ N·T``."""
+    -> ``keys [N·T]`` (``n·V + v``), ``sums [N·T, D]``; the ``U`` pairs that occur fill the
+    first ``U`` rows, and the rest hold key 0 and zero sums."""
     idx, rows = positions(x, g, **hp)
-    keys, inverse = torch.unique(_keys(idx, hp["num_embeddings"]), return_inverse=True)
-    sums = rows.new_zeros(keys.shape[0], rows.shape[-1]).index_add_(0, inverse, rows.flatten(0, 1))
-    return keys, sums
+    keys, order = _keys(idx, hp["num_embeddings"]).sort()
+    segment = torch.diff(keys, prepend=keys[:1]).ne(0).cumsum(0)  # [N·T]: the rank of each sorted position's pair
+    sums = rows.new_zeros(keys.shape[0], rows.shape[-1]).index_add_(0, segment, rows.flatten(0, 1)[order])
+    return keys.new_zeros(keys.shape).scatter_(0, segment, keys), sums
 
 
 def _segment_cost(xs, gs, *, mode, num_embeddings, **_):
@@ -257,10 +271,8 @@ def kronecker_input(x: tuple, out_shape, dtype, approx=None, *, num_embeddings, 
     the count of index ``v`` among the ``N·T`` positions ``/ (N·T)``, 0 for
     ``padding_idx``: ``[V]`` (the layout of ``weight.T``)"""
     n = out_shape[0]
-    idx = x[0][:n].reshape(-1)
-    if padding_idx is not None:
-        idx = idx[idx != padding_idx]
-    counts = torch.bincount(idx, minlength=num_embeddings)
+    idx = x[0][:n]
+    counts = row_counts(idx, None if padding_idx is None else idx != padding_idx, num_embeddings)
     return counts.to(dtype) / (n * prod(out_shape[1:-1]))
 
 
@@ -284,7 +296,7 @@ layer(
     keep=keep_embedding,
     kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse),
 )
-layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag)
+layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True)  # one bag per row of axis 0
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)
     register(_module, "weight", "grad", "scatter", cost=_grad_cost)(weight_grad)

@@ -27,10 +27,10 @@ no registered derivative:
 Inputs: every tensor argument (positional or keyword, in nested tuples/lists/dicts)
 whose leading size equals that of the first tensor argument is taken as batched on
 axis 0; every other argument is passed unchanged to each sample. The output may be a
-tensor or a (nested) tuple of them, each batched on axis 0. The batch must come first:
-a module that takes ``[T, N, ...]`` would have its per-"sample" gradients taken over
-``T`` (as for jacmem's Linear); register a derivative with ``arrange_input`` and
-``arrange`` for such a module.
+tensor or a (nested) tuple of them, each batched on axis 0. Under a block's
+``batch_first=False`` the block moves axis 1 of the inputs and output gradients first
+(:mod:`jacmem.layout`), and the fallback for ``batch_axis=1`` runs each sample through
+the module on axis 1, as ``[T, 1, ...]``.
 
 All parameters of one call share one recomputation per chunk: :class:`SharedPass`
 keeps the per-sample gradients of every trainable parameter until each parameter has
@@ -246,14 +246,14 @@ def _float_leaves(output: Any) -> list:
     return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
 
 
-def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedPass) -> Tensor:
+def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedPass, axis: int) -> Tensor:
     """Per-sample gradients of one of ``module``'s own parameters, by recomputation:
     x = (batched args [N, ...], call structure), g: output gradient(s) [N, ...]
-    -> [N, *param.shape]"""
-    return shared.take(param, x, g, partial(_fallback_all, module=module))
+    -> [N, *param.shape]; the module takes each sample's batch of one on ``axis``."""
+    return shared.take(param, x, g, partial(_fallback_all, module=module, axis=axis))
 
 
-def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module) -> dict[str, Tensor]:
+def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module, axis: int) -> dict[str, Tensor]:
     batched, call = x
     gs = (g,) if isinstance(g, Tensor) else tuple(g)
     if batched and batched[0].shape[0] != gs[0].shape[0]:
@@ -265,7 +265,7 @@ def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module) -> dict[st
 
     def run(params, samples):
         it = iter(samples)
-        leaves = [next(it).unsqueeze(0) if t is _BATCHED else t for t in call["leaves"]]
+        leaves = [next(it).unsqueeze(axis) if t is _BATCHED else t for t in call["leaves"]]
         args, kwargs = tree_unflatten(leaves, call["spec"])
         outs = _float_leaves(functional_call(module, params, args, kwargs))
         if len(outs) != len(gs):
@@ -274,7 +274,7 @@ def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module) -> dict[st
                 "parameters; the generic fallback needs each to depend on them. Register a derivative "
                 "with jacmem.register(...)"
             )
-        return tuple(o.squeeze(0) for o in outs)
+        return tuple(o.squeeze(axis) for o in outs)
 
     what = f"module type {type(module).__name__!r}"
     return per_sample_vjp(run, _module_params(module, names), batched, gs, what)
@@ -300,17 +300,20 @@ def recompute_cost(xs, gs, **_) -> Cost:
 _FALLBACKS: dict[tuple[type, tuple[str, ...]], LayerDerivatives] = {}
 
 
-def fallback(module: nn.Module) -> LayerDerivatives | None:
-    """The generic entry for ``module``'s own parameters, or ``None`` where it has none,
-    or where a recomputation one sample at a time could differ from its forward."""
+def fallback(module: nn.Module, batch_axis: int = 0) -> LayerDerivatives | None:
+    """The generic entry for ``module``'s own parameters, for calls whose batch is on
+    ``batch_axis`` (0 or 1) of their inputs and outputs; ``None`` where it has none, or
+    where a recomputation one sample at a time could differ from its forward."""
     names = tuple(n for n, _ in module.named_parameters(recurse=False))
     if not names or _mixes_samples(module):
         return None
-    key = (type(module), names)
+    key = (type(module), names, batch_axis)
     if key not in _FALLBACKS:
         strategies = {
             (name, "batch_grad"): {
-                VMAP: Strategy(partial(_fallback_batch_grad, param=name), shared_cost(recompute_cost, name))
+                VMAP: Strategy(
+                    partial(_fallback_batch_grad, param=name, axis=batch_axis), shared_cost(recompute_cost, name)
+                )
             }
             for name in names
         }

@@ -2,7 +2,10 @@
 
 Shapes: ``x [N, *, I]``, ``g [N, *, O]``, ``weight [O, I]``, ``bias [O]``. ``Conv1D``
 computes ``x @ weight + bias`` with ``weight [I, O]``: the transposed layout, the same
-math; it is registered by its qualified name, so transformers is never imported. The middle
+math; it is registered by its qualified name, so transformers is never imported. So is
+Opacus's ``RNNLinear``, the Linear of its DPRNN, DPGRU and DPLSTM cells, which run it one
+time step at a time on ``[N, I]``: its batch is axis 0 whatever a block's ``batch_first``
+says (``own_layout``, as Opacus's GradSampleModule reads it). The middle
 axes ``*`` (a sequence, say) are flattened to one axis ``T``; each sample's gradient sums
 over them.
 
@@ -13,16 +16,19 @@ product itself on small layers).
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod
 
 import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives import REGISTRY, Cost, Kronecker, layer, register
 
 #: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
 CONV1D = "transformers.pytorch_utils.Conv1D"
+#: Opacus's ``RNNLinear``, by qualified name
+RNN_LINEAR = "opacus.layers.dp_rnn.RNNLinear"
 
 
 def _flat(t: Tensor) -> Tensor:
@@ -169,3 +175,5 @@ passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda 
 passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
 # Conv1D's factors are the Linear's: G ⊗ A approximates the block of weight.T [O, I]
 layer(CONV1D, input_free=("bias",), compute_once=True, kronecker=Kronecker(kronecker_input, channels_last=True))
+# RNNLinear is nn.Linear, one time step at a time: its entry, but for the batch axis
+REGISTRY[RNN_LINEAR] = replace(REGISTRY[nn.Linear], own_layout=True)

@@ -171,7 +171,8 @@ _HYPERPARAMS = {
 _RMS_NORM = getattr(nn, "RMSNorm", None)
 
 for _module, _hyperparams in _HYPERPARAMS.items():
-    layer(_module, hyperparams=_hyperparams, input_free=("bias",))
+    # all but LayerNorm normalise over axis 1 ([N, C, *]): their batch is axis 0, whatever the block's batch_first
+    layer(_module, hyperparams=_hyperparams, input_free=("bias",), own_layout=_module is not nn.LayerNorm)
     register(_module, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)
     register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)
 for _module in (nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d):

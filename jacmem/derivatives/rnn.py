@@ -442,6 +442,7 @@ for _module in (nn.RNN, nn.GRU, nn.LSTM):
         outputs=_outputs,
         arrange=_arrange,
         for_module=_for_module,
+        own_layout=True,
     )
     # the names of a one-layer bidirectional instance (with a projection for the LSTM)
     example = _module(1, 2, bidirectional=True, **(dict(proj_size=1) if _module is nn.LSTM else {}))

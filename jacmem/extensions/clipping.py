@@ -22,11 +22,19 @@ least):
   "Automatic clipping"): every sample's gradient is normalised to norm about ``C``
   (``C = 1`` is the paper's choice; any ``C`` only rescales the step).
 
+``max_norm`` may also be a callable that returns it (a float, or for ``"per_layer"`` a
+dict): it is then read at the end of every backward pass, so that a threshold that
+moves between optimizer steps (a schedule, adaptive clipping) clips each pass at its
+current value. Reading a Python float costs no host synchronisation; a tensor would, so
+it is refused.
+
 After each backward pass, ``ext.norms`` holds the pass's per-sample total norms ``‖g_i‖``
 ``[N]`` (float32 at least; over every parameter, whatever the clipping style), and
 ``ext.samples`` counts the samples clipped since the last :meth:`ClipGrad.reset`
-(under DDP, those of every rank). Several backward passes add up in ``.grad`` (virtual
-batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
+(under DDP, those of every rank); with flat clipping, ``ext.unclipped`` counts those of
+them that the clip left as they were (``c_i = 1``: the count that adaptive clipping
+needs; a tensor on the device, this rank's alone). Several backward passes add up in
+``.grad`` (virtual batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
 works: ``loss.backward()`` on its loss (NaN under ``"mean"``, the mean of nothing) adds
 zeros to ``.grad`` and no samples to ``ext.samples``.
 
@@ -38,13 +46,15 @@ with batch statistics, a parameter the loss reaches outside every recorded modul
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.errors import unsupported_module_error
 
 CLIPPINGS = ("flat", "per_layer", "automatic")
 REDUCTIONS = ("mean", "sum")
@@ -57,7 +67,8 @@ class ClipGrad:
 
     Args:
         max_norm: ``C``, a float; for ``clipping="per_layer"``, a dict ``{param: C_p}`` or
-            a list of floats in the order of the model's trainable parameters.
+            a list of floats in the order of the model's trainable parameters; or a
+            callable that returns a float or such a dict, read in every backward pass.
         clipping: ``"flat"``, ``"per_layer"`` or ``"automatic"``.
         loss_reduction: how the batch loss reduces its per-sample terms, ``"mean"`` or ``"sum"``.
         stability: ``γ`` of automatic clipping.
@@ -68,7 +79,10 @@ class ClipGrad:
 
     def __init__(
         self,
-        max_norm: float | Sequence[float] | Mapping[nn.Parameter, float],
+        max_norm: float
+        | Sequence[float]
+        | Mapping[nn.Parameter, float]
+        | Callable[[], float | Mapping[nn.Parameter, float]],
         clipping: str = "flat",
         loss_reduction: str = "mean",
         stability: float = 0.01,
@@ -78,11 +92,8 @@ class ClipGrad:
         if loss_reduction not in REDUCTIONS:
             raise ValueError(f"loss_reduction must be one of {REDUCTIONS}, not {loss_reduction!r}")
         per_layer = clipping == "per_layer"
-        if per_layer != (not isinstance(max_norm, (int, float))):
-            raise TypeError(
-                "max_norm is one float for flat and automatic clipping, and a list or dict of floats (one per "
-                f"parameter) for per_layer clipping; got {type(max_norm).__name__} with clipping={clipping!r}"
-            )
+        if not callable(max_norm) and per_layer == isinstance(max_norm, numbers.Real):
+            raise _threshold_type(max_norm, clipping)
         if stability <= 0:
             raise ValueError(f"stability must be positive, not {stability}")
         self.max_norm, self.clipping, self.loss_reduction, self.stability = (
@@ -91,18 +102,19 @@ class ClipGrad:
             loss_reduction,
             stability,
         )
-        #: id(parameter) -> its threshold (per-layer clipping), once resolved
-        self._thresholds: dict[int, float] | None = (
-            {id(p): float(c) for p, c in max_norm.items()} if isinstance(max_norm, Mapping) else None
-        )
+        #: id(parameter) -> its threshold, for per-layer thresholds given as a list, once
+        #: paired with the model's parameters (:meth:`bind`)
+        self._bound: dict[int, float] | None = None
         #: the latest backward pass's per-sample total norms ``[N]``
         self.norms: Tensor | None = None
         #: samples clipped since the last :meth:`reset`
         self.samples = 0
+        #: flat clipping: of those, the samples with ``c_i = 1`` (a tensor on the device)
+        self.unclipped: Tensor | int = 0
 
     def reset(self) -> None:
         """Start counting samples afresh (after an optimizer step)."""
-        self.samples = 0
+        self.samples = self.unclipped = 0
 
     def __repr__(self) -> str:
         return f"ClipGrad(clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r})"
@@ -110,7 +122,7 @@ class ClipGrad:
     def bind(self, params: Iterable[nn.Parameter]) -> None:
         """Per-layer thresholds given as a list: pair them with the model's trainable
         parameters ``params``, in order (the engine does this on the first pass)."""
-        if self._thresholds is not None:
+        if self._bound is not None or callable(self.max_norm) or isinstance(self.max_norm, Mapping):
             return
         params = list(dict.fromkeys(p for p in params if p.requires_grad))
         if len(params) != len(self.max_norm):
@@ -119,7 +131,31 @@ class ClipGrad:
                 f"{len(params)} trainable parameters: give one per trainable parameter, in model.parameters() "
                 "order, or a dict {param: max_norm}."
             )
-        self._thresholds = {id(p): float(c) for p, c in zip(params, self.max_norm)}
+        self._bound = {id(p): float(c) for p, c in zip(params, self.max_norm)}
+
+    def threshold(self) -> float | dict[int, float]:
+        """This pass's ``C``: a float, or ``id(param) -> C_p`` for per-layer clipping
+        (read from ``max_norm``, called if it is a callable)."""
+        value = self.max_norm() if callable(self.max_norm) else self.max_norm
+        if self.clipping != "per_layer":
+            if not isinstance(value, numbers.Real):
+                raise _threshold_type(value, self.clipping)
+            return float(value)
+        if isinstance(value, Mapping):
+            return {id(p): float(c) for p, c in value.items()}
+        if self._bound is None:  # a callable's list: no model order to pair it with
+            raise _threshold_type(value, self.clipping)
+        return self._bound
+
+    def count_unclipped(self, factors: dict[int, Tensor]) -> Tensor | int:
+        """:attr:`unclipped` after a pass whose clip factors are ``factors`` (flat
+        clipping: ``id(param) -> c [N]``, the same ``c`` for every parameter): the
+        samples with ``c_i = 1`` added, counted as Opacus's adaptive clipping counts
+        them, ``N - #{i: c_i < 1}``."""
+        if self.clipping != "flat" or not factors:
+            return self.unclipped
+        c = next(iter(factors.values()))
+        return self.unclipped + (len(c) - (c < 1).sum())
 
     def factors(self, squared: dict[int, Tensor], names: dict[int, str]) -> tuple[dict[int, Tensor], Tensor]:
         """The clip factors and the total norms, from each parameter's squared per-sample
@@ -127,18 +163,26 @@ class ClipGrad:
         the module docstring); ``names`` for errors. Returns ``id(param) -> c [N]`` and
         ``‖g_i‖ [N]``."""
         total = torch.stack(list(squared.values())).sum(0).sqrt()
+        max_norm = self.threshold()
         if self.clipping == "flat":
-            c = (self.max_norm / (total + EPSILON)).clamp(max=1.0)
+            c = (max_norm / (total + EPSILON)).clamp(max=1.0)
             return dict.fromkeys(squared, c), total
         if self.clipping == "automatic":
-            c = self.max_norm / (total + self.stability)
+            c = max_norm / (total + self.stability)
             return dict.fromkeys(squared, c), total
-        missing = [names[key] for key in squared if key not in self._thresholds]
+        missing = [names[key] for key in squared if key not in max_norm]
         if missing:
             raise ValueError(f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing}")
-        return {
-            key: (self._thresholds[key] / (sq.sqrt() + EPSILON)).clamp(max=1.0) for key, sq in squared.items()
-        }, total
+        return {key: (max_norm[key] / (sq.sqrt() + EPSILON)).clamp(max=1.0) for key, sq in squared.items()}, total
+
+
+def _threshold_type(value, clipping: str) -> TypeError:
+    return TypeError(
+        "jacmem: ClipGrad's max_norm is one float for flat and automatic clipping, and a list or dict of floats "
+        "(one per parameter) for per_layer clipping; a callable returns a float or a dict. A tensor would cost a "
+        f"host synchronisation in every backward pass: pass float(t). Got {type(value).__name__} with "
+        f"clipping={clipping!r}."
+    )
 
 
 def check(model: nn.Module) -> None:
@@ -150,11 +194,12 @@ def check(model: nn.Module) -> None:
     Checked here: a BatchNorm that uses batch statistics (training mode, or no running
     statistics), anywhere in the model (its output mixes the samples, so every layer
     before it would get wrong per-sample gradients); a registered layer with a trainable
-    parameter its derivatives do not cover."""
+    parameter its derivatives do not cover. Both raise
+    :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
         label = f"{name or type(module).__name__!r} ({type(module).__name__})"
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
-            raise ValueError(
+            raise unsupported_module_error()(
                 f"jacmem: module {label} normalises with batch statistics, which mix the samples: per-sample "
                 "gradients, and so clipping, are not defined. Replace it with GroupNorm (e.g. "
                 f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
@@ -164,7 +209,7 @@ def check(model: nn.Module) -> None:
         entry = lookup(module) if own else None
         uncovered = [n for n in own if entry is not None and n not in entry.params]
         if uncovered:
-            raise ValueError(
+            raise unsupported_module_error()(
                 f"jacmem: module {label} has trainable parameter(s) {uncovered} that its registered derivatives "
                 "do not cover: their per-sample gradients are unknown. Register them with jacmem.register(...), "
                 "or freeze them (requires_grad=False)."

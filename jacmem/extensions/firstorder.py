@@ -46,16 +46,22 @@ def checked_subsampling(subsampling: Iterable[int] | None, ext: str) -> list[int
     return index
 
 
-def subsample(t: Tensor, subsampling: list[int], dim: int = 0) -> Tensor:
+def subsample(t: Tensor, subsampling: list[int], dim: int = 0, indices: dict | None = None) -> Tensor:
     """The samples of ``t`` (batch axis ``dim``) at ``subsampling``; an index outside the
-    batch raises ``IndexError`` saying the valid range."""
+    batch raises ``IndexError`` saying the valid range. ``indices``: the index tensors
+    made so far, by (device, batch size), to reuse (a new one is a copy from the host,
+    which waits for an accelerator's queue)."""
     n = t.shape[dim]
     bad = [i for i in subsampling if not -n <= i < n]
     if bad:
         raise IndexError(
             f"subsampling index {bad[0]} is out of range for the batch of {n} samples; pass indices in [0, {n})"
         )
-    return t.index_select(dim, torch.tensor([i % n for i in subsampling], device=t.device))
+    indices = {} if indices is None else indices
+    index = indices.get((t.device, n))
+    if index is None:
+        index = indices[(t.device, n)] = torch.tensor([i % n for i in subsampling], device=t.device)
+    return t.index_select(dim, index)
 
 
 class BatchGrad(FirstOrderExtension):
@@ -67,9 +73,13 @@ class BatchGrad(FirstOrderExtension):
 
     def __init__(self, subsampling: Iterable[int] | None = None):
         self.subsampling = checked_subsampling(subsampling, "BatchGrad")
+        #: (device, batch size) -> the subsampling's index tensor, made on the first pass
+        self._indices: dict[tuple[torch.device, int], Tensor] = {}
 
     def finalize(self, q, batch_size):
-        return q["batch_grad"] if self.subsampling is None else subsample(q["batch_grad"], self.subsampling)
+        if self.subsampling is None:
+            return q["batch_grad"]
+        return subsample(q["batch_grad"], self.subsampling, indices=self._indices)
 
     def __repr__(self) -> str:
         return "BatchGrad()" if self.subsampling is None else f"BatchGrad(subsampling={self.subsampling})"

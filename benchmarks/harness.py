@@ -1,0 +1,133 @@
+"""What every benchmark shares: one case in a process of its own, the glibc settings
+for timing and for memory, the resident set size, and writing a block of BENCHMARKS.md.
+
+The driver (:mod:`benchmarks.run`) and each benchmark import this module; it imports no
+other module of ``benchmarks``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+#: glibc settings for the timed process: freed memory stays in the heap for the next
+#: step, as jemalloc or tcmalloc would keep it. With glibc's defaults every buffer over
+#: 32 MiB is a fresh mapping whose pages fault in at every step, which on a VM can cost
+#: as much as the step's arithmetic and moves single ratios by half from run to run.
+TIME_MALLOC = {"MALLOC_MMAP_THRESHOLD_": str(2**32), "MALLOC_TRIM_THRESHOLD_": str(2**36)}
+#: glibc settings for the memory process: every buffer over 64 KiB is its own mapping,
+#: returned at once when freed, so that the peak resident set is the peak of live memory
+#: (with TIME_MALLOC it would include what the heap kept)
+MEMORY_MALLOC = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def run_case(case: dict, timeout: float, child=("-m", "benchmarks.child"), env: dict | None = None) -> dict:
+    """Run one case in a process of its own (``python <child> <case as JSON>``, with
+    ``env`` added), and return the dict it prints after ``RESULT ``, or the case with
+    an ``error``."""
+    if "skip" in case:
+        return dict(case, error=case["skip"])
+    threads = str(case["threads"])
+    env = dict(os.environ, OMP_NUM_THREADS=threads, MKL_NUM_THREADS=threads, **(env or {}))
+    cmd = [sys.executable, *child, json.dumps(case)]
+    try:
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return dict(case, error=f"timed out after {timeout:.0f} s")
+    for line in proc.stdout.splitlines():
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT ") :])
+    tail = (proc.stderr.strip().splitlines() or ["no output"])[-1]
+    return dict(case, error=f"exit {proc.returncode}: {tail}"[:200])
+
+
+def answer(case_json: str, fn) -> None:
+    """The child's side of :func:`run_case`: print ``fn(case)`` after ``RESULT ``, or,
+    where it raises (an engine that refuses the model), the case with an ``error``
+    (the table's "fails: <reason>")."""
+    case = json.loads(case_json)
+    try:
+        result = fn(case)
+    except Exception as err:
+        result = dict(case, error=f"{type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}"[:200])
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+def measure(case: dict, timeout: float) -> dict:
+    """Time and peak memory of one :mod:`benchmarks.child` case. On CPU, from two
+    processes (see TIME_MALLOC and MEMORY_MALLOC): the time process's result with the
+    memory process's peak; the memory process runs one warm-up step and two steps,
+    unpaired. On CUDA one process gives both (``max_memory_allocated`` counts live
+    tensors whatever the host allocator)."""
+    if case["device"] != "cpu" or case["quick"] or "skip" in case:
+        return run_case(case, timeout)
+    timed = run_case(case, timeout, env=TIME_MALLOC)
+    if "error" in timed:
+        return timed
+    memory = run_case(dict(case, warmup=1, repeats=2, seconds=0.0, paired=False), timeout, env=MEMORY_MALLOC)
+    if "error" in memory:
+        return dict(case, error=f"memory run: {memory['error']}"[:200])
+    return dict(timed, **{k: memory[k] for k in ("rss_setup", "rss_peak", "extra_bytes")})
+
+
+def rss_bytes() -> int:
+    """This process's resident set size now."""
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def reset_peak() -> bool:
+    """Reset the peak-RSS high-water mark (Linux >= 4.0); False where we cannot."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """The peak resident set size since :func:`reset_peak` (``VmHWM``). Not
+    ``getrusage``'s ``ru_maxrss``: Linux carries that over ``exec`` from the parent, so a
+    child's figure would be at least its parent's peak."""
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
+
+
+def load() -> list[str] | str:
+    """The load average over 1, 5 and 15 minutes."""
+    try:
+        return open("/proc/loadavg").read().split()[0:3]
+    except OSError:
+        return "unknown"
+
+
+def machine() -> dict:
+    """CPU model, cores, torch and Python versions, and the GPU where there is one."""
+    import platform
+
+    import torch
+
+    cpu = next(
+        (l.split(":", 1)[1].strip() for l in open("/proc/cpuinfo") if l.startswith("model name")),
+        platform.processor() or "unknown",
+    )
+    info = dict(cpu=cpu, cores=os.cpu_count(), torch=torch.__version__, python=platform.python_version())
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
+
+
+def write_block(path: Path, block: str, start: str, end: str) -> None:
+    """Replace the block between ``start`` and ``end`` in ``path`` (read right before
+    writing), or append it."""
+    text = path.read_text() if path.exists() else ""
+    pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
+    text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
+    path.write_text(text.lstrip("\n"))

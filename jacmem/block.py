@@ -1,0 +1,299 @@
+"""The parts of a block that :func:`jacmem.extend` and :mod:`jacmem.privacy` share.
+
+A :class:`Block` owns the engines of one set of extensions (:class:`jacmem.passes.Engine`:
+first order, second order, clipping), their backward passes and their warnings, from
+:meth:`Block.open` to :meth:`Block.close`. It sets no hook itself; what shows it the
+forward calls is its user's choice:
+
+- ``with jacmem.extend(...)`` calls :meth:`Block.enter`, :meth:`Block.leave` and
+  :meth:`Block.forward` from global module hooks, so that every module called inside
+  the block is recorded, and takes the calls of models given to :func:`jacmem.track`;
+- a private model (:mod:`jacmem.privacy`) has no global hook: its block
+  :meth:`Block.track`\\ s the model, whose calls then reach this block, and this block
+  only, wherever they run.
+
+Several blocks may be open at once, one per private model and one ``jacmem.extend``;
+each sees only the calls routed to it (:mod:`jacmem.recorder`).
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+import warnings
+import weakref
+from typing import Any
+
+from torch import Tensor, nn
+
+from jacmem import distributed, hooks, recorder
+from jacmem.clipping_engine import Clipping
+from jacmem.extensions.clipping import ClipGrad
+from jacmem.extensions.firstorder import FirstOrderExtension
+from jacmem.extensions.secondorder import SecondOrderExtension
+from jacmem.extensions.secondorder.backprop import Engine as SecondOrder
+from jacmem.firstorder_engine import FirstOrder
+from jacmem.notices import Notices
+from jacmem.passes import Engine, Passes, Setup
+from jacmem.strategies import AUTO, StrategyPlan, StrategySpec
+
+DEFAULT_CHUNK_BYTES = 64 * 2**20
+
+#: each kind of extension, and the engine that runs it
+ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrder), (ClipGrad, Clipping))
+
+Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
+
+
+class Block:
+    """The engines of ``extensions``, open in one thread from :meth:`open` to :meth:`close`.
+
+    Args: those of :class:`jacmem.extend` (which documents them).
+
+    ``ended`` counts the backward passes that ended and wrote their results.
+    """
+
+    def __init__(
+        self,
+        *extensions: Extension,
+        strategy: StrategySpec = AUTO,
+        strict: bool = False,
+        chunk_bytes: float = DEFAULT_CHUNK_BYTES,
+        process_group: Any = None,
+        autotune: bool = False,
+        batch_first: bool = True,
+    ):
+        extensions = _checked(extensions)
+        #: the extensions of each engine, in :data:`ENGINES` order (those it has)
+        self.kinds = [(cls, [e for e in extensions if isinstance(e, kind)]) for kind, cls in ENGINES]
+        self.kinds = [(cls, exts) for cls, exts in self.kinds if exts]
+        alone = [exts for cls, exts in self.kinds if getattr(cls, "exclusive", False)]
+        if alone and len(self.kinds) > 1:
+            raise ValueError(
+                f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
+                "block; put the other extensions in a block of their own."
+            )
+        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
+        if not batch_first and second_order:
+            raise ValueError(
+                f"jacmem: batch_first=False applies to first-order extensions and ClipGrad, not to "
+                f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
+                "Feed the model [N, T, ...] (e.g. nn.LSTM(..., batch_first=True)) and leave batch_first=True."
+            )
+        #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+        self.batch_first = batch_first
+        self.plan = StrategyPlan(strategy, autotune=autotune)
+        self.chunk_bytes = chunk_bytes
+        self.process_group = process_group
+        self.engines: list[Engine] = []
+        #: the thread that opened the block (None while closed)
+        self.owner: int | None = None
+        self.ended = 0
+        self.notices = Notices(strict)
+        self.passes = Passes(self._ended)
+        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        self._depth = 0
+        #: the models called at depth 0 in the block, as weak references, in order
+        self._roots: list[weakref.ref] = []
+        self._late = hooks.LateBackward()
+
+    # -- lifetime ------------------------------------------------------------------
+
+    def open(self) -> Block:
+        """Start the engines, in the calling thread."""
+        self.owner = threading.get_ident()
+        self._late = hooks.LateBackward()
+        setup = Setup(
+            self.plan,
+            self.chunk_bytes,
+            self.passes,
+            self.notices,
+            self.name,
+            self.groups,
+            self.owner,
+            self.models,
+            self.batch_first,
+        )
+        try:
+            self.engines = [cls(exts, setup) for cls, exts in self.kinds]
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def close(self) -> None:
+        """Untrack the models this block tracked, drop every engine's hooks and
+        everything kept; a pass still running writes nothing. Then the pending warnings."""
+        try:
+            for model in recorder.tracked_models():
+                if recorder.owner(model) is self:
+                    recorder.untrack(model, owner=self)
+            for engine in self.engines:
+                engine.close()
+            self.passes.close()
+        finally:
+            self._late.close()
+            self.engines = []
+            self._roots = []
+            self._names = weakref.WeakKeyDictionary()
+            self._depth = 0
+            self.owner = None
+        self.notices.flush()
+
+    def _ended(self) -> None:
+        self.ended += 1
+        self.notices.flush()
+
+    @property
+    def once(self) -> bool:
+        """Whether a recorded layer may run through :class:`jacmem.hooks.ComputeOnce`."""
+        return any(getattr(getattr(e, "recorder", None), "once", False) for e in self.engines)
+
+    @property
+    def handles(self) -> list:
+        """The hooks the engines hold on tensors and autograd nodes now."""
+        return [h for engine in self.engines for h in engine.handles]
+
+    def explain(self) -> str:
+        """What each layer's quantities were computed with, and why."""
+        return self.plan.explain()
+
+    # -- models ----------------------------------------------------------------------
+
+    def track(self, model: nn.Module) -> None:
+        """Record ``model``'s calls for this block alone, wherever they run, until
+        :meth:`untrack` or :meth:`close`; the engines see the model at once."""
+        recorder.track(model, self.batch_first, owner=self)
+        for engine in self.engines:
+            engine.on_track(model)
+
+    def untrack(self, model: nn.Module) -> None:
+        recorder.untrack(model, owner=self)
+
+    def models(self) -> list[nn.Module]:
+        """The tracked models whose calls reach this block."""
+        return recorder.routed_to(self)
+
+    def name(self, module: nn.Module) -> str:
+        return self._names.get(module) or recorder.tracked_name(module) or type(module).__name__
+
+    def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
+        """(process group, its parameters in model order) for the models called in the
+        block and the tracked ones: the ``process_group`` argument, or that of a
+        ``DistributedDataParallel`` model."""
+        models = [m for m in (ref() for ref in self._roots) if m is not None] + self.models()
+        groups: list[tuple[Any, list[nn.Parameter]]] = []
+        seen = set()
+        for model in models:
+            group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
+            if group is None:
+                continue
+            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+            seen.update(map(id, params))
+            groups.append((group, params))
+        return groups
+
+    # -- forward (from module hooks) ------------------------------------------------
+
+    def enter(self, module: nn.Module, args: tuple) -> None:
+        """A module's forward is about to run."""
+        if threading.get_ident() != self.owner:
+            return
+        if self._depth == 0 and module not in self._names:
+            for name, sub in module.named_modules():
+                self._names.setdefault(sub, name or type(sub).__name__)
+            self._roots.append(weakref.ref(module))
+        self._depth += 1
+        for engine in self.engines:
+            engine.on_enter(module)
+
+    def leave(self, module: nn.Module, args: tuple, output) -> None:
+        """A module's forward ended, returning or raising."""
+        if threading.get_ident() != self.owner:
+            return
+        self._depth = max(self._depth - 1, 0)
+        for engine in self.engines:
+            engine.on_leave(module, self._depth == 0)
+        err = sys.exc_info()[1]
+        if output is None and err is not None:  # the forward raised: say why, where we can
+            _explain_dtype(self.name(module), module, args, err)
+        if self._depth == 0 and self.notices.pending:
+            self.notices.flush()  # the forward's warnings, one per kind
+
+    def forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Any:
+        """A module's forward returned: each engine sees the call, in order; one may
+        replace the output (ComputeOnce), and the engines after it see the replacement."""
+        if threading.get_ident() != self.owner:
+            return None  # another thread's forward
+        replaced = None
+        for engine in self.engines:
+            new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
+            if new is not None:
+                replaced = new
+        if self._depth == 0:
+            self._late.watch(output if replaced is None else replaced)
+        return replaced
+
+    # -- backward --------------------------------------------------------------------
+
+    def backward(self, tensors, grad_tensors) -> None:
+        """A backward of the block's thread is about to begin: to every engine."""
+        for engine in self.engines:
+            engine.on_backward(tensors, grad_tensors, len(self.engines) == 1)
+
+    def record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
+        """A tracked call's output gradients arrived: to every engine. Returns the summed
+        gradients where an engine computed them."""
+        if rec.thread != self.owner:
+            return None  # a graph another thread built: not this block's
+        if rec.batch_first != self.batch_first:
+            raise ValueError(
+                f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) was recorded by jacmem.track with "
+                f"batch_first={rec.batch_first}, but the block has batch_first={self.batch_first}: one of them "
+                f"misreads the batch axis. Pass the same value to both: jacmem.track(model, batch_first=...) and "
+                "jacmem.extend(..., batch_first=...)."
+            )
+        grads = None
+        for engine in self.engines:
+            out = engine.on_record(rec)
+            if out is not None:
+                grads = out
+        return grads
+
+
+def _checked(extensions: tuple) -> tuple[Extension, ...]:
+    """``extensions`` without repeats; anything else raises, naming the fix."""
+    kinds = tuple(kind for kind, _ in ENGINES)
+    for ext in extensions:
+        if isinstance(ext, nn.Module):
+            raise TypeError(
+                f"jacmem.extend takes extensions, not a model ({type(ext).__name__}): jacmem.extend is the "
+                "block (BackPACK's `with backpack(...)`), and BackPACK's extend(model) is jacmem.track(model), "
+                "needed only where the forward runs before the block. Write "
+                "`with jacmem.extend(jacmem.BatchGrad()): loss = lossfunc(model(X), y); loss.backward()`."
+            )
+        if not isinstance(ext, kinds):
+            raise TypeError(f"not a jacmem extension: {ext!r}; e.g. jacmem.BatchGrad()")
+    return tuple(dict.fromkeys(extensions))
+
+
+def _explain_dtype(name: str, module: nn.Module, args: tuple, err: BaseException) -> None:
+    """An integer or bool input where the module needs floats: name the module and the
+    fix, in a note on the forward's exception (a warning before Python 3.11)."""
+    floating = [p for p in hooks.trainable(module).values() if p.is_floating_point()]
+    wrong = [t for t in args if isinstance(t, Tensor) and not (t.is_floating_point() or t.is_complex())]
+    if not floating or not wrong or getattr(err, "_jacmem_explained", False):
+        return
+    msg = (
+        f"jacmem: module {name!r} ({type(module).__name__}) got an input of dtype "
+        f"{wrong[0].dtype} where it needs a floating-point one, as its parameters are "
+        f"({floating[0].dtype}): convert the input first, e.g. X.to({floating[0].dtype})."
+    )
+    try:
+        err._jacmem_explained = True
+    except AttributeError:
+        pass
+    if hasattr(err, "add_note"):
+        err.add_note(msg)
+    else:
+        warnings.warn(msg, stacklevel=2)
