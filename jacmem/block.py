@@ -95,12 +95,14 @@ class Block:
         self._depth = 0
         #: the models called at depth 0 in the block, as weak references, in order
         self._roots: list[weakref.ref] = []
+        self._late = hooks.LateBackward()
 
     # -- lifetime ------------------------------------------------------------------
 
     def open(self) -> Block:
         """Start the engines, in the calling thread."""
         self.owner = threading.get_ident()
+        self._late = hooks.LateBackward()
         setup = Setup(
             self.plan,
             self.chunk_bytes,
@@ -130,6 +132,7 @@ class Block:
                 engine.close()
             self.passes.close()
         finally:
+            self._late.close()
             self.engines = []
             self._roots = []
             self._names = weakref.WeakKeyDictionary()
@@ -227,6 +230,8 @@ class Block:
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
             if new is not None:
                 replaced = new
+        if self._depth == 0:
+            self._late.watch(output if replaced is None else replaced)
         return replaced
 
     # -- backward --------------------------------------------------------------------

@@ -13,6 +13,7 @@ take them off (and so free the records) when it is done.
 from __future__ import annotations
 
 import threading
+import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -20,10 +21,11 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat, layout
-from jacmem.broadcast import Origin
+from jacmem.broadcast import Origin, swap_in
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
 
@@ -270,19 +272,28 @@ class ComputeOnce(torch.autograd.Function):
         rec.receive(0, g)
         grads = ctx.on_grad(rec)
         if grads is None or create_graph:
-            return (None, None, None, None, *_recomputed(rec.module, x, params, g, needs, create_graph))
+            return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
         gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
         return (None, None, None, None, gx, *(grads.get(name) for name in rec.params))
 
 
-def _recomputed(module: nn.Module, x: Tensor, params, g: Tensor, needs, create_graph: bool) -> list:
-    """autograd's gradients w.r.t. ``(x, *params)`` (``None`` where not needed), from the
-    module's forward run again (its hooks do not run)."""
-    wrt = [t for t, need in zip((x, *params), needs) if need]
-    with torch.enable_grad():
-        out = type(module).forward(module, x)
-        found = iter(torch.autograd.grad(out, wrt, g, create_graph=create_graph, allow_unused=True))
-    return [next(found) if need else None for need in needs]
+def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tensor, needs) -> list:
+    """The gradients of this call alone w.r.t. ``(x, *params)`` (``params`` the module's
+    parameters ``names``; ``None`` where not needed), by ``torch.func.vjp`` of the
+    module's forward run again (its hooks do not run): partial derivatives, so a
+    parameter that also produced ``x`` (a tied embedding before its output head) gets
+    only this call's part, and none of ``x``'s history is traversed. Under
+    ``create_graph`` they are differentiable, as autograd's are."""
+
+    def forward(x: Tensor, *params: Tensor) -> Tensor:
+        restore = swap_in(module, dict(zip(names, params)))
+        try:
+            return type(module).forward(module, x)
+        finally:
+            restore()
+
+    _, vjp = torch.func.vjp(forward, x, *params)
+    return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
 def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
@@ -322,3 +333,46 @@ def remove(handles: list[RemovableHandle]) -> None:
     for handle in handles:
         handle.remove()
     handles.clear()
+
+
+class LateBackward:
+    """Warns when a backward pass reaches a graph whose forward ran inside a block after
+    the block has closed: its records went with the block, so no extension takes part
+    and ``.grad`` is autograd's plain gradient.
+
+    :meth:`watch` puts a pre-hook on the ``grad_fn`` of each tensor of an outermost
+    call's output. The hook lives with that graph, holds only this small object, and
+    compares two flags: a backward that reaches it while the block is open disarms it;
+    the first one after :meth:`close` warns, once for the block.
+    """
+
+    def __init__(self):
+        self.open = True
+        self.warned = False
+
+    def watch(self, output: Any) -> None:
+        """``output``: what an outermost module call in the block returned (any pytree)."""
+        if compat.functorch_transforms_active():
+            return  # a torch.func transform's own graph, not the user's
+        leaves = tree_flatten(output)[0]
+        nodes = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+        reached = [False]
+
+        def prehook(grad_outputs):
+            reached[0] = reached[0] or self.open
+            if not reached[0] and not self.warned:
+                self.warned = True
+                warnings.warn(
+                    "jacmem: a backward pass went through a forward that ran inside a jacmem.extend(...) block, "
+                    "after the block had closed: no extension took part (nothing like grad_batch was written, "
+                    "and .grad is autograd's plain, unclipped gradient). Call loss.backward() inside the block, "
+                    "or call jacmem.track(model) before the forward and open the block around the backward.",
+                    UserWarning,
+                    stacklevel=2,
+                )
+
+        for node in nodes:
+            node.register_prehook(prehook)
+
+    def close(self) -> None:
+        self.open = False

@@ -43,9 +43,15 @@ from collections.abc import MutableMapping
 from typing import Any
 
 import torch
-from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
-from laplace.utils import Kron
 from torch import Tensor
+
+try:
+    from laplace.curvature import CurvatureInterface, EFInterface, GGNInterface
+    from laplace.utils import Kron
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(
+        f'jacmem.laplace needs laplace-torch ({err}): pip install "jacmem[laplace]"', name=err.name
+    ) from err
 
 import jacmem
 

@@ -52,16 +52,20 @@ from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
-from opacus import PrivacyEngine as OpacusEngine
-from opacus.accountants.utils import get_noise_multiplier
-from opacus.grad_sample.utils import get_gsm_class
-from opacus.optimizers import (
-    AdaClipDPOptimizer,
-    DistributedDPOptimizerFastGradientClipping,
-    DPOptimizerFastGradientClipping,
-)
 from torch import nn, optim
 from torch.utils.data import DataLoader
+
+try:
+    from opacus import PrivacyEngine as OpacusEngine
+    from opacus.accountants.utils import get_noise_multiplier
+    from opacus.grad_sample.utils import get_gsm_class
+    from opacus.optimizers import (
+        AdaClipDPOptimizer,
+        DistributedDPOptimizerFastGradientClipping,
+        DPOptimizerFastGradientClipping,
+    )
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
 from jacmem import recorder
 from jacmem.block import Block

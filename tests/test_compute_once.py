@@ -65,9 +65,40 @@ def test_backward_after_the_block_is_autograds():
     want = autograd_grads(model, X)
     with jacmem.extend(jacmem.BatchGrad()):
         out = model(X)
-    got = torch.autograd.grad(loss(out), [X, *model.parameters()])
+    with pytest.warns(UserWarning, match="after the block had closed"):
+        got = torch.autograd.grad(loss(out), [X, *model.parameters()])
     assert_all_close(got, want)
     assert not any(hasattr(p, "grad_batch") for p in model.parameters())
+
+
+def tied():
+    """ids [N, T] -> [N, T, 7]: an embedding, tanh, and an output head that shares its weight."""
+    torch.manual_seed(0)
+    emb, head = nn.Embedding(7, 4), nn.Linear(4, 7, bias=False)
+    head.weight = emb.weight
+    return nn.Sequential(emb, nn.Tanh(), head).double()
+
+
+@pytest.mark.parametrize("when", ["after the block", "create_graph"])
+@pytest.mark.filterwarnings("ignore:jacmem. a backward pass went through")
+def test_a_tied_weight_gets_autograds_gradient_where_autograds_path_runs(when):
+    """The head's recomputed backward gives its own part only: the embedding's part comes
+    from the rest of the backward, as in autograd (and, under ``create_graph``, so do the
+    second derivatives)."""
+    model, ids = tied(), torch.randint(0, 7, (3, 5))
+    w = model[2].weight
+    (want,) = torch.autograd.grad(loss(model(ids)), w, create_graph=True)
+    with jacmem.extend(jacmem.BatchGrad()):
+        out = model(ids)
+        assert fused(out)
+        if when == "create_graph":
+            (got,) = torch.autograd.grad(loss(out), w, create_graph=True)
+            torch.testing.assert_close(
+                torch.autograd.grad(got.square().sum(), w), torch.autograd.grad(want.square().sum(), w)
+            )
+    if when == "after the block":
+        (got,) = torch.autograd.grad(loss(out), w)
+    torch.testing.assert_close(got, want)
 
 
 def test_two_backward_passes_through_one_graph():

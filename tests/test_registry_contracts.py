@@ -28,10 +28,14 @@ class Scale(nn.Module):
         return x * self.weight
 
 
+def register_misspelt():
+    register(Scale, "wieght", "batch_grad", "mine")(lambda x, g: g * x)
+
+
 @pytest.fixture
 def registered_scale():
     """``Scale`` registered under a misspelt name; the registry is restored afterwards."""
-    register(Scale, "wieght", "batch_grad", "mine")(lambda x, g: g * x)
+    register_misspelt()
     yield
     REGISTRY.pop(Scale, None)
 
@@ -39,6 +43,7 @@ def registered_scale():
 def test_misspelt_parameter_name_raises_naming_type_name_and_the_real_names(registered_scale):
     with pytest.raises(ValueError, match=r"Scale has no parameter 'wieght'.*\['weight'\]"):
         lookup(Scale())
+    register_misspelt()  # the refusal withdrew it
     model = nn.Sequential(nn.Linear(2, 3), Scale())
     with pytest.raises(ValueError, match="'wieght'"), jacmem.extend(jacmem.BatchGrad()):
         model(torch.randn(4, 2)).sum().backward()

@@ -123,6 +123,19 @@ def _identity(output: Any) -> Any:
     return output
 
 
+@dataclass(frozen=True)
+class _Undo:
+    """How to take back one :func:`register` call: the strategy it replaced (or ``None``),
+    and whether it added the ``(param, quantity)`` table and the type's entry."""
+
+    param: str
+    quantity: str
+    strategy: str
+    replaced: Strategy | None
+    new_table: bool
+    new_entry: bool
+
+
 @dataclass
 class LayerDerivatives:
     """Everything jacmem knows about one module type.
@@ -174,6 +187,8 @@ class LayerDerivatives:
         that the module's forward uses itself (``MultiheadAttention`` calls its
         ``out_proj`` functionally: ``"out_proj.weight"``), which the module's record
         then covers.
+    unconfirmed: how to take back the :func:`register` calls for this entry whose
+        parameter names no instance has confirmed yet, in order (see :func:`lookup`).
     """
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
@@ -189,6 +204,7 @@ class LayerDerivatives:
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
+    unconfirmed: list[_Undo] = field(default_factory=list, compare=False, repr=False)
 
     @property
     def params(self) -> tuple[str, ...]:
@@ -276,15 +292,21 @@ def register(
 
     ``param`` is checked against the module at the first lookup of an instance of
     ``module_type`` (the type alone does not tell its parameters' names): a name the
-    module does not have raises a ``ValueError`` that lists the names it has.
+    module does not have raises a ``ValueError`` that lists the names it has, and the
+    registrations under that name that no instance has confirmed yet are withdrawn, so
+    the registry is as it was before them and a corrected registration works.
     """
     if quantity not in QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
 
     def decorate(fn: Callable) -> Callable:
         _changed()
+        new_entry = module_type not in REGISTRY
         entry = REGISTRY.setdefault(module_type, LayerDerivatives())
-        entry.strategies.setdefault((param, quantity), {})[strategy] = Strategy(fn, cost, writes_out)
+        new_table = (param, quantity) not in entry.strategies
+        table = entry.strategies.setdefault((param, quantity), {})
+        entry.unconfirmed.append(_Undo(param, quantity, strategy, table.get(strategy), new_table, new_entry))
+        table[strategy] = Strategy(fn, cost, writes_out)
         return fn
 
     return decorate
@@ -346,7 +368,10 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
         entry = entry.for_module(module)
     key = (type(module), id(entry))
     if _CHECKED.get(key) != _VERSION[0]:
-        check_names(module, cls, entry)
+        bad = missing_names(module, entry)
+        withdrawn = _withdraw(cls, bad)
+        if bad:
+            raise ValueError(_misspelt(module, cls, bad, withdrawn))
         _CHECKED[key] = _VERSION[0]
     return entry
 
@@ -392,17 +417,41 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
     return leaf in sub._parameters or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
 
 
-def check_names(module: nn.Module, module_type: type | str, entry: LayerDerivatives) -> None:
-    """Raise ``ValueError`` if a parameter name registered for ``module_type`` is not
-    one of ``module``'s, naming the type, the bad name and the names it has."""
-    bad = sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
-    if bad:
-        names = [n for n, _ in module.named_parameters()]
-        raise ValueError(
-            f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
-            f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are {names}. "
-            "Register the derivative under one of those names"
-        )
+def missing_names(module: nn.Module, entry: LayerDerivatives) -> list[str]:
+    """The parameter names registered in ``entry`` that ``module`` does not have."""
+    return sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
+
+
+def _misspelt(module: nn.Module, module_type: type | str, bad: list[str], withdrawn: bool) -> str:
+    """The error for parameter names ``bad`` registered for ``module_type`` that ``module``
+    lacks: the type, the bad names, the names it has, and the fix."""
+    names = [n for n, _ in module.named_parameters()]
+    return (
+        f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
+        f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are {names}. "
+        "Register the derivative under one of those names"
+        + ("; the registration under the wrong name is withdrawn, so a corrected one works" if withdrawn else "")
+    )
+
+
+def _withdraw(module_type: type | str, bad: list[str]) -> bool:
+    """An instance of ``module_type`` was checked: the unconfirmed registrations under a
+    name in ``bad`` are taken back, latest first, and the others are confirmed. Returns
+    whether any was taken back."""
+    entry = REGISTRY[module_type]
+    taken = [u for u in reversed(entry.unconfirmed) if u.param in bad]
+    entry.unconfirmed = []
+    for undo in taken:
+        table = entry.strategies[undo.param, undo.quantity]
+        if undo.replaced is None:
+            del table[undo.strategy]
+        else:
+            table[undo.strategy] = undo.replaced
+        if undo.new_table and not table:
+            del entry.strategies[undo.param, undo.quantity]
+        if undo.new_entry and entry == LayerDerivatives():
+            del REGISTRY[module_type]
+    return bool(taken)
 
 
 def all_strategy_names() -> set:
