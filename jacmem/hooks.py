@@ -13,7 +13,6 @@ take them off (and so free the records) when it is done.
 from __future__ import annotations
 
 import threading
-import warnings
 import weakref
 from collections import Counter
 from collections.abc import Callable, Collection
@@ -24,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
-from jacmem import compat, layout
+from jacmem import compat, layout, notices
 from jacmem.broadcast import Origin, swap_in
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
@@ -362,13 +361,12 @@ class LateBackward:
             reached[0] = reached[0] or self.open
             if not reached[0] and not self.warned:
                 self.warned = True
-                warnings.warn(
+                notices.warn(
                     "jacmem: a backward pass went through a forward that ran inside a jacmem.extend(...) block, "
                     "after the block had closed: no extension took part (nothing like grad_batch was written, "
                     "and .grad is autograd's plain, unclipped gradient). Call loss.backward() inside the block, "
                     "or call jacmem.track(model) before the forward and open the block around the backward.",
                     UserWarning,
-                    stacklevel=2,
                 )
 
         for node in nodes:

@@ -25,10 +25,11 @@ def listing(names: Sequence[str], limit: int = LIMIT) -> str:
 
 
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
-    """``warnings.warn`` attributed to the first frame outside jacmem (the user's line),
-    however deep in the block's machinery the warning is given."""
+    """``warnings.warn`` attributed to the first frame outside jacmem and torch (the
+    user's line: their ``loss.backward()`` for a warning from a backward hook), however
+    deep in the block's machinery the warning is given."""
     frame, level = sys._getframe(1), 2
-    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] == "jacmem":
+    while frame is not None and frame.f_globals.get("__name__", "").partition(".")[0] in ("jacmem", "torch"):
         frame, level = frame.f_back, level + 1
     warnings.warn(message, category, stacklevel=level)
 

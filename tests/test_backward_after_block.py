@@ -156,3 +156,14 @@ def test_nothing_is_left_behind_but_a_hook_that_goes_with_the_graph():
     del out, loss
     gc.collect()
     assert late() is None
+
+
+def test_the_warning_points_at_the_users_backward():
+    """The warning is attributed to the user's ``loss.backward()`` line, not to torch's
+    or jacmem's machinery."""
+    model = nn.Linear(3, 2)
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss = model(torch.randn(4, 3)).sum()
+    with pytest.warns(UserWarning, match="after the block had closed") as caught:
+        loss.backward()
+    assert caught[0].filename == __file__
