@@ -10,8 +10,7 @@ What runs (:data:`SELECTED`), to keep ``make test`` short: the classes that test
 default ``grad_sample_mode`` ("hooks"; jacmem has one code path whatever the mode, so
 the functorch and expanded-weights twins test nothing more), with property tests drawn 5
 times. Not run: the tests in :data:`INTERNALS`, which read Opacus's internals (listed,
-not counted), and ``privacy_engine_test`` (its ConvNet tests take minutes on 2 cores; run
-it by hand, see docs/guide/from_opacus.rst).
+not counted).
 """
 
 from __future__ import annotations
@@ -39,6 +38,10 @@ SELECTED = [
     "accounting_noise_multiplier_test.py",
     "privacy_engine_validation_test.py",
     "schedulers",
+    *(
+        f"privacy_engine_test.py::PrivacyEngine{name}HooksTest"
+        for name in ("ConvNet", "ConvNetFrozen", "Text", "TiedWeights", "CustomLayer")
+    ),
 ]
 
 #: tests that read Opacus's internals (its wrapper ``_module``, ``p.grad_sample``,
@@ -55,6 +58,10 @@ INTERNALS = {
     "privacy_engine_validation_test.py::PrivacyEngineValidationTest::test_extra_param_hooks_requires_grad": (
         "gsm._module"
     ),
+    **{
+        f"privacy_engine_test.py::PrivacyEngine{name}HooksTest::test_sample_grad_aggregation": "p.grad_sample"
+        for name in ("ConvNet", "ConvNetFrozen", "Text", "TiedWeights", "CustomLayer")
+    },
     **{
         f"randomness_test.py::PrivacyEngineSecureModeTest::{name}": "model._module"
         for name in (
