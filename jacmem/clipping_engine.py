@@ -39,7 +39,6 @@ import weakref
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from jacmem import compat, distributed, hooks, precision
 from jacmem.extensions.clipping import ClipGrad
@@ -269,7 +268,9 @@ class Clipping(FirstOrder):
         if bg is not None:
             return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
         rec, pname, x, g = run.calls[id(staged.param)]
-        scaled = tree_map(lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g)
+        scaled = compat.tree_map(
+            lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
+        )
         dtype = staged.quantities["batch_l2"].dtype
         with precision.computing(precision.device_of(scaled)):
             return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]

@@ -94,7 +94,7 @@ class FirstOrder(Engine):
     # -- forward -------------------------------------------------------------------
 
     def on_enter(self, module):
-        if module._parameters and tracked_name(module) is None:
+        if next(module.parameters(recurse=False), None) is not None and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):

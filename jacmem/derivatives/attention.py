@@ -162,7 +162,7 @@ def _outer_all(x, g, names, *, module: nn.MultiheadAttention, dropout: float, **
     g_out, *g_weights = (g,) if isinstance(g, Tensor) else g
     n, e = query.shape[0], module.embed_dim
     p = {name: t.detach() for name, t in module.named_parameters()}
-    if module._qkv_same_embed_dim:
+    if module.in_proj_weight is not None:  # one packed projection for q, k and v
         w_q, w_k, w_v = p["in_proj_weight"].chunk(3)
     else:
         w_q, w_k, w_v = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]

@@ -208,14 +208,8 @@ def _outside_mode(method):
 
     @functools.wraps(method)
     def run(self, *args):
-        n = torch._C._len_torch_function_stack()
-        if self.mode is None or not n or torch._C._get_function_stack_at(n - 1) is not self.mode:
+        with compat.without_function_mode(self.mode):
             return method(self, *args)
-        torch._C._pop_torch_function_stack()
-        try:
-            return method(self, *args)
-        finally:
-            torch._C._push_on_torch_function_stack(self.mode)
 
     return run
 
