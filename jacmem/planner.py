@@ -79,9 +79,8 @@ def _batch_size_of(gs) -> int:
     return gs[0] if isinstance(gs[0], int) else next(s for s in gs if s is not None)[0]
 
 
-#: On CPU, chunks of this size stay in cache: the seed CNN's per-sample conv gradients
-#: (unfold), reduced to norms, run twice as fast in chunks of 8 to 16 MiB as in chunks
-#: of 64 MiB (2 threads; ``benchmarks/chunks.py``)
+#: On CPU, chunks of this size stay in cache while they are reduced (the fastest size
+#: that ``benchmarks/chunks.py`` finds)
 CPU_CHUNK_BYTES = 16 * 2**20
 
 

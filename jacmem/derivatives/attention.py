@@ -235,9 +235,9 @@ def _workspace(n, tq, s, e, num_heads) -> float:
 
 def _vmap_cost(xs, gs, *, num_heads, **_) -> Cost:
     """A forward and its backward per sample: the projections and the H attention maps,
-    counted 8× the forward's arithmetic (3× plus vmap's work on batches of one, which
-    measured at par with ``outer`` or slower; without weights under ``is_causal`` it runs
-    torch's fused kernel one sample at a time)."""
+    charged 8× the forward's arithmetic (3× for the forward and backward, the rest for
+    vmap's work on batches of one; without weights under ``is_causal`` it runs torch's
+    fused kernel one sample at a time)."""
     if len(xs[0]) != 3:
         return Cost(0, 0)  # unbatched: the strategy raises the error that explains it
     n, tq, s, e, ekv = _sizes(xs)

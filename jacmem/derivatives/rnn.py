@@ -374,7 +374,7 @@ def _forward_flops(xs, weights) -> float:
 
 
 #: FLOP-equivalent of the Python and autograd work of one step of one layer and direction,
-#: forward and backward, in the unrolled recurrence (about 0.3 ms at the cost model's rate)
+#: forward and backward, in the unrolled recurrence
 STEP_OVERHEAD = 3e7
 
 

@@ -142,8 +142,8 @@ def kfra_average(S: Tensor) -> Tensor:
 def _contiguous_symmetric(M: Tensor) -> Tensor:
     """``M``, symmetric in its last two axes (or a vector: Embedding's diagonal ``A``),
     as a contiguous tensor: its transpose where that is one already (opt_einsum often
-    returns ``xᵀx`` transposed), with no copy; a strided copy of a [784, 784] factor
-    costs ~10 ms."""
+    returns ``xᵀx`` transposed), with no copy: a strided copy of an ``[I, I]`` factor
+    reads it column by column."""
     if M.dim() < 2 or M.is_contiguous():
         return M.contiguous()
     t = M.transpose(-1, -2)
