@@ -46,7 +46,7 @@ from jacmem.extensions.firstorder import squared_norms
 from jacmem.firstorder_engine import FirstOrder, Staging
 from jacmem.notices import listing
 from jacmem.passes import Setup, Write
-from jacmem.planner import batch_size
+from jacmem.planner import batch_size, entries
 
 
 class ClipStaging(Staging):
@@ -276,16 +276,9 @@ class Clipping(FirstOrder):
             return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
 
 
-def _numel(obj) -> int:
-    """Entries of a tensor, or of the tensors in a tuple or list."""
-    if isinstance(obj, Tensor):
-        return obj.numel()
-    return sum(_numel(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
-
-
 def _small(param: nn.Parameter, n: int, x, g) -> bool:
     """Whether the per-sample gradients ``[n, *param.shape]`` take no more memory than
     the call's ``x`` and ``g``, which the clipped sum would otherwise keep (a bias, a
     norm's scale, a Linear on long sequences): then they are staged, and the clipped sum
     needs no second pass over the call."""
-    return n * param.numel() <= _numel(x) + _numel(g)
+    return n * param.numel() <= entries(x) + entries(g)

@@ -59,6 +59,13 @@ def shapes(obj):
     return obj
 
 
+def entries(obj) -> int:
+    """Entries of a tensor, or of the tensors in a (nested) tuple or list; 0 for the rest."""
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    return sum(entries(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
+
+
 def _first(g) -> Tensor:
     """The output gradient, or the first one that is not None."""
     return g if isinstance(g, Tensor) else next(t for t in g if t is not None)
