@@ -1,8 +1,9 @@
-"""The private torch APIs the engine relies on, each behind one function.
+"""The private torch APIs jacmem relies on, each behind one function.
 
 Everything here reaches into torch internals that carry no stability promise. Keeping
 them in one file means a torch upgrade that moves one of them breaks here, visibly,
-and nowhere else. Each function says what it does, which private name it uses and
+and nowhere else. It imports torch alone, so every layer (derivatives included) may
+use it. Each function says what it does, which private name it uses and
 since which torch release that name exists (jacmem is tested on torch 2.13; the floor
 below is from torch's history, not from a test).
 """
