@@ -1,11 +1,9 @@
 """Fresh tensors for large results, cheaper to fill on CPU.
 
 A per-sample result is written once into freshly allocated memory, and on CPU every
-4 KiB page of it faults on first touch: writing the seed CNN's 302 MiB of per-sample
-conv gradients paid as much in page faults as in arithmetic. Where the kernel lets a
-process ask for transparent huge pages (Linux, ``madvise`` mode), 2 MiB pages halve
-that cost (302 MiB filled: 117 ms with 4 KiB pages, 57 ms with 2 MiB pages, on the
-benchmark machine). PyTorch does the same for all of its CPU allocations when the
+4 KiB page of it faults on first touch, a cost of the order of the arithmetic that
+fills it. Where the kernel lets a process ask for transparent huge pages (Linux,
+``madvise`` mode), 2 MiB pages fault 512 times less often. PyTorch does the same for all of its CPU allocations when the
 environment sets ``THP_MEM_ALLOC_ENABLE=1``; this asks for it for jacmem's large
 results alone. Elsewhere it is ``torch.empty``.
 """

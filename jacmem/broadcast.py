@@ -34,8 +34,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
-from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
+from torch import Tensor
+
+from jacmem import compat
 
 #: elementwise ops that broadcast their tensor operands against each other
 _BROADCASTING = frozenset(
@@ -78,7 +79,7 @@ class _Watched(Tensor):
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        with torch._C.DisableTorchFunctionSubclass():
+        with compat.plain_torch_function():
             return _dispatch(func, args, kwargs)
 
 
@@ -104,7 +105,7 @@ def _watched(a) -> tuple | None:
 
 def _dispatch(func, args: tuple, kwargs: dict):
     name = getattr(func, "__name__", str(func))
-    flat, spec = tree_flatten((args, kwargs))
+    flat, spec = compat.tree_flatten((args, kwargs))
     hits = [(i, w) for i, w in ((i, _watched(a)) for i, a in enumerate(flat)) if w is not None]
     if name in _METADATA:
         out = func(*args, **kwargs)
@@ -168,7 +169,7 @@ def _broadcast(func, name: str, flat: list, spec, hits: list):
         else:
             origin.unsafe.append(name)
             flat[i] = view.as_subclass(Tensor)
-    args, kwargs = tree_unflatten(flat, spec)
+    args, kwargs = compat.tree_unflatten(flat, spec)
     return func(*args, **kwargs)
 
 
@@ -181,15 +182,3 @@ def _expand(origin: Origin, rank: int, n: int) -> Tensor:
     origin.uses += 1
     origin.on_use(expanded)
     return expanded
-
-
-def swap_in(module: nn.Module, views: dict[str, Tensor]) -> Callable[[], None]:
-    """Put ``views`` in place of ``module``'s parameters of those names, for its forward;
-    returns the function that puts the parameters back."""
-    saved = {name: module._parameters[name] for name in views}
-    module._parameters.update(views)
-
-    def restore() -> None:
-        module._parameters.update(saved)
-
-    return restore

@@ -39,7 +39,6 @@ import weakref
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_map
 
 from jacmem import compat, distributed, hooks, precision
 from jacmem.extensions.clipping import ClipGrad
@@ -47,7 +46,7 @@ from jacmem.extensions.firstorder import squared_norms
 from jacmem.firstorder_engine import FirstOrder, Staging
 from jacmem.notices import listing
 from jacmem.passes import Setup, Write
-from jacmem.planner import batch_size
+from jacmem.planner import batch_size, entries
 
 
 class ClipStaging(Staging):
@@ -269,17 +268,12 @@ class Clipping(FirstOrder):
         if bg is not None:
             return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
         rec, pname, x, g = run.calls[id(staged.param)]
-        scaled = tree_map(lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g)
+        scaled = compat.tree_map(
+            lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
+        )
         dtype = staged.quantities["batch_l2"].dtype
         with precision.computing(precision.device_of(scaled)):
             return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
-
-
-def _numel(obj) -> int:
-    """Entries of a tensor, or of the tensors in a tuple or list."""
-    if isinstance(obj, Tensor):
-        return obj.numel()
-    return sum(_numel(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
 
 
 def _small(param: nn.Parameter, n: int, x, g) -> bool:
@@ -287,4 +281,4 @@ def _small(param: nn.Parameter, n: int, x, g) -> bool:
     the call's ``x`` and ``g``, which the clipped sum would otherwise keep (a bias, a
     norm's scale, a Linear on long sequences): then they are staged, and the clipped sum
     needs no second pass over the call."""
-    return n * param.numel() <= _numel(x) + _numel(g)
+    return n * param.numel() <= entries(x) + entries(g)

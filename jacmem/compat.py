@@ -1,17 +1,22 @@
-"""The private torch APIs the engine relies on, each behind one function.
+"""The private torch APIs jacmem relies on, each behind one function.
 
 Everything here reaches into torch internals that carry no stability promise. Keeping
 them in one file means a torch upgrade that moves one of them breaks here, visibly,
-and nowhere else. Each function says what it does, which private name it uses and
+and nowhere else. It imports torch alone, so every layer (derivatives included) may
+use it. Each function says what it does, which private name it uses and
 since which torch release that name exists (jacmem is tested on torch 2.13; the floor
 below is from torch's history, not from a test).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Iterator
 
 import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
@@ -19,10 +24,17 @@ __all__ = [
     "assert_on_device",
     "current_graph_task_id",
     "functorch_transforms_active",
+    "fused_recurrence",
     "handle_alive",
     "is_backward_hook_node",
+    "plain_torch_function",
     "queue_callback",
+    "swap_parameters",
+    "tree_flatten",
+    "tree_map",
+    "tree_unflatten",
     "will_engine_execute_node",
+    "without_function_mode",
 ]
 
 #: the class name of the autograd node that ``register_full_backward_hook`` (and
@@ -88,3 +100,70 @@ def handle_alive(handle) -> bool:
     1.0; were it gone, every handle counts as alive (kept until the block ends)."""
     ref = getattr(handle, "hooks_dict_ref", None)
     return ref is None or ref() is not None
+
+
+def tree_flatten(tree) -> tuple[list, _pytree.TreeSpec]:
+    """The leaves of nested tuples, lists and dicts (and the containers torch registers),
+    in order, and the spec :func:`tree_unflatten` rebuilds the tree from.
+    ``torch.utils._pytree.tree_flatten``, since torch 1.8."""
+    return _pytree.tree_flatten(tree)
+
+
+def tree_unflatten(leaves: list, spec: _pytree.TreeSpec):
+    """The tree of ``spec`` (from :func:`tree_flatten`) with ``leaves`` in its places.
+    ``torch.utils._pytree.tree_unflatten``, since torch 1.8."""
+    return _pytree.tree_unflatten(leaves, spec)
+
+
+def tree_map(fn: Callable, tree):
+    """The tree with ``fn(leaf)`` for each leaf. ``torch.utils._pytree.tree_map``,
+    since torch 1.10."""
+    return _pytree.tree_map(fn, tree)
+
+
+def fused_recurrence(mode: str) -> Callable:
+    """torch's fused multi-layer recurrence for ``nn.RNNBase.mode`` (``RNN_TANH``,
+    ``RNN_RELU``, ``GRU``, ``LSTM``): ``(input, hx, weights, has_biases, num_layers,
+    dropout, train, bidirectional, batch_first) -> (output, h_n[, c_n])``, the call
+    ``nn.RNN``/``GRU``/``LSTM`` make themselves. ``torch._VF``, since torch 1.0."""
+    name = {"RNN_TANH": "rnn_tanh", "RNN_RELU": "rnn_relu", "GRU": "gru", "LSTM": "lstm"}[mode]
+    return getattr(torch._VF, name)
+
+
+def plain_torch_function() -> contextlib.AbstractContextManager:
+    """Inside ``__torch_function__`` of a tensor subclass: calls in the block run as on
+    plain tensors (they do not dispatch to the subclass again), what
+    ``Tensor.__torch_function__`` itself does. ``torch._C.DisableTorchFunctionSubclass``,
+    since torch 2.0."""
+    return torch._C.DisableTorchFunctionSubclass()
+
+
+@contextlib.contextmanager
+def without_function_mode(mode: TorchFunctionMode | None) -> Iterator[None]:
+    """Run the block without ``mode`` where it is the innermost torch-function mode
+    (popped for the block, pushed back after, also on an exception); otherwise as it is.
+    The mode stack: ``torch._C._len_torch_function_stack``, ``_get_function_stack_at``,
+    ``_pop_torch_function_stack`` and ``_push_on_torch_function_stack``, since torch 2.0."""
+    n = torch._C._len_torch_function_stack()
+    if mode is None or not n or torch._C._get_function_stack_at(n - 1) is not mode:
+        yield
+        return
+    torch._C._pop_torch_function_stack()
+    try:
+        yield
+    finally:
+        torch._C._push_on_torch_function_stack(mode)
+
+
+def swap_parameters(module: nn.Module, tensors: dict[str, Tensor]) -> Callable[[], None]:
+    """Put ``tensors`` (any tensors, not only ``nn.Parameter``) in place of ``module``'s
+    own parameters of those names, so that its forward uses them; returns the function
+    that puts the parameters back. Writes ``nn.Module._parameters`` (``setattr`` refuses
+    a tensor that is not a Parameter), which every torch release has had."""
+    saved = {name: module._parameters[name] for name in tensors}
+    module._parameters.update(tensors)
+
+    def restore() -> None:
+        module._parameters.update(saved)
+
+    return restore

@@ -20,7 +20,7 @@ from torch.nn.modules import module as module_hooks
 
 from jacmem import hooks, recorder
 from jacmem.block import DEFAULT_CHUNK_BYTES, Block, Extension
-from jacmem.recorder import track, untrack  # noqa: F401  (jacmem.context.track, as before)
+from jacmem.recorder import track, untrack  # noqa: F401  (also importable as jacmem.context.track)
 from jacmem.strategies import AUTO, StrategySpec
 
 _ACTIVE: extend | None = None

@@ -24,7 +24,7 @@ from torch import Tensor, nn
 
 from jacmem import compat, distributed, hooks, notices, precision
 from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
-from jacmem.notices import LIMIT, listing
+from jacmem.notices import and_others, listing
 from jacmem.passes import Engine, Setup, Write
 from jacmem.planner import ContractError, batch_size, execute, itemsize, planned, shapes
 from jacmem.recorder import Recorder, tracked_name
@@ -94,7 +94,7 @@ class FirstOrder(Engine):
     # -- forward -------------------------------------------------------------------
 
     def on_enter(self, module):
-        if module._parameters and tracked_name(module) is None:
+        if next(module.parameters(recurse=False), None) is not None and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):
@@ -357,11 +357,9 @@ class FirstOrder(Engine):
         what = f"{label} has trainable parameters {params}"
 
         def say(modules: list[str]) -> str:
-            more = len(modules) - 1
-            others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
             return (
                 f"jacmem: module {what} that {exts} cannot handle; they get no {fields}. Register a "
-                "derivative with jacmem.register(...), or freeze them (requires_grad=False)." + others
+                "derivative with jacmem.register(...), or freeze them (requires_grad=False)." + and_others(modules)
             )
 
         self.notices.add(("first-order unsupported",), rec.name, say)

@@ -20,11 +20,10 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat, layout, notices
-from jacmem.broadcast import Origin, swap_in
+from jacmem.broadcast import Origin
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
 
@@ -285,7 +284,7 @@ def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tenso
     ``create_graph`` they are differentiable, as autograd's are."""
 
     def forward(x: Tensor, *params: Tensor) -> Tensor:
-        restore = swap_in(module, dict(zip(names, params)))
+        restore = compat.swap_parameters(module, dict(zip(names, params)))
         try:
             return type(module).forward(module, x)
         finally:
@@ -353,7 +352,7 @@ class LateBackward:
         """``output``: what an outermost module call in the block returned (any pytree)."""
         if compat.functorch_transforms_active():
             return  # a torch.func transform's own graph, not the user's
-        leaves = tree_flatten(output)[0]
+        leaves = compat.tree_flatten(output)[0]
         nodes = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
         reached = [False]
 

@@ -20,7 +20,8 @@ from __future__ import annotations
 from typing import Any
 
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
+
+from jacmem import compat
 
 
 def _fix(module: nn.Module, name: str, what: str) -> ValueError:
@@ -35,7 +36,7 @@ def batch_size(module: nn.Module, name: str, args: tuple, kwargs: dict, outputs:
     """The call's batch size: axis 1 of its first tensor argument, which each output's
     axis 1 must match. Raises ``ValueError``, naming the module and the fix, where an
     input or output has fewer than 2 axes, or an output's axis 1 differs."""
-    first = next((t for t in tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None)
+    first = next((t for t in compat.tree_flatten((args, kwargs))[0] if isinstance(t, Tensor)), None)
     if first is None or first.dim() < 2:
         shape = None if first is None else tuple(first.shape)
         raise _fix(module, name, f"its input has shape {shape}, with no axis 1")
@@ -57,7 +58,7 @@ def inputs_first(args: tuple, kwargs: dict, n: int) -> tuple[tuple, dict]:
     def move(t: Any) -> Any:
         return t.movedim(1, 0) if isinstance(t, Tensor) and t.dim() > 1 and t.shape[1] == n else t
 
-    return tree_map(move, (args, kwargs))
+    return compat.tree_map(move, (args, kwargs))
 
 
 def front(g: Any) -> Any:

@@ -24,6 +24,13 @@ def listing(names: Sequence[str], limit: int = LIMIT) -> str:
     return shown if len(names) <= limit else f"{shown} and {len(names) - limit} more"
 
 
+def and_others(modules: Sequence[str]) -> str:
+    """What a notice about ``modules[0]`` adds for the rest: `` The same holds for 2 more
+    module(s): 'b', 'c'.``, or nothing for one module."""
+    more = len(modules) - 1
+    return f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
+
+
 def warn(message: str, category: type[Warning] = UserWarning) -> None:
     """``warnings.warn`` attributed to the first frame outside jacmem and torch (the
     user's line: their ``loss.backward()`` for a warning from a backward hook), however

@@ -136,11 +136,7 @@ class Passes:
 
     def state(self, engine: Engine):
         """``engine``'s state in the running backward pass (:meth:`current`)."""
-        run = self._live.get(compat.current_graph_task_id()) or self.current()
-        st = run.states.get(engine)
-        if st is None:
-            st = run.states[engine] = engine.new_state()
-        return st
+        return self.current().state(engine)
 
     def close(self) -> None:
         """Drop every pass's state: a pass still queued in autograd then writes nothing."""

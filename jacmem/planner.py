@@ -59,6 +59,13 @@ def shapes(obj):
     return obj
 
 
+def entries(obj) -> int:
+    """Entries of a tensor, or of the tensors in a (nested) tuple or list; 0 for the rest."""
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    return sum(entries(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
+
+
 def _first(g) -> Tensor:
     """The output gradient, or the first one that is not None."""
     return g if isinstance(g, Tensor) else next(t for t in g if t is not None)
@@ -79,9 +86,8 @@ def _batch_size_of(gs) -> int:
     return gs[0] if isinstance(gs[0], int) else next(s for s in gs if s is not None)[0]
 
 
-#: On CPU, chunks of this size stay in cache: the seed CNN's per-sample conv gradients
-#: (unfold), reduced to norms, run twice as fast in chunks of 8 to 16 MiB as in chunks
-#: of 64 MiB (2 threads; ``benchmarks/chunks.py``)
+#: On CPU, chunks of this size stay in cache while they are reduced (the fastest size
+#: that ``benchmarks/chunks.py`` finds)
 CPU_CHUNK_BYTES = 16 * 2**20
 
 

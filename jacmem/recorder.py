@@ -20,10 +20,9 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_map
 
 from jacmem import compat, hooks
-from jacmem.broadcast import Origin, swap_in, watch
+from jacmem.broadcast import Origin, watch
 from jacmem.derivatives import REGISTRY, registered_type
 from jacmem.derivatives.broadcast import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
@@ -94,7 +93,7 @@ class Recorder:
             uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
 
         origins = {n: Origin(p, functools.partial(on_use, n, p)) for n, p in params.items()}
-        restore = swap_in(module, {n: watch(o) for n, o in origins.items()})
+        restore = compat.swap_parameters(module, {n: watch(o) for n, o in origins.items()})
         self.direct[module] = (restore, origins, uses)
 
     def leave(self, module: nn.Module, outermost: bool) -> None:
@@ -188,7 +187,7 @@ def _batch_of(rec: hooks.Record) -> int:
     otherwise axis 0 of what its layer kept, arranged (of its output, where it kept nothing)."""
     if rec.relaid:
         return rec.outputs[0][0][1]
-    first = next((t for t in tree_flatten(rec.x)[0] if isinstance(t, Tensor) and t.dim()), None)
+    first = next((t for t in compat.tree_flatten(rec.x)[0] if isinstance(t, Tensor) and t.dim()), None)
     return first.shape[0] if first is not None else rec.outputs[0][0][0]
 
 
@@ -214,7 +213,7 @@ def _expand_batch(x, n: int):
     def expand(t):
         return t.expand(n, *t.shape[1:]) if isinstance(t, Tensor) and t.dim() and t.shape[0] == 1 else t
 
-    return tree_map(expand, x)
+    return compat.tree_map(expand, x)
 
 
 class Tracker(Recorder):

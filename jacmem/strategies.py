@@ -1,62 +1,29 @@
 """Strategy names, validation, per-layer overrides and the ``auto`` cost model.
 
-``strategy`` in :func:`jacmem.extend` is either one name for every layer, or a dict
-from module type or qualified module name (as in ``model.named_modules()``) to a name.
-A name applies to every derivative that offers it; the others choose ``auto``. A name
-given for one module in particular must be offered by that module.
+``strategy`` in :func:`jacmem.extend` is one name for every layer, or a dict from module
+type or qualified module name (as in ``model.named_modules()``) to a name. A name applies
+to every derivative that offers it; the others choose ``auto``. A name given for one
+module in particular must be offered by that module.
 
-The cost model
---------------
 ``auto`` estimates each candidate's time from its :class:`~jacmem.derivatives.Cost`
-(``flops``, and ``workspace``: entries of temporary memory, written and read) on the
-device the tensors live on, and takes the cheapest::
+(``flops``; ``workspace``: entries of temporary memory, written and read) and takes the
+cheapest::
 
     seconds = flops / flop_rate(itemsize) + workspace * itemsize / byte_rate + overhead
 
-The rates come from a :class:`DeviceProfile`, one per device, from :func:`profile_for`:
+with the rates of the device's :class:`DeviceProfile` (:func:`profile_for`). Only their
+ratio steers a choice, so peak rates serve; ``overhead`` shifts every candidate alike.
+On CUDA (:func:`cuda_profile`), ``flop_rate = 2 · SMs · lanes · clock`` (an FMA is two
+operations) and ``byte_rate = 2 · memory clock · bus width / 8`` (double data rate),
+from ``torch.cuda.get_device_properties`` and :data:`CUDA_ARCHS`. Tensor cores are not
+modelled: float32 products use them only under ``allow_tf32``, off by default. Any
+other device takes :data:`CPU_PROFILE`.
 
-- ``flop_rate``: floating-point operations per second of a batched matrix product in
-  float32 (and narrower types: jacmem computes them in float32);
-  ``flop_rate_fp64`` the same in float64, where it differs (``None``: the same).
-- ``byte_rate``: bytes per second of a large copy through the device's memory.
-- ``overhead``: seconds per strategy call (kernel launches); it shifts every candidate
-  alike, so it shows in :meth:`StrategyPlan.explain`'s figures, never in a choice.
-
-Only the ratio of the rates steers a choice, which is why peak figures serve.
-
-- **CPU** (:data:`CPU_PROFILE`, also any device type without a profile of its own):
-  ``FLOP_RATE = 5e10`` and ``BYTE_RATE = 5e9``, measured on the 2-thread Xeon of the
-  benchmarks (a batched matrix product and a strided copy), for every dtype. These are
-  the constants ``auto`` has always used, so its CPU choices are as before.
-- **CUDA** (:func:`cuda_profile`), derived from ``torch.cuda.get_device_properties``:
-  ``flop_rate = 2 * multi_processor_count * lanes * clock_rate`` (an FMA is two
-  operations), where ``lanes`` are the float32 (float64) results per clock cycle per
-  multiprocessor of the compute capability, from the table "Throughput of Native
-  Arithmetic Instructions" of the CUDA C++ Programming Guide (:data:`CUDA_ARCHS`);
-  ``byte_rate = 2 * memory_clock_rate * memory_bus_width / 8`` (double data rate).
-  Where torch reports no clock (0, or an older torch), the table's typical boost clock
-  and its datasheet bandwidth per multiprocessor stand in. Checks against NVIDIA's
-  datasheets: H100 SXM (9.0; 132 SMs at 1.98 GHz; 5120-bit HBM3 at 2.619 GHz) gives
-  66.9 TFLOP/s float32, 33.5 float64, 3.35 TB/s; A100 80 GB (8.0; 108 SMs at 1.41 GHz)
-  19.5 TFLOP/s float32, 9.7 float64, 2.04 TB/s. Consumer parts (8.6, 8.9, 12.0) run
-  float64 at 1/64 of float32, so there ``auto`` weighs float64 FLOPs 64 times heavier.
-  Tensor cores are not modelled: float32 matrix products use them only where
-  ``torch.backends.cuda.matmul.allow_tf32`` is set (off by default).
-
-Autotune
---------
-``StrategyPlan(..., autotune=True)`` measures instead of estimating, wherever the
-caller of :meth:`StrategyPlan.choose` passes a ``trial`` (candidate name -> a thunk
-that runs that candidate once on the real tensors, or ``None`` where it cannot) and
-no strategy was asked for by name. Each applicable candidate is run once to warm up,
-then timed (:func:`measure`: ``time.perf_counter``, with ``torch.cuda.synchronize``
-around each call on CUDA) up to :data:`AUTOTUNE_CALLS` times, or until its timed calls
-took :data:`AUTOTUNE_SECONDS` together, and the median counts. The fastest is chosen,
-and :meth:`StrategyPlan.explain` says so: ``(autotune: fastest measured; measured:
-unfold 3.1 ms, save_memory 5.2 ms)``. A candidate that raises when tried (out of
-memory, say) is left out and named; when one candidate has no thunk, or all raise,
-the estimates decide as without autotune. ``choose`` keeps no state but the decisions
-it records: the planner's plan cache makes timing happen once per plan key.
+``autotune=True`` measures instead, where the caller of :meth:`StrategyPlan.choose`
+passes ``trial`` thunks and no strategy was named: each candidate runs once to warm up,
+then up to :data:`AUTOTUNE_CALLS` times or for :data:`AUTOTUNE_SECONDS`, and the
+fastest median wins; a candidate that raises is left out and named. The planner's plan
+cache makes this happen once per plan key.
 """
 
 from __future__ import annotations
@@ -73,8 +40,8 @@ from torch import nn
 from jacmem.derivatives import Cost, all_strategy_names
 
 AUTO = "auto"
-#: FLOP/s of a batched matrix product and byte/s of a strided copy, on a 2-thread Xeon
-#: (the benchmark machine): a matter of order, only their ratio steers ``auto``
+#: FLOP/s of a batched matrix product and byte/s of a strided copy, measured on a
+#: 2-thread Xeon: a matter of order, only their ratio steers ``auto``
 FLOP_RATE = 5e10
 BYTE_RATE = 5e9
 
@@ -101,17 +68,17 @@ class DeviceProfile:
         return self.flop_rate_fp64 if itemsize >= 8 and self.flop_rate_fp64 is not None else self.flop_rate
 
 
-#: The calibrated constants, for every dtype: ``auto``'s CPU choices as they always were.
+#: The measured constants, for every dtype.
 CPU_PROFILE = DeviceProfile("cpu", FLOP_RATE, BYTE_RATE)
 
 
 @dataclass(frozen=True)
 class CudaArch:
     """What the cost model needs of one compute capability: float32 and float64
-    results per clock cycle per multiprocessor (CUDA C++ Programming Guide, "Throughput
-    of Native Arithmetic Instructions"), and, for a torch that reports no clocks, a
-    typical boost clock and memory bandwidth per multiprocessor of ``part`` (NVIDIA's
-    datasheet for it)."""
+    results per clock cycle per multiprocessor, and, where torch reports no clocks, a
+    boost clock and memory bandwidth per multiprocessor of ``part``. Sources: the CUDA
+    C++ Programming Guide's "Throughput of Native Arithmetic Instructions"; NVIDIA's
+    datasheet of ``part``."""
 
     fp32_lanes: int
     fp64_lanes: int

@@ -7,7 +7,8 @@ from reference import check_against, mse, per_sample_grads, run_jacmem
 from torch import nn
 
 import jacmem
-from jacmem.broadcast import Origin, swap_in, watch
+from jacmem.broadcast import Origin, watch
+from jacmem.compat import swap_parameters as swap_in
 
 DT = torch.float64
 N, T, D = 3, 4, 5

@@ -4,6 +4,7 @@ the torch installed here (a torch upgrade that moves one fails here first)."""
 import pytest
 import torch
 from torch import nn
+from torch.overrides import TorchFunctionMode
 
 from jacmem import compat
 
@@ -48,3 +49,87 @@ def test_assert_on_device_raises_with_its_message():
     compat.assert_on_device(torch.tensor(True), "never seen")
     with pytest.raises(RuntimeError, match="the message"):
         compat.assert_on_device(torch.ones(()) > 2, "the message")
+
+
+def test_trees_flatten_unflatten_and_map():
+    a, b, c = torch.zeros(1), torch.ones(2), torch.full((3,), 2.0)
+    tree = ((a, [1, {"k": b}]), {"x": c, "none": None})
+    leaves, spec = compat.tree_flatten(tree)
+    assert [x is y for x, y in zip(leaves, [a, 1, b, c, None])] == [True] * 5
+    assert compat.tree_unflatten([10, 1, 20, 30, None], spec) == ((10, [1, {"k": 20}]), {"x": 30, "none": None})
+    doubled = compat.tree_map(lambda t: t * 2 if isinstance(t, torch.Tensor) else t, tree)
+    assert torch.equal(doubled[0][1][1]["k"], b * 2) and doubled[0][1][0] == 1 and doubled[1]["none"] is None
+
+
+@pytest.mark.parametrize("cls,mode", [(nn.RNN, "RNN_TANH"), (nn.RNN, "RNN_RELU"), (nn.GRU, "GRU"), (nn.LSTM, "LSTM")])
+def test_fused_recurrence_is_what_the_module_runs(cls, mode):
+    torch.manual_seed(0)
+    kw = {"nonlinearity": mode[4:].lower()} if cls is nn.RNN else {}
+    rnn = cls(3, 4, num_layers=2, batch_first=True, **kw)
+    x = torch.randn(5, 6, 3)
+    hx = (torch.randn(2, 5, 4),) * (2 if cls is nn.LSTM else 1)
+    out, *state = compat.fused_recurrence(mode)(
+        x, hx if cls is nn.LSTM else hx[0], list(rnn.parameters()), True, 2, 0.0, False, False, True
+    )
+    ref_out, ref_state = rnn(x, hx if cls is nn.LSTM else hx[0])
+    ref_state = ref_state if cls is nn.LSTM else (ref_state,)
+    torch.testing.assert_close(out, ref_out)
+    for h, ref in zip(state, ref_state, strict=True):
+        torch.testing.assert_close(h, ref)
+
+
+def test_plain_torch_function_runs_ops_as_on_plain_tensors():
+    seen = []
+
+    class Sub(torch.Tensor):
+        @classmethod
+        def __torch_function__(cls, func, types, args=(), kwargs=None):
+            seen.append(func)
+            with compat.plain_torch_function():
+                return func(*args, **(kwargs or {}))
+
+    out = torch.ones(2).as_subclass(Sub) * 3
+    assert type(out) is torch.Tensor and torch.equal(out, torch.full((2,), 3.0))
+    assert len(seen) == 1, "the op inside the block does not dispatch to the subclass again"
+
+
+class _Counting(TorchFunctionMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def test_without_function_mode_pops_only_the_innermost_mode():
+    outer, inner, x = _Counting(), _Counting(), torch.ones(2)
+    with outer:
+        with compat.without_function_mode(outer):
+            x + 1
+        assert outer.calls == 0
+        x + 1
+        assert outer.calls == 1, "pushed back after the block"
+        with pytest.raises(KeyError), compat.without_function_mode(outer):
+            raise KeyError
+        x + 1
+        assert outer.calls == 2, "pushed back after an exception too"
+        with inner, compat.without_function_mode(outer):
+            x + 1
+        assert inner.calls == 1, "a mode that is not the innermost stays"
+        with compat.without_function_mode(None):
+            x + 1
+        assert outer.calls == 4
+
+
+def test_swap_parameters_puts_tensors_in_for_the_forward_and_back():
+    lin = nn.Linear(2, 2)
+    weight = lin.weight
+    view = torch.zeros(2, 2, requires_grad=True) * 1  # not a Parameter
+    restore = compat.swap_parameters(lin, {"weight": view})
+    torch.testing.assert_close(lin(torch.ones(1, 2)), lin.bias[None].detach())
+    lin(torch.ones(1, 2)).sum().backward()
+    restore()
+    assert lin.weight is weight and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
+    assert weight.grad is None and lin.bias.grad is not None

@@ -414,7 +414,8 @@ def _has_parameter(module: nn.Module, name: str) -> bool:
         sub = module.get_submodule(owner) if owner else module
     except AttributeError:
         return False
-    return leaf in sub._parameters or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
+    own = dict(sub.named_parameters(recurse=False, remove_duplicate=False))
+    return leaf in own or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
 
 
 def missing_names(module: nn.Module, entry: LayerDerivatives) -> list[str]:

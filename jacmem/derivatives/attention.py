@@ -162,7 +162,7 @@ def _outer_all(x, g, names, *, module: nn.MultiheadAttention, dropout: float, **
     g_out, *g_weights = (g,) if isinstance(g, Tensor) else g
     n, e = query.shape[0], module.embed_dim
     p = {name: t.detach() for name, t in module.named_parameters()}
-    if module._qkv_same_embed_dim:
+    if module.in_proj_weight is not None:  # one packed projection for q, k and v
         w_q, w_k, w_v = p["in_proj_weight"].chunk(3)
     else:
         w_q, w_k, w_v = p["q_proj_weight"], p["k_proj_weight"], p["v_proj_weight"]
@@ -235,9 +235,9 @@ def _workspace(n, tq, s, e, num_heads) -> float:
 
 def _vmap_cost(xs, gs, *, num_heads, **_) -> Cost:
     """A forward and its backward per sample: the projections and the H attention maps,
-    counted 8× the forward's arithmetic (3× plus vmap's work on batches of one, which
-    measured at par with ``outer`` or slower; without weights under ``is_causal`` it runs
-    torch's fused kernel one sample at a time)."""
+    charged 8× the forward's arithmetic (3× for the forward and backward, the rest for
+    vmap's work on batches of one; without weights under ``is_causal`` it runs torch's
+    fused kernel one sample at a time)."""
     if len(xs[0]) != 3:
         return Cost(0, 0)  # unbatched: the strategy raises the error that explains it
     n, tq, s, e, ekv = _sizes(xs)

@@ -27,8 +27,7 @@ Three strategies give the per-sample weight gradients:
 ``A`` is the unfolded input; it pays off when ``S_out`` is small against the kernel.
 ``ghost_gram`` is the same norm with ``A Aᵀ`` summed from shifted views of the padded
 input's Gram matrix over positions: no im2col, and ``prod(K)`` times fewer FLOPs where
-kernels overlap (on the seed CNN's 256→64 conv at batch 256, 21 ms against 66-93 ms,
-one thread).
+kernels overlap.
 """
 
 from __future__ import annotations
@@ -142,7 +141,7 @@ def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, pad
     cols, g = _unfolded(x, g, kernel_size, stride, dilation, groups, padding, padding_mode)
     n, c = cols.shape[0], cols.shape[2]
     # one batched matrix product over (N G): [O/G, P] @ [P, C/G·K]; the reshape of the
-    # strided view is the im2col copy. bmm beats einsum's own plan here by about 20%.
+    # strided view is the im2col copy; bmm, since einsum's own plan is slower here
     a = cols.reshape(n * groups, c * prod(kernel_size), -1)  # [(N G), C/G·K, P]
     b = g.reshape(n * groups, g.shape[2], -1)  # [(N G), O/G, P]
     if out is None:
@@ -151,9 +150,8 @@ def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, pad
     return out
 
 
-#: a convolution of N·G groups, one input channel each, runs at about half the FLOP
-#: rate of im2col's batched matrix product on CPU (measured on the seed CNN's layers,
-#: 1.2x to 2.3x slower)
+#: a convolution of N·G groups, one input channel each, against the FLOP rate of
+#: im2col's batched matrix product on CPU (measured on the seed CNN's layers)
 GROUPED_CONV_SLOWDOWN = 2.0
 
 
@@ -185,12 +183,9 @@ def weight_batch_grad_save_memory(x, g, *, kernel_size, stride, dilation, groups
 
 #: the grouped strategy's FLOP rate against im2col's, where each group has at least
 #: GROUPED_MIN_CHANNELS input and output channels and GROUPED_MIN_OUTPUT output
-#: positions (measured on CPU: 16-32 channels, 16x16-32x32 outputs, 2-8x faster than
-#: im2col), or one of each (depthwise: the backend's depthwise kernel, 4-8x faster than
-#: im2col from 8x8 to 32x32 outputs, about the time of the summed weight gradient);
-#: otherwise the kernel vectorises poorly (3 input channels: 2.6x slower; 7x7 outputs:
-#: 1.8x slower; two output channels per input channel: 2x slower), and it is charged
-#: GROUPED_SLOW
+#: positions, or one of each (depthwise: the backend's depthwise kernel); otherwise the
+#: kernel vectorises poorly (few channels, small outputs, several output channels per
+#: input channel) and it is charged GROUPED_SLOW. Measured on CPU against im2col.
 GROUPED_FAST, GROUPED_SLOW = 0.35, 3.0
 GROUPED_MIN_CHANNELS, GROUPED_MIN_OUTPUT = 16, 256
 
@@ -200,8 +195,7 @@ def _grouped_cost(xs, gs, *, kernel_size, groups, **_):
     depthwise = c == 1 and o == groups
     fast = depthwise or (min(c, o // groups) >= GROUPED_MIN_CHANNELS and p >= GROUPED_MIN_OUTPUT)
     # workspace: the backend lays input, output gradient and result out in its own blocked
-    # format and back (measured on CPU: about twice their sizes above the result; its
-    # depthwise kernel, once)
+    # format and back (twice their sizes above the result; its depthwise kernel, once)
     copies = (1 if depthwise else 2) * n * (c * groups * prod(xs[2:]) + o * p + o * c * k)
     return Cost(flops=(GROUPED_FAST if fast else GROUPED_SLOW) * 2 * n * o * c * k * p, workspace=copies)
 

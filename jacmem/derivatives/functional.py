@@ -217,9 +217,13 @@ def _avg_pool2d(out, input, kernel_size, stride=None, padding=0, ceil_mode=False
 
 
 def _reduction(size_average, reduce, reduction: str) -> str:
+    """The ``reduction`` that torch's deprecated ``size_average`` and ``reduce`` mean
+    (each True when None): no reduce is ``none``, else size_average is ``mean``."""
     if size_average is None and reduce is None:
         return reduction
-    return F._Reduction.legacy_get_string(size_average, reduce)
+    if reduce is False:
+        return "none"
+    return "sum" if size_average is False else "mean"
 
 
 def _cross_entropy(

@@ -49,8 +49,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from jacmem import compat
 from jacmem.derivatives import Cost, LayerDerivatives, Strategy
 
 #: the strategy name of every recomputation through torch.func
@@ -235,7 +235,7 @@ def _keep_call(args: tuple, kwargs: dict):
     """Every argument: ``(batched tensors [N, ...], {"spec", "leaves"})``; the dict holds
     the call's structure and the arguments that all samples share (batched slots
     ``_BATCHED``)."""
-    leaves, spec = tree_flatten((args, kwargs))
+    leaves, spec = compat.tree_flatten((args, kwargs))
     n = next((t.shape[0] for t in leaves if isinstance(t, Tensor) and t.dim() > 0), None)
     batched = tuple(t for t in leaves if _is_batched(t, n))
     shared = [_BATCHED if _is_batched(t, n) else t for t in leaves]
@@ -243,7 +243,7 @@ def _keep_call(args: tuple, kwargs: dict):
 
 
 def _float_leaves(output: Any) -> list:
-    return [t for t in tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
+    return [t for t in compat.tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
 
 
 def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedPass, axis: int) -> Tensor:
@@ -266,7 +266,7 @@ def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module, axis: int)
     def run(params, samples):
         it = iter(samples)
         leaves = [next(it).unsqueeze(axis) if t is _BATCHED else t for t in call["leaves"]]
-        args, kwargs = tree_unflatten(leaves, call["spec"])
+        args, kwargs = compat.tree_unflatten(leaves, call["spec"])
         outs = _float_leaves(functional_call(module, params, args, kwargs))
         if len(outs) != len(gs):
             raise RuntimeError(

@@ -107,10 +107,9 @@ def vjp_generic(forward: Callable, xs: tuple[Tensor, ...], S: Tensor) -> tuple[T
 
     Up to :data:`LOOP_V` vectors: one forward with a graph, then one
     ``torch.autograd.grad`` of ``⟨out, S[v]⟩`` per vector (a scalar: an explicit
-    ``grad_outputs`` makes torch import sympy, about 1 s and 80 MB on first use). More:
-    ``torch.func.vjp`` vmapped over ``V``, which batches the backward but costs about
-    5 ms more per call, and, on first use in a process, about 1.5 s and 80 MB to import
-    ``torch._dynamo``."""
+    ``grad_outputs`` makes torch import sympy on first use). More: ``torch.func.vjp``
+    vmapped over ``V``, which batches the backward but costs a fixed set-up per call,
+    and, on first use in a process, the import of ``torch._dynamo``."""
     diff = [i for i, x in enumerate(xs) if x.is_floating_point()]
     out: list = [None] * len(xs)
     if not diff:

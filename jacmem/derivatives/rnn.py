@@ -51,6 +51,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
+from jacmem import compat
 from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register, registered_type
 from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
 
@@ -238,11 +239,6 @@ def _contract(name: str, deltas: list[Tensor], inputs: list[Tensor]) -> Tensor:
     return linear.weight_batch_grad(u, delta)
 
 
-#: torch's fused recurrences: (input, hx, weights, has_biases, num_layers, dropout, train,
-#: bidirectional, batch_first) -> (output, h_n[, c_n])
-_FUSED = {"RNN_TANH": torch._VF.rnn_tanh, "RNN_RELU": torch._VF.rnn_relu, "GRU": torch._VF.gru, "LSTM": torch._VF.lstm}
-
-
 def _fused_all(x, g, names, *, mode, num_layers, bidirectional, proj_size, dropout, weights) -> dict[str, Tensor]:
     """Per-sample gradients of ``names``, with torch's fused recurrence computing the δ's.
 
@@ -335,7 +331,7 @@ def _run(mode: str, seq: Tensor, lengths: Tensor | None, hx: tuple, params: list
     """One layer and direction of torch's fused recurrence, forward in time:
     seq [N, T, F], hx ([N, H_out], ([N, H])) -> (output [N, T, H_out], zeros past each
     end; final states ([N, H_out], ([N, H])))."""
-    fused = _FUSED[mode]
+    fused = compat.fused_recurrence(mode)
     if lengths is None:
         hx = tuple(h[None] for h in hx)
         out, *state = fused(seq, hx if len(hx) == 2 else hx[0], params, has_bias, 1, 0.0, False, False, True)
@@ -378,7 +374,7 @@ def _forward_flops(xs, weights) -> float:
 
 
 #: FLOP-equivalent of the Python and autograd work of one step of one layer and direction,
-#: forward and backward, in the unrolled recurrence (about 0.3 ms at the cost model's rate)
+#: forward and backward, in the unrolled recurrence
 STEP_OVERHEAD = 3e7
 
 

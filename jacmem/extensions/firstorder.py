@@ -131,13 +131,12 @@ def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> tuple[Tensor, 
     """Σ_n g_n ⊙ g_n, and Σ_n g_n where ``with_sum`` (else None): [n, *shape] -> shape, shape.
 
     A sample of :data:`_SAMPLE_LOOP_BYTES` or more: one fused multiply-add per sample
-    into the result (``addcmul_``: each gradient read once, no squared copy), 2.5-3.5×
-    faster than squaring and summing on the seed CNN's convs. Smaller ones: as many
-    samples at a time as fill :data:`_SQUARE_BLOCK_BYTES`, squared and summed (a call per
-    sample would cost more than its work). A norm over axis 0 (``vector_norm(dim=0)``)
-    would need no copy but runs some 50× slower on CPU. The sum is taken sample by sample
-    (or block by block) too, while that is in cache: on the seed CNN's two large convs,
-    6-10% less time than a second pass over the whole chunk (2 threads).
+    into the result (``addcmul_``: each gradient read once, no squared copy). Smaller
+    ones: as many samples at a time as fill :data:`_SQUARE_BLOCK_BYTES`, squared and
+    summed (a call per sample would cost more than its work). A norm over axis 0
+    (``vector_norm(dim=0)``) would need no copy, but its strided reduction is slow on
+    CPU. The sum is taken sample by sample (or block by block) too, while that is in
+    cache, rather than in a second pass over the whole chunk.
     """
     out = batch_grad.new_zeros(batch_grad.shape[1:])
     total = batch_grad.new_zeros(out.shape) if with_sum else None

@@ -2,8 +2,8 @@
 
 With stock ops, packing ``out != 0`` to bits takes three passes over the output (a
 cast to bool, an in-place multiply, a strided copy) and applying the bits to a gradient
-two (a table lookup into a float mask, then stock's threshold kernel): a lean ReLU took
-about 1.5-2x the time of a stock one. Here each direction is one pass:
+two (a table lookup into a float mask, then stock's threshold kernel). Here each
+direction is one pass:
 
 * ``relu_pack``: ``out = relu(x)`` exactly as ``torch.relu`` (``x < 0 ? 0 : x``: -0 and
   NaN pass through) and the bits of ``out != 0``, uint8 ``[ceil(n / 8)]`` with bit ``k``
@@ -12,10 +12,6 @@ about 1.5-2x the time of a stock one. Here each direction is one pass:
   lets the gradient through where the output is NaN);
 * ``select``: ``g`` where the bit is set, else +0 (even where ``g`` is infinite or
   NaN, as stock's threshold kernel).
-
-Measured on 2M float32 elements, one thread: ``relu_pack`` 0.60 ms against 0.58 ms for
-``torch.relu`` alone (1.2 ms with the stock-op packing); ``select`` 0.72 ms against
-0.89 ms for stock's ReLU backward (1.3 ms with the stock-op unpacking).
 
 **Building.** The C source is compiled once with the system's C compiler (``$CC``, else
 ``cc``) into ``$JACMEM_CACHE`` (default ``~/.cache/jacmem``) and loaded with ctypes: no

@@ -49,7 +49,7 @@ forward/backward graph itself, saving some tensors and recomputing cheap element
 ops, and it would re-decide whatever a lean layer chose. The lean Functions cannot be
 traced as they are: ReLU's mask loop is a ctypes call, dropout draws its seed as a
 Python int, and a norm checks its weight for zeros (a data-dependent branch); each is a
-graph break (``torch._dynamo.explain`` counted 4-7 on small models). Lean layers save
+graph break (``torch._dynamo.explain`` lists them). Lean layers save
 memory in eager mode.
 
 Where the stock op keeps nothing more than the gradients asked for need, the lean

@@ -1,69 +1,23 @@
-"""The autograd path: GGN-type curvature through operations that have no module-level
-Jacobian (functional GELU, attention, embeddings summed by ``+``, residual streams
-written any way), with no rewriting of the model.
+"""The autograd path: GGN-type curvature through operations without a module-level
+Jacobian (functional ops, attention, residual streams written any way).
 
-**When it runs.** The module-level chain (:mod:`.backprop`) stays the fast path; it
-runs when it is complete. The autograd path runs instead for a backward pass where,
-in the forward since the last backward, either some tracked module's input came from
-an operation no tracked module made (an untracked operation or module between two
-modules, or between a module and a loss module), or no loss module was called (a loss
-written ``F.cross_entropy(...)``, or computed inside the model). It serves the
-factor kinds of the GGN (``exact``, ``mc<M>``: DiagGGNExact/MC, their batch variants,
-KFAC, KFLR); with DiagHessian or KFRA in the block the chain runs, and raises
-:class:`.backprop.ChainError` at the operation it cannot pass. It starts where the
-block intercepts ``torch.autograd.backward`` / ``Tensor.backward`` /
-``torch.autograd.grad`` (:class:`jacmem.recorder.UntrackedWatch`), with a hook on the
-root's autograd node, so it runs inside that backward, first, while the graph is whole;
-the chain's hooks then stand by for the pass.
+It runs instead of the module chain for a backward whose chain is broken (a tracked
+module's input made by an untracked op, or no loss module), for the GGN kinds
+(``exact``, ``mc<M>``), first in that backward, from a hook on the root's node. With
+``z [N, *]`` the output of the last tracked module with parameters, the GGN is
+``Σ_n J_nᵀ H_n J_n``:
 
-**Where the GGN splits: the model's output** ``z [N, *]`` is the output of the last
-call (in forward order, since the last backward) of a module with trainable parameters
-that jacmem has first-order derivatives for (a classifier's head, an LM head). The GGN
-is ``Σ_n J_nᵀ H_n J_n``, with ``J_n`` the Jacobian of ``z_n`` w.r.t. the parameters
-and ``H_n`` the Hessian of the loss (the backward's root, everything after ``z``) w.r.t.
-``z_n``. Refused with :class:`.backprop.ChainError`, naming the fix: a loss that does not
-depend on ``z`` (a module with parameters called after the model, or several models
-before one backward: call the backward per model); one that reaches a parameter's
-module other than through ``z`` (an auxiliary loss on hidden states, weight decay in
-the loss: checked, in the backward, against autograd's own gradient at every such
-module's output); a loss that couples the samples (``H`` not block-diagonal over
-``n``: checked with a random probe); a loss not convex in ``z`` (``H_n`` with a negative
-eigenvalue: an operation with curvature between the head and the loss).
+* ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the loss, batched
+  over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``S_n ε / √M``,
+  ``ε [K, M]`` standard normal, for ``mc<M>``);
+* the factor's ``V`` columns reach each module's output by VJPs
+  (``is_grads_batched``, in slices under ``chunk_bytes``);
+* checked, else ``ChainError`` naming the fix: the loss depends on ``z``, reaches the
+  parameters only through ``z`` (against autograd's gradient at each module's output),
+  is per-sample (a random probe) and convex in ``z`` (``H_n`` has no negative
+  eigenvalue).
 
-**The loss Hessian** comes from the graph itself, by double backward from the root to
-``z`` and ``D = |z_n|`` Hessian-vector products batched over the probes ``e_d`` (each
-laid on every sample): ``H_n [D, D]`` for all ``n`` at once, whatever the loss (a loss
-module, ``F.cross_entropy`` with ``ignore_index``, HF's ``labels=`` with its shift).
-The exact factor is ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``K ≤ D``; the columns zero
-for every sample dropped). **Sequences** ``z [N, T, C]``: ``D = T·C``, and ``H_n`` is the
-whole ``[T·C, T·C]`` block of sample ``n`` (block-diagonal over tokens for a per-token
-loss), so ``Σ_v J_nᵀ S_n[:, v] S_n[:, v]ᵀ J_n = Σ_t J_tᵀ H_t J_t``: no cross terms
-``t ≠ t'``, which pushing a loss's per-token factors over all tokens at once would make.
-The Monte-Carlo kinds ``mc<M>`` use ``S_n ε / √M``, ``ε [K, M]`` standard normal, one
-draw per sample (and so per token): ``E[S Sᵀ] = H_n``, an unbiased estimate of the
-same GGN (BackPACK samples labels from the predictive distribution instead: the same
-expectation, a different estimator).
-
-**Crossing the graph.** The factors go from ``z`` to the output of every module with
-trainable parameters by VJPs (``torch.autograd.grad`` with those outputs' autograd
-edges as inputs), one column of ``V`` per backward: autograd's batching over ``V``
-(``is_grads_batched``, which the Hessian probes above use, in slices under the block's
-``chunk_bytes``) holds ``V`` times every module output's gradient at once, and even
-one batched column keeps more than a plain one. Each module computes its quantities
-from its kept input and the column at its output, as the chain's modules do
-(:class:`.base.Call`), and the columns' results merge
-(:meth:`.base.SecondOrderExtension.merge_chunks`). A call whose output all samples
-share (batch axis 1, broadcast over the batch: BERT's position embeddings) gets its
-column one sample at a time. One more backward, of ``∂L/∂z``, gives its image at each
-module's output, for the check above. Measured on a small BERT (CPU, float32, ``python
--m benchmarks.autograd_path_memory``), the peak is 1.9× a plain backward's for
-DiagGGNExact, 2.2× for KFLR, 1.7× for DiagGGNMC, and 4.5× for BatchDiagGGNExact,
-whose results alone are ``N`` times the parameters; the time grows with ``V``.
-
-Limits: records of forwards never backpropagated are held until the next backward or
-the block's end; a module with its own parameters and submodules (a ViT's
-``cls_token``) gets nothing, as on the chain; the cost grows with ``D`` (``V = D`` for
-the exact kinds).
+The whole account is in the guide's "Second order: the math" (docs/guide/curvature.rst).
 """
 
 from __future__ import annotations

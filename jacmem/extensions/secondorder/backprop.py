@@ -77,7 +77,7 @@ from jacmem.derivatives.jacobians import (
 from jacmem.extensions.secondorder.autograd_path import AutogradPath
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
-from jacmem.notices import LIMIT, listing
+from jacmem.notices import and_others
 from jacmem.passes import Engine as _Engine
 from jacmem.passes import Setup, Write
 
@@ -208,14 +208,8 @@ def _outside_mode(method):
 
     @functools.wraps(method)
     def run(self, *args):
-        n = torch._C._len_torch_function_stack()
-        if self.mode is None or not n or torch._C._get_function_stack_at(n - 1) is not self.mode:
+        with compat.without_function_mode(self.mode):
             return method(self, *args)
-        torch._C._pop_torch_function_stack()
-        try:
-            return method(self, *args)
-        finally:
-            torch._C._push_on_torch_function_stack(self.mode)
 
     return run
 
@@ -478,10 +472,9 @@ class Engine(_Engine):
         first = f"{self.name(module)!r} ({type(module).__name__})"
 
         def say(modules: list[str]) -> str:
-            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
             return (
-                f"jacmem: module {first}{others} is not supported by {exts}: its parameters get nothing, and "
-                "curvature cannot pass through it (a backward through it raises)."
+                f"jacmem: module {first} is not supported by {exts}: its parameters get nothing, and "
+                "curvature cannot pass through it (a backward through it raises)." + and_others(modules)
             )
 
         self.notices.add(("second-order unsupported module",), self.name(module), say)
@@ -494,11 +487,10 @@ class Engine(_Engine):
         first = str(node)
 
         def say(modules: list[str]) -> str:
-            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
             return (
-                f"jacmem: module {first}{others} has trainable parameters that {exts} cannot handle; they "
+                f"jacmem: module {first} has trainable parameters that {exts} cannot handle; they "
                 "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
-                "(requires_grad=False)."
+                "(requires_grad=False)." + and_others(modules)
             )
 
         self.notices.add(("second-order unsupported parameters",), node.name, say)
@@ -781,9 +773,7 @@ def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list
     reason = str(err).strip().rstrip(".")
 
     def say(modules: list[str]) -> str:
-        more = len(modules) - 1
-        others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
-        return f"jacmem: {reason}. Its parameters get no {ext.savefield}.{others}"
+        return f"jacmem: {reason}. Its parameters get no {ext.savefield}." + and_others(modules)
 
     return say
 

@@ -11,8 +11,8 @@ output ``z``, as DiagGGN and DiagHessian use them: a factor ``S [V, N, *z]`` of 
 and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m`` (a
 Jacobian-vector product of the module's ``forward`` w.r.t. ``θ``, ``torch.func.jvp``),
 then the curvature w.r.t. ``z`` from the factors, then ``J_θᵀ`` (``torch.func.vjp``),
-for each of the ``K`` vectors (a loop: ``vmap`` was slower for a few vectors). So the backward costs nothing beyond the factors, and a
-product costs about a forward and a backward of this one module.
+for each of the ``K`` vectors (a loop: ``vmap``'s set-up does not pay for a few
+vectors). So the backward costs nothing beyond the factors, and a product costs about a forward and a backward of this one module.
 
 * GGNMP: the loss Hessian's exact factor: the GGN block.
 * HMP: that, plus every elementwise activation's residual downstream (``f''(x) ⊙ g_out``,

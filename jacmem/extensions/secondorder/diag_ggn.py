@@ -24,7 +24,7 @@ from math import prod
 from torch import Tensor
 
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
-from jacmem.planner import compute
+from jacmem.planner import compute, entries
 
 
 def _repeat(obj, v: int):
@@ -34,14 +34,6 @@ def _repeat(obj, v: int):
     if isinstance(obj, (tuple, list)):
         return type(obj)(_repeat(o, v) for o in obj)
     return obj
-
-
-def _numel(obj) -> int:
-    if isinstance(obj, Tensor):
-        return obj.numel()
-    if isinstance(obj, (tuple, list)):
-        return sum(_numel(o) for o in obj)
-    return 0
 
 
 def vjp_chunks(
@@ -55,7 +47,7 @@ def vjp_chunks(
     x = call.x if x is None else x
     p = call.params[name]
     v, n = S.shape[:2]
-    x_bytes = _numel(x) // max(n, 1)
+    x_bytes = entries(x) // max(n, 1)
     per_sample = p.numel() if quantity == "batch_grad" and not kept else 0
     per_v = n * (x_bytes + prod(S.shape[2:]) + per_sample) * S.element_size()
     step = max(1, int(call.budget // max(per_v, 1)))

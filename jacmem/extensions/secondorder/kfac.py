@@ -1,123 +1,25 @@
 """KFAC, KFLR and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
 
-For a weight, ``[G, A]`` with ``G ⊗ A`` approximating its GGN block (row-major
-``vec``); for a bias, ``[G]``. ``G`` comes from the output side, ``A`` from the input.
+A weight gets ``[G, A]``, ``G ⊗ A`` approximating its GGN block (row-major ``vec``); a
+bias ``[G]``. ``G [O, O]`` is from the output side: ``Σ_{v,n} s sᵀ`` over the roots
+``S [V, N, *out]`` (KFAC: Monte-Carlo, KFLR: exact), or read off KFRA's batch-averaged
+``Ḡ [D, D]``, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``. ``A`` is from the input, by the layer's
+:class:`jacmem.derivatives.Kronecker` rule: ``[I, I]``; ``[g, m, m]`` for ``g`` groups
+(the block is then ``block_diag(G[j] ⊗ A[j])``); the diagonal ``[V]`` for Embedding.
 
-**The output factor** ``G`` of a layer whose output has ``O`` channels, from what the
-engine (:mod:`.backprop`) brings to the output:
+``kfac_approx`` (Eschenhagen et al. 2023, with curvlinops' scaling), for a layer applied
+at ``T`` positions with inputs ``a_{n,t}`` and roots ``s_{v,n,t}``:
 
-* KFAC (``mc_samples`` Monte-Carlo factors) and KFLR (the exact factor): roots
-  ``S [V, N, *out]`` with ``Σ_v S[v, n] S[v, n]ᵀ`` sample ``n``'s GGN w.r.t. the output;
-  ``G = Σ_v Σ_n s sᵀ``;
-* KFRA (Botev et al. 2017): ``Ḡ [D, D]`` (``D`` the entries of one sample's output),
-  the loss's batch-summed Hessian carried back with the batch average taken at every
-  module, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``; ``G`` is read off ``Ḡ`` the way KFLR's is
-  read off ``Σ_v Σ_n S Sᵀ`` (below, and the branches section).
+* ``"expand"``: ``A = Σ_{n,t} a aᵀ / (N·T)``, ``G = Σ_{v,n,t} s sᵀ``;
+* ``"reduce"``: ``A = Σ_n ā āᵀ / N`` (``ā_n`` the mean over ``t``),
+  ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``;
+* ``None``: ``"expand"`` for Linear and Embedding; BackPACK's for convolutions
+  (``"reduce"``'s ``G``, ``T`` times ``"expand"``'s ``A``).
 
-**Per layer**, as each layer file registers its rules beside its derivatives
-(:class:`jacmem.derivatives.Kronecker`: the input factor, the output's layout, the
-settings it refuses); a layer without them raises :class:`.UnsupportedModule`. With
-the default ``kfac_approx=None`` (the section on ``kfac_approx`` below gives the other
-two; ``N`` samples; ``T`` positions: the middle axes of a Linear or Embedding input
-``[N, *, ·]``, the output positions of a convolution; ``s_t`` the root's entries at
-position ``t``, ``[O]``):
-
-* Linear, input ``[N, *, I]``: ``G = Σ_{v,n,t} s_t s_tᵀ``, position by position (KFRA:
-  ``Σ_t Ḡ[t, t]``, the diagonal position blocks); ``A = Σ_{n,t} x_t x_tᵀ / (N·T)``.
-* Conv1d/2d/3d: ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``, summed over positions first (KFRA:
-  ``Σ_{t,t'} Ḡ[t, t']``); ``A = Σ_{n,t} a_t a_tᵀ / N`` over the im2col columns ``a_t``
-  ``[C_in·K]``.
-* ConvTranspose1d/2d/3d: ``G`` as for Conv; ``A`` as for Conv, over the columns of the
-  input unfolded by a transposed convolution with one-hot kernels.
-* Embedding, input ``[N, *]``: ``G`` as for Linear; ``A`` diagonal, ``a[v]`` = the count
-  of index ``v`` among the ``N·T`` positions ``/ (N·T)``.
-
-* *Linear with middle axes*: the axes are flattened into the batch: the factors are
-  those of the same layer applied to ``x.reshape(N·T, I)`` (KFAC-expand, Eschenhagen
-  et al. 2023); for a 2d input, ``T = 1`` and these are BackPACK's. BackPACK 1.7.1
-  raises for such inputs.
-* *HF transformers' Conv1D* (GPT-2's linear layer, ``weight [I, O]``): a Linear's
-  factors, ``G ⊗ A`` approximating the block of ``weight.T`` ``[O, I]`` (the Linear's
-  layout, as for Embedding).
-* *LayerNorm, RMSNorm* (``weight``, ``bias`` ``[D]``, each entry scaled by its own
-  parameter): no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal
-  from their own factors (Monte-Carlo for KFAC, exact for KFLR), as a one-entry list
-  ``[d]``, ``d.shape == param.shape`` (DiagGGNMC's/DiagGGNExact's value). KFRA raises
-  (use KFLR). Their input Jacobian is the vjp of their forward; DiagHessian raises
-  through them (their second derivative is not zero).
-* *Convolutions*: BackPACK's convention by default (``G`` is also the bias's factor,
-  which makes ``G ⊗ A`` ``T`` times the KFC paper's; ``kfac_approx`` below). *Transposed* convolutions, as BackPACK's:
-  ``G ⊗ A`` approximates the block of ``weight.transpose(0, 1)``, ``[C_out, C_in, *K]``
-  (``A`` [C_in·K, C_in·K]); ``output_padding`` is honoured (BackPACK 1.7.1 unfolds as if
-  it were 0).
-* *Grouped convolutions* (``groups = g > 1``, which BackPACK refuses): the factorisation
-  is per group, and the curvature between groups is dropped: ``G [g, O/g, O/g]`` and
-  ``A [g, I/g·K, I/g·K]``, the weight's block approximated by
-  ``block_diag(G[0] ⊗ A[0], ..., G[g-1] ⊗ A[g-1])`` (rows of group ``j`` are output
-  channels ``j·O/g ...``; for a transposed conv, group ``j`` of
-  ``weight.transpose(0, 1)``). ``G[j]`` is the ``j``-th diagonal block of the bias's
-  ``G``; the bias keeps its whole ``[O, O]`` factor (its GGN block couples all
-  channels).
-* *Embedding* (``weight [V, D]``): a Linear on one-hot inputs, so ``A`` is diagonal and
-  comes as its diagonal ``a [V]``: ``[G, a]``, with ``G ⊗ diag(a)`` approximating the
-  block of ``weight.T`` ``[D, V]`` (the Linear's layout; the transposition as for
-  transposed convolutions). ``padding_idx`` rows get 0 (autograd gives them no
-  gradient); ``scale_grad_by_freq`` raises (its Jacobian depends on the whole batch).
-* *BatchNorm* raises: its parameters are per-channel vectors scaled by the normalised
-  input, with no standard Kronecker factorisation (BackPACK has none); DiagGGNExact
-  gives their curvature.
-
-**Weight sharing: ``kfac_approx``** (Eschenhagen et al., "Kronecker-Factored
-Approximate Curvature for Modern Neural Network Architectures", NeurIPS 2023; the
-names and scalings are curvlinops' ``KFACLinearOperator(kfac_approx=...)``). For a
-layer applied at ``T`` positions (a Linear's middle axes, a convolution's output
-positions), with input vectors ``a_{n,t}`` and roots ``s_{v,n,t}``:
-
-* ``"expand"`` (positions as extra samples): ``A = Σ_{n,t} a aᵀ / (N·T)``,
-  ``G = Σ_{v,n,t} s sᵀ``;
-* ``"reduce"`` (positions reduced first): ``A = Σ_n ā āᵀ / N`` with
-  ``ā_n = 1/T Σ_t a_{n,t}``, ``G = Σ_{v,n} (Σ_t s_t)(Σ_t s_t)ᵀ``; Embedding raises
-  (its reduced ``A`` is a dense ``[V, V]``);
-* ``None`` (the default): Linear and Embedding ``"expand"``, convolutions BackPACK's
-  (``G`` of ``"reduce"``, ``A`` ``T`` times ``"expand"``'s, the list above).
-
-The scaling of the loss is in the roots (``1/√(terms)`` for ``reduction="mean"``), so
-for losses that curvlinops also reduces by the mean over ``N`` (·positions) the
-factors are curvlinops' own, ``G`` and ``A`` each, not only their product. With
-``T = 1`` all three coincide.
-
-**KFRA through branches** (:class:`jacmem.nn.Sum`, ``Residual``, ``Parallel``). Where a
-tensor feeds several paths that meet again, the region's per-sample Jacobian is the sum
-over paths ``J_n = Σ_b J_{b,n}``, and the batch average
-
-    1/N Σ_n J_nᵀ Ḡ J_n = Σ_{b,b'} 1/N Σ_n J_{b,n}ᵀ Ḡ J_{b',n}
-
-has cross terms ``b ≠ b'`` that no sum of matrices handed along each path can form.
-So at a module with several inputs (where, backward, the paths part) ``Ḡ`` is
-factorised, ``Ḡ = L Lᵀ`` (``L [D, r]`` from its eigendecomposition, ``r`` its rank:
-eigenvalues within rounding of 0 dropped; any negative ones would go as a root of sign
--1), and every sample carries its own root from there, ``P_n = L``, which crosses
-modules as KFLR's factors do, ``P_n ← J_nᵀ P_n``, the roots of all paths adding where
-the paths meet. A module inside the region reads ``Ḡ = 1/N Σ_n P_n P_nᵀ`` at its
-output. Each root carries the share of its merge's paths it stands for (1 at the merge,
-split evenly among the tracked inputs of every module with several); where the shares
-arriving at a module sum to 1, every path from that merge has met there, the graph
-above is a chain again, and the roots collapse back: ``Ḡ = 1/N Σ_n P_n P_nᵀ``. (A path
-that ends at the model's input, as the skip of a block applied to it does, keeps its
-share: those roots then never collapse, and the modules above read them per sample.)
-The rule keeps KFRA's average at every step of a chain and takes, where paths part,
-the one average that the chain rule allows, over the region's whole Jacobian. Hence:
-
-* on a chain nothing changes: BackPACK's KFRA;
-* ``Residual(f)`` gives its input ``1/N Σ_n (I + J_{f,n})ᵀ Ḡ (I + J_{f,n})``, cross
-  terms included, and ``f``'s modules the matrices of per-sample roots of ``Ḡ`` (no
-  average inside the region);
-* with one sample every ``Ḡ`` is the exact GGN w.r.t. its output, so KFRA equals KFLR
-  (the exact GGN block for a Linear layer), on any architecture;
-* inside a region KFRA costs what KFLR does with ``V = r ≤ D`` vectors per sample.
-
-The activations' Jacobians are those of their derivatives alone, so every activation
-works (BackPACK refuses LeakyReLU, SELU, GELU and SiLU), as does every dtype.
+Where paths part (a module with several inputs), KFRA's ``Ḡ = L Lᵀ`` goes on as
+per-sample roots ``P_n = L``, ``P_n ← J_nᵀ P_n``, which collapse back to
+``1/N Σ_n P_n P_nᵀ`` where all the paths have met. The per-layer rules and the reasons
+are in the guide's "Second order: the math" (docs/guide/curvature.rst).
 """
 
 from __future__ import annotations
@@ -240,8 +142,8 @@ def kfra_average(S: Tensor) -> Tensor:
 def _contiguous_symmetric(M: Tensor) -> Tensor:
     """``M``, symmetric in its last two axes (or a vector: Embedding's diagonal ``A``),
     as a contiguous tensor: its transpose where that is one already (opt_einsum often
-    returns ``xᵀx`` transposed), with no copy; a strided copy of a [784, 784] factor
-    costs ~10 ms."""
+    returns ``xᵀx`` transposed), with no copy: a strided copy of an ``[I, I]`` factor
+    reads it column by column."""
     if M.dim() < 2 or M.is_contiguous():
         return M.contiguous()
     t = M.transpose(-1, -2)
