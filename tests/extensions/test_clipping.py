@@ -13,6 +13,7 @@ import warnings
 
 import pytest
 import torch
+from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.reference import cross_entropy, per_sample_grads, trainable
 from torch import Tensor, nn
 from torch.nn import functional as F
@@ -388,64 +389,50 @@ def test_bad_arguments():
 WORLD, PER_RANK = 2, 3
 
 
-def _ddp_worker(rank: int, port: int) -> None:
+def _ddp_worker(rank: int) -> None:
     """Each rank clips its half of the batch; every rank's .grad is then the clipped sum
     over the whole batch, as one process computes it, and ``samples`` the global count."""
-    import os
+    torch.manual_seed(0)  # the same model and whole batch in every rank
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)).to(DT)
+    X, y = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=DT), torch.randint(0, 3, (WORLD * PER_RANK,))
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ext = jacmem.ClipGrad(C)
+    with jacmem.extend(ext):
+        F.cross_entropy(ddp(X[rows]), y[rows]).backward()
+    assert_grads(model, expected(grads, C), f"rank {rank}")
+    torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
+    assert ext.samples == WORLD * PER_RANK
+    assert ddp.require_backward_grad_sync  # given back on exit
 
-    import torch.distributed as dist
-
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+    other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
+    jacmem.track(other)
     try:
-        torch.manual_seed(0)  # the same model and whole batch in every rank
-        model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)).to(DT)
-        X, y = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=DT), torch.randint(0, 3, (WORLD * PER_RANK,))
-        grads = per_sample(model, X, y, cross_entropy, "mean")
-        C = median_norm(grads)
-        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        ddp = nn.parallel.DistributedDataParallel(model)
-        ext = jacmem.ClipGrad(C)
-        with jacmem.extend(ext):
-            F.cross_entropy(ddp(X[rows]), y[rows]).backward()
-        assert_grads(model, expected(grads, C), f"rank {rank}")
-        torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
-        assert ext.samples == WORLD * PER_RANK
-        assert ddp.require_backward_grad_sync  # given back on exit
-
-        other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
-        jacmem.track(other)
-        try:
-            loss = F.cross_entropy(other(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))  # DDP's sync on
-            with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
-                with jacmem.extend(jacmem.ClipGrad(C)):
-                    loss.backward()
-        finally:
-            jacmem.untrack(other)
-
-        model.zero_grad(set_to_none=True)
-        jacmem.track(ddp)
-        try:
-            ddp.require_backward_grad_sync = False
-            model.zero_grad(set_to_none=True)
-            loss = F.cross_entropy(ddp(X[rows]), y[rows])
+        loss = F.cross_entropy(other(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))  # DDP's sync on
+        with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
             with jacmem.extend(jacmem.ClipGrad(C)):
                 loss.backward()
-            assert_grads(model, expected(grads, C), f"rank {rank} tracked")
-        finally:
-            jacmem.untrack(ddp)
     finally:
-        dist.destroy_process_group()
+        jacmem.untrack(other)
+
+    model.zero_grad(set_to_none=True)
+    jacmem.track(ddp)
+    try:
+        ddp.require_backward_grad_sync = False
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(X[rows]), y[rows])
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            loss.backward()
+        assert_grads(model, expected(grads, C), f"rank {rank} tracked")
+    finally:
+        jacmem.untrack(ddp)
 
 
-def test_ddp_two_ranks_equal_one_process_on_the_whole_batch():
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-    from tests.integration.test_ddp import free_port
-
-    if not dist.is_available() or not dist.is_gloo_available():
-        pytest.skip("no gloo backend in this build")
-    mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+@needs_gloo
+def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    run_ranks(_ddp_worker, tmp_path, world=WORLD)
 
 
 @pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])

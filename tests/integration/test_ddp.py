@@ -20,13 +20,9 @@ processes runs all three, as starting processes is the slow part.
 
 from __future__ import annotations
 
-import os
-import socket
-
-import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.reference import REFERENCE, assert_close, clear, mse, per_sample_grads
 from torch import nn
 
@@ -57,58 +53,45 @@ def check(rank, params, reference, rows, what):
             assert_close(getattr(p, field), expected, f"{where} {field}")
 
 
-def _worker(rank: int, port: int) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _worker(rank: int) -> None:
+    torch.manual_seed(0)  # the same model and the same whole batch in every rank
+    model = net()
+    X = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=torch.float64)
+    y = torch.randn(WORLD * PER_RANK, 3, dtype=torch.float64)
+    full = per_sample_grads(model, X, y, mse)
+    reference = [full[p] for p in model.parameters()]
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    Xr, yr = X[rows], y[rows]
+
+    ddp = nn.parallel.DistributedDataParallel(model)
+    local = nn.Linear(4, 2).double()  # not DDP: its quantities stay this rank's own, unscaled
+    Zr, zr = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+    local_reference = per_sample_grads(local, Zr, zr, mse)
+    with jacmem.extend(*extensions()):
+        mse(ddp(Xr), yr, "mean").backward()
+        mse(local(Zr), zr, "mean").backward()
+    check(rank, model.parameters(), reference, rows, "inside")
+    check(rank, local.parameters(), [local_reference[p] for p in local.parameters()], slice(None), "local")
+
+    clear(model)
+    jacmem.track(ddp)
     try:
-        torch.manual_seed(0)  # the same model and the same whole batch in every rank
-        model = net()
-        X = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=torch.float64)
-        y = torch.randn(WORLD * PER_RANK, 3, dtype=torch.float64)
-        full = per_sample_grads(model, X, y, mse)
-        reference = [full[p] for p in model.parameters()]
-        rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
-        Xr, yr = X[rows], y[rows]
-
-        ddp = nn.parallel.DistributedDataParallel(model)
-        local = nn.Linear(4, 2).double()  # not DDP: its quantities stay this rank's own, unscaled
-        Zr, zr = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
-        local_reference = per_sample_grads(local, Zr, zr, mse)
+        loss = mse(ddp(Xr), yr, "mean")
         with jacmem.extend(*extensions()):
-            mse(ddp(Xr), yr, "mean").backward()
-            mse(local(Zr), zr, "mean").backward()
-        check(rank, model.parameters(), reference, rows, "inside")
-        check(rank, local.parameters(), [local_reference[p] for p in local.parameters()], slice(None), "local")
-
-        clear(model)
-        jacmem.track(ddp)
-        try:
-            loss = mse(ddp(Xr), yr, "mean")
-            with jacmem.extend(*extensions()):
-                loss.backward()
-        finally:
-            jacmem.untrack(ddp)
-        check(rank, model.parameters(), reference, rows, "track")
-
-        clear(model)
-        with jacmem.extend(*extensions(), process_group=dist.group.WORLD):
-            mse(model(Xr), yr, "mean").backward()
-        for p in model.parameters():  # average as DDP would
-            dist.all_reduce(p.grad)
-            p.grad /= WORLD
-        check(rank, model.parameters(), reference, rows, "process_group=")
+            loss.backward()
     finally:
-        dist.destroy_process_group()
+        jacmem.untrack(ddp)
+    check(rank, model.parameters(), reference, rows, "track")
+
+    clear(model)
+    with jacmem.extend(*extensions(), process_group=dist.group.WORLD):
+        mse(model(Xr), yr, "mean").backward()
+    for p in model.parameters():  # average as DDP would
+        dist.all_reduce(p.grad)
+        p.grad /= WORLD
+    check(rank, model.parameters(), reference, rows, "process_group=")
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this build")
-def test_two_ranks_equal_one_process_on_the_concatenated_batch():
-    # spawn, not fork: a fork inherits the state of every test before it (a lock held by
-    # another thread at the fork left a rank waiting forever after the benchmark tests)
-    mp.start_processes(_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+@needs_gloo
+def test_two_ranks_equal_one_process_on_the_concatenated_batch(tmp_path):
+    run_ranks(_worker, tmp_path, world=WORLD)

@@ -10,19 +10,16 @@ multiplier are Opacus's: checked against Opacus fed the same inputs.
 from __future__ import annotations
 
 import copy
-import os
 import threading
 import warnings
 
 import opacus
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
-from tests.integration.test_ddp import free_port
+from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.reference import cross_entropy, per_sample_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
@@ -369,44 +366,39 @@ def test_autocast_bfloat16_steps(engine):
 WORLD = 2
 
 
-def _ddp_worker(rank: int, port: int) -> None:
-    os.environ["GLOO_SOCKET_IFNAME"] = "lo"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def _ddp_worker(rank: int) -> None:
     torch.set_default_dtype(torch.float64)
     warnings.simplefilter("ignore")
-    try:
-        torch.manual_seed(0)  # the same model and whole batch in every rank
-        model = net()
-        X, y = batch(2 * N)
-        expected = loop_step(copy.deepcopy(model), [(X, y)], FLAT, "flat")
-        eng = PrivacyEngine()
-        rows = slice(rank * N, (rank + 1) * N)
+    torch.manual_seed(0)  # the same model and whole batch in every rank
+    model = net()
+    X, y = batch(2 * N)
+    expected = loop_step(copy.deepcopy(model), [(X, y)], FLAT, "flat")
+    eng = PrivacyEngine()
+    rows = slice(rank * N, (rank + 1) * N)
 
-        def step_on_own_rows(module: nn.Module) -> None:
-            """One private step of ``module`` on this rank's rows of the batch."""
-            _, opt, _ = eng.make_private(
-                module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
-                data_loader=loader(X, y, 2 * N), noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
-            )  # fmt: skip
-            try:
-                train(module, opt, [(X[rows], y[rows])])
-            finally:
-                eng.detach()
+    def step_on_own_rows(module: nn.Module) -> None:
+        """One private step of ``module`` on this rank's rows of the batch."""
+        _, opt, _ = eng.make_private(
+            module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
+            data_loader=loader(X, y, 2 * N), noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+        )  # fmt: skip
+        try:
+            train(module, opt, [(X[rows], y[rows])])
+        finally:
+            eng.detach()
 
-        step_on_own_rows(nn.parallel.DistributedDataParallel(model))
-        assert_params(model, expected, f"rank {rank} DDP")
+    step_on_own_rows(nn.parallel.DistributedDataParallel(model))
+    assert_params(model, expected, f"rank {rank} DDP")
 
-        torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
-        model = net()
-        step_on_own_rows(model)
-        assert_params(model, expected, f"rank {rank} process group")
-    finally:
-        dist.destroy_process_group()
+    torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
+    model = net()
+    step_on_own_rows(model)
+    assert_params(model, expected, f"rank {rank} process group")
 
 
-@pytest.mark.skipif(not dist.is_available() or not dist.is_gloo_available(), reason="no gloo backend in this build")
-def test_two_ddp_ranks_equal_one_process():
-    mp.start_processes(_ddp_worker, args=(free_port(),), nprocs=WORLD, join=True, start_method="spawn")
+@needs_gloo
+def test_two_ddp_ranks_equal_one_process(tmp_path):
+    run_ranks(_ddp_worker, tmp_path, world=WORLD)
 
 
 def test_other_models_are_untouched_while_private(engine):
