@@ -20,9 +20,9 @@ from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.utils.batch_memory_manager import BatchMemoryManager
 from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private, train
 from tests.support.reference import cross_entropy, per_sample_grads
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 import jacmem.context
 from jacmem import recorder
@@ -34,24 +34,6 @@ pytestmark = [
     pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha"),
 ]
 
-N, LR = 6, 0.5
-
-
-def net() -> nn.Module:
-    """[N, 2, 5, 5] -> [N, 3]: Conv2d, GroupNorm, Linear."""
-    return nn.Sequential(
-        nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4), nn.Tanh(), nn.Flatten(), nn.Linear(36, 3)
-    )  # fmt: skip
-
-
-def batch(n: int = N, seed: int = 0):
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(n, 2, 5, 5, generator=g), torch.randint(0, 3, (n,), generator=g)
-
-
-def loader(X, y, batch_size=N) -> DataLoader:
-    return DataLoader(TensorDataset(X, y), batch_size=batch_size)
-
 
 @pytest.fixture
 def engine():
@@ -59,47 +41,6 @@ def engine():
     eng = PrivacyEngine()
     yield eng
     eng.detach()
-
-
-def clip_factors(grads: dict, max_norm, clipping: str) -> dict:
-    """{param: [N]} clip factors of the per-sample gradients ``grads``: {param: [N, *]}."""
-    sq = {p: g.flatten(1).square().sum(1) for p, g in grads.items()}
-    total = torch.stack(list(sq.values())).sum(0).sqrt()
-    if clipping == "flat":
-        return dict.fromkeys(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
-    if clipping == "automatic":
-        return dict.fromkeys(grads, max_norm / (total + 0.01))
-    return {p: (c / (sq[p].sqrt() + 1e-6)).clamp(max=1.0) for p, c in zip(grads, max_norm)}
-
-
-def loop_step(model, batches, max_norm, clipping: str) -> list[torch.Tensor]:
-    """The parameters after one SGD step on the clipped sum over ``batches`` (a list
-    of (X, y)), divided by the number of samples: the per-sample loop."""
-    total = {p: torch.zeros_like(p) for p in model.parameters()}
-    for X, y in batches:
-        grads = per_sample_grads(model, X, y, cross_entropy, "sum")
-        factors = clip_factors(grads, max_norm, clipping)
-        for p, g in grads.items():
-            total[p] += torch.einsum("n,n...->...", factors[p], g)
-    count = sum(len(X) for X, _ in batches)
-    return [(p - LR / count * total[p]).detach() for p in model.parameters()]
-
-
-def train(model, optimizer, batches) -> None:
-    """One step over ``batches``: a backward pass each, then the step."""
-    optimizer.zero_grad()
-    for X, y in batches:
-        nn.functional.cross_entropy(model(X), y).backward()
-    optimizer.step()
-
-
-def private(engine, model, max_norm, clipping="flat", **kwargs):
-    opt = torch.optim.SGD(model.parameters(), lr=LR)
-    kwargs.setdefault("data_loader", loader(*batch()))
-    return engine.make_private(
-        module=model, optimizer=opt, noise_multiplier=0.0, max_grad_norm=max_norm,
-        poisson_sampling=False, clipping=clipping, **kwargs,
-    )  # fmt: skip
 
 
 def opacus_step(model, max_norm, clipping, batches) -> list[torch.Tensor]:
@@ -117,18 +58,6 @@ def opacus_step(model, max_norm, clipping, batches) -> list[torch.Tensor]:
 def assert_params(model, expected, what: str) -> None:
     for i, (p, e) in enumerate(zip(model.parameters(), expected)):
         torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}")
-
-
-#: a flat threshold that clips some of the samples of ``batch()`` on ``net()``, not all
-#: (the median norm is about 4; checked below)
-FLAT = 4.0
-
-
-def medians(model, X, y) -> list[float]:
-    """Per-layer thresholds that clip about half the samples: each parameter's median
-    per-sample norm (the loop's)."""
-    grads = per_sample_grads(model, X, y, cross_entropy, "sum")
-    return [g.flatten(1).norm(dim=1).median().item() for g in grads.values()]
 
 
 @pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])

@@ -16,7 +16,7 @@ import pytest
 import torch
 from opacus.accountants.utils import get_noise_multiplier
 from opacus.validators.errors import UnsupportedModuleError as OpacusUnsupportedModuleError
-from tests.privacy.test_privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, net, train
+from tests.support.privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, net, train
 from tests.support.reference import cross_entropy, per_sample_grads
 from torch import nn
 from torch.nn import functional as F

@@ -16,7 +16,7 @@ import opacus
 import pytest
 import torch
 from opacus.schedulers import ExponentialGradClip, LambdaGradClip, StepGradClip
-from tests.privacy.test_privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private
+from tests.support.privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private
 from tests.support.reference import cross_entropy, per_sample_grads
 from torch import nn
 
