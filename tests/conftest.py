@@ -6,6 +6,9 @@ import pytest
 import torch
 from torch.nn.modules import module as module_hooks
 
+# fixtures shared by several folders: `path`, both ways to a clipped sum
+pytest_plugins = ["tests.support.clipping"]
+
 # The tests use small tensors on a shared 2-core machine: one thread avoids
 # oversubscription, which slows them down many times over.
 torch.set_num_threads(1)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.extensions.test_clipping import assert_grads, expected, median_norm, norms, path  # noqa: F401  (path: a fixture)
+from tests.support.clipping import assert_grads, expected, median_norm, norms
 from tests.support.reference import check_against, clear, cross_entropy, per_sample_grads
 from torch import Tensor, nn
 

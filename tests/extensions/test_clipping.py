@@ -13,9 +13,10 @@ import warnings
 
 import pytest
 import torch
+from tests.support.clipping import assert_grads, expected, median_norm, norms
 from tests.support.distributed import needs_gloo, run_ranks
-from tests.support.reference import cross_entropy, per_sample_grads, trainable
-from torch import Tensor, nn
+from tests.support.reference import cross_entropy, per_sample_grads
+from torch import nn
 from torch.nn import functional as F
 
 import jacmem
@@ -33,25 +34,6 @@ def per_sample(model, X, y, loss, reduction):
     return {p: g * scale for p, g in grads.items()}
 
 
-def norms(grads: dict) -> Tensor:
-    return torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
-
-
-def expected(grads: dict, max_norm, clipping: str = "flat", stability: float = 0.01) -> dict:
-    """{param: Σ_n c_n g_n} by the docstring's formulas."""
-    total = norms(grads)
-    out = {}
-    for i, (p, g) in enumerate(grads.items()):
-        if clipping == "flat":
-            c = torch.clamp(max_norm / (total + 1e-6), max=1.0)
-        elif clipping == "automatic":
-            c = max_norm / (total + stability)
-        else:
-            c = torch.clamp(max_norm[i] / (g.flatten(1).norm(dim=1) + 1e-6), max=1.0)
-        out[p] = (c.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
-    return out
-
-
 def run(model, X, y, loss, ext, reduction="mean", flow="inside"):
     """One backward pass inside a ClipGrad block."""
     if flow == "track":
@@ -65,19 +47,6 @@ def run(model, X, y, loss, ext, reduction="mean", flow="inside"):
         return
     with jacmem.extend(ext):
         loss(model(X), y, reduction).backward()
-
-
-def assert_grads(model, want: dict, what: str = "") -> None:
-    for i, p in enumerate(trainable(model)):
-        torch.testing.assert_close(p.grad, want[p], rtol=1e-9, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}")
-
-
-def median_norm(grads: dict) -> float:
-    """A threshold that clips some samples and not others."""
-    total = norms(grads)
-    c = total.median().item()
-    assert (total > c).any() and (total < c).any()
-    return c
 
 
 # -- layer families ------------------------------------------------------------------
@@ -145,14 +114,6 @@ def family(name: str, seed: int = 0):
     model(X)  # the lazy layer's shape
     model = model.to(DT)
     return model, (X if shape is None else X.to(DT)), torch.randint(0, 3, (N,))
-
-
-@pytest.fixture(params=["bookkeeping", "per_sample"])
-def path(request, monkeypatch):
-    """Both ways to the clipped sum: from each call's x and c-scaled g, or from staged
-    per-sample gradients (the engine picks by memory; here each is forced in turn)."""
-    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: request.param == "per_sample")
-    return request.param
 
 
 @pytest.mark.parametrize("name", list(FAMILIES))
