@@ -27,14 +27,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.support.precision import FLOAT32_RTOL, Capture, per_sample
 from tests.support.reference import REFERENCE
 from torch import nn
-from torch.nn.grad import conv2d_weight
 
 import jacmem
 
 FIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
-FLOAT32_RTOL = 1e-5
 AGAINST_FLOAT32 = {torch.bfloat16: 2e-2, torch.float16: 3e-3}
 
 
@@ -64,37 +63,6 @@ def autocast_supported(dtype) -> bool:
             return nn.Linear(2, 2).float()(torch.randn(1, 2).float()).dtype == dtype
     except (RuntimeError, AssertionError):
         return False
-
-
-class Capture:
-    """Every trainable layer's input and output gradient, as the pass had them."""
-
-    def __init__(self, model):
-        self.x, self.g, self.handles = {}, {}, []
-        for m in model.modules():
-            if isinstance(m, (nn.Linear, nn.Conv2d)):
-                self.handles.append(m.register_forward_hook(self._forward))
-
-    def _forward(self, module, args, out):
-        self.x[module] = args[0].detach()
-        out.register_hook(lambda g: self.g.__setitem__(module, g))
-
-    def remove(self):
-        for h in self.handles:
-            h.remove()
-
-
-def per_sample(module, x, g):
-    """float64 per-sample gradients of one layer from its input and output gradient."""
-    x, g = x.double(), g.double()
-    if isinstance(module, nn.Linear):
-        return {module.weight: torch.einsum("no,ni->noi", g, x), module.bias: g}
-    weight = torch.stack([
-        conv2d_weight(x[n : n + 1], module.weight.shape, g[n : n + 1], module.stride, module.padding,
-                      module.dilation, module.groups)
-        for n in range(x.shape[0])
-    ])  # fmt: skip
-    return {module.weight: weight, module.bias: g.sum((2, 3))}
 
 
 def run(model, X, y, dtype=None):

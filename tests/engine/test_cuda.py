@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.engine.test_autocast import FLOAT32_RTOL, Capture, per_sample
+from tests.support.precision import FLOAT32_RTOL, Capture, per_sample
 from tests.support.reference import REFERENCE, check_against, clear, mse, per_sample_grads, run_jacmem
 from torch import nn
 
