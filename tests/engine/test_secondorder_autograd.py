@@ -14,7 +14,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.engine.test_secondorder_chain import Block
+from tests.support.secondorder_models import Block
 from tests.support.secondorder_ref import blocks, dense, diagonals
 from torch import Tensor, nn
 from torch.func import hessian

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.secondorder_models import Block, resnet
 from tests.support.secondorder_ref import check_exact, check_kronecker_blocks, dense, diagonals, run
 from torch import nn
 
@@ -13,17 +14,6 @@ import jacmem
 from jacmem import KFLR, KFRA, BatchGrad, ChainError, DiagGGNExact, DiagHessian
 
 DT = torch.float64
-
-
-def resnet():
-    return nn.Sequential(
-        nn.Linear(4, 5),
-        nn.Tanh(),
-        jacmem.nn.Residual(nn.Linear(5, 5), nn.Sigmoid(), nn.Linear(5, 5)),
-        jacmem.nn.Parallel(nn.Identity(), nn.Sequential(nn.ELU(), nn.Linear(5, 5)), jacmem.nn.Scale(0.5)),
-        nn.SiLU(),
-        nn.Linear(5, 3),
-    ).to(DT)
 
 
 @pytest.mark.parametrize("reduction", ["mean", "sum"])
@@ -115,20 +105,6 @@ def test_kfra_paths_that_meet_at_once_are_a_chain():
     for (name, p), q in zip(branched.named_parameters(), chain.parameters()):
         for a, b in zip(p.kfra, q.kfra, strict=True):
             torch.testing.assert_close(a, b, msg=name)
-
-
-class Block(nn.Module):
-    """h = lin0(x); out = head(Sum(h, lin1(op(h)))) with ``op`` on the branch."""
-
-    def __init__(self, op, functional_sum=False):
-        super().__init__()
-        self.lin0, self.lin1, self.head = nn.Linear(4, 5), nn.Linear(5, 5), nn.Linear(5, 3)
-        self.sum, self.op, self.functional_sum = jacmem.nn.Sum(), op, functional_sum
-
-    def forward(self, x):
-        h = self.lin0(x)
-        branch = self.lin1(self.op(h))
-        return self.head(h + branch if self.functional_sum else self.sum(h, branch))
 
 
 @pytest.mark.parametrize(

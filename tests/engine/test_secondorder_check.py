@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.engine.test_secondorder_chain import Block, resnet
+from tests.support.secondorder_models import Block, resnet
 from tests.support.secondorder_ref import check_exact, run
 from torch import nn
 
