@@ -42,6 +42,7 @@ import warnings
 import psutil
 import pytest
 import torch
+from tests.support.firstorder_cases import strategies
 from tests.support.reference import (
     REFERENCE,
     SAVEFIELDS,
@@ -85,11 +86,6 @@ def cnn(inplace=False):
 
 def x64(*shape):
     return torch.randn(*shape, dtype=torch.float64)
-
-
-def strategies(module_type):
-    """Every strategy name the module type offers, and auto."""
-    return sorted(REGISTRY[module_type].names() | {"auto"})
 
 
 def global_hooks():

@@ -29,10 +29,10 @@ from backpack import backpack, extend, extensions
 from backpack.core.derivatives.convnd import weight_jac_t_save_memory
 from backpack.custom_module.pad import Pad
 from backpack.custom_module.slicing import Slicing
-from tests.derivatives.test_linear_conv import CONV_CASES, LINEAR_CASES, case, module_type, strategies
-from tests.engine.test_architectures import make as make_architecture
+from tests.support.architectures import make as make_architecture
 from tests.support.backpack_settings import SETTINGS as BACKPACK_SETTINGS
 from tests.support.backpack_settings import SQRT_GGN_SETTINGS
+from tests.support.firstorder_cases import CONV_CASES, LINEAR_CASES, case, module_type, strategies
 from tests.support.reference import (
     FLOWS,
     REFERENCE,
