@@ -24,10 +24,10 @@ from unittest import mock
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.derivatives.test_generic_fallback import Model as FallbackModel
-from tests.derivatives.test_registry_coverage import CASES, Case, _loss, applicable, capture
-from tests.integration.test_transformers import build
+from tests.support.fallback_models import Model as FallbackModel
+from tests.support.hf_models import build
 from tests.support.reference import trainable
+from tests.support.registry_cases import CASES, Case, applicable, capture, sample_loss
 from torch import Tensor, nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -228,7 +228,7 @@ def test_every_registered_layer_backward_without_host_reads(case, ext):
     extension = extensions("sum")[ext](module)
     for _ in range(2):
         with jacmem.extend(extension):
-            reads = backward_reads(_loss(module(*args, **LAYERS[case].kwargs)))
+            reads = backward_reads(sample_loss(module(*args, **LAYERS[case].kwargs)))
     reads.check(f"{case}, {ext}")
 
 
