@@ -93,7 +93,7 @@ def test_every_registered_strategy_has_a_case():
     where the test before compares it with the reference."""
     missing = registered() - covered(CASES.values())
     assert not missing, (
-        "registered strategies that apply in no case of tests/test_registry_coverage.py, so nothing "
+        "registered strategies that apply in no case of tests/support/registry_cases.py, so nothing "
         f"checks them: add a case where each applies\n{_describe(missing)}"
     )
 

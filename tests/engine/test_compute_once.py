@@ -2,7 +2,7 @@
 
 Their backward computes ``.grad`` and the input gradient itself, from the per-sample
 pass, instead of autograd's own. The quantities are checked for every layer and
-strategy elsewhere (``test_firstorder_linear_conv.py`` compares ``.grad`` too); here,
+strategy elsewhere (``tests/derivatives/test_linear_conv.py`` compares ``.grad`` too); here,
 every way a backward can reach such a call: after the block, twice, with
 ``create_graph``, for some inputs only, and the cases that must keep autograd's path.
 Float64, against plain autograd on the same model.

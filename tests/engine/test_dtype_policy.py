@@ -4,7 +4,7 @@ Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the layers run in bf16, so
 the engines keep and the gradients they get are bf16. Both engines compute in float32
 and return each result in its parameter's dtype. The references are the same model and
 batch without autocast, in float32: the bf16 forward alone moves the results by its
-rounding (a few 1e-3 relative, see tests/test_autocast.py), so the tolerance is loose.
+rounding (a few 1e-3 relative, see tests/engine/test_autocast.py), so the tolerance is loose.
 """
 
 from __future__ import annotations

@@ -9,7 +9,7 @@ zero. The models: tiny HF GPT-2 (tied embeddings, default position ids), BERT an
 timm's ViT, a CNN, an LSTM and custom modules (the torch.func fallback), under every
 first-order extension (BatchGrad also with subsampling) and every ClipGrad clipping;
 and one module of every registered layer type (the case bank of
-tests/test_registry_coverage.py, which must cover the registry), under the engine and
+tests/support/registry_cases.py, which must cover the registry), under the engine and
 with every strategy its entry offers called directly.
 """
 
@@ -217,7 +217,7 @@ def test_the_cases_cover_every_registered_layer():
     """Every registered layer type has a module among the cases below."""
     covered = {registered_type(REGISTRY, type(case.make())) for case in CASES.values()}
     missing = set(REGISTRY) - covered
-    assert not missing, f"registered layers without a case in tests/test_registry_coverage.py: {missing}"
+    assert not missing, f"registered layers without a case in tests/support/registry_cases.py: {missing}"
 
 
 @pytest.mark.parametrize("ext", list(extensions("sum")))

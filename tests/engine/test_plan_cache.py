@@ -3,7 +3,7 @@
 A kept plan must be used only where it is still right: each test changes, between two
 steps, one thing a plan depends on (the shapes, the strategy asked for, the quantities
 wanted, which parameters train) and checks, in float64 against the per-sample loop of
-``tests/reference.py``, the values and what ``explain()`` says. BackPACK is left out:
+``tests/support/reference.py``, the values and what ``explain()`` says. BackPACK is left out:
 what is tested is which plan runs, not the quantities, which other files compare with it.
 """
 

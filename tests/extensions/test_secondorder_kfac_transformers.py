@@ -1,7 +1,7 @@
 """KFAC/KFLR for transformers (issue 16, item 4): Linear on sequences in both variants of
 Eschenhagen et al. (NeurIPS 2023), ``kfac_approx="expand" | "reduce"``, Embedding,
 LayerNorm/RMSNorm (their GGN diagonal), convolutions; in float64 against the exact GGN
-built with torch.func (tests/secondorder_ref.py) and against curvlinops'
+built with torch.func (tests/support/secondorder_ref.py) and against curvlinops'
 ``KFACLinearOperator`` (type-2 Fisher = KFLR), the independent implementation of both
 variants."""
 
