@@ -78,9 +78,12 @@ def test_user_registrations_stay_out():
 
 def test_every_layer_in_the_table_is_named_by_a_reference_test():
     """A floor, not proof of thoroughness: each layer the table claims must at least be
-    named in a test file that uses the per-sample reference of tests/support/reference.py."""
+    named in a test file that uses the per-sample reference of tests/support/reference.py,
+    or in a case bank of tests/support/ that such a file imports."""
     files = [p.read_text() for p in (ROOT / "tests").rglob("test_*.py")]
-    texts = [t for t in files if re.search(r"^from tests\.support\.reference import", t, re.M)]
+    tests = [t for t in files if re.search(r"^from tests\.support\.reference import", t, re.M)]
+    banks = {name for t in tests for name in re.findall(r"^from tests\.support\.(\w+) import", t, re.M)} - {"reference"}
+    texts = tests + [(ROOT / "tests" / "support" / f"{name}.py").read_text() for name in banks]
     short = {t: support.layer_name(t).rsplit(".", 1)[-1] for t in REGISTRY}
     missing = [
         short[module_type]
