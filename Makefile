@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
 # The docs extra is in the one install because the gallery's examples import what dev
-# installs and the suite's tests/test_docs.py reads the docs' own Sphinx extension (docutils).
+# installs and the suite's tests/docs/test_docs.py reads the docs' own Sphinx extension (docutils).
 # The Makefile is a prerequisite: it says which extras go in.
 $(STAMP): Makefile pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)

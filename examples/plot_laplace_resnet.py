@@ -16,7 +16,7 @@ shifts the inputs away from the training data. A Bayesian model should stay conf
 where it is right and grow unsure as the inputs leave the training distribution.
 
 A stock ``torchvision.models.resnet18`` fits with the same calls: jacmem follows its
-in-place ReLU, ``torch.flatten`` and ``+=`` (``tests/test_laplace.py`` checks its
+in-place ReLU, ``torch.flatten`` and ``+=`` (``tests/integration/test_laplace.py`` checks its
 diagonal against laplace's curvlinops backend).
 
 Run: ``python examples/plot_laplace_resnet.py``; ``JACMEM_QUICK=1`` (as the docs build

@@ -2,16 +2,12 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from torch.nn.modules import module as module_hooks
 
-# `from reference import ...` in the test files
-sys.path.insert(0, str(Path(__file__).parent))
-
+# fixtures shared by several folders: `path`, both ways to a clipped sum
+pytest_plugins = ["tests.support.clipping"]
 
 # The tests use small tensors on a shared 2-core machine: one thread avoids
 # oversubscription, which slows them down many times over.

@@ -38,7 +38,7 @@ Linear                  the stock op (a frozen weight keeps no input already);
 ======================  ======================================================
 
 Frozen ``nn.Embedding`` and frozen ``nn.Linear`` keep nothing of their input in stock
-PyTorch already (tests/test_memory_transformer.py checks it); a LoRA adapter (frozen
+PyTorch already (tests/memory/test_transformer.py checks it); a LoRA adapter (frozen
 Linear + trainable low-rank pair) then keeps only its down-projection's input, which
 a lean norm before it shares.
 

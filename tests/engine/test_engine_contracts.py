@@ -1,0 +1,248 @@
+"""The engine's contracts and messages (issue 13): the registry boundary, compute-once
+beside second order, BackPACK habits, and warnings that stay short on large models."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tests.support.reference import check_against, per_sample_grads
+from torch import nn
+
+import jacmem
+from jacmem import derivatives
+from jacmem.derivatives import REGISTRY
+from jacmem.planner import ContractError
+
+DT = torch.float64
+
+
+class Scale(nn.Module):
+    """y = x * w on the last axis: a module jacmem does not know."""
+
+    def __init__(self, features: int):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(features, dtype=DT))
+
+    def forward(self, x):
+        return x * self.w
+
+
+@pytest.fixture
+def registered():
+    """Register strategies for :class:`Scale` in the test; the registry is restored after."""
+    yield lambda *args, **kwargs: jacmem.register(Scale, "w", *args, **kwargs)
+    REGISTRY.pop(Scale, None)
+
+
+def scale_model():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 3).double(), Scale(3))
+
+
+# -- the registry boundary -------------------------------------------------------------
+
+
+def test_a_strategy_with_the_wrong_shape_raises_naming_module_parameter_and_strategy(registered):
+    @registered("batch_grad", "summed_by_mistake")
+    def wrong(x, g):
+        return (g * x).sum(0)  # [3], not [N, 3]
+
+    model = scale_model()
+    with pytest.raises(ContractError, match=r"'summed_by_mistake'.*batch_grad.*'w'.*'1'.*\[3\].*\[5, 3\]"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            model(torch.randn(5, 4, dtype=DT)).sum().backward()
+    assert not hasattr(model[1].w, "grad_batch") and not hasattr(model[0].weight, "grad_batch")
+    assert Scale in REGISTRY  # (the fixture removes it)
+
+
+@pytest.mark.parametrize("quantity", ["batch_l2", "sum_grad_squared"])
+def test_a_direct_strategy_with_the_wrong_shape_or_dtype_raises(registered, quantity):
+    @registered("batch_grad", "right")
+    def right(x, g):
+        return g * x
+
+    @registered(quantity, "wrong_dtype")
+    def wrong(x, g):
+        q = (g * x).square()
+        return (q.sum(1) if quantity == "batch_l2" else q.sum(0)).float()  # float32 in a float64 pass
+
+    model = scale_model()
+    ext = jacmem.BatchL2Grad() if quantity == "batch_l2" else jacmem.SumGradSquared()
+    with pytest.raises(ContractError, match=rf"'wrong_dtype' for {quantity}.*torch.float32.*torch.float64"):
+        with jacmem.extend(ext, strategy={"1": "wrong_dtype"}):
+            model(torch.randn(5, 4, dtype=DT)).sum().backward()
+
+
+def test_a_right_user_strategy_passes_the_check(registered):
+    @registered("batch_grad", "right")
+    def right(x, g):
+        return g * x
+
+    model = scale_model()
+    X = torch.randn(5, 4, dtype=DT)
+    reference = per_sample_grads(model, X, torch.zeros(5, 3, dtype=DT), lambda out, y, reduction: out.sum())
+    with jacmem.extend(jacmem.BatchGrad()):
+        model(X).sum().backward()
+    check_against(model, reference, ["grad_batch"])
+
+
+def test_a_failing_strategy_suggests_only_the_others(registered):
+    """No double period, and the strategy that failed is not suggested."""
+
+    @registered("batch_grad", "only")
+    def only(x, g):
+        raise ArithmeticError("it failed here.")
+
+    model = scale_model()
+    with pytest.raises(RuntimeError) as info:
+        with jacmem.extend(jacmem.BatchGrad()):
+            model(torch.randn(5, 4, dtype=DT)).sum().backward()
+    msg = str(info.value)
+    assert "failed: it failed here (strategy 'only')." in msg, msg
+    assert ".." not in msg and "among" not in msg and "no other strategy" in msg, msg
+
+    @registered("batch_grad", "other")
+    def other(x, g):
+        return g * x
+
+    with pytest.raises(RuntimeError) as info:
+        with jacmem.extend(jacmem.BatchGrad(), strategy={Scale: "only"}):
+            model(torch.randn(5, 4, dtype=DT)).sum().backward()
+    msg = str(info.value)
+    assert "with a name among ['other']" in msg and ".." not in msg, msg
+
+
+# -- compute-once beside second order ---------------------------------------------------
+
+
+def test_compute_once_stays_on_with_a_second_order_extension():
+    """Linear and Conv run through ComputeOnce with DiagGGNExact in the block too; per-sample
+    gradients match autograd's per-sample loop in float64, and .grad matches autograd's."""
+    torch.manual_seed(3)
+    model = nn.Sequential(
+        nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(3 * 4 * 4, 5), nn.Tanh(), nn.Linear(5, 3)
+    ).to(DT)
+    X, y = torch.randn(4, 2, 6, 6, dtype=DT), torch.randint(0, 3, (4,))
+    lossf = nn.CrossEntropyLoss()
+    reference = per_sample_grads(
+        model, X, y, lambda out, y, reduction: nn.CrossEntropyLoss(reduction=reduction)(out, y)
+    )
+    model.zero_grad()
+    lossf(model(X), y).backward()
+    grads = {p: p.grad.clone() for p in model.parameters()}
+    model.zero_grad()
+    with jacmem.extend(jacmem.BatchGrad(), jacmem.DiagGGNExact()):
+        out = model(X)
+        fns = [type(m(torch.zeros(1, *s, dtype=DT)).grad_fn).__name__ for m, s in ((model[0], (2, 6, 6)),)]
+        lossf(out, y).backward()
+    assert fns == ["ComputeOnceBackward"], "compute-once was switched off by the second-order extension"
+    check_against(model, reference, ["grad_batch"])
+    for p in model.parameters():
+        torch.testing.assert_close(p.grad, grads[p])
+        assert p.diag_ggn_exact.shape == p.shape
+
+
+# -- BackPACK habits ------------------------------------------------------------------
+
+
+def test_extend_of_a_model_says_what_to_call():
+    with pytest.raises(TypeError, match=r"jacmem.track\(model\).*BatchGrad"):
+        jacmem.extend(nn.Linear(2, 2))
+
+
+def test_forward_before_the_block_on_an_untracked_model_warns_naming_track():
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    loss = model(torch.randn(2, 4, dtype=DT)).sum()
+    with pytest.warns(UserWarning, match=r"jacmem.track\(model\)"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            loss.backward()
+    assert not hasattr(model[0].weight, "grad_batch")
+    assert torch.autograd.backward.__module__ == "torch.autograd", "the block left its wrapper behind"
+
+
+def test_no_warning_where_the_block_saw_the_forward_or_the_model_is_tracked():
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    X = torch.randn(2, 4, dtype=DT)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jacmem.extend(jacmem.BatchGrad()):
+            model(X).sum().backward()
+            torch.autograd.grad(model(X).sum(), [model[0].weight])
+        jacmem.track(model)
+        try:
+            loss = model(X).sum()
+            with jacmem.extend(jacmem.BatchGrad()):
+                loss.backward()
+        finally:
+            jacmem.untrack(model)
+        with jacmem.extend(jacmem.BatchGrad()):  # no parameter in the graph: nothing to say
+            (torch.randn(3, dtype=DT, requires_grad=True) * 2).sum().backward()
+    assert model[0].weight.grad_batch.shape == (2, 3, 4)
+
+
+# -- aggregated warnings --------------------------------------------------------------
+
+
+def bn_net(blocks: int = 6):
+    layers = []
+    for _ in range(blocks):
+        layers += [nn.Linear(4, 4), nn.BatchNorm1d(4)]
+    return nn.Sequential(*layers, nn.Linear(4, 3)).to(DT).eval()
+
+
+def test_kfac_warns_once_for_many_unsupported_modules():
+    """resnet18 gave twenty warnings, one per BatchNorm: one, naming three and the count."""
+    model, lossf = bn_net(), nn.CrossEntropyLoss()
+    X, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jacmem.extend(jacmem.KFLR()):
+            lossf(model(X), y).backward()
+    ours = [str(w.message) for w in caught if "jacmem" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "BatchNorm1d (module '11')" in ours[0] and "5 more module(s): '9', '7' and 3 more" in ours[0], ours
+    assert hasattr(model[0].weight, "kflr") and not hasattr(model[1].weight, "kflr")
+
+
+def test_first_order_unsupported_parameters_warn_once_per_pass():
+    class Odd(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.ones(4, dtype=DT))
+            self.register_buffer("running", torch.zeros((), dtype=DT))
+
+        def forward(self, x):
+            self.running.add_(1)  # a buffer it mutates: no generic fallback in training mode
+            return x @ torch.diag(self.p)  # not a broadcast jacmem can make explicit
+
+    if derivatives.lookup(Odd()) is not None:
+        pytest.skip("jacmem handles Odd now")
+    model = nn.Sequential(*[m for _ in range(5) for m in (nn.Linear(4, 4), Odd())]).to(DT)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with jacmem.extend(jacmem.BatchGrad()):
+            model(torch.randn(3, 4, dtype=DT)).sum().backward()
+    ours = [str(w.message) for w in caught if "cannot handle" in str(w.message)]
+    assert len(ours) == 1, ours
+    assert "'9' (Odd)" in ours[0] and "4 more module(s): '7', '5' and 2 more" in ours[0], ours
+
+
+def test_batch_size_warning_names_at_most_three_modules_per_size():
+    class Reshaped(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.first = nn.Sequential(*[nn.Linear(4, 4) for _ in range(6)])
+            self.second = nn.Sequential(*[nn.Linear(8, 8) for _ in range(5)])
+
+        def forward(self, x):
+            return self.second(self.first(x).reshape(-1, 8))
+
+    model = Reshaped().to(DT)
+    with pytest.warns(RuntimeWarning, match="different batch sizes") as caught:
+        with jacmem.extend(jacmem.BatchGrad()):
+            model(torch.randn(6, 4, dtype=DT)).sum().backward()
+    msg = str(caught[0].message)
+    assert "6: " in msg and "3: " in msg and msg.count("and 3 more") == 1 and msg.count("and 2 more") == 1, msg
+    assert msg.count("'first.") == 3 and msg.count("'second.") == 3, msg

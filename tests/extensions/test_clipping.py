@@ -1,0 +1,412 @@
+"""ClipGrad: ``.grad`` after one backward pass is the sum of the clipped per-sample
+gradients, against a per-sample autograd loop (``reference.per_sample_grads``), in float64.
+
+The reference's per-sample gradients sum to the batch loss's gradient, so with
+``reduction="mean"`` they carry the mean's ``1/N``: the gradient of sample ``n``'s own
+loss term is ``N`` times theirs (as Opacus defines it). :func:`expected` clips them with
+the formulas of the ClipGrad docstring, written out here again.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from tests.support.clipping import assert_grads, expected, median_norm, norms
+from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.reference import cross_entropy, per_sample_grads
+from torch import nn
+from torch.nn import functional as F
+
+import jacmem
+import jacmem.clipping_engine
+from jacmem.extensions.clipping import check
+
+DT = torch.float64
+N = 5
+
+
+def per_sample(model, X, y, loss, reduction):
+    """{param: [N, *shape]}: the gradients of each sample's own loss term."""
+    grads = per_sample_grads(model, X, y, loss, reduction)
+    scale = X.shape[0] if reduction == "mean" else 1
+    return {p: g * scale for p, g in grads.items()}
+
+
+def run(model, X, y, loss, ext, reduction="mean", flow="inside"):
+    """One backward pass inside a ClipGrad block."""
+    if flow == "track":
+        jacmem.track(model)
+        try:
+            value = loss(model(X), y, reduction)
+            with jacmem.extend(ext):
+                value.backward()
+        finally:
+            jacmem.untrack(model)
+        return
+    with jacmem.extend(ext):
+        loss(model(X), y, reduction).backward()
+
+
+# -- layer families ------------------------------------------------------------------
+
+
+class Attention(nn.Module):
+    """Self-attention, [N, T, D] -> [N, T, D]."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = nn.MultiheadAttention(4, 2, batch_first=True)
+
+    def forward(self, x):
+        return self.attn(x, x, x, need_weights=False)[0]
+
+
+class Recurrent(nn.Module):
+    """[N, T, F] -> [N, T, H], the output sequence of an RNN or LSTM."""
+
+    def __init__(self, cls):
+        super().__init__()
+        self.rnn = cls(4, 3, batch_first=True)
+
+    def forward(self, x):
+        return self.rnn(x)[0]
+
+
+class Bilinear(nn.Module):
+    """A module no derivative is registered for: the generic (vmap) fallback."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x):
+        return torch.tanh(x @ self.w) * x
+
+
+def seq(*layers):
+    return nn.Sequential(*layers, nn.Flatten(), nn.LazyLinear(3))
+
+
+FAMILIES = {
+    "linear_sequence": (lambda: seq(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 2)), (N, 3, 4)),
+    "conv1d": (lambda: seq(nn.Conv1d(2, 3, 3), nn.ReLU()), (N, 2, 7)),
+    "conv2d": (lambda: seq(nn.Conv2d(2, 3, 3, stride=2), nn.ReLU()), (N, 2, 6, 6)),
+    "conv3d": (lambda: seq(nn.Conv3d(2, 2, 2)), (N, 2, 3, 3, 3)),
+    "conv_transpose2d": (lambda: seq(nn.ConvTranspose2d(2, 2, 3, stride=2)), (N, 2, 3, 3)),
+    "layernorm": (lambda: seq(nn.Linear(4, 6), nn.LayerNorm(6)), (N, 3, 4)),
+    "groupnorm": (lambda: seq(nn.Conv2d(2, 4, 3), nn.GroupNorm(2, 4)), (N, 2, 5, 5)),
+    "rmsnorm": (lambda: seq(nn.Linear(4, 6), nn.RMSNorm(6)), (N, 3, 4)),
+    "attention": (lambda: seq(Attention()), (N, 3, 4)),
+    "rnn": (lambda: seq(Recurrent(nn.RNN)), (N, 3, 4)),
+    "lstm": (lambda: seq(Recurrent(nn.LSTM)), (N, 3, 4)),
+    "generic_fallback": (lambda: seq(Bilinear(), nn.Linear(4, 2)), (N, 3, 4)),
+    "embedding": (lambda: seq(nn.Embedding(11, 4), nn.Linear(4, 2)), None),
+}
+
+
+def family(name: str, seed: int = 0):
+    torch.manual_seed(seed)
+    make, shape = FAMILIES[name]
+    model = make()
+    X = torch.randint(0, 11, (N, 3)) if shape is None else torch.randn(shape)
+    model(X)  # the lazy layer's shape
+    model = model.to(DT)
+    return model, (X if shape is None else X.to(DT)), torch.randint(0, 3, (N,))
+
+
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_every_layer_family_gets_the_sum_of_clipped_per_sample_gradients(name, path):
+    model, X, y = family(name)
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    ext = jacmem.ClipGrad(C)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run(model, X, y, cross_entropy, ext)
+    assert_grads(model, expected(grads, C), name)
+    torch.testing.assert_close(ext.norms, norms(grads), rtol=1e-9, atol=0)
+    assert ext.samples == N
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_clipping_styles_and_reductions(clipping, reduction, flow, path):
+    model, X, y = family("conv2d")
+    grads = per_sample(model, X, y, cross_entropy, reduction)
+    if clipping == "per_layer":
+        C = [g.flatten(1).norm(dim=1).median().item() for g in grads.values()]
+    else:
+        C = median_norm(grads)
+    run(model, X, y, cross_entropy, jacmem.ClipGrad(C, clipping, reduction, stability=0.05), reduction, flow)
+    assert_grads(model, expected(grads, C, clipping, stability=0.05), f"{clipping} {reduction} {flow}")
+
+
+def test_a_tracked_model_called_inside_the_block():
+    """The tracker's calls inside a block run through ComputeOnce, as the block's own do;
+    a backward after the block gets autograd's gradients."""
+    model, X, y = family("linear_sequence")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    jacmem.track(model)
+    try:
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            out = model(X)
+            assert type(out.grad_fn).__name__ == "ComputeOnceBackward"
+            F.cross_entropy(out, y).backward()
+            late = F.cross_entropy(model(X), y)
+        assert_grads(model, expected(grads, C))
+        model.zero_grad(set_to_none=True)
+        with pytest.warns(UserWarning, match="after the block had closed.*unclipped"):
+            late.backward()
+    finally:
+        jacmem.untrack(model)
+    assert_grads(model, {p: g.sum(0) / N for p, g in grads.items()}, "after the block")
+
+
+def test_per_layer_thresholds_as_a_dict():
+    model, X, y = family("linear_sequence")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = [g.flatten(1).norm(dim=1).median().item() for g in grads.values()]
+    run(model, X, y, cross_entropy, jacmem.ClipGrad(dict(zip(grads, C)), "per_layer"))
+    assert_grads(model, expected(grads, C, "per_layer"))
+
+
+def test_per_layer_thresholds_must_match_the_parameters():
+    model, X, y = family("linear_sequence")
+    with pytest.raises(ValueError, match="one per trainable parameter"):
+        run(model, X, y, cross_entropy, jacmem.ClipGrad([1.0, 2.0], "per_layer"))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+
+
+def test_two_backward_passes_accumulate_and_samples_count(path):
+    """Virtual batches: each pass adds its clipped sum to what .grad held."""
+    model, X, y = family("conv2d")
+    model2, X2, y2 = family("conv2d", seed=1)
+    grads, grads2 = per_sample(model, X, y, cross_entropy, "mean"), per_sample(model, X2, y2, cross_entropy, "mean")
+    before = [torch.randn_like(p) for p in model.parameters()]
+    for p, b in zip(model.parameters(), before):
+        p.grad = b.clone()
+    ext = jacmem.ClipGrad(0.5)
+    with jacmem.extend(ext):
+        F.cross_entropy(model(X), y).backward()
+        F.cross_entropy(model(X2), y2).backward()
+    one, two = expected(grads, 0.5), expected(grads2, 0.5)
+    assert_grads(model, {p: b + one[p] + two[p] for p, b in zip(model.parameters(), before)})
+    assert ext.samples == 2 * N
+    torch.testing.assert_close(ext.norms, norms(grads2), rtol=1e-9, atol=0)
+    ext.reset()
+    assert ext.samples == 0
+
+
+def test_tied_and_frozen_parameters(path):
+    """A weight used twice is clipped by the norm of its summed use; a frozen one gets nothing."""
+
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = nn.Embedding(7, 4)
+            self.mid = nn.Linear(4, 4)
+            self.frozen = nn.Linear(4, 4)
+            self.frozen.requires_grad_(False)
+            self.out = nn.Linear(4, 7, bias=False)
+            self.out.weight = self.emb.weight
+
+        def forward(self, ids):
+            return self.out(self.frozen(torch.tanh(self.mid(self.emb(ids))))).transpose(1, 2)
+
+    torch.manual_seed(0)
+    model = Tied().to(DT)
+    X, y = torch.randint(0, 7, (N, 3)), torch.randint(0, 7, (N, 3))
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    run(model, X, y, cross_entropy, jacmem.ClipGrad(C))
+    assert_grads(model, expected(grads, C))
+    assert model.frozen.weight.grad is None and model.frozen.bias.grad is None
+
+
+def test_empty_batch_adds_zeros(path):
+    model, X, y = family("linear_sequence")
+    ext = jacmem.ClipGrad(1.0)
+    with jacmem.extend(ext):
+        F.cross_entropy(model(X[:0]), y[:0]).backward()  # NaN: the mean of nothing
+    for p in model.parameters():
+        assert p.grad is not None and not p.grad.any()
+    assert ext.samples == 0 and ext.norms.shape == (0,)
+
+
+# -- real models ---------------------------------------------------------------------
+
+transformers = pytest.importorskip("transformers")
+timm = pytest.importorskip("timm")
+
+
+class Logits(nn.Module):
+    """GPT-2 as the loss sees it: ids [N, T] -> logits [N, V, T]."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits.transpose(1, 2)
+
+
+def gpt2():
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=8, n_head=2, vocab_size=13, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
+    torch.manual_seed(0)
+    model = Logits(transformers.GPT2LMHeadModel(config)).to(DT).eval()
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    return model, torch.randint(0, 13, (3, 5)), torch.randint(0, 13, (3, 5))
+
+
+def vit():
+    torch.manual_seed(0)
+    model = timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=4, num_classes=3, depth=2,
+        embed_dim=8, num_heads=2,
+    ).to(DT).eval()  # fmt: skip
+    return model, torch.randn(3, 3, 8, 8, dtype=DT), torch.randint(0, 3, (3,))
+
+
+@pytest.mark.parametrize("make", [gpt2, vit], ids=["gpt2", "vit"])
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_real_models(make, flow, path):
+    """GPT-2 with its default [1, T] position ids and tied embeddings; ViT with its
+    cls_token and pos_embed, parameters of the model itself."""
+    model, X, y = make()
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    run(model, X, y, cross_entropy, jacmem.ClipGrad(C), flow=flow)
+    assert_grads(model, expected(grads, C), f"{make.__name__} {flow}")
+
+
+def test_autocast_bfloat16_runs_with_float32_norms():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    X, y = torch.randn(N, 4), torch.randint(0, 3, (N,))
+    ext = jacmem.ClipGrad(0.1)
+    with jacmem.extend(ext), torch.autocast("cpu", dtype=torch.bfloat16):
+        F.cross_entropy(model(X), y).backward()
+    assert ext.norms.dtype == torch.float32 and ext.norms.shape == (N,)
+    for p in model.parameters():
+        assert p.grad.dtype == torch.float32 and torch.isfinite(p.grad).all()
+        assert p.grad.norm() <= 0.1 * N * 1.001  # a sum of N gradients of norm at most 0.1
+    ref = per_sample(model.double(), X.double(), y, cross_entropy, "mean")
+    torch.testing.assert_close(ext.norms.double(), norms(ref), rtol=0.05, atol=0)  # bfloat16 inputs
+
+
+# -- refusals ------------------------------------------------------------------------
+
+
+def no_hooks(model: nn.Module) -> bool:
+    return all(not p._backward_hooks for p in model.parameters() if p._backward_hooks is not None)
+
+
+def test_batchnorm_in_training_mode_is_refused_before_any_step():
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 3)).to(DT)
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
+        check(model)
+    check(model.eval())  # running statistics: exact
+    model.train()
+    X, y = torch.randn(N, 2, 5, 5, dtype=DT), torch.randint(0, 3, (N,))
+    with pytest.raises(RuntimeError, match="BatchNorm"):
+        run(model, X, y, cross_entropy, jacmem.ClipGrad(1.0))
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())
+    assert no_hooks(model)
+
+
+def test_a_parameter_used_outside_every_recorded_call_is_refused():
+    """A parameter of the model that the loss reads directly: its clipped gradient is unknown."""
+    model, X, y = family("linear_sequence")
+    extra = model[0].weight
+    with pytest.raises(RuntimeError, match=r"outside every module call"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            (F.cross_entropy(model(X), y) + model[2].weight.square().sum()).backward()
+    assert extra.grad is None or not extra.grad.any()
+    assert no_hooks(model)
+
+
+def test_clipgrad_runs_alone_in_its_block():
+    with pytest.raises(ValueError, match="runs alone"):
+        jacmem.extend(jacmem.ClipGrad(1.0), jacmem.BatchGrad())
+
+
+def test_bad_arguments():
+    with pytest.raises(ValueError, match="clipping"):
+        jacmem.ClipGrad(1.0, clipping="tight")
+    with pytest.raises(ValueError, match="loss_reduction"):
+        jacmem.ClipGrad(1.0, loss_reduction="none")
+    with pytest.raises(TypeError, match="per_layer"):
+        jacmem.ClipGrad(1.0, clipping="per_layer")
+
+
+# -- DistributedDataParallel ---------------------------------------------------------
+
+WORLD, PER_RANK = 2, 3
+
+
+def _ddp_worker(rank: int) -> None:
+    """Each rank clips its half of the batch; every rank's .grad is then the clipped sum
+    over the whole batch, as one process computes it, and ``samples`` the global count."""
+    torch.manual_seed(0)  # the same model and whole batch in every rank
+    model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)).to(DT)
+    X, y = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=DT), torch.randint(0, 3, (WORLD * PER_RANK,))
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    ddp = nn.parallel.DistributedDataParallel(model)
+    ext = jacmem.ClipGrad(C)
+    with jacmem.extend(ext):
+        F.cross_entropy(ddp(X[rows]), y[rows]).backward()
+    assert_grads(model, expected(grads, C), f"rank {rank}")
+    torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
+    assert ext.samples == WORLD * PER_RANK
+    assert ddp.require_backward_grad_sync  # given back on exit
+
+    other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
+    jacmem.track(other)
+    try:
+        loss = F.cross_entropy(other(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))  # DDP's sync on
+        with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
+            with jacmem.extend(jacmem.ClipGrad(C)):
+                loss.backward()
+    finally:
+        jacmem.untrack(other)
+
+    model.zero_grad(set_to_none=True)
+    jacmem.track(ddp)
+    try:
+        ddp.require_backward_grad_sync = False
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(ddp(X[rows]), y[rows])
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            loss.backward()
+        assert_grads(model, expected(grads, C), f"rank {rank} tracked")
+    finally:
+        jacmem.untrack(ddp)
+
+
+@needs_gloo
+def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    run_ranks(_ddp_worker, tmp_path, world=WORLD)
+
+
+@pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])
+def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
+    """The norms by each of a conv's strategies (chosen by name), the clipped sum as always."""
+    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: False)  # norms, not per-sample gradients
+    model, X, y = family("conv2d")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    with jacmem.extend(jacmem.ClipGrad(C), strategy={nn.Conv2d: strategy}) as ctx:
+        F.cross_entropy(model(X), y).backward()
+    assert (
+        f"0.weight batch_l2 <- {strategy}" in ctx.explain()
+        or f"0.weight batch_l2 <- per-sample gradients by {strategy}" in ctx.explain()
+    )
+    assert_grads(model, expected(grads, C), strategy)

@@ -1,0 +1,391 @@
+"""KFAC/KFLR for transformers (issue 16, item 4): Linear on sequences in both variants of
+Eschenhagen et al. (NeurIPS 2023), ``kfac_approx="expand" | "reduce"``, Embedding,
+LayerNorm/RMSNorm (their GGN diagonal), convolutions; in float64 against the exact GGN
+built with torch.func (tests/support/secondorder_ref.py) and against curvlinops'
+``KFACLinearOperator`` (type-2 Fisher = KFLR), the independent implementation of both
+variants."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.secondorder_ref import blocks, dense, diagonals, run
+from torch import nn
+
+from jacmem import KFAC, KFLR, DiagGGNMC
+
+DT = torch.float64
+APPROX = [None, "expand", "reduce"]
+
+
+def _seq_model():
+    """Embedding -> Linear on [N, T, ·] -> LayerNorm -> GELU -> Linear -> RMSNorm."""
+    return nn.Sequential(
+        nn.Embedding(7, 4), nn.Linear(4, 5), nn.LayerNorm(5), nn.GELU(), nn.Linear(5, 3), nn.RMSNorm(3)
+    ).to(DT)
+
+
+@pytest.mark.parametrize("approx", APPROX)
+@pytest.mark.parametrize("ext", [KFAC, KFLR])
+def test_factors_are_symmetric_psd_with_the_right_sizes(ext, approx):
+    """Weights ``[G [O, O], A [I, I]]`` (Embedding ``[G [D, D], a [V]]``, a ≥ 0), biases
+    ``[G]``, LayerNorm/RMSNorm ``[d]`` (``param.shape``, d ≥ 0): symmetric, PSD."""
+    torch.manual_seed(0)
+    model = _seq_model()
+    if approx == "reduce":  # an Embedding has no reduce factors (test_embedding_refuses_reduce)
+        model[0].weight.requires_grad_(False)
+    X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
+    e = ext(kfac_approx=approx)
+    run(model, nn.MSELoss(), X, y, e)
+    sizes = {
+        "0.weight": [(4, 4), (7,)],
+        "1.weight": [(5, 5), (4, 4)],
+        "1.bias": [(5, 5)],
+        "2.weight": [(5,)],
+        "2.bias": [(5,)],
+        "4.weight": [(3, 3), (5, 5)],
+        "4.bias": [(3, 3)],
+        "5.weight": [(3,)],
+    }
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            assert not hasattr(p, e.savefield)
+            continue
+        factors = getattr(p, e.savefield)
+        assert [tuple(f.shape) for f in factors] == sizes[name], name
+        for f in factors:
+            if f.dim() == 1:
+                assert bool((f >= 0).all()), name
+            else:
+                torch.testing.assert_close(f, f.T, msg=name)
+                assert float(torch.linalg.eigvalsh(f).min()) > -1e-12 * float(f.abs().max()), name
+
+
+def _check_blocks(model, lossf, X, y, ext):
+    """G ⊗ A (row-major vec of a weight) and G (a bias) are the exact GGN blocks."""
+    run(model, lossf, X, y, ext)
+    ref = blocks(model, dense(model, lossf, X, y)[0])
+    for name, p in model.named_parameters():
+        factors = getattr(p, ext.savefield)
+        got = torch.kron(*factors) if name.endswith("weight") else factors[0]
+        torch.testing.assert_close(got, ref[name], msg=f"{ext!r} {name}")
+
+
+@pytest.mark.parametrize("approx", APPROX)
+def test_one_sample_one_position_is_the_exact_ggn_block(approx):
+    """N = 1, T = 1: every variant gives the exact GGN block of each Linear and conv
+    (the Kronecker form of a one-sample GGN w.r.t. a weight is exact)."""
+    torch.manual_seed(1)
+    seq = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    _check_blocks(
+        seq, nn.CrossEntropyLoss(), torch.randn(1, 1, 4, dtype=DT).squeeze(1), torch.tensor([2]), KFLR(approx)
+    )
+    _check_blocks(seq, nn.MSELoss(), torch.randn(1, 1, 4, dtype=DT), torch.randn(1, 1, 3, dtype=DT), KFLR(approx))
+    cnn = nn.Sequential(nn.Conv2d(2, 3, 4), nn.Tanh(), nn.Flatten(), nn.Linear(3, 3)).to(DT)  # one output position
+    _check_blocks(cnn, nn.CrossEntropyLoss(), torch.randn(1, 2, 4, 4, dtype=DT), torch.tensor([0]), KFLR(approx))
+
+
+def test_expand_is_exact_for_a_linear_layer_with_mse():
+    """One Linear on [N, T, I] with MSE: the output GGN is the constant c·I at every
+    position, so the exact block Σ_{n,t} c I ⊗ x xᵀ = (N·T·c I) ⊗ (Σ x xᵀ / (N·T)) is
+    KFLR-expand's, for any N, T; reduce's is not (its A is of the means)."""
+    torch.manual_seed(2)
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    X, y = torch.randn(3, 5, 4, dtype=DT), torch.randn(3, 5, 3, dtype=DT)
+    _check_blocks(model, nn.MSELoss(), X, y, KFLR("expand"))
+    run(model, nn.MSELoss(), X, y, KFLR("reduce"))
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+    assert (torch.kron(*model[0].weight.kflr) - ref).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("d", [1, 2, 3])
+def test_expand_is_exact_for_a_convolution_with_mse(d):
+    """One Conv1d/2d/3d with MSE, as for the Linear: KFLR-expand's G ⊗ A is the exact
+    block over the T output positions (Σ_{n,t} c I ⊗ a_t a_tᵀ); the default's
+    (BackPACK's) is T times it; with one sample and the same patch everywhere, reduce's
+    is exact too (next test)."""
+    torch.manual_seed(11)
+    conv = (nn.Conv1d, nn.Conv2d, nn.Conv3d)[d - 1]
+    model = nn.Sequential(conv(2, 3, 2, stride=1, padding=1)).to(DT)
+    X = torch.randn(2, 2, *(3,) * d, dtype=DT)
+    y = torch.randn(2, 3, *(4,) * d, dtype=DT)
+    _check_blocks(model, nn.MSELoss(), X, y, KFLR("expand"))
+    run(model, nn.MSELoss(), X, y, KFLR())
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+    torch.testing.assert_close(torch.kron(*model[0].weight.kflr), 4**d * ref)
+
+
+def test_expand_is_exact_for_a_transposed_convolution_with_mse():
+    """ConvTranspose2d alone with MSE: KFLR-expand's G ⊗ A is the exact block of
+    weight.transpose(0, 1) (the layout of its factors, as BackPACK's)."""
+    torch.manual_seed(12)
+    model = nn.Sequential(nn.ConvTranspose2d(2, 3, 2, stride=2)).to(DT)
+    X, y = torch.randn(2, 2, 2, 3, dtype=DT), torch.randn(2, 3, 4, 6, dtype=DT)
+    run(model, nn.MSELoss(), X, y, KFLR("expand"))
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+    idx = torch.arange(24).reshape(2, 3, 2, 2).transpose(0, 1).flatten()
+    torch.testing.assert_close(torch.kron(*model[0].weight.kflr), ref[idx][:, idx])
+
+
+def test_embedding_expand_is_exact_for_an_embedding_with_mse():
+    """As for the Linear: an Embedding alone with MSE, [G, a] with G ⊗ diag(a) the exact
+    GGN block of weight.T, a = the token counts / (N·T) (0 at padding_idx)."""
+    torch.manual_seed(3)
+    model = nn.Sequential(nn.Embedding(6, 4, padding_idx=1)).to(DT)
+    X, y = torch.tensor([[0, 1, 3], [3, 5, 3]]), torch.randn(2, 3, 4, dtype=DT)
+    for ext in (KFLR(), KFLR("expand")):
+        run(model, nn.MSELoss(), X, y, ext)
+        G, a = model[0].weight.kflr
+        torch.testing.assert_close(a, torch.tensor([1, 0, 0, 3, 0, 1], dtype=DT) / 6)
+        ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])["0.weight"]
+        idx = torch.arange(24).reshape(6, 4).T.flatten()  # weight.T, row-major
+        torch.testing.assert_close(torch.kron(G, torch.diag(a)), ref[idx][:, idx])
+
+
+def test_reduce_is_exact_when_the_positions_share_the_input():
+    """N = 1, the same input at every position (Linear: x_t = x; Conv1d/2d/3d: a
+    spatially constant input without padding, so every patch is the same): the exact block
+    Σ_{t,t'} G_{tt'} ⊗ x xᵀ is KFLR-reduce's (G of the summed roots, A of the mean);
+    expand's is not (it drops t ≠ t')."""
+    torch.manual_seed(4)
+    lin = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Flatten(), nn.Linear(15, 3)).to(DT)
+    X = torch.randn(1, 1, 4, dtype=DT).expand(1, 3, 4)
+    cases = [(lin, X)]
+    for d, conv in enumerate((nn.Conv1d, nn.Conv2d, nn.Conv3d), 1):
+        model = nn.Sequential(conv(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(3 * 2**d, 3)).to(DT)
+        cases.append((model, torch.randn(1, 2, *(1,) * d, dtype=DT).expand(1, 2, *(3,) * d)))
+    for model, x in cases:
+        y, lossf = torch.tensor([1]), nn.CrossEntropyLoss()
+        _check_blocks(model, lossf, x, y, KFLR("reduce"))
+        run(model, lossf, x, y, KFLR("expand"))
+        ref = blocks(model, dense(model, lossf, x, y)[0])["0.weight"]
+        assert (torch.kron(*model[0].weight.kflr) - ref).abs().max() > 1e-3
+
+
+def _curvlinops(model, lossf, X, y, approx):
+    """curvlinops' type-2 KFAC (the exact loss Hessian: KFLR) factors, per module name:
+    (G, A)."""
+    from curvlinops import KFACLinearOperator
+
+    params = [p for m in model.modules() if isinstance(m, (nn.Linear, nn.Conv2d)) for p in m.parameters()]
+    op = KFACLinearOperator(
+        model, lossf, params, [(X, y)], fisher_type="type-2", kfac_approx=approx, check_deterministic=False
+    )
+    op.compute_kronecker_factors()
+    return {name: (op._gradient_covariances[name], op._input_covariances.get(name)) for name in op._mapping}
+
+
+CURVLINOPS = {
+    # position-wise net on [N, T, I] with a loss per position (curvlinops' mean over N·T)
+    "seq_mse": (
+        lambda: nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)),
+        lambda: (torch.randn(3, 4, 4, dtype=DT), torch.randn(3, 4, 3, dtype=DT)),
+        nn.MSELoss,
+    ),
+    # positions mixed by Flatten, one loss term per sample
+    "seq_ce": (
+        lambda: nn.Sequential(nn.Linear(4, 5), nn.GELU(), nn.Flatten(), nn.Linear(15, 3)),
+        lambda: (torch.randn(4, 3, 4, dtype=DT), torch.tensor([0, 2, 1, 2])),
+        nn.CrossEntropyLoss,
+    ),
+    "cnn_ce": (
+        lambda: nn.Sequential(
+            nn.Conv2d(2, 3, 3, padding=1, stride=2), nn.ReLU(), nn.Conv2d(3, 2, 2), nn.Flatten(), nn.Linear(8, 3)
+        ),
+        lambda: (torch.randn(3, 2, 6, 6, dtype=DT), torch.tensor([0, 2, 1])),
+        nn.CrossEntropyLoss,
+    ),
+}
+
+
+@pytest.mark.parametrize(
+    ("case", "approx"),
+    [(c, a) for c in sorted(CURVLINOPS) for a in ("expand", "reduce") if (c, a) != ("seq_mse", "reduce")],
+)
+def test_kflr_equals_curvlinops(case, approx):
+    """KFLR(kfac_approx=a) and curvlinops' KFACLinearOperator(fisher_type="type-2",
+    kfac_approx=a): G and A each equal (the same scaling), for Linear on sequences and
+    Conv2d; ``seq_mse`` with reduce: the next test."""
+    make, data, lossf = CURVLINOPS[case]
+    torch.manual_seed(5)
+    model, (X, y) = make().to(DT), data()
+    ref = _curvlinops(model, lossf(), X, y, approx)
+    run(model, lossf(), X, y, KFLR(approx), KFAC(kfac_approx=approx))
+    modules = dict(model.named_modules())
+    for name, (G, A) in ref.items():
+        m = modules[name]
+        torch.testing.assert_close(m.weight.kflr[0], G, msg=f"G {name}")
+        torch.testing.assert_close(m.weight.kflr[1], A, msg=f"A {name}")
+        torch.testing.assert_close(m.bias.kflr[0], G, msg=f"bias G {name}")
+        torch.testing.assert_close(m.weight.kfac[1], A, msg=f"KFAC's A {name}")
+
+
+def test_reduce_with_a_loss_per_position():
+    """A loss term per position (MSE on [N, T, C], a position-wise net): the last
+    Linear's reduce G is Σ_n Σ_{t,t'} (the loss Hessian's (t, t') block) = Σ_{n,t} 2/(N·T·C)
+    I = 2/C I (the blocks t ≠ t' are zero); A equals curvlinops'. curvlinops' G is T
+    times that: its type-2 pushes each column of the loss Hessian's root through all
+    positions at once, so its roots' outer products have blocks t ≠ t' that the loss
+    Hessian has not; they cancel in expand's per-position sums, not in reduce's.
+    curvlinops' Monte-Carlo G (independent labels per position: unbiased) and KFAC's
+    converge to KFLR's at every layer."""
+    from curvlinops import KFACLinearOperator
+
+    make, data, lossf = CURVLINOPS["seq_mse"]
+    torch.manual_seed(5)
+    model, (X, y) = make().to(DT), data()
+    run(model, lossf(), X, y, KFLR("reduce"), KFAC(5000, "reduce"))
+    G, A = model[2].weight.kflr
+    torch.testing.assert_close(G, 2 / 3 * torch.eye(3, dtype=DT))
+    G_ref, A_ref = _curvlinops(model, lossf(), X, y, "reduce")["2"]
+    torch.testing.assert_close(A, A_ref)
+    torch.testing.assert_close(G_ref, X.shape[1] * G)
+    mc = KFACLinearOperator(
+        model,
+        lossf(),
+        list(model.parameters()),
+        [(X, y)],
+        mc_samples=500,
+        kfac_approx="reduce",
+        check_deterministic=False,
+    )
+    mc.compute_kronecker_factors()
+    for name in ("0", "2"):
+        G = model.get_submodule(name).weight.kflr[0]
+        for G_mc in (mc._gradient_covariances[name], model.get_submodule(name).weight.kfac[0]):
+            assert float((G_mc - G).abs().max() / G.abs().max()) < 0.1, name
+
+
+def test_default_is_expand_for_linear_and_backpacks_for_conv():
+    """``kfac_approx=None``: Linear on sequences as ``"expand"``; a conv's G as
+    ``"reduce"``'s and its A T times ``"expand"``'s (BackPACK's convention)."""
+    torch.manual_seed(6)
+    make, data, lossf = CURVLINOPS["cnn_ce"]
+    model, (X, y) = make().to(DT), data()
+    got = {}
+    for approx in APPROX:
+        run(model, lossf(), X, y, KFLR(approx))
+        got[approx] = model[0].weight.kflr
+    T = 9  # 3 × 3 output positions of the first conv
+    torch.testing.assert_close(got[None][0], got["reduce"][0])
+    torch.testing.assert_close(got[None][1], T * got["expand"][1])
+    seq = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    X, y = torch.randn(3, 4, 4, dtype=DT), torch.randn(3, 4, 3, dtype=DT)
+    for approx in (None, "expand"):
+        run(seq, nn.MSELoss(), X, y, KFLR(approx))
+        got[approx] = seq[0].weight.kflr
+    for a, b in zip(got[None], got["expand"], strict=True):
+        torch.testing.assert_close(a, b)
+
+
+def test_norm_layers_get_their_ggn_diagonal():
+    """LayerNorm (weight, bias) and RMSNorm (weight), in the middle and at the end of a
+    sequence model: KFLR's ``[d]`` is the exact GGN diagonal (torch.func); KFAC's is
+    DiagGGNMC's, from the same Monte-Carlo factors."""
+    torch.manual_seed(7)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Tanh(), nn.Linear(5, 3), nn.RMSNorm(3)).to(DT)
+    X, y = torch.randn(2, 3, 4, dtype=DT), torch.randn(2, 3, 3, dtype=DT)
+    run(model, nn.MSELoss(), X, y, KFLR("expand"), KFAC(kfac_approx="expand"), DiagGGNMC())
+    ref = diagonals(model, dense(model, nn.MSELoss(), X, y)[0])
+    for name in ("1.weight", "1.bias", "4.weight"):
+        p = model.get_parameter(name)
+        (d,) = p.kflr
+        torch.testing.assert_close(d, ref[name], msg=name)
+        (d_mc,) = p.kfac
+        torch.testing.assert_close(d_mc, p.diag_ggn_mc, msg=name)
+
+
+def test_kfra_and_diag_hessian_refuse_norm_layers():
+    """KFRA has no diagonal for LayerNorm (a warning naming the module; KFLR has one);
+    DiagHessian raises passing through it (its second derivative is not zero)."""
+    from jacmem import KFRA, DiagHessian, extend
+
+    torch.manual_seed(8)
+    model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(DT)
+    X, y = torch.randn(2, 4, dtype=DT), torch.tensor([0, 2])
+    with pytest.warns(UserWarning, match=r"KFRA\(\) has no Kronecker factors for LayerNorm \(module '1'\)"):
+        run(model, nn.CrossEntropyLoss(), X, y, KFRA())
+    assert not hasattr(model[1].weight, "kfra") and hasattr(model[0].weight, "kfra")
+    with pytest.raises(NotImplementedError, match=r"DiagHessian cannot pass curvature through module '1'"):
+        with extend(DiagHessian()):
+            nn.CrossEntropyLoss()(model(X), y).backward()
+    from timm.layers import LayerNorm  # recognised as a LayerNorm: the same
+
+    model[1] = LayerNorm(5).to(DT)
+    with pytest.raises(NotImplementedError, match=r"DiagHessian cannot pass curvature through module '1'"):
+        with extend(DiagHessian()):
+            nn.CrossEntropyLoss()(model(X), y).backward()
+
+
+def test_embedding_refuses_reduce():
+    """Its reduced input factor is a dense [V, V]: a warning naming the module and the
+    fix, nothing on the Embedding, the other layers' factors as usual."""
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Linear(6, 3)).to(DT)
+    X, y = torch.tensor([[1, 2], [2, 4]]), torch.tensor([0, 1])
+    with pytest.warns(UserWarning, match=r"Embedding module '0' with kfac_approx='reduce'.*use kfac_approx='expand'"):
+        run(model, nn.CrossEntropyLoss(), X, y, KFLR("reduce"))
+    assert not hasattr(model[0].weight, "kflr") and model[2].weight.kflr[1].shape == (6, 6)
+
+
+def test_bad_kfac_approx_raises():
+    with pytest.raises(ValueError, match="kfac_approx must be one of"):
+        KFAC(kfac_approx="mean")
+    with pytest.raises(ValueError, match="kfac_approx must be one of"):
+        KFLR("sum")
+    assert repr(KFAC(2, "reduce")) == "KFAC(mc_samples=2, kfac_approx='reduce')" and repr(KFLR()) == "KFLR()"
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_timm_mlp_block(approx):
+    """A timm ViT block's norm2 (timm's ``LayerNorm``, a subclass with its own forward,
+    which jacmem recognises) and Mlp (fc1, GELU, dropout, norm, fc2, dropout) as a
+    Sequential of its real submodules on [N, T, D] tokens, after a Linear (whose
+    factors cross the LayerNorm): the Linears' KFLR equal curvlinops' (reduce: a head
+    that flattens the tokens, one loss term per sample), the LayerNorm's ``[d]`` the
+    exact GGN diagonal."""
+    from timm.models.vision_transformer import Block
+
+    torch.manual_seed(9)
+    block = Block(dim=8, num_heads=2, mlp_ratio=2.0).to(DT).eval()
+    mlp = block.mlp
+    model = nn.Sequential(
+        nn.Linear(8, 8).to(DT), block.norm2, mlp.fc1, mlp.act, mlp.drop1, mlp.norm, mlp.fc2, mlp.drop2
+    )
+    assert type(block.norm2) is not nn.LayerNorm
+    X = torch.randn(2, 3, 8, dtype=DT)
+    if approx == "expand":
+        lossf, y = nn.MSELoss(), torch.randn(2, 3, 8, dtype=DT)
+    else:
+        model.append(nn.Flatten()).append(nn.Linear(24, 3).to(DT))
+        lossf, y = nn.CrossEntropyLoss(), torch.tensor([2, 0])
+    ref = _curvlinops(model, lossf, X, y, approx)
+    run(model, lossf, X, y, KFLR(approx))
+    modules = dict(model.named_modules())
+    assert {"0", "2", "6"} <= set(ref)
+    for name, (G, A) in ref.items():
+        torch.testing.assert_close(modules[name].weight.kflr[0], G, msg=name)
+        torch.testing.assert_close(modules[name].weight.kflr[1], A, msg=name)
+    exact = diagonals(model, dense(model, lossf, X, y)[0])
+    for name in ("1.weight", "1.bias"):
+        torch.testing.assert_close(model.get_parameter(name).kflr[0], exact[name], msg=name)
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+def test_hf_conv1d_has_the_linears_factors(approx):
+    """GPT-2's ``Conv1D`` (weight [I, O]) on [N, T, I]: the factors of a Linear with
+    weight = Conv1D's weight.T, hence curvlinops' for that Linear."""
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(10)
+    conv1d = Conv1D(5, 4).to(DT)
+    lin = nn.Linear(4, 5).to(DT)
+    with torch.no_grad():
+        lin.weight.copy_(conv1d.weight.T)
+        lin.bias.copy_(conv1d.bias)
+    head = nn.Sequential(nn.Tanh(), nn.Flatten(), nn.Linear(15, 3)).to(DT)
+    X, y = torch.randn(3, 3, 4, dtype=DT), torch.tensor([0, 2, 1])
+    run(nn.Sequential(conv1d, head), nn.CrossEntropyLoss(), X, y, KFLR(approx))
+    G, A = _curvlinops(nn.Sequential(lin, head), nn.CrossEntropyLoss(), X, y, approx)["0"]
+    torch.testing.assert_close(conv1d.weight.kflr[0], G)
+    torch.testing.assert_close(conv1d.weight.kflr[1], A)
+    torch.testing.assert_close(conv1d.bias.kflr[0], G)

@@ -1,0 +1,366 @@
+"""jacmem.privacy.PrivacyEngine against a per-sample loop and against Opacus 1.6.
+
+With noise 0 and no Poisson sampling, one step of SGD moves the parameters by
+``-lr/B · Σ_i clip_C(g_i)``, ``g_i`` the gradient of sample ``i``'s own loss term (the
+loop: one backward per sample, in float64), and equals what Opacus's own engine does on
+a copy of the model. The noise, the accountant, the data loader and the noise
+multiplier are Opacus's: checked against Opacus fed the same inputs.
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+import warnings
+
+import opacus
+import pytest
+import torch
+from opacus.accountants import create_accountant
+from opacus.accountants.utils import get_noise_multiplier
+from opacus.utils.batch_memory_manager import BatchMemoryManager
+from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private, train
+from tests.support.reference import cross_entropy, per_sample_grads
+from torch import nn
+
+import jacmem.context
+from jacmem import recorder
+from jacmem.privacy import PrivacyEngine
+
+pytestmark = [
+    pytest.mark.usefixtures("float64_default"),
+    pytest.mark.filterwarnings("ignore:Secure RNG turned off"),
+    pytest.mark.filterwarnings("ignore:Optimal order is the largest alpha"),
+]
+
+
+@pytest.fixture
+def engine():
+    """A PrivacyEngine whose model is detached after the test, however it ends."""
+    eng = PrivacyEngine()
+    yield eng
+    eng.detach()
+
+
+def opacus_step(model, max_norm, clipping, batches) -> list[torch.Tensor]:
+    """Opacus's own engine (per-sample hooks), on a copy, the same step."""
+    model = copy.deepcopy(model)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    wrapped, opt, _ = opacus.PrivacyEngine().make_private(
+        module=model, optimizer=opt, data_loader=loader(*batch()), noise_multiplier=0.0, max_grad_norm=max_norm,
+        poisson_sampling=False, clipping=clipping,
+    )  # fmt: skip
+    train(wrapped, opt, batches)
+    return [p.detach() for p in model.parameters()]
+
+
+def assert_params(model, expected, what: str) -> None:
+    for i, (p, e) in enumerate(zip(model.parameters(), expected)):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}")
+
+
+@pytest.mark.parametrize("clipping", ["flat", "per_layer", "automatic"])
+def test_one_step_equals_the_loop_and_opacus(engine, clipping):
+    model = net()
+    twin = copy.deepcopy(model)
+    batches = [batch()]
+    max_norm = {"flat": FLAT, "per_layer": medians(model, *batches[0]), "automatic": 0.7}[clipping]
+    factors = clip_factors(per_sample_grads(model, *batches[0], cross_entropy, "sum"), max_norm, clipping)
+    if clipping != "automatic":  # the thresholds clip some samples, not all
+        c = torch.cat(list(factors.values()))
+        assert (c < 1).any() and (c == 1).any(), c
+    expected = loop_step(twin, batches, max_norm, clipping)
+    returned, opt, _ = private(engine, model, max_norm, clipping)
+    assert returned is model
+    train(model, opt, batches)
+    assert_params(model, expected, "loop")
+    if clipping != "automatic":  # not in Opacus
+        assert_params(model, opacus_step(twin, max_norm, clipping, batches), "opacus")
+
+
+def test_two_backward_passes_then_one_step(engine):
+    """Virtual batches: the clipped sums of both passes add up, divided by 2B (as
+    Opacus's per-sample optimizer divides accumulated batches); the accountant counts
+    the step at twice the sampling rate."""
+    model = net()
+    twin = copy.deepcopy(model)
+    batches = [batch(seed=1), batch(seed=2)]
+    _, opt, _ = private(engine, model, FLAT)
+    train(model, opt, batches)
+    assert_params(model, loop_step(twin, batches, FLAT, "flat"), "loop")
+    assert_params(model, opacus_step(twin, FLAT, "flat", batches), "opacus")
+    assert engine.accountant.history == [(0.0, 2 / 1, 1)]  # one batch per epoch: q = 1, twice
+    train(model, opt, batches[:1])  # the count starts afresh after a step
+    assert engine.accountant.history == [(0.0, 2.0, 1), (0.0, 1.0, 1)]
+
+
+def physical_steps(model, opt, data_loader, zero_grad) -> int:
+    """One epoch through Opacus's ``BatchMemoryManager`` (physical batches of 2), a step
+    after each backward pass; ``zero_grad(opt)`` before each backward. The number of
+    physical batches whose step ran before a ``ValueError``, or all of them."""
+    with BatchMemoryManager(data_loader=data_loader, max_physical_batch_size=2, optimizer=opt) as physical:
+        for done, (X, y) in enumerate(physical):
+            zero_grad(opt)
+            nn.functional.cross_entropy(model(X), y).backward()
+            try:
+                opt.step()
+            except ValueError as e:
+                assert "zero_grad" in str(e), e
+                return done
+    return done + 1
+
+
+def test_batch_memory_manager_without_zero_grad_raises_as_opacus(engine):
+    """Each step BatchMemoryManager skips leaves ``.grad`` accumulated: the next step
+    without ``zero_grad`` would count it twice. Opacus's optimizer raises a ValueError
+    at the second physical batch; jacmem's too, before any parameter moved."""
+    model = net()
+    twin = copy.deepcopy(model)
+    before = [p.detach().clone() for p in model.parameters()]
+    _, opt, data_loader = private(engine, model, FLAT)
+    assert physical_steps(model, opt, data_loader, zero_grad=lambda opt: None) == 1
+    assert_params(model, before, "unmoved")
+    twin_opt = torch.optim.SGD(twin.parameters(), lr=LR)
+    wrapped, twin_opt, twin_loader = opacus.PrivacyEngine().make_private(
+        module=twin, optimizer=twin_opt, data_loader=loader(*batch()), noise_multiplier=0.0, max_grad_norm=FLAT,
+        poisson_sampling=False,
+    )  # fmt: skip
+    assert physical_steps(wrapped, twin_opt, twin_loader, zero_grad=lambda opt: None) == 1
+
+
+@pytest.mark.parametrize("set_to_none", [True, False])
+def test_batch_memory_manager_with_zero_grad_equals_the_loop(engine, set_to_none):
+    """With ``zero_grad`` between physical batches (its ``.grad`` zeroed in place or
+    dropped), the logical batch's step is the loop's on the whole batch."""
+    model = net()
+    twin = copy.deepcopy(model)
+    _, opt, data_loader = private(engine, model, FLAT)
+    assert physical_steps(model, opt, data_loader, lambda opt: opt.zero_grad(set_to_none)) == N // 2
+    assert_params(model, loop_step(twin, [batch()], FLAT, "flat"), "loop")
+
+
+def test_noise_has_std_sigma_c_over_b(engine):
+    """Zero per-sample gradients (a loss that does not depend on the parameters'
+    values), so the update is the noise alone: ``-lr · n / B``, ``n ~ N(0, σ²C²)`` per
+    coordinate. 40,000 coordinates: the sample standard deviation is within 0.35% (1 sd
+    of its sampling distribution, ``1/sqrt(2n)``), the mean within ``σC/(B sqrt(n))``;
+    the test allows 5 of each, with a fixed seed."""
+    sigma, C, B = 1.3, 0.7, 4
+    model = nn.Linear(200, 200)
+    before = model.weight.detach().clone()
+    opt = torch.optim.SGD(model.parameters(), lr=1.0)
+    X = torch.randn(B, 200)
+    _, opt, _ = engine.make_private(
+        module=model, optimizer=opt, data_loader=loader(X, X, batch_size=B), noise_multiplier=sigma,
+        max_grad_norm=C, poisson_sampling=False, noise_generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    opt.zero_grad()
+    (model(X) * 0).sum().backward()
+    opt.step()
+    noise = (before - model.weight.detach()).flatten()
+    n, expected = noise.numel(), sigma * C / B
+    assert abs(noise.std().item() / expected - 1) < 5 / (2 * n) ** 0.5
+    assert abs(noise.mean().item()) < 5 * expected / n**0.5
+
+
+@pytest.mark.parametrize("accountant", ["prv", "rdp", "gdp"])
+def test_epsilon_is_opacus_accountant_on_the_same_history(accountant):
+    """Poisson sampling at q = 1/4 for 5 steps: the accountant's history, and its ε."""
+    X, y = batch(8)
+    model = net()
+    eng = PrivacyEngine(accountant=accountant)
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    model, opt, dl = eng.make_private(
+        module=model, optimizer=opt, data_loader=loader(X, y, batch_size=2), noise_multiplier=1.1, max_grad_norm=1.0
+    )
+    try:
+        assert isinstance(dl.batch_sampler, opacus.utils.uniform_sampler.UniformWithReplacementSampler)
+        steps = 0
+        while steps < 5:
+            for xb, yb in dl:
+                if steps < 5:
+                    train(model, opt, [(xb, yb)])
+                    steps += 1
+    finally:
+        eng.detach()
+    reference = create_accountant(accountant)
+    for _ in range(5):
+        reference.step(noise_multiplier=1.1, sample_rate=0.25)
+    assert eng.accountant.history == reference.history
+    assert eng.get_epsilon(1e-5) == pytest.approx(reference.get_epsilon(1e-5), rel=1e-12)
+
+
+def test_make_private_with_epsilon_takes_opacus_noise_multiplier():
+    """With the engine's accountant (RDP here: PRV's search takes seconds)."""
+    X, y = batch(8)
+    kwargs = dict(data_loader=loader(X, y, batch_size=2), target_epsilon=3.0, target_delta=1e-5, epochs=4)
+    model, engine = net(), PrivacyEngine(accountant="rdp")
+    _, opt, _ = engine.make_private_with_epsilon(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), max_grad_norm=1.0, **kwargs
+    )
+    engine.detach()
+    twin = net()
+    _, reference, _ = opacus.PrivacyEngine(accountant="rdp").make_private_with_epsilon(
+        module=twin, optimizer=torch.optim.SGD(twin.parameters(), lr=LR), max_grad_norm=1.0, **kwargs
+    )
+    sigma = get_noise_multiplier(target_epsilon=3.0, target_delta=1e-5, sample_rate=0.25, epochs=4, accountant="rdp")
+    assert opt.noise_multiplier == reference.noise_multiplier == sigma
+
+
+def test_poisson_batches_and_an_empty_one(engine):
+    """Opacus's Poisson loader; an empty batch, forward and backward as any other,
+    gives a step of noise alone (here: none, σ = 0) and an accountant step."""
+    X, y = batch(8)
+    model = net()
+    _, opt, dl = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(X, y, batch_size=2),
+        noise_multiplier=0.0, max_grad_norm=1.0,
+    )  # fmt: skip
+    sizes = []
+    for _ in range(3):
+        for xb, yb in dl:
+            sizes.append(len(xb))
+            before = [p.detach().clone() for p in model.parameters()]
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # the mean over no sample is NaN, and its backward says so
+                train(model, opt, [(xb, yb)])
+            for p, b in zip(model.parameters(), before):
+                assert torch.isfinite(p).all()
+                if not len(xb):
+                    assert torch.equal(p, b)
+    assert 0 in sizes and len(set(sizes)) > 1, sizes
+    assert len(engine.accountant.history) == 1 and engine.accountant.history[0][2] == len(sizes)
+
+
+def test_batchnorm_in_training_is_refused_before_any_step():
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=LR)
+    eng = PrivacyEngine()
+    with pytest.raises(ValueError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
+        eng.make_private(
+            module=model, optimizer=opt, data_loader=loader(*batch()), noise_multiplier=1.0, max_grad_norm=1.0
+        )
+    assert jacmem.context._ACTIVE is None and not recorder.tracked_models()
+    for m in model.modules():
+        assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks
+    assert not any(p._backward_hooks for p in model.parameters())
+    assert len(eng.accountant) == 0
+
+
+def test_the_model_is_the_users_own_hf_gpt2(engine):
+    """No wrapper: the object itself, with its HF methods; a private step on it equals
+    the loop (tied embeddings, default position ids)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    config = GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=6, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+    )
+    model = GPT2LMHeadModel(config).double()
+    twin = copy.deepcopy(model)
+    ids = torch.randint(0, 11, (3, 6))
+    returned, opt, _ = private(engine, model, 0.5, data_loader=loader(ids, ids, batch_size=3))
+    assert returned is model and model.config is config and callable(model.generate)
+
+    def lm_loss(m, x):
+        return nn.functional.cross_entropy(m(x).logits.transpose(1, 2), x, reduction="none").mean(1)
+
+    opt.zero_grad()
+    lm_loss(model, ids).mean().backward()
+    opt.step()
+    params = [p for p in twin.parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(lm_loss(twin, ids[i : i + 1]).sum(), params) for i in range(3)]
+    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in row)) for row in rows])
+    c = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    assert (c < 1).any()
+    for p, q, k in zip(model.parameters(), params, range(len(params))):
+        expected = q - LR / 3 * sum(c[i] * rows[i][k] for i in range(3))
+        torch.testing.assert_close(p.detach(), expected.detach(), rtol=1e-9, atol=1e-12)
+
+
+def test_autocast_bfloat16_steps(engine):
+    model = net().float()
+    X, y = batch()
+    _, opt, _ = private(engine, model, 1.0, data_loader=loader(X.float(), y))
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = nn.functional.cross_entropy(model(X.float()), y)
+    loss.backward()
+    opt.step()
+    for p, b in zip(model.parameters(), before):
+        assert p.dtype == torch.float32 and torch.isfinite(p).all() and not torch.equal(p, b)
+
+
+WORLD = 2
+
+
+def _ddp_worker(rank: int) -> None:
+    torch.set_default_dtype(torch.float64)
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)  # the same model and whole batch in every rank
+    model = net()
+    X, y = batch(2 * N)
+    expected = loop_step(copy.deepcopy(model), [(X, y)], FLAT, "flat")
+    eng = PrivacyEngine()
+    rows = slice(rank * N, (rank + 1) * N)
+
+    def step_on_own_rows(module: nn.Module) -> None:
+        """One private step of ``module`` on this rank's rows of the batch."""
+        _, opt, _ = eng.make_private(
+            module=module, optimizer=torch.optim.SGD(module.parameters(), lr=LR),
+            data_loader=loader(X, y, 2 * N), noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+        )  # fmt: skip
+        try:
+            train(module, opt, [(X[rows], y[rows])])
+        finally:
+            eng.detach()
+
+    step_on_own_rows(nn.parallel.DistributedDataParallel(model))
+    assert_params(model, expected, f"rank {rank} DDP")
+
+    torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
+    model = net()
+    step_on_own_rows(model)
+    assert_params(model, expected, f"rank {rank} process group")
+
+
+@needs_gloo
+def test_two_ddp_ranks_equal_one_process(tmp_path):
+    run_ranks(_ddp_worker, tmp_path, world=WORLD)
+
+
+def test_other_models_are_untouched_while_private(engine):
+    """The private model's block has no global hooks: another model's backward gives
+    autograd's own gradient, and a jacmem block on it runs meanwhile (its own block)."""
+    other = net()
+    X, y = batch()
+    expected = torch.autograd.grad(nn.functional.cross_entropy(other(X), y), list(other.parameters()))
+    private(engine, net(), FLAT)
+    nn.functional.cross_entropy(other(X), y).backward()
+    for p, e in zip(other.parameters(), expected):
+        torch.testing.assert_close(p.grad, e, rtol=0, atol=0)
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.functional.cross_entropy(other(X), y).backward()
+    for p, g in per_sample_grads(other, X, y, cross_entropy).items():
+        torch.testing.assert_close(p.grad_batch, g, rtol=1e-10, atol=1e-12)
+
+
+def test_a_backward_the_block_cannot_clip_raises(engine):
+    """Another thread's backward is not the block's (one block per thread): it raises,
+    even as the first backward, rather than leave an unclipped gradient in .grad."""
+    model = net()
+    private(engine, model, FLAT)
+    errors = []
+
+    def step():
+        try:
+            nn.functional.cross_entropy(model(batch()[0]), batch()[1]).backward()
+        except RuntimeError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=step)
+    thread.start()
+    thread.join()
+    assert errors and "jacmem: ClipGrad" in str(errors[0])
+    assert all(p.grad is None or not p.grad.any() for p in model.parameters())

@@ -1,0 +1,78 @@
+"""Tiny random-init HF GPT-2, BERT, LLaMA and timm ViT models in float64, each with a
+batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import Tensor, nn
+
+transformers = pytest.importorskip("transformers")  # the dev extra installs it: see the README
+timm = pytest.importorskip("timm")
+
+DT = torch.float64
+N, T, V = 3, 5, 23
+
+
+class Logits(nn.Module):
+    """An HF model as the loss sees it: ids [N, T] -> logits [N, C, T] (token models) or
+    [N, C] (sequence classifiers)."""
+
+    def __init__(self, model: nn.Module, per_token: bool):
+        super().__init__()
+        self.model, self.per_token = model, per_token
+
+    def forward(self, ids: Tensor) -> Tensor:
+        logits = self.model(ids).logits
+        return logits.transpose(1, 2) if self.per_token else logits
+
+
+def gpt2() -> nn.Module:
+    config = transformers.GPT2Config(
+        n_layer=2, n_embd=8, n_head=2, vocab_size=V, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
+    return Logits(transformers.GPT2LMHeadModel(config), per_token=True)
+
+
+def bert() -> nn.Module:
+    config = transformers.BertConfig(
+        num_hidden_layers=2, hidden_size=8, num_attention_heads=2, intermediate_size=12, vocab_size=V,
+        max_position_embeddings=8, num_labels=3,
+    )  # fmt: skip
+    return Logits(transformers.BertForSequenceClassification(config), per_token=False)
+
+
+def llama() -> nn.Module:
+    config = transformers.LlamaConfig(
+        num_hidden_layers=1, hidden_size=8, num_attention_heads=2, num_key_value_heads=1, intermediate_size=12,
+        vocab_size=V, max_position_embeddings=8, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    return Logits(transformers.LlamaForCausalLM(config), per_token=True)
+
+
+def vit() -> nn.Module:
+    return timm.create_model(
+        "vit_tiny_patch16_224", pretrained=False, img_size=8, patch_size=4, num_classes=3, depth=2,
+        embed_dim=8, num_heads=2,
+    )  # fmt: skip
+
+
+def tokens(classes: int | None):
+    X = torch.randint(0, V, (N, T))
+    return X, torch.randint(0, classes or V, (N,) if classes else (N, T))
+
+
+MODELS = {
+    "gpt2": (gpt2, lambda: tokens(None)),
+    "bert": (bert, lambda: tokens(3)),
+    "llama": (llama, lambda: tokens(None)),
+    "vit": (vit, lambda: (torch.randn(N, 3, 8, 8, dtype=DT), torch.randint(0, 3, (N,)))),
+}
+
+
+def build(name: str):
+    torch.manual_seed(0)
+    make, data = MODELS[name]
+    model = make().to(DT).eval()  # no dropout: the loop must compute the same function
+    X, y = data()
+    return model, X, y
