@@ -67,8 +67,8 @@ try:
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
-from jacmem import recorder
-from jacmem.block import Block
+from jacmem.engine import recorder
+from jacmem.engine.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
@@ -82,7 +82,7 @@ _CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
 class _Private:
-    """The block of one private model (:class:`jacmem.block.Block`), open from
+    """The block of one private model (:class:`jacmem.engine.block.Block`), open from
     :meth:`PrivacyEngine.make_private` to :meth:`PrivacyEngine.detach`. The block tracks
     the model, so that its forwards are recorded wherever they run, for this block
     alone, and it takes their gradients in the user's own ``loss.backward()``. It has no

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 import jacmem
-import jacmem.clipping_engine
+import jacmem.engine.clipping
 from jacmem.extensions.clipping import check
 
 DT = torch.float64
@@ -150,7 +150,7 @@ def family(name: str, seed: int = 0):
 def path(request, monkeypatch):
     """Both ways to the clipped sum: from each call's x and c-scaled g, or from staged
     per-sample gradients (the engine picks by memory; here each is forced in turn)."""
-    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: request.param == "per_sample")
+    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: request.param == "per_sample")
     return request.param
 
 
@@ -451,7 +451,7 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch():
 @pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])
 def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
     """The norms by each of a conv's strategies (chosen by name), the clipped sum as always."""
-    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: False)  # norms, not per-sample gradients
+    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: False)  # norms, not per-sample gradients
     model, X, y = family("conv2d")
     grads = per_sample(model, X, y, cross_entropy, "mean")
     C = median_norm(grads)

@@ -1,11 +1,11 @@
-"""jacmem.compat: each private torch API the engine uses still does what it says, on
+"""jacmem.engine.compat: each private torch API the engine uses still does what it says, on
 the torch installed here (a torch upgrade that moves one fails here first)."""
 
 import pytest
 import torch
 from torch import nn
 
-from jacmem import compat
+from jacmem.engine import compat
 
 
 def test_graph_task_callbacks_and_will_execute():

@@ -1,4 +1,4 @@
-"""The per-device cost model and autotune of :mod:`jacmem.strategies`.
+"""The per-device cost model and autotune of :mod:`jacmem.engine.strategies`.
 
 - The CPU profile is the calibrated constants, so ``auto``'s CPU choices are as before.
 - A CUDA profile is derived from the device's properties (mocked: the test machine has
@@ -17,9 +17,9 @@ import torch
 from reference import SAVEFIELDS, check_against, cross_entropy, per_sample_grads, run_jacmem
 from torch import nn
 
-from jacmem import strategies
 from jacmem.derivatives import Cost, lookup
-from jacmem.strategies import (
+from jacmem.engine import strategies
+from jacmem.engine.strategies import (
     AUTOTUNE_CALLS,
     BYTE_RATE,
     CPU_PROFILE,
@@ -391,7 +391,7 @@ def test_autotune_through_the_block_takes_the_fastest_measured_and_stays_exact()
     timed, the chosen one is the fastest measured, explain() says so, and the results
     equal the per-sample loop's."""
     import jacmem
-    from jacmem.planner import _PLANS
+    from jacmem.engine.planner import _PLANS
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()

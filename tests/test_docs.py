@@ -94,7 +94,9 @@ def test_check_site_finds_each_failure(tmp_path):
 
     (gallery / "plot_b.html").write_text('<img src="images/sphx_glr_plot_b_thumb.png">')
     (gallery / "plot_c.html").write_text('<img src="images/sphx_glr_plot_c_001.png">')
-    internal = '<dt id="jacmem.compat.queue_callback">x</dt><dt id="jacmem.KFACX">x</dt><dt id="jacmem.KFAC.x">x</dt>'
+    internal = (
+        '<dt id="jacmem.engine.compat.queue_callback">x</dt><dt id="jacmem.KFACX">x</dt><dt id="jacmem.KFAC.x">x</dt>'
+    )
     (tmp_path / "api.html").write_text(entries.replace('id="jacmem.KFAC"', 'id="other"') + internal)
     (tmp_path / "guide" / "support.html").write_text(table([rows[0], [*rows[1][:-1], "a strategy it has not"]]))
     failures = check.gallery_failures(tmp_path) + check.api_failures(tmp_path) + check.support_failures(tmp_path)
@@ -103,7 +105,7 @@ def test_check_site_finds_each_failure(tmp_path):
         "plot_c.html: missing image images/sphx_glr_plot_c_001.png",
         "api.html: no entry for jacmem.KFAC",
         "api.html: jacmem.KFACX is not public",
-        "api.html: jacmem.compat.queue_callback is not public",
+        "api.html: jacmem.engine.compat.queue_callback is not public",
         "api.html: other is not public",
         "guide/support.html: the table differs from the registry's at row 1",
     ]
@@ -112,10 +114,10 @@ def test_check_site_finds_each_failure(tmp_path):
 
 def test_api_lists_the_public_modules_only():
     """``jacmem.__all__``'s modules and the add-ons; not the engine, whatever ``__all__``
-    an engine module declares (``jacmem.compat`` has one)."""
+    an engine module declares (``jacmem.engine.compat`` has one)."""
     assert jacmem_docs.public_modules() == ["jacmem.memory", "jacmem.nn", "jacmem.privacy", "jacmem.laplace"]
-    assert hasattr(importlib.import_module("jacmem.compat"), "__all__")
-    assert not [name for name in jacmem_docs.api_entries() if name.startswith("jacmem.compat.")]
+    assert hasattr(importlib.import_module("jacmem.engine.compat"), "__all__")
+    assert not [name for name in jacmem_docs.api_entries() if name.startswith("jacmem.engine.compat.")]
 
 
 def test_api_covers_every_public_name_with_a_docstring():

@@ -24,7 +24,7 @@ from torch.nn.modules import module as module_hooks
 
 import jacmem
 import jacmem.context
-from jacmem import hooks
+from jacmem.engine import hooks
 
 BOUND = 4 * 2**20
 WARMUP, STEPS = 20, 100

@@ -28,7 +28,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 import jacmem.context
-from jacmem import recorder
+from jacmem.engine import recorder
 from jacmem.privacy import PrivacyEngine
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """What a second-order extension asks of the backward pass, and what it gets.
 
-The engine (:mod:`jacmem.extensions.secondorder.backprop`) backpropagates *factors*,
+The engine (:mod:`jacmem.engine.secondorder.chain`) backpropagates *factors*,
 each a tensor ``S [V, N, *out]`` at a module's output with a sign, such that
 ``Σ sign · Σ_v S[v] S[v]ᵀ`` is (per sample) a curvature matrix w.r.t. that output.
 Factors come in kinds:
@@ -85,7 +85,7 @@ class SecondOrderExtension:
 
     def merge_chunks(self, a: Any, b: Any) -> Any:
         """One parameter's results from two slices of the factors' ``V`` axis, merged
-        (the autograd path, :mod:`.autograd_path`, computes in slices): summed by
+        (the autograd path, :mod:`jacmem.engine.secondorder.autograd_path`, computes in slices): summed by
         default, tensor by tensor in a list."""
         if isinstance(a, (list, tuple)):
             return type(a)(x + y for x, y in zip(a, b))

@@ -23,8 +23,8 @@ from math import prod
 
 from torch import Tensor
 
+from jacmem.engine.planner import compute
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
-from jacmem.planner import compute
 
 
 def _repeat(obj, v: int):

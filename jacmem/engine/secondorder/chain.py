@@ -62,7 +62,6 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from jacmem import compat, hooks, precision
 from jacmem.derivatives import detached, lookup
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.jacobians import (
@@ -74,12 +73,13 @@ from jacmem.derivatives.jacobians import (
     lookup_passthrough,
     vjp_generic,
 )
-from jacmem.extensions.secondorder.autograd_path import AutogradPath
+from jacmem.engine import compat, hooks, precision
+from jacmem.engine.base import Engine as _Engine
+from jacmem.engine.base import Setup, Write
+from jacmem.engine.notices import LIMIT, listing
+from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
-from jacmem.notices import LIMIT, listing
-from jacmem.passes import Engine as _Engine
-from jacmem.passes import Setup, Write
 
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
@@ -222,7 +222,7 @@ def _outside_mode(method):
 
 class Engine(_Engine):
     """Second-order extensions for one :func:`jacmem.extend` block (the interface is
-    :class:`jacmem.passes.Engine`)."""
+    :class:`jacmem.engine.base.Engine`)."""
 
     def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
         self.extensions = extensions
@@ -378,7 +378,7 @@ class Engine(_Engine):
                 self.autograd.untracked = True
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
         self._first_order(node, args, kwargs, output)
-        # 16-bit tensors (autocast): computed with in float32 (jacmem.precision)
+        # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
         node.cast = output.dtype in precision.LOW
         for x in inputs:
             node.cast = node.cast or x.dtype in precision.LOW
@@ -789,7 +789,7 @@ def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list
 
 
 def _in_compute_dtype(node: Node, grad: Tensor) -> Tensor:
-    """``grad`` in the node's compute dtype (:mod:`jacmem.precision`); the first time,
+    """``grad`` in the node's compute dtype (:mod:`jacmem.engine.precision`); the first time,
     also what the node kept (an autocast forward keeps bf16 or fp16 tensors)."""
     if node.cast:
         node.dtype = dtype = precision.compute_dtype((*node.inputs, *node.params.values()))
