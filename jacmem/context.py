@@ -3,7 +3,7 @@
 Inside ``with jacmem.extend(*extensions):`` global forward hooks show every module call
 of the block's thread to its :class:`jacmem.engine.block.Block`, whose engines
 (:class:`jacmem.engine.base.Engine`) are the first-order one (:mod:`jacmem.engine.firstorder`),
-the second-order one (:mod:`jacmem.engine.secondorder.chain`) and the clipping
+the second-order one (:mod:`jacmem.engine.secondorder.engine`) and the clipping
 one, each for the extensions of its kind. What they compute in a backward pass is
 written when the pass ends (:mod:`jacmem.engine.base`). Calls of models given to
 :func:`track` come from their recorder (:mod:`jacmem.engine.recorder`). On exit, however the
@@ -68,7 +68,7 @@ class extend:
 
     Engines: the extensions of each kind run in their engine (first order:
     :mod:`jacmem.engine.firstorder`; second order:
-    :mod:`jacmem.engine.secondorder.chain`), which all implement
+    :mod:`jacmem.engine.secondorder.engine`), which all implement
     :class:`jacmem.engine.base.Engine`; its :class:`jacmem.engine.block.Block` (``ctx.block``)
     owns them.
 

@@ -21,7 +21,7 @@ from torch.func import hessian
 
 import jacmem
 from jacmem import KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
-from jacmem.engine.secondorder.chain import ChainError
+from jacmem.engine.secondorder.graph import ChainError
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 transformers = pytest.importorskip("transformers")

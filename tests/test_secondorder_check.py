@@ -13,7 +13,7 @@ from test_secondorder_chain import Block, resnet
 from torch import nn
 
 import jacmem
-import jacmem.engine.secondorder.chain as backprop
+import jacmem.engine.secondorder.engine as backprop
 from jacmem import ChainError, DiagGGNExact, DiagHessian
 from jacmem.derivatives.jacobians import LOOP_V, vjp_generic
 

@@ -1,7 +1,7 @@
 """The per-backward pass, and the interface every engine implements.
 
 An engine (first order: :mod:`jacmem.engine.firstorder`; second order:
-:mod:`jacmem.engine.secondorder.chain`) sees a block's forward calls and, in
+:mod:`jacmem.engine.secondorder.engine`) sees a block's forward calls and, in
 each backward pass, computes what its extensions ask for. What it computes in one pass
 it keeps in that pass's state (:meth:`Pass.state`), never on the parameters: when the
 pass ends, :meth:`Pass.__call__` asks each engine for its results

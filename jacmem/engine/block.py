@@ -31,7 +31,7 @@ from jacmem.engine.base import Engine, Passes, Setup
 from jacmem.engine.clipping import Clipping
 from jacmem.engine.firstorder import FirstOrder
 from jacmem.engine.notices import Notices
-from jacmem.engine.secondorder.chain import Engine as SecondOrder
+from jacmem.engine.secondorder.engine import SecondOrderEngine
 from jacmem.engine.strategies import AUTO, StrategyPlan, StrategySpec
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import FirstOrderExtension
@@ -40,7 +40,7 @@ from jacmem.extensions.secondorder import SecondOrderExtension
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: each kind of extension, and the engine that runs it
-ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrder), (ClipGrad, Clipping))
+ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrderEngine), (ClipGrad, Clipping))
 
 Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
 

@@ -1,6 +1,6 @@
 """What a second-order extension asks of the backward pass, and what it gets.
 
-The engine (:mod:`jacmem.engine.secondorder.chain`) backpropagates *factors*,
+The engine (:mod:`jacmem.engine.secondorder.engine`) backpropagates *factors*,
 each a tensor ``S [V, N, *out]`` at a module's output with a sign, such that
 ``Σ sign · Σ_v S[v] S[v]ᵀ`` is (per sample) a curvature matrix w.r.t. that output.
 Factors come in kinds:

@@ -4,7 +4,7 @@ For a weight, ``[G, A]`` with ``G ⊗ A`` approximating its GGN block (row-major
 ``vec``); for a bias, ``[G]``. ``G`` comes from the output side, ``A`` from the input.
 
 **The output factor** ``G`` of a layer whose output has ``O`` channels, from what the
-engine (:mod:`jacmem.engine.secondorder.chain`) brings to the output:
+engine (:mod:`jacmem.engine.secondorder.engine`) brings to the output:
 
 * KFAC (``mc_samples`` Monte-Carlo factors) and KFLR (the exact factor): roots
   ``S [V, N, *out]`` with ``Σ_v S[v, n] S[v, n]ᵀ`` sample ``n``'s GGN w.r.t. the output;

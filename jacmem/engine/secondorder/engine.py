@@ -1,0 +1,487 @@
+"""The second-order engine (:class:`SecondOrderEngine`): the façade a block starts.
+
+In the forward pass it makes each call of a module or function it knows a
+:class:`.graph.Node`, with hooks on the node's output and on the autograd nodes that
+take its inputs (the chain check's taps). In each backward pass either the module
+chain (:mod:`.chain`) or the autograd path (:mod:`.autograd_path`) computes the
+quantities; both hand them back here to stage until the pass ends.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from collections import deque
+from collections.abc import Callable
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+
+from jacmem.derivatives import detached, lookup
+from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
+from jacmem.derivatives.jacobians import lookup_loss, lookup_passthrough
+from jacmem.engine import compat, hooks, precision
+from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.notices import LIMIT, listing
+from jacmem.engine.secondorder.autograd_path import AutogradPath
+from jacmem.engine.secondorder.chain import Chain
+from jacmem.engine.secondorder.graph import Node, PassState
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
+
+#: how far up the autograd graph a forward looks for the tracked module that an
+#: untracked operation consumed (only to name it in the error)
+_SEARCH_NODES = 64
+#: how many autograd nodes of one module call the chain check searches for those that
+#: take the call's inputs; past it, the call's gradient row is computed instead
+_TAP_NODES = 256
+
+
+def _outside_mode(method):
+    """The engine's own tensor work (in module hooks and backward hooks) runs without
+    :class:`_Functional`, which would otherwise see each of its calls."""
+
+    @functools.wraps(method)
+    def run(self, *args):
+        n = torch._C._len_torch_function_stack()
+        if self.mode is None or not n or torch._C._get_function_stack_at(n - 1) is not self.mode:
+            return method(self, *args)
+        torch._C._pop_torch_function_stack()
+        try:
+            return method(self, *args)
+        finally:
+            torch._C._push_on_torch_function_stack(self.mode)
+
+    return run
+
+
+class SecondOrderEngine(Engine):
+    """Second-order extensions for one block (the interface is
+    :class:`jacmem.engine.base.Engine`)."""
+
+    def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
+        self.extensions = extensions
+        self.kinds = {k for ext in extensions for k in ext.kinds}
+        self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
+        self.passes, self.notices = setup.passes, setup.notices
+        self.handles = hooks.Handles()
+        self.producer = compat.WeakTensorKeyDictionary()
+        self.warned: set = set()
+        #: the modules whose forward the engine saw
+        self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: for each module forward running, whether the engine knows the module (then the
+        #: functional calls inside it, and inside its children, are its own, not links)
+        self.known: list[bool] = []
+        #: how many of them the engine knows
+        self.inside = 0
+        #: a tensor with its batch axis merged -> :class:`Merged` (for a loss on it)
+        self.merged = compat.WeakTensorKeyDictionary()
+        #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
+        self.unreduced = compat.WeakTensorKeyDictionary()
+        self.mode = _Functional(self)
+        self.mode.__enter__()
+        self.chain = Chain(self)
+        self.autograd = AutogradPath(self)
+
+    def close(self) -> None:
+        if self.mode is not None:
+            self.mode.__exit__(None, None, None)
+            self.mode = None
+        for h in self.handles:
+            h.remove()
+        self.handles.clear()
+        self.autograd.close()
+        self.producer = compat.WeakTensorKeyDictionary()
+        self.merged = compat.WeakTensorKeyDictionary()
+        self.unreduced = compat.WeakTensorKeyDictionary()
+
+    def new_state(self) -> PassState:
+        return PassState()
+
+    def on_record(self, rec) -> None:
+        """A call recorded by :func:`jacmem.track` (forward outside the block) reached
+        the backward: curvature needs the forward inside the block."""
+        if rec.module not in self.seen:
+            raise RuntimeError(
+                f"jacmem: second-order extensions need the forward pass inside the block, but module "
+                f"{rec.name!r} ran it outside (with jacmem.track): run the forward inside jacmem.extend(...)"
+            )
+
+    def on_enter(self, module: nn.Module) -> None:
+        known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
+        self.known.append(known)
+        self.inside += known
+
+    def on_leave(self, module: nn.Module, outermost: bool) -> None:
+        if self.known:
+            self.inside -= self.known.pop()
+
+    @_outside_mode
+    def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        if not torch.is_grad_enabled() or compat.functorch_transforms_active():
+            return
+        loss = lookup_loss(module)
+        first = args[0] if args else None
+        entry = None if loss is not None else lookup_passthrough(module, first, output)
+        if loss is None and entry is None:
+            self._untracked(module, args, kwargs, output)
+            return
+        self.seen.add(module)
+        if not isinstance(output, Tensor) or not output.requires_grad:
+            return
+        inputs = tuple(a for a in args if isinstance(a, Tensor))
+        edges = None
+        if any(output is x for x in inputs):
+            fn = output.grad_fn
+            if fn is None or "jacmem" in fn.metadata or not getattr(module, "inplace", False) or len(inputs) > 1:
+                return  # the identity: nothing to pass through
+            edges = (fn.next_functions[0],)  # in place: the input is what the op's autograd node takes
+        self._node(module, self.name(module), inputs, output, edges, args, kwargs)
+
+    def on_function(self, func, build, args: tuple, kwargs: dict):
+        """A call of ``func`` in :data:`FUNCTIONAL`, outside any module the engine knows:
+        run it, and make it a node where it takes a tracked output (a loss: always)."""
+        first = args[0] if args and isinstance(args[0], Tensor) else None
+        before = None if first is None else (first.grad_fn, first.output_nr)  # in-place ops move it
+        out = func(*args, **kwargs)
+        if not isinstance(out, Tensor) or not out.requires_grad or compat.functorch_transforms_active():
+            return out
+        if out is first and before == (out.grad_fn, out.output_nr):
+            return out  # the input as it was (dropout in eval): nothing to pass through
+        op = build(out, *args, **kwargs)
+        if isinstance(op, Merged):
+            self.merged[out] = op
+            return out
+        if isinstance(op, Reduced):
+            op = self._reduced(op)
+        if op is None:
+            return out
+        module, inputs = op
+        if getattr(module, "reduction", None) == "none" and lookup_loss(module) is not None:
+            self.unreduced[out] = op  # a loss once its sum or mean is taken
+            return out
+        producers = [self._producer_of(x) for x in inputs]
+        if any(p is not None and p.loss is not None for p in producers):
+            return out  # after the loss (2 * loss, a sum of losses): no link of the chain
+        if lookup_loss(module) is None and not any(producers):
+            return out
+        edges = None
+        if any(out is x for x in inputs):
+            edges = tuple(before if x is first else (x.grad_fn, x.output_nr) for x in inputs)
+        site = next((p.site for p in producers if p is not None), None)
+        self._node(module, _op_name(func) + (f" after {site}" if site else ""), inputs, out, edges)
+        self.producer[out].site = site
+        return out
+
+    def _reduced(self, op: Reduced) -> tuple[nn.Module, tuple] | None:
+        """The sum or mean of a loss with ``reduction="none"``: that loss, summed and scaled."""
+        loss = self.unreduced.get(op.x)
+        if loss is None:
+            return None
+        module, inputs = loss
+        module.reduction = "sum"
+        return StandInLoss(module, scale=1 / op.x.numel() if op.mean else 1.0), inputs
+
+    def _node(
+        self, module: nn.Module, name: str, inputs: tuple, output: Tensor, edges, args: tuple = (), kwargs=None
+    ) -> None:
+        """Make the call a :class:`Node`; ``edges``: the inputs' ``(grad_fn, output_nr)``
+        where the call worked in place (the input's are the output's now); ``args``,
+        ``kwargs``: the module's arguments, for its parameters' derivatives."""
+        kwargs = kwargs or {}
+        first = args[0] if args else None
+        loss = lookup_loss(module)
+        merged = self.merged.get(inputs[0]) if loss is not None else None
+        if merged is not None:  # a loss on x.view(-1, C): a loss on x (functional.py)
+            inner, scale = (module.inner, module.scale) if isinstance(module, StandInLoss) else (module, 1.0)
+            module = StandInLoss(inner, merged.k, scale)
+            loss = lookup_loss(module)
+            inputs, edges = (merged.x, *inputs[1:]), None
+        entry = None if loss is not None else lookup_passthrough(module, first, output)
+        node = Node(module, name, loss, entry)
+        node.hp = (loss or entry).params(module)
+        keep = entry is None or entry.keep_input
+        node.inputs = tuple(x.detach() if keep else _shape_of(x) for x in inputs)
+        node.rerunnable = keep and len(inputs) == len(args) and not kwargs
+        node.out = output.detach() if entry is not None and (entry.keep_output or entry.df is not None) else None
+        node.out_shape = tuple(output.shape)
+        node.producers = [self._producer_of(x) for x in inputs]
+        for x, p in zip(inputs, node.producers):
+            if p is None and x.grad_fn is not None:
+                self._mark_untracked_path(x.grad_fn, node)
+                self.autograd.untracked = True
+        self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
+        self._first_order(node, args, kwargs, output)
+        # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
+        node.kept_low_precision = output.dtype in precision.LOW
+        for x in inputs:
+            node.kept_low_precision = node.kept_low_precision or x.dtype in precision.LOW
+        self.producer[output] = node
+        if output.grad_fn is not None:
+            output.grad_fn.metadata["jacmem"] = weakref.ref(node)
+        # the hook (so the graph) holds the node: it goes when the graph goes
+        self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
+        self.autograd.record(node, output)
+
+    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
+        """``node.params``: the module's own trainable parameters that its first-order
+        entry covers (a warning names the others), with what that entry keeps."""
+        module = node.module
+        first = args[0] if args else None
+        node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        if node.params:
+            fo = lookup(module, first, output)
+            if fo is None or any(n not in fo.params for n in node.params):
+                self._unsupported(node)
+                node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
+            if node.params:
+                node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
+                x = fo.keep(args, kwargs)
+                node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
+
+    def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
+        """Hooks on the autograd nodes of this call that take an input with a producer
+        (along the edges ``into``, one per input): in backward they hand that producer
+        autograd's own part of its gradient (see the module docstring). ``node.grad_by_jacobian``:
+        the search failed, the row it is."""
+        taps = {e: i for i, (e, p) in enumerate(zip(into, node.producers)) if p is not None}
+        found = taps and output.grad_fn is not None
+        edges = _input_edges(output.grad_fn, taps, {fn for fn, _ in into}) if found else {}
+        node.grad_by_jacobian = edges is None
+        for fn, ks in (edges or {}).items():
+            self.handles.add(fn.register_hook(lambda grad_inputs, _, ks=ks: self._on_tap(node, ks, grad_inputs)))
+
+    def _producer_of(self, x: Tensor) -> Node | None:
+        """The node whose output ``x`` is, also through identities that full backward
+        hooks (``register_full_backward_hook``, BackPACK, Opacus) put around modules."""
+        node = self.producer.get(x)
+        fn, index = x.grad_fn, x.output_nr
+        while node is None and compat.is_backward_hook_node(fn):
+            fn, index = fn.next_functions[index]
+            ref = fn.metadata.get("jacmem") if fn is not None else None
+            node = ref() if ref is not None else None
+        return node
+
+    def _mark_untracked_path(self, fn, consumer: Node) -> None:
+        """Tell the tracked nodes above ``fn`` (through untracked operations) who
+        consumes their output, through which unsupported module, and which operation
+        (its ``grad_fn``) took their output, for the error."""
+        seen, queue = set(), deque([(fn, None, None)])
+        while queue and len(seen) < _SEARCH_NODES:
+            fn, via, op = queue.popleft()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            ref = fn.metadata.get("jacmem")
+            node = ref() if ref is not None else None
+            if node is not None:
+                through = f"module {via}" if via else f"the operation {op}"
+                node.untracked_consumers.append(f"{consumer.name!r} (through {through})")
+                continue
+            via = via or fn.metadata.get("jacmem_unsupported")
+            queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
+
+    def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
+        """A leaf module that nothing here can pass through: marked in the graph (for
+        the chain error); one whose parameters have first-order derivatives is kept for
+        the autograd path (:mod:`.autograd_path`), any other with trainable parameters
+        is warned about."""
+        if next(module.children(), None) is not None:
+            return
+        fn = getattr(output, "grad_fn", None)
+        if fn is not None:
+            fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
+            self.autograd.untracked = True
+        if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
+            return
+        if (
+            self.autograd.serves()
+            and isinstance(output, Tensor)
+            and output.requires_grad
+            and lookup(module, args[0] if args else None, output)
+        ):
+            self.seen.add(module)
+            node = Node(module, self.name(module), None, None)
+            node.out_shape = tuple(output.shape)
+            self._first_order(node, args, kwargs, output)
+            if node.params:
+                self.autograd.record(node, output)
+            return
+        self.warned.add(module)
+        exts = ", ".join(map(repr, self.extensions))
+        first = f"{self.name(module)!r} ({type(module).__name__})"
+
+        def say(modules: list[str]) -> str:
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
+            return (
+                f"jacmem: module {first}{others} is not supported by {exts}: its parameters get nothing, and "
+                "curvature cannot pass through it (a backward through it raises)."
+            )
+
+        self.notices.add(("second-order unsupported module",), self.name(module), say)
+
+    def _unsupported(self, node: Node) -> None:
+        if node.module in self.warned:
+            return
+        self.warned.add(node.module)
+        exts = ", ".join(map(repr, self.extensions))
+        first = str(node)
+
+        def say(modules: list[str]) -> str:
+            others = f" (also {listing(modules[1:], LIMIT - 1)})" if len(modules) > 1 else ""
+            return (
+                f"jacmem: module {first}{others} has trainable parameters that {exts} cannot handle; they "
+                "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
+                "(requires_grad=False)."
+            )
+
+        self.notices.add(("second-order unsupported parameters",), node.name, say)
+
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        self.autograd.on_backward(tensors, grad_tensors, alone)
+
+    @_outside_mode
+    def _on_grad(self, node: Node, grad: Tensor) -> None:
+        if self.autograd.busy:
+            return  # the autograd path's own products
+        run = self.passes.state(self)
+        if run.autograd is not None:
+            return
+        self.chain.on_grad(run, node, grad)
+
+    @_outside_mode
+    def _on_tap(self, node: Node, edges: list[tuple[int, int]], grad_inputs: tuple) -> None:
+        """An autograd node of ``node``'s call ran: its gradients along ``edges``
+        (``(position, input)``) are the call's part of its producers' gradients."""
+        if self.autograd.busy:
+            return
+        run = self.passes.state(self)
+        if run.autograd is not None:
+            return
+        for k, i in edges:
+            if grad_inputs[k] is not None:
+                run.deposit_grad(node, i, grad_inputs[k])
+
+    @staticmethod
+    def check_unshared(run: PassState, node: Node) -> None:
+        for pname, p in node.params.items():
+            if id(p) in run.staged:
+                raise NotImplementedError(
+                    f"jacmem: parameter {pname!r} of module {node} is used by more than one call in this "
+                    f"backward pass (also by {run.staged[id(p)][1]}: a module called twice, or tied weights). "
+                    "Second-order extensions need each parameter used once: a shared parameter's curvature has "
+                    "cross terms between its calls, which they do not form. Give each call its own parameter, "
+                    "freeze it (requires_grad=False), or use first-order extensions, which sum the calls"
+                )
+
+    def call(self, node: Node, factors: list[Factor], dense: Tensor | None) -> Call:
+        """What the extensions see of ``node`` with these factors at its output."""
+        module, offered = node.module, node.param_entry.names()
+        return Call(
+            module=module,
+            name=node.name,
+            params=node.params,
+            entry=node.param_entry,
+            hp=node.param_hyperparams,
+            x=node.param_input,
+            inputs=node.inputs if node.rerunnable else None,
+            out_shape=node.out_shape,
+            factors=factors,
+            dense=dense,
+            choose=lambda pname, quantity, options: self.strategies.choose(
+                module, node.name, offered, pname, quantity, options, 4
+            ),
+            budget=self.budget,
+        )
+
+    def run_extension(self, ext: SecondOrderExtension, call: Call) -> dict | None:
+        """``ext.compute(call)``; ``None`` (and a warning, once) where ``ext`` has nothing
+        for the module."""
+        try:
+            return ext.compute(call)
+        except UnsupportedModule as err:
+            if (call.module, type(ext)) not in self.warned:
+                self.warned.add((call.module, type(ext)))
+                self.notices.add(("second-order unsupported", ext), call.name, _unsupported_by(ext, err))
+            return None
+        except NotImplementedError:
+            raise
+        except Exception as err:
+            raise RuntimeError(
+                f"jacmem: computing {ext!r} for module {call.name!r} ({type(call.module).__name__}) failed: {err}"
+            ) from err
+
+    def stage(self, run: PassState, node: Node, results: dict[str, dict[str, object]]) -> None:
+        """``{param name: {savefield: value}}``, written when the pass ends."""
+        self.check_unshared(run, node)
+        for pname, p in node.params.items():
+            run.staged[id(p)] = (p, node, results[pname])
+
+    def finish(self, run: PassState) -> list[Write]:
+        staged, run.staged = run.staged, {}
+        run.deposits.clear()
+        return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+
+
+class _Functional(TorchFunctionMode):
+    """Sees the calls of :data:`FUNCTIONAL`'s functions while the block is open (nothing
+    outside it), and hands those made outside the modules the engine knows to
+    :meth:`Engine.on_function`; every other call runs as it is."""
+
+    def __init__(self, engine: Engine):
+        super().__init__()
+        self.engine = weakref.proxy(engine)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        build = FUNCTIONAL.get(func)
+        kwargs = kwargs or {}
+        if build is None or self.engine.inside or not torch.is_grad_enabled():
+            return func(*args, **kwargs)
+        return self.engine.on_function(func, build, args, kwargs)
+
+
+def _op_name(func) -> str:
+    """``F.relu`` -> ``relu``, ``Tensor.add_`` -> ``add_``."""
+    return getattr(func, "__name__", None) or str(func)
+
+
+def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list[str]], str]:
+    """How to say that ``ext`` has nothing for the modules gathered: the first one's
+    reason in full, then how many others, and a few of their names."""
+    reason = str(err).strip().rstrip(".")
+
+    def say(modules: list[str]) -> str:
+        more = len(modules) - 1
+        others = f" The same holds for {more} more module(s): {listing(modules[1:], LIMIT - 1)}." if more else ""
+        return f"jacmem: {reason}. Its parameters get no {ext.savefield}.{others}"
+
+    return say
+
+
+def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tuple[int, int]]] | None:
+    """The autograd nodes of one module call that take its inputs: ``{node: [(position
+    in its next_functions, input index)]}`` for the edges ``(grad_fn, output_nr)`` in
+    ``taps``, searched from the call's output ``fn`` down to its inputs' grad_fns
+    (``stop``) and tracked outputs; ``None`` past ``_TAP_NODES`` nodes."""
+    edges: dict[object, list[tuple[int, int]]] = {}
+    seen, todo = set(), [fn]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _TAP_NODES:
+            return None
+        for k, (nxt, nr) in enumerate(fn.next_functions):
+            i = taps.get((nxt, nr))
+            if i is not None:
+                edges.setdefault(fn, []).append((k, i))
+            elif nxt is not None and nxt not in stop and "jacmem" not in nxt.metadata:
+                todo.append(nxt)
+    return edges
+
+
+def _shape_of(x: Tensor) -> Tensor:
+    """A stand-in for an input whose derivatives read only its shape: one element,
+    expanded to ``x``'s shape, so the input itself can go when autograd lets it."""
+    return x.new_zeros(()).expand(x.shape)
