@@ -100,7 +100,7 @@ class extend:
         )
         self.plan = self.block.plan
         self._module_handles: list = []
-        self._watch = recorder.UntrackedWatch(self.block.passes)
+        self._watch = recorder.BackwardWatch(self.block.passes)
 
     # -- block -------------------------------------------------------------------
 

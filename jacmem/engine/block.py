@@ -28,8 +28,8 @@ from torch import Tensor, nn
 
 from jacmem.engine import distributed, hooks, recorder
 from jacmem.engine.base import Engine, Passes, Setup
-from jacmem.engine.clipping import Clipping
-from jacmem.engine.firstorder import FirstOrder
+from jacmem.engine.clipping import ClippingEngine
+from jacmem.engine.firstorder import FirstOrderEngine
 from jacmem.engine.notices import Notices
 from jacmem.engine.secondorder.engine import SecondOrderEngine
 from jacmem.engine.strategies import AUTO, StrategyPlan, StrategySpec
@@ -40,7 +40,11 @@ from jacmem.extensions.secondorder import SecondOrderExtension
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: each kind of extension, and the engine that runs it
-ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrderEngine), (ClipGrad, Clipping))
+ENGINES = (
+    (FirstOrderExtension, FirstOrderEngine),
+    (SecondOrderExtension, SecondOrderEngine),
+    (ClipGrad, ClippingEngine),
+)
 
 Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
 
@@ -169,6 +173,12 @@ class Block:
 
     def untrack(self, model: nn.Module) -> None:
         recorder.untrack(model, owner=self)
+
+    @staticmethod
+    def tracked() -> list[tuple[nn.Module, bool]]:
+        """Every tracked model, whichever block takes its calls, and whether a block owns
+        its tracking (a private model's) rather than :func:`jacmem.track`."""
+        return [(model, recorder.owner(model) is not None) for model in recorder.tracked_models()]
 
     def models(self) -> list[nn.Module]:
         """The tracked models whose calls reach this block."""

@@ -43,7 +43,7 @@ from torch.utils._pytree import tree_map
 
 from jacmem.engine import compat, distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
-from jacmem.engine.firstorder import FirstOrder, Staging
+from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size
 from jacmem.extensions.clipping import ClipGrad
@@ -70,7 +70,7 @@ class ClipStaging(Staging):
         self.narrowest: dict[int, torch.dtype] = {}
 
 
-class Clipping(FirstOrder):
+class ClippingEngine(FirstOrderEngine):
     """:class:`ClipGrad` for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     #: the engine takes over ``.grad``: no other engine may share its block

@@ -2,12 +2,12 @@
 
 Inside a block, its :class:`jacmem.engine.recorder.Recorder` records every call of a module with
 trainable parameters; calls of tracked models come from their tracker
-(:meth:`FirstOrder.on_record`). When a call's output gradients have arrived, the
+(:meth:`FirstOrderEngine.on_record`). When a call's output gradients have arrived, the
 engine computes its parameters' quantities with the strategies the planner chose
 (:mod:`jacmem.engine.planner`), in the dtype of :mod:`jacmem.engine.precision`, and stages them in
 the pass's state (:class:`Staging`). A parameter used by several calls (a module called
 twice, tied weights) sums its per-sample gradients over them first. At the end of the
-pass, :meth:`FirstOrder.finish` turns the staged quantities into each extension's
+pass, :meth:`FirstOrderEngine.finish` turns the staged quantities into each extension's
 result, sums over the ranks what is global (:mod:`jacmem.engine.distributed`), warns where
 modules disagree on the batch size, and returns the writes. Whether the results hold
 NaN or Inf is flagged on the device in each pass and read when the block ends (a read
@@ -73,7 +73,7 @@ def _check_broadcast(rec: hooks.Record) -> None:
         )
 
 
-class FirstOrder(Engine):
+class FirstOrderEngine(Engine):
     """First-order extensions for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     def __init__(self, extensions: list[FirstOrderExtension], setup: Setup):

@@ -347,10 +347,14 @@ def _taken(model: nn.Module, by: Any) -> str:
     return f"jacmem: the model ({type(model).__name__}) is tracked {where} already; free it first with {fix}."
 
 
-class UntrackedWatch:
-    """BackPACK's habit: the forward ran before the block on a model nobody tracked,
-    then ``loss.backward()`` inside it. No hook of the block runs in that backward, and
-    the parameters silently get nothing.
+class BackwardWatch:
+    """Watches each backward of the block's thread, for two jobs: it tells the block a
+    backward is about to begin (``on_backward``: the second-order engine's autograd path
+    starts there), and it warns where that backward reached no record of the block.
+
+    The second is BackPACK's habit: the forward ran before the block on a model nobody
+    tracked, then ``loss.backward()`` inside it. No hook of the block runs in that
+    backward, and the parameters silently get nothing.
 
     While the block is open, ``torch.autograd.backward`` and ``torch.autograd.grad``
     (which ``Tensor.backward`` calls) are wrapped: after a backward of the block's

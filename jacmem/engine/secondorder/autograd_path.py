@@ -12,7 +12,7 @@ factor kinds of the GGN (``exact``, ``mc<M>``: DiagGGNExact/MC, their batch vari
 KFAC, KFLR); with DiagHessian or KFRA in the block the chain runs, and raises
 :class:`.ChainError` at the operation it cannot pass. It starts where the
 block intercepts ``torch.autograd.backward`` / ``Tensor.backward`` /
-``torch.autograd.grad`` (:class:`jacmem.engine.recorder.UntrackedWatch`), with a hook on the
+``torch.autograd.grad`` (:class:`jacmem.engine.recorder.BackwardWatch`), with a hook on the
 root's autograd node, so it runs inside that backward, first, while the graph is whole;
 the chain's hooks then stand by for the pass.
 

@@ -21,7 +21,7 @@ from torch.overrides import TorchFunctionMode
 from jacmem.derivatives import detached, lookup
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.jacobians import lookup_loss, lookup_passthrough
-from jacmem.engine import compat, hooks, precision
+from jacmem.engine import compat, hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import LIMIT, listing
 from jacmem.engine.secondorder.autograd_path import AutogradPath
@@ -388,8 +388,18 @@ class SecondOrderEngine(Engine):
             out_shape=node.out_shape,
             factors=factors,
             dense=dense,
-            choose=lambda pname, quantity, options: self.strategies.choose(
-                module, node.name, offered, pname, quantity, options, 4
+            first_order=lambda pname, x, g, quantities: planner.compute(
+                node.param_entry,
+                node.param_hyperparams,
+                x,
+                g,
+                pname,
+                node.params[pname],
+                quantities,
+                lambda quantity, options: self.strategies.choose(
+                    module, node.name, offered, pname, quantity, options, 4
+                ),
+                self.budget,
             ),
             budget=self.budget,
         )

@@ -58,8 +58,10 @@ class Call:
     out_shape: tuple[int, ...]
     factors: list[Factor] = field(default_factory=list)
     dense: Tensor | None = None
-    #: ``(param, quantity, options) -> strategy name``, the block's choice for this module
-    choose: Callable[..., str] | None = None
+    #: ``(param name, x, g, quantities) -> {quantity: value}``: first-order quantities of
+    #: the parameter for input ``x`` and output gradients ``g`` (``[N', *]``), computed by
+    #: the strategies the block chooses for this module, chunked under ``budget``
+    first_order: Callable[..., dict[str, Tensor]] | None = None
     budget: float = 64 * 2**20
 
     def of_kind(self, *kinds: str) -> list[Factor]:
