@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_map
 
 from jacmem.derivatives import REGISTRY, registered_type
-from jacmem.derivatives.broadcast import use_entry
+from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
 from jacmem.engine import compat, hooks
 from jacmem.engine.broadcast import Origin, swap_in, watch
