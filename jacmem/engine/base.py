@@ -154,7 +154,7 @@ class Passes:
 class Setup:
     """What a block gives each engine it starts: ``engine_class(extensions, setup)``."""
 
-    #: the block's :class:`jacmem.engine.strategies.StrategyPlan`
+    #: the block's :class:`jacmem.engine.strategies.StrategyChoices`
     strategies: Any
     #: temporary memory a strategy may use at once
     chunk_bytes: float

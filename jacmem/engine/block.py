@@ -32,7 +32,7 @@ from jacmem.engine.clipping import ClippingEngine
 from jacmem.engine.firstorder import FirstOrderEngine
 from jacmem.engine.notices import Notices
 from jacmem.engine.secondorder.engine import SecondOrderEngine
-from jacmem.engine.strategies import AUTO, StrategyPlan, StrategySpec
+from jacmem.engine.strategies import AUTO, StrategyChoices, StrategySpec
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import FirstOrderExtension
 from jacmem.extensions.secondorder import SecondOrderExtension
@@ -86,7 +86,7 @@ class Block:
             )
         #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
         self.batch_first = batch_first
-        self.plan = StrategyPlan(strategy, autotune=autotune)
+        self.plan = StrategyChoices(strategy, autotune=autotune)
         self.chunk_bytes = chunk_bytes
         self.process_group = process_group
         self.engines: list[Engine] = []

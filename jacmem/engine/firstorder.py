@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from jacmem.engine import compat, distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import LIMIT, listing
-from jacmem.engine.planner import ContractError, batch_size, execute, itemsize, planned, shapes
+from jacmem.engine.planner import ContractError, batch_size, cached_plan, execute, itemsize, shapes
 from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
 
@@ -225,7 +225,7 @@ class FirstOrderEngine(Engine):
         output gradient ``g`` (in ``dtype``), by the planned strategies."""
         if batch_size(g) == 0:  # an empty batch: empty per-sample quantities, zero sums
             return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
-        chosen = planned(
+        chosen = cached_plan(
             self.strategies, rec.module, rec.name, rec.entry, rec.hp, shapes(x), shapes(g), itemsize(g), pname, param,
             wanted, x, g, self.chunk_bytes,
         )  # fmt: skip

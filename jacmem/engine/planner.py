@@ -23,7 +23,7 @@ from torch import Tensor
 
 from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
 from jacmem.engine import alloc
-from jacmem.engine.strategies import Decision, StrategyPlan
+from jacmem.engine.strategies import Decision, StrategyChoices
 from jacmem.extensions.firstorder import PER_SAMPLE, derive
 
 
@@ -392,8 +392,8 @@ def trial(
     return thunk
 
 
-def planned(
-    strategies: StrategyPlan,
+def cached_plan(
+    strategies: StrategyChoices,
     module,
     name: str,
     entry: LayerDerivatives,
