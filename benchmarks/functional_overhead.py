@@ -21,7 +21,7 @@ import torchvision
 
 import jacmem
 import jacmem.context
-import jacmem.extensions.secondorder.backprop as backprop
+import jacmem.engine.secondorder.engine as backprop
 
 
 def _forward(model, X) -> float:

@@ -51,7 +51,7 @@ import torch
 from torch import nn
 
 import jacmem
-from jacmem.planner import CPU_CHUNK_BYTES
+from jacmem.engine.planner import CPU_CHUNK_BYTES
 
 # sphinx-gallery runs an example without __file__, in the example's folder
 ROOT = Path(globals().get("__file__", "plot_save_memory.py")).resolve().parents[1]

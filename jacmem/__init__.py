@@ -3,6 +3,7 @@
 from jacmem import memory, nn  # noqa: E402  (jacmem.memory.report/lean; jacmem.nn.Sum, Parallel, Residual, Scale)
 from jacmem.context import extend, track, untrack
 from jacmem.derivatives import Cost, layer, register
+from jacmem.engine.secondorder.graph import ChainError
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from jacmem.extensions.secondorder import (
@@ -21,7 +22,6 @@ from jacmem.extensions.secondorder import (
     SqrtGGNExact,
     SqrtGGNMC,
 )
-from jacmem.extensions.secondorder.backprop import ChainError
 
 __all__ = [
     "extend",

@@ -1,12 +1,12 @@
 """``extend()``: the block. It owns the engines and their hooks, and removes them on exit.
 
 Inside ``with jacmem.extend(*extensions):`` global forward hooks show every module call
-of the block's thread to its :class:`jacmem.block.Block`, whose engines
-(:class:`jacmem.passes.Engine`) are the first-order one (:mod:`jacmem.firstorder_engine`),
-the second-order one (:mod:`jacmem.extensions.secondorder.backprop`) and the clipping
+of the block's thread to its :class:`jacmem.engine.block.Block`, whose engines
+(:class:`jacmem.engine.base.Engine`) are the first-order one (:mod:`jacmem.engine.firstorder`),
+the second-order one (:mod:`jacmem.engine.secondorder.engine`) and the clipping
 one, each for the extensions of its kind. What they compute in a backward pass is
-written when the pass ends (:mod:`jacmem.passes`). Calls of models given to
-:func:`track` come from their recorder (:mod:`jacmem.recorder`). On exit, however the
+written when the pass ends (:mod:`jacmem.engine.base`). Calls of models given to
+:func:`track` come from their recorder (:mod:`jacmem.engine.recorder`). On exit, however the
 block ends, every hook comes off and everything kept is dropped.
 """
 
@@ -18,10 +18,10 @@ from typing import Any
 
 from torch.nn.modules import module as module_hooks
 
-from jacmem import hooks, recorder
-from jacmem.block import DEFAULT_CHUNK_BYTES, Block, Extension
-from jacmem.recorder import track, untrack  # noqa: F401  (also importable as jacmem.context.track)
-from jacmem.strategies import AUTO, StrategySpec
+from jacmem.engine import hooks, recorder
+from jacmem.engine.block import DEFAULT_CHUNK_BYTES, Block, Extension
+from jacmem.engine.recorder import track, untrack  # noqa: F401  (jacmem.context.track, as before)
+from jacmem.engine.strategies import AUTO, StrategySpec
 
 _ACTIVE: extend | None = None
 _LOCK = threading.Lock()
@@ -34,24 +34,24 @@ class extend:
         *extensions: e.g. ``BatchGrad(), Variance()``.
         strategy: one strategy name for every layer (``"auto"``, ``"unfold"``,
             ``"save_memory"``, ...), or a dict from module type or qualified module name
-            to a name; see :mod:`jacmem.strategies`.
+            to a name; see :mod:`jacmem.engine.strategies`.
         strict: raise, rather than warn, on a trainable module no extension can handle.
         chunk_bytes: temporary memory a strategy may use at once; larger batches are
             processed in chunks.
         process_group: a ``torch.distributed`` process group over which to sum
             ``sum_grad_squared`` and the gradient of ``variance``, for every model
             called in the block; by default, that of a ``DistributedDataParallel``
-            model, none for any other (see :mod:`jacmem.distributed`).
+            model, none for any other (see :mod:`jacmem.engine.distributed`).
         autotune: choose each layer's strategies by timing them, once per call shape,
             on the real tensors, rather than by the cost model (see
-            :mod:`jacmem.strategies`); ``explain()`` then says "timed".
+            :mod:`jacmem.engine.strategies`); ``explain()`` then says "timed".
         batch_first: ``False`` for a model fed ``[T, N, ...]`` (nn.LSTM's default layout):
             each module call takes its batch on axis 1 of its inputs and outputs, as
             Opacus's ``GradSampleModule(batch_first=False)``, except where the module
             places it itself: RNNs and ``nn.MultiheadAttention`` by their own
             ``batch_first``, convolutions, GroupNorm, InstanceNorm and EmbeddingBag on
             axis 0 (their layout, ``[N, C, *]``). A call whose batch axis cannot be
-            told apart raises (see :mod:`jacmem.layout`). A model given to
+            told apart raises (see :mod:`jacmem.engine.layout`). A model given to
             :func:`track` must be tracked with the same value. First-order extensions
             and ``ClipGrad`` only.
 
@@ -67,9 +67,9 @@ class extend:
     parameter's dtype.
 
     Engines: the extensions of each kind run in their engine (first order:
-    :mod:`jacmem.firstorder_engine`; second order:
-    :mod:`jacmem.extensions.secondorder.backprop`), which all implement
-    :class:`jacmem.passes.Engine`; its :class:`jacmem.block.Block` (``ctx.block``)
+    :mod:`jacmem.engine.firstorder`; second order:
+    :mod:`jacmem.engine.secondorder.engine`), which all implement
+    :class:`jacmem.engine.base.Engine`; its :class:`jacmem.engine.block.Block` (``ctx.block``)
     owns them.
 
     Threads: one ``jacmem.extend`` block is active at a time, in the whole process;
@@ -100,7 +100,7 @@ class extend:
         )
         self.plan = self.block.plan
         self._module_handles: list = []
-        self._watch = recorder.UntrackedWatch(self.block.passes)
+        self._watch = recorder.BackwardWatch(self.block.passes)
 
     # -- block -------------------------------------------------------------------
 

@@ -67,8 +67,7 @@ try:
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
-from jacmem import recorder
-from jacmem.block import Block
+from jacmem.engine.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
 __all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
@@ -82,7 +81,7 @@ _CROSS_ENTROPY = nn.CrossEntropyLoss()
 
 
 class _Private:
-    """The block of one private model (:class:`jacmem.block.Block`), open from
+    """The block of one private model (:class:`jacmem.engine.block.Block`), open from
     :meth:`PrivacyEngine.make_private` to :meth:`PrivacyEngine.detach`. The block tracks
     the model, so that its forwards are recorded wherever they run, for this block
     alone, and it takes their gradients in the user's own ``loss.backward()``. It has no
@@ -316,9 +315,8 @@ def _refuse_tracked(module: nn.Module) -> None:
     """A model that shares parameters with a tracked one (a private model, or one given
     to :func:`jacmem.track`) would have its gradients taken twice: it raises."""
     own = {id(p) for p in module.parameters()}
-    for model in recorder.tracked_models():
+    for model, private in Block.tracked():
         if own & {id(p) for p in model.parameters()}:
-            private = recorder.owner(model) is not None
             raise ValueError(
                 f"jacmem: the model ({type(module).__name__}) is, or shares parameters with, a model "
                 + ("made private already" if private else "given to jacmem.track")

@@ -73,7 +73,7 @@ def layer_name(module_type: type | str) -> str:
 def strategy_names(entry: LayerDerivatives, param: str, extension: type) -> tuple[str, ...]:
     """The strategies ``extension`` can use for ``param``: those of ``batch_grad``,
     from which every quantity can be derived, then those of its own quantities, as
-    :func:`jacmem.planner.compute` offers them."""
+    :func:`jacmem.engine.planner.compute` offers them."""
     names = dict.fromkeys(entry.strategies[(param, "batch_grad")])
     for quantity in (q for q in QUANTITIES if q in extension.quantities):
         names.update(dict.fromkeys(entry.strategies.get((param, quantity), {})))

@@ -159,7 +159,7 @@ class LayerDerivatives:
         asks this for the entry of each module.
     compute_once: inside a block, a call of the layer may run through one
         ``autograd.Function`` whose backward gives the per-sample quantities, the
-        summed gradient and the input gradient together (:class:`jacmem.hooks.ComputeOnce`),
+        summed gradient and the input gradient together (:class:`jacmem.engine.hooks.ComputeOnce`),
         instead of autograd computing the weight gradient a second time. The input
         gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
         which must then be registered.
@@ -168,7 +168,7 @@ class LayerDerivatives:
         ``arrange_input`` and ``arrange``), or on axis 0 by its layout (convolutions,
         GroupNorm: ``[N, C, *]``). Otherwise, under ``batch_first=False``, the block
         hands ``keep`` the call's inputs and ``arrange`` its output gradients with axis 1
-        moved first (:mod:`jacmem.layout`), so that the derivatives see the batch first.
+        moved first (:mod:`jacmem.engine.layout`), so that the derivatives see the batch first.
     kronecker: the layer's Kronecker factor rules (:class:`Kronecker`), or ``None``.
     squared_vjps: ``(x, S, params, batch, budget, **hyperparams) -> {name: tensor} or
         None``, a direct form of ``Σ_v (J_θᵀ S[v])²`` for the GGN and Hessian diagonals
@@ -214,6 +214,13 @@ class LayerDerivatives:
     def names(self) -> set:
         """Every strategy name this layer offers, for any parameter and quantity."""
         return {name for table in self.strategies.values() for name in table}
+
+
+def entries(obj) -> int:
+    """Entries of a tensor, or of the tensors in a (nested) tuple or list; 0 for the rest."""
+    if isinstance(obj, Tensor):
+        return obj.numel()
+    return sum(entries(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
 
 
 def detached(x: Any) -> Any:

@@ -29,7 +29,7 @@ whose leading size equals that of the first tensor argument is taken as batched 
 axis 0; every other argument is passed unchanged to each sample. The output may be a
 tensor or a (nested) tuple of them, each batched on axis 0. Under a block's
 ``batch_first=False`` the block moves axis 1 of the inputs and output gradients first
-(:mod:`jacmem.layout`), and the fallback for ``batch_axis=1`` runs each sample through
+(:mod:`jacmem.engine.layout`), and the fallback for ``batch_axis=1`` runs each sample through
 the module on axis 1, as ``[T, 1, ...]``.
 
 All parameters of one call share one recomputation per chunk: :class:`SharedPass`

@@ -3,7 +3,7 @@
 Inside ``with jacmem.extend(jacmem.ClipGrad(max_norm)):``, ``loss.backward()`` adds to
 each trainable parameter's ``.grad`` the sum over the samples of their clipped
 gradients, ``Σ_i c_i g_i``, and nothing else: autograd's own (unclipped) gradient never
-reaches ``.grad``. The engine that does it is :mod:`jacmem.clipping_engine`; the
+reaches ``.grad``. The engine that does it is :mod:`jacmem.engine.clipping`; the
 clipping math is here.
 
 ``g_i`` is the gradient of sample ``i``'s own loss term: with ``loss_reduction="mean"``

@@ -6,7 +6,7 @@ loss as reduced, so with ``reduction="mean"`` they carry its ``1/N`` and
 
 Each extension names the *quantities* (see :mod:`jacmem.derivatives`) it needs; the
 first-order engine computes the union once per parameter, with the strategies that
-:mod:`jacmem.planner` chooses. The quantity math that turns per-sample gradients into
+:mod:`jacmem.engine.planner` chooses. The quantity math that turns per-sample gradients into
 the others (:func:`derive`) is here.
 """
 

@@ -82,12 +82,12 @@ class ConvFunction(torch.autograd.Function):
 # -- batch norm in eval mode ---------------------------------------------------------
 
 
-def _channel_view(t: Tensor, ndim: int) -> Tensor:
+def channel_view(t: Tensor, ndim: int) -> Tensor:
     """[C] -> [1, C, 1, ...] to broadcast against an [N, C, *S] tensor of ``ndim`` axes."""
     return t.view(1, -1, *([1] * (ndim - 2)))
 
 
-def _all_but_channels(ndim: int) -> list:
+def all_but_channels(ndim: int) -> list:
     return [0, *range(2, ndim)]
 
 
@@ -113,9 +113,9 @@ class BatchNormEvalFunction(torch.autograd.Function):
         gx = gb = None
         if ctx.needs_input_grad[0]:
             invstd = torch.rsqrt(var + ctx.eps)
-            gx = grad * _channel_view(invstd if weight is None else weight * invstd, nd)
+            gx = grad * channel_view(invstd if weight is None else weight * invstd, nd)
         if ctx.needs_input_grad[4]:
-            gb = grad.sum(_all_but_channels(nd))
+            gb = grad.sum(all_but_channels(nd))
         return gx, None, None, None, gb, None
 
 

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch.autograd.function import once_differentiable
 from torch.nn import functional as F
 
-from jacmem.memory.functions import _all_but_channels, _channel_view
+from jacmem.memory.functions import all_but_channels, channel_view
 
 
 class BatchNormActFunction(torch.autograd.Function):
@@ -51,19 +51,19 @@ class BatchNormActFunction(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, dz):
         z, weight, bias, invstd = ctx.saved_tensors
-        nd, dims = z.dim(), _all_but_channels(z.dim())
+        nd, dims = z.dim(), all_but_channels(z.dim())
         positive = z > 0
         dy = torch.where(positive, dz, dz * ctx.slope)
         y = torch.where(positive, z, z / ctx.slope)
-        xhat = y if weight is None else (y - _channel_view(bias, nd)) / _channel_view(weight, nd)
+        xhat = y if weight is None else (y - channel_view(bias, nd)) / channel_view(weight, nd)
         db = dy.sum(dims)
         dw = (dy * xhat).sum(dims)
-        scale = _channel_view(invstd if weight is None else weight * invstd, nd)
+        scale = channel_view(invstd if weight is None else weight * invstd, nd)
         gx = None
         if ctx.needs_input_grad[0]:
             if ctx.training:
                 m = z.numel() // z.shape[1]
-                gx = (dy - _channel_view(db / m, nd) - xhat * _channel_view(dw / m, nd)) * scale
+                gx = (dy - channel_view(db / m, nd) - xhat * channel_view(dw / m, nd)) * scale
             else:
                 gx = dy * scale
         gw = dw if ctx.needs_input_grad[1] else None

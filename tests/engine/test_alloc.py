@@ -1,8 +1,8 @@
-"""jacmem.alloc.empty: a plain empty tensor, with a huge-page hint for large CPU ones."""
+"""jacmem.engine.alloc.empty: a plain empty tensor, with a huge-page hint for large CPU ones."""
 
 import torch
 
-from jacmem import alloc
+from jacmem.engine import alloc
 
 
 def test_large_cpu_results_ask_for_huge_pages_inside_their_own_memory(monkeypatch):

@@ -18,7 +18,7 @@ from torch import nn
 
 import jacmem
 import jacmem.context
-from jacmem import hooks
+from jacmem.engine import hooks
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 

@@ -1,4 +1,4 @@
-"""jacmem.broadcast: per-sample gradients of tensors broadcast over the batch, op by op,
+"""jacmem.engine.broadcast: per-sample gradients of tensors broadcast over the batch, op by op,
 against a per-sample autograd loop in float64."""
 
 import pytest
@@ -7,8 +7,8 @@ from tests.support.reference import check_against, mse, per_sample_grads, run_ja
 from torch import nn
 
 import jacmem
-from jacmem.broadcast import Origin, watch
 from jacmem.compat import swap_parameters as swap_in
+from jacmem.engine.broadcast import Origin, watch
 
 DT = torch.float64
 N, T, D = 3, 4, 5

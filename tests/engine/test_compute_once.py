@@ -1,4 +1,4 @@
-"""Layers that run through :class:`jacmem.hooks.ComputeOnce` inside a block.
+"""Layers that run through :class:`jacmem.engine.hooks.ComputeOnce` inside a block.
 
 Their backward computes ``.grad`` and the input gradient itself, from the per-sample
 pass, instead of autograd's own. The quantities are checked for every layer and
@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 import jacmem
-from jacmem.hooks import ComputeOnce
+from jacmem.engine.hooks import ComputeOnce
 
 
 def net():

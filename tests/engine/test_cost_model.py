@@ -1,4 +1,4 @@
-"""The per-device cost model and autotune of :mod:`jacmem.strategies`.
+"""The per-device cost model and autotune of :mod:`jacmem.engine.strategies`.
 
 - The CPU profile is the calibrated constants, so ``auto``'s CPU choices are as before.
 - A CUDA profile is derived from the device's properties (mocked: the test machine has
@@ -17,21 +17,23 @@ import torch
 from tests.support.reference import SAVEFIELDS, check_against, cross_entropy, per_sample_grads, run_jacmem
 from torch import nn
 
-from jacmem import strategies
 from jacmem.derivatives import Cost, lookup
-from jacmem.strategies import (
-    AUTOTUNE_CALLS,
+from jacmem.engine import cost_model, strategies
+from jacmem.engine.cost_model import (
     BYTE_RATE,
     CPU_PROFILE,
     CUDA_ARCHS,
     FLOP_RATE,
-    Decision,
     DeviceProfile,
-    StrategyPlan,
     cuda_profile,
     estimated_seconds,
-    measure,
     profile_for,
+)
+from jacmem.engine.strategies import (
+    AUTOTUNE_CALLS,
+    Decision,
+    StrategyChoices,
+    measure,
 )
 
 #: What torch 2.13 reports for an H100 SXM and an A100 80GB SXM and an RTX 4090
@@ -83,12 +85,12 @@ def fake_cuda(monkeypatch):
 
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
-    strategies._profile.cache_clear()
+    cost_model._profile.cache_clear()
     yield calls
-    strategies._profile.cache_clear()
+    cost_model._profile.cache_clear()
 
 
-def linear_choice(plan: StrategyPlan, options, itemsize=4, device=None, trial=None) -> str:
+def linear_choice(plan: StrategyChoices, options, itemsize=4, device=None, trial=None) -> str:
     """``plan.choose`` for the weight's batch_grad of a Linear called "0"."""
     module = nn.Linear(2, 2)
     offered = {"outer", "unfold", "save_memory", "vmap", "direct"}
@@ -114,7 +116,7 @@ def test_cpu_choice_and_explain_unchanged():
     """On the CPU, with or without a device given, the same choice and the same text."""
     texts = []
     for device in (None, torch.device("cpu")):
-        plan = StrategyPlan("auto")
+        plan = StrategyChoices("auto")
         assert linear_choice(plan, {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY, "direct": None}, device=device) == "outer"
         texts.append(plan.explain())
     assert (
@@ -122,7 +124,7 @@ def test_cpu_choice_and_explain_unchanged():
         == texts[1]
         == ("0.weight batch_grad <- outer (auto: cheapest; estimates: outer 20 ms, vmap 40 ms; n/a: direct)")
     )
-    assert not StrategyPlan().autotune
+    assert not StrategyChoices().autotune
 
 
 @pytest.mark.parametrize(
@@ -173,13 +175,13 @@ def test_estimates_follow_the_device(fake_cuda):
     assert estimated_seconds(BYTE_HEAVY, 8, rtx) == pytest.approx(4e8 / rtx.byte_rate + rtx.overhead)
     assert estimated_seconds(FLOP_HEAVY, 8, h100) < estimated_seconds(FLOP_HEAVY, 8, CPU_PROFILE) / 100
     chosen = {
-        (device, itemsize): linear_choice(StrategyPlan(), options, itemsize, device=device)
+        (device, itemsize): linear_choice(StrategyChoices(), options, itemsize, device=device)
         for device in ("cpu", "cuda:0", "cuda:1")
         for itemsize in (4, 8)
     }
     assert chosen.pop(("cuda:1", 8)) == "vmap"
     assert set(chosen.values()) == {"outer"}, chosen
-    plan = StrategyPlan()
+    plan = StrategyChoices()
     linear_choice(plan, options, 8, device="cuda:1")
     assert plan.explain() == "0.weight batch_grad <- vmap (auto: cheapest; estimates: vmap 0.407 ms, outer 0.785 ms)"
 
@@ -245,7 +247,7 @@ def test_autotune_keeps_the_fastest_measured():
     """The estimates prefer outer (20 ms against 40 ms); measured, vmap is the faster, and
     the timed choice is the fastest one measured."""
     tried = []
-    plan = StrategyPlan("auto", autotune=True)
+    plan = StrategyChoices("auto", autotune=True)
     options = {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY, "direct": None}
     trial = sleeping_trial({"outer": 0.012, "vmap": 0.002}, tried)
     assert linear_choice(plan, options, trial=trial) == "vmap"
@@ -280,7 +282,7 @@ def test_autotune_with_real_strategies():
     def trial(name):
         return lambda: table[name].fn(x, g, **hp)
 
-    plan = StrategyPlan(autotune=True)
+    plan = StrategyChoices(autotune=True)
     chosen = plan.choose(conv, "0", entry.names(), "weight", "batch_grad", options, 4, device=x.device, trial=trial)
     d = plan.decisions[("0", "weight", "batch_grad")]
     assert d.timed and sorted(n for n, t in d.measured.items() if t is not None) == sorted(applicable)
@@ -293,7 +295,7 @@ def test_autotune_with_real_strategies():
 @pytest.mark.parametrize("spec", ["outer", {"0": "outer"}, {nn.Linear: "outer"}], ids=["global", "name", "type"])
 def test_a_strategy_asked_for_is_never_overridden(spec):
     tried = []
-    plan = StrategyPlan(spec, autotune=True)
+    plan = StrategyChoices(spec, autotune=True)
     trial = sleeping_trial({"outer": 0.01, "vmap": 0.0}, tried)
     assert linear_choice(plan, {"outer": BYTE_HEAVY, "vmap": FLOP_HEAVY}, trial=trial) == "outer"
     assert tried == []
@@ -304,7 +306,7 @@ def test_a_strategy_asked_for_is_never_overridden(spec):
 
 def test_a_name_that_does_not_apply_is_autotuned():
     """A global name that this layer does not offer: auto there, so autotune times it."""
-    plan = StrategyPlan("unfold", autotune=True)
+    plan = StrategyChoices("unfold", autotune=True)
     trial = sleeping_trial({"outer": 0.005, "vmap": 0.0}, [])
     assert linear_choice(plan, {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY}, trial=trial) == "vmap"
     assert plan.explain().startswith(
@@ -315,8 +317,8 @@ def test_a_name_that_does_not_apply_is_autotuned():
 def test_without_autotune_or_trial_the_estimates_decide():
     options = {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY}
     for plan, trial in [
-        (StrategyPlan(), sleeping_trial({"outer": 0.01, "vmap": 0.0}, tried := [])),
-        (StrategyPlan(autotune=True), None),
+        (StrategyChoices(), sleeping_trial({"outer": 0.01, "vmap": 0.0}, tried := [])),
+        (StrategyChoices(autotune=True), None),
     ]:
         assert linear_choice(plan, options, trial=trial) == "outer"
         assert not plan.decisions[("0", "weight", "batch_grad")].timed
@@ -326,14 +328,14 @@ def test_without_autotune_or_trial_the_estimates_decide():
 
 def test_one_candidate_is_not_timed():
     tried = []
-    plan = StrategyPlan(autotune=True)
+    plan = StrategyChoices(autotune=True)
     trial = sleeping_trial({"outer": 0.0}, tried)
     assert linear_choice(plan, {"outer": FLOP_HEAVY, "vmap": None}, trial=trial) == "outer"
     assert tried == [] and "the only strategy that applies" in plan.explain()
 
 
 def test_a_candidate_without_trial_leaves_it_to_the_estimates():
-    plan = StrategyPlan(autotune=True)
+    plan = StrategyChoices(autotune=True)
     trial = {"outer": counting(0.01, []), "vmap": None}.get
     assert linear_choice(plan, {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY}, trial=trial) == "outer"
     d = plan.decisions[("0", "weight", "batch_grad")]
@@ -348,7 +350,7 @@ def test_a_candidate_that_fails_is_left_out():
     def oom():
         raise torch.OutOfMemoryError("CUDA out of memory")
 
-    plan = StrategyPlan(autotune=True)
+    plan = StrategyChoices(autotune=True)
     trial = {"outer": oom, "vmap": counting(0.0, []), "unfold": counting(0.01, [])}.get
     options = {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY, "unfold": BYTE_HEAVY}
     assert linear_choice(plan, options, trial=trial) == "vmap"
@@ -356,7 +358,7 @@ def test_a_candidate_that_fails_is_left_out():
     assert d.measured["outer"] is None and d.failures == {"outer": "OutOfMemoryError"}
     assert plan.explain().endswith("; failed: outer (OutOfMemoryError))"), plan.explain()
 
-    plan = StrategyPlan(autotune=True)
+    plan = StrategyChoices(autotune=True)
     assert linear_choice(plan, {"outer": FLOP_HEAVY, "vmap": BYTE_HEAVY}, trial=lambda name: oom) == "outer"
     d = plan.decisions[("0", "weight", "batch_grad")]
     assert not d.timed and "every candidate failed when tried: outer (OutOfMemoryError)" in d.reason
@@ -383,7 +385,7 @@ def test_timed_reuse_says_so():
 
 def test_autotune_must_be_a_bool():
     with pytest.raises(TypeError, match="autotune must be True or False"):
-        StrategyPlan(autotune="yes")  # type: ignore[arg-type]
+        StrategyChoices(autotune="yes")  # type: ignore[arg-type]
 
 
 def test_autotune_through_the_block_takes_the_fastest_measured_and_stays_exact():
@@ -391,7 +393,7 @@ def test_autotune_through_the_block_takes_the_fastest_measured_and_stays_exact()
     timed, the chosen one is the fastest measured, explain() says so, and the results
     equal the per-sample loop's."""
     import jacmem
-    from jacmem.planner import _PLANS
+    from jacmem.engine.planner import _PLANS
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Flatten(), nn.Linear(4 * 4 * 4, 3)).double()

@@ -1,4 +1,4 @@
-"""One dtype policy for both engines (:mod:`jacmem.precision`), autocast included.
+"""One dtype policy for both engines (:mod:`jacmem.engine.precision`), autocast included.
 
 Under ``torch.autocast("cpu", dtype=torch.bfloat16)`` the layers run in bf16, so what
 the engines keep and the gradients they get are bf16. Both engines compute in float32
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import jacmem
-from jacmem import precision
+from jacmem.engine import precision
 
 BF16 = torch.bfloat16
 #: relative, norm-wise: the bf16 forward's rounding (first order measures up to 8e-3)

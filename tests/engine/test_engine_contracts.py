@@ -13,7 +13,7 @@ from torch import nn
 import jacmem
 from jacmem import derivatives
 from jacmem.derivatives import REGISTRY
-from jacmem.planner import ContractError
+from jacmem.engine.planner import ContractError
 
 DT = torch.float64
 

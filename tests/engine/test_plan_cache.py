@@ -1,4 +1,4 @@
-"""The plans that ``auto`` makes are kept across steps and blocks (``jacmem.planner._PLANS``).
+"""The plans that ``auto`` makes are kept across steps and blocks (``jacmem.engine.planner._PLANS``).
 
 A kept plan must be used only where it is still right: each test changes, between two
 steps, one thing a plan depends on (the shapes, the strategy asked for, the quantities
@@ -13,7 +13,7 @@ from tests.support.reference import check_against, mse, per_sample_grads, run_ja
 from torch import nn
 
 import jacmem
-from jacmem import planner
+from jacmem.engine import planner
 
 EXTENSIONS = {
     "batch_l2": jacmem.BatchL2Grad,

@@ -2,7 +2,7 @@
 
 "Nothing behind", checked after every case by :class:`State` (or :func:`assert_clean`,
 which also checks that every kept input is freed): no global module hook, no tensor
-hook on the outputs the block saw, no active block, ``jacmem.hooks._LIVE`` as it was
+hook on the outputs the block saw, no active block, ``jacmem.engine.hooks._LIVE`` as it was
 before, and no attribute written by a backward pass that failed (results are written at
 the end of a backward pass, all at once).
 
@@ -60,8 +60,8 @@ from torch.nn.modules import module as module_hooks
 
 import jacmem
 import jacmem.context
-from jacmem import hooks
 from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy, all_strategy_names, lookup
+from jacmem.engine import hooks
 
 FIRST_ORDER = (jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance)
 ALL_FIELDS = [e.savefield for e in FIRST_ORDER]

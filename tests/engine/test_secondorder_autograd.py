@@ -1,4 +1,4 @@
-"""The autograd path of the second-order engine (jacmem/extensions/secondorder/autograd_path.py):
+"""The autograd path of the second-order engine (jacmem/engine/secondorder/autograd_path.py):
 GGN diagonals and Kronecker factors of HF BERT, a timm ViT and a LLaMA block, written as
 their libraries write them, against GGNs built with autograd alone (float64).
 
@@ -21,7 +21,7 @@ from torch.func import hessian
 
 import jacmem
 from jacmem import KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
-from jacmem.extensions.secondorder.backprop import ChainError
+from jacmem.engine.secondorder.graph import ChainError
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 transformers = pytest.importorskip("transformers")

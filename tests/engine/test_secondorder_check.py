@@ -13,7 +13,7 @@ from tests.support.secondorder_ref import check_exact, run
 from torch import nn
 
 import jacmem
-import jacmem.extensions.secondorder.backprop as backprop
+import jacmem.engine.secondorder.engine as backprop
 from jacmem import ChainError, DiagGGNExact, DiagHessian
 from jacmem.derivatives.jacobians import LOOP_V, vjp_generic
 

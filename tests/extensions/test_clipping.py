@@ -20,7 +20,7 @@ from torch import nn
 from torch.nn import functional as F
 
 import jacmem
-import jacmem.clipping_engine
+import jacmem.engine.clipping
 from jacmem.extensions.clipping import check
 
 DT = torch.float64
@@ -399,7 +399,7 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
 @pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])
 def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
     """The norms by each of a conv's strategies (chosen by name), the clipped sum as always."""
-    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: False)  # norms, not per-sample gradients
+    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: False)  # norms, not per-sample gradients
     model, X, y = family("conv2d")
     grads = per_sample(model, X, y, cross_entropy, "mean")
     C = median_norm(grads)

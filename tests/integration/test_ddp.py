@@ -3,7 +3,7 @@ concatenated batch.
 
 Each rank holds its own half of the batch. The reference is the per-sample autograd
 loop of ``tests/support/reference.py`` on the whole batch, in float64, in each rank. With DDP's
-averaging and ``reduction="mean"`` (see :mod:`jacmem.distributed`):
+averaging and ``reduction="mean"`` (see :mod:`jacmem.engine.distributed`):
 
 - ``grad_batch`` and ``batch_l2`` of rank ``r`` are the reference's rows of rank ``r``'s
   samples;

@@ -25,7 +25,7 @@ from tests.support.reference import cross_entropy, per_sample_grads
 from torch import nn
 
 import jacmem.context
-from jacmem import recorder
+from jacmem.engine import recorder
 from jacmem.privacy import PrivacyEngine
 
 pytestmark = [

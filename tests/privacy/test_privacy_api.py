@@ -23,8 +23,8 @@ from torch.nn import functional as F
 from torch.nn.modules import module as module_hooks
 
 import jacmem
-from jacmem import recorder
 from jacmem.derivatives import REGISTRY, register
+from jacmem.engine import recorder
 from jacmem.extensions.clipping import check
 from jacmem.privacy import PrivacyEngine
 

@@ -8,7 +8,7 @@ import torch
 from tests.support.reference import trainable
 from torch import Tensor
 
-import jacmem.clipping_engine
+import jacmem.engine.clipping
 
 
 def norms(grads: dict) -> Tensor:
@@ -47,5 +47,5 @@ def median_norm(grads: dict) -> float:
 def path(request, monkeypatch):
     """Both ways to the clipped sum: from each call's x and c-scaled g, or from staged
     per-sample gradients (the engine picks by memory; here each is forced in turn)."""
-    monkeypatch.setattr(jacmem.clipping_engine, "_small", lambda *args: request.param == "per_sample")
+    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: request.param == "per_sample")
     return request.param

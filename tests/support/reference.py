@@ -190,11 +190,11 @@ def check_against(
 
 @contextmanager
 def recorded():
-    """Every :class:`jacmem.hooks.Record` created inside, as weak references:
+    """Every :class:`jacmem.engine.hooks.Record` created inside, as weak references:
     ``with recorded() as records: ...``; ``records`` is a list of ``weakref.ref``."""
     import weakref
 
-    from jacmem import hooks
+    from jacmem.engine import hooks
 
     records: list = []
     original = hooks.Record

@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten
 
 from jacmem.derivatives import REGISTRY, Strategy, detached, lookup, registered_type
-from jacmem.planner import shapes
+from jacmem.engine.planner import shapes
 
 DT = torch.float64
 N = 3

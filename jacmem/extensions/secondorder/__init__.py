@@ -1,6 +1,6 @@
 """Second-order extensions: GGN and Hessian diagonals, KFAC/KFLR/KFRA, GGN square
 roots, block curvature-matrix products (BackPACK 1.7.1 names, attributes, shapes and
-scaling). The engine is :mod:`.backprop`."""
+scaling). The engine is :mod:`jacmem.engine.secondorder.engine`."""
 
 from jacmem.extensions.secondorder.base import SecondOrderExtension
 from jacmem.extensions.secondorder.curvmatprod import GGNMP, HMP, PCHMP

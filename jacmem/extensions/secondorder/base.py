@@ -1,6 +1,6 @@
 """What a second-order extension asks of the backward pass, and what it gets.
 
-The engine (:mod:`jacmem.extensions.secondorder.backprop`) backpropagates *factors*,
+The engine (:mod:`jacmem.engine.secondorder.engine`) backpropagates *factors*,
 each a tensor ``S [V, N, *out]`` at a module's output with a sign, such that
 ``Σ sign · Σ_v S[v] S[v]ᵀ`` is (per sample) a curvature matrix w.r.t. that output.
 Factors come in kinds:
@@ -58,8 +58,10 @@ class Call:
     out_shape: tuple[int, ...]
     factors: list[Factor] = field(default_factory=list)
     dense: Tensor | None = None
-    #: ``(param, quantity, options) -> strategy name``, the block's choice for this module
-    choose: Callable[..., str] | None = None
+    #: ``(param name, x, g, quantities) -> {quantity: value}``: first-order quantities of
+    #: the parameter for input ``x`` and output gradients ``g`` (``[N', *]``), computed by
+    #: the strategies the block chooses for this module, chunked under ``budget``
+    first_order: Callable[..., dict[str, Tensor]] | None = None
     budget: float = 64 * 2**20
 
     def of_kind(self, *kinds: str) -> list[Factor]:
@@ -85,7 +87,7 @@ class SecondOrderExtension:
 
     def merge_chunks(self, a: Any, b: Any) -> Any:
         """One parameter's results from two slices of the factors' ``V`` axis, merged
-        (the autograd path, :mod:`.autograd_path`, computes in slices): summed by
+        (the autograd path, :mod:`jacmem.engine.secondorder.autograd_path`, computes in slices): summed by
         default, tensor by tensor in a list."""
         if isinstance(a, (list, tuple)):
             return type(a)(x + y for x, y in zip(a, b))

@@ -5,7 +5,7 @@ Each sets ``param.<savefield>`` to a function ``mat [K, *param.shape] -> [K, *pa
 that multiplies each slice ``mat[k]`` with the parameter's block of the curvature of the
 loss (as reduced: summed over the samples of the batch, ``1/N`` for ``"mean"``).
 
-The block comes from the factors the engine (:mod:`.backprop`) brings to the module's
+The block comes from the factors the engine (:mod:`jacmem.engine.secondorder.engine`) brings to the module's
 output ``z``, as DiagGGN and DiagHessian use them: a factor ``S [V, N, *z]`` of sign
 ``s`` adds ``s · Σ_n J_θ,nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_θ,n``. The function keeps the factors
 and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m`` (a

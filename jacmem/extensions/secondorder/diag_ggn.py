@@ -23,8 +23,8 @@ from math import prod
 
 from torch import Tensor
 
+from jacmem.derivatives import entries
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
-from jacmem.planner import compute, entries
 
 
 def _repeat(obj, v: int):
@@ -51,11 +51,10 @@ def vjp_chunks(
     per_sample = p.numel() if quantity == "batch_grad" and not kept else 0
     per_v = n * (x_bytes + prod(S.shape[2:]) + per_sample) * S.element_size()
     step = max(1, int(call.budget // max(per_v, 1)))
-    choose = lambda q, options: call.choose(name, q, options)  # noqa: E731
     for start in range(0, v, step):
         c = min(step, v - start)
         g = S[start : start + c].flatten(0, 1)
-        yield c, compute(call.entry, call.hp, _repeat(x, c), g, name, p, {quantity}, choose, call.budget)[quantity]
+        yield c, call.first_order(name, _repeat(x, c), g, {quantity})[quantity]
 
 
 def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str, Tensor]:

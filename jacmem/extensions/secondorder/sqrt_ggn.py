@@ -1,6 +1,6 @@
 """SqrtGGNExact and SqrtGGNMC: a matrix square root of the GGN, as BackPACK 1.7.1 lays it out.
 
-For a parameter ``θ`` of a module with output ``z``, the engine (:mod:`.backprop`)
+For a parameter ``θ`` of a module with output ``z``, the engine (:mod:`jacmem.engine.secondorder.engine`)
 brings factors ``S [V, N, *z]`` to ``z`` with ``Σ_v S[v, n] S[v, n]ᵀ`` sample ``n``'s GGN
 w.r.t. ``z`` (the loss Hessian's exact factor, ``V`` = the entries of one sample's model
 output; or ``M`` Monte-Carlo samples). Its vector-Jacobian products

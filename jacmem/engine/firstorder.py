@@ -1,14 +1,14 @@
 """The first-order engine: per-sample quantities from each call's input and output gradient.
 
-Inside a block, its :class:`jacmem.recorder.Recorder` records every call of a module with
+Inside a block, its :class:`jacmem.engine.recorder.Recorder` records every call of a module with
 trainable parameters; calls of tracked models come from their tracker
-(:meth:`FirstOrder.on_record`). When a call's output gradients have arrived, the
+(:meth:`FirstOrderEngine.on_record`). When a call's output gradients have arrived, the
 engine computes its parameters' quantities with the strategies the planner chose
-(:mod:`jacmem.planner`), in the dtype of :mod:`jacmem.precision`, and stages them in
+(:mod:`jacmem.engine.planner`), in the dtype of :mod:`jacmem.engine.precision`, and stages them in
 the pass's state (:class:`Staging`). A parameter used by several calls (a module called
 twice, tied weights) sums its per-sample gradients over them first. At the end of the
-pass, :meth:`FirstOrder.finish` turns the staged quantities into each extension's
-result, sums over the ranks what is global (:mod:`jacmem.distributed`), warns where
+pass, :meth:`FirstOrderEngine.finish` turns the staged quantities into each extension's
+result, sums over the ranks what is global (:mod:`jacmem.engine.distributed`), warns where
 modules disagree on the batch size, and returns the writes. Whether the results hold
 NaN or Inf is flagged on the device in each pass and read when the block ends (a read
 in the backward would wait for the device), with one warning for the block.
@@ -22,12 +22,13 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from jacmem import compat, distributed, hooks, notices, precision
+from jacmem import compat
+from jacmem.engine import distributed, hooks, notices, precision
+from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.notices import and_others, listing
+from jacmem.engine.planner import ContractError, batch_size, cached_plan, execute, itemsize, shapes
+from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
-from jacmem.notices import and_others, listing
-from jacmem.passes import Engine, Setup, Write
-from jacmem.planner import ContractError, batch_size, execute, itemsize, planned, shapes
-from jacmem.recorder import Recorder, tracked_name
 
 
 class _Staged:
@@ -61,7 +62,7 @@ class Staging:
 
 
 def _check_broadcast(rec: hooks.Record) -> None:
-    """A call on a batch of one whose output met the batch (:mod:`jacmem.broadcast`): its
+    """A call on a batch of one whose output met the batch (:mod:`jacmem.engine.broadcast`): its
     uses' records are exact only where no other op read the output."""
     ops = rec.broadcast.unsafe
     if ops:
@@ -73,8 +74,8 @@ def _check_broadcast(rec: hooks.Record) -> None:
         )
 
 
-class FirstOrder(Engine):
-    """First-order extensions for one block (the interface is :class:`jacmem.passes.Engine`)."""
+class FirstOrderEngine(Engine):
+    """First-order extensions for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     def __init__(self, extensions: list[FirstOrderExtension], setup: Setup):
         self.extensions = extensions
@@ -225,7 +226,7 @@ class FirstOrder(Engine):
         output gradient ``g`` (in ``dtype``), by the planned strategies."""
         if batch_size(g) == 0:  # an empty batch: empty per-sample quantities, zero sums
             return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
-        chosen = planned(
+        chosen = cached_plan(
             self.strategies, rec.module, rec.name, rec.entry, rec.hp, shapes(x), shapes(g), itemsize(g), pname, param,
             wanted, x, g, self.chunk_bytes,
         )  # fmt: skip

@@ -1,7 +1,7 @@
 """The recorder of forward calls, inside a block and for :func:`track`.
 
 A :class:`Recorder` turns each forward call of a module with trainable parameters into
-a :class:`jacmem.hooks.Record` whose output hooks call ``on_grad(record)`` in backward,
+a :class:`jacmem.engine.hooks.Record` whose output hooks call ``on_grad(record)`` in backward,
 and keeps the hooks' handles so that :meth:`Recorder.close` takes them all off. The
 first-order engine owns one for the calls inside its block; :func:`track` gives a
 model one (a :class:`Tracker`) for forwards run before a block, whose records go to
@@ -21,25 +21,26 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from jacmem import compat, hooks
-from jacmem.broadcast import Origin, watch
+from jacmem import compat
 from jacmem.derivatives import REGISTRY, registered_type
-from jacmem.derivatives.broadcast import use_entry
+from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.engine import hooks
+from jacmem.engine.broadcast import Origin, watch
 
 
 class Recorder:
     """Records forward calls; ``close()`` removes every hook it set and frees the records.
 
-    ``once``: let a layer run through :class:`jacmem.hooks.ComputeOnce` where the layer
+    ``once``: let a layer run through :class:`jacmem.engine.hooks.ComputeOnce` where the layer
     allows it (``on_grad`` then returns its parameters' summed gradients).
 
-    Broadcasts over the batch are made explicit (:mod:`jacmem.broadcast`), so that what
+    Broadcasts over the batch are made explicit (:mod:`jacmem.engine.broadcast`), so that what
     meets the batch gets per-sample quantities without recomputing a module per sample:
 
     * a module of no registered type reads its own trainable parameters as watched
       views during its forward (:meth:`enter`, :meth:`leave`): each use that meets the
-      batch is recorded apart (:func:`jacmem.hooks.record_use`); a parameter with a use
+      batch is recorded apart (:func:`jacmem.engine.hooks.record_use`); a parameter with a use
       that may mix the samples is left to the module's own record (the generic
       recomputation), and its use records are dropped;
     * a call on a batch of one, after calls on a larger batch in the same outermost
@@ -47,7 +48,7 @@ class Recorder:
       watched view of its output: each use that meets the batch is a record of the
       module with its input expanded to that batch.
 
-    ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.layout`).
+    ``batch_first=False``: calls take their batch on axis 1 (:mod:`jacmem.engine.layout`).
     Broadcasts are then not made explicit: the parameters that a module of no registered
     type reads in its forward are left to its own record (the generic recomputation), and
     only those it does not read (Opacus's DPLSTM holds its cells' parameters) are left
@@ -315,10 +316,10 @@ def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> n
 
     ``batch_first=False``: the model's modules take the batch on axis 1 of their inputs
     and outputs, ``[T, N, ...]`` (Opacus's ``GradSampleModule(batch_first=False)``;
-    see :mod:`jacmem.layout`); the block that computes on its calls must say the same.
+    see :mod:`jacmem.engine.layout`); the block that computes on its calls must say the same.
     Tracking a tracked model again sets the option for its later forwards.
 
-    ``owner``: a block (:class:`jacmem.block.Block`) that takes the model's calls,
+    ``owner``: a block (:class:`jacmem.engine.block.Block`) that takes the model's calls,
     wherever they run, in place of the active ``jacmem.extend`` (a private model's)."""
     tracker = _TRACKED.get(model)
     if tracker is not None and tracker.owner is not owner:
@@ -346,10 +347,14 @@ def _taken(model: nn.Module, by: Any) -> str:
     return f"jacmem: the model ({type(model).__name__}) is tracked {where} already; free it first with {fix}."
 
 
-class UntrackedWatch:
-    """BackPACK's habit: the forward ran before the block on a model nobody tracked,
-    then ``loss.backward()`` inside it. No hook of the block runs in that backward, and
-    the parameters silently get nothing.
+class BackwardWatch:
+    """Watches each backward of the block's thread, for two jobs: it tells the block a
+    backward is about to begin (``on_backward``: the second-order engine's autograd path
+    starts there), and it warns where that backward reached no record of the block.
+
+    The second is BackPACK's habit: the forward ran before the block on a model nobody
+    tracked, then ``loss.backward()`` inside it. No hook of the block runs in that
+    backward, and the parameters silently get nothing.
 
     While the block is open, ``torch.autograd.backward`` and ``torch.autograd.grad``
     (which ``Tensor.backward`` calls) are wrapped: after a backward of the block's

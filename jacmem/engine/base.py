@@ -1,7 +1,7 @@
 """The per-backward pass, and the interface every engine implements.
 
-An engine (first order: :mod:`jacmem.firstorder_engine`; second order:
-:mod:`jacmem.extensions.secondorder.backprop`) sees a block's forward calls and, in
+An engine (first order: :mod:`jacmem.engine.firstorder`; second order:
+:mod:`jacmem.engine.secondorder.engine`) sees a block's forward calls and, in
 each backward pass, computes what its extensions ask for. What it computes in one pass
 it keeps in that pass's state (:meth:`Pass.state`), never on the parameters: when the
 pass ends, :meth:`Pass.__call__` asks each engine for its results
@@ -45,7 +45,7 @@ class Engine:
     - ``close()``: the block ends; drop every hook and everything kept.
 
     ``handles``: the hooks it holds on tensors and autograd nodes (those of freed graphs
-    are dropped now and then, see :class:`jacmem.hooks.Handles`).
+    are dropped now and then, see :class:`jacmem.engine.hooks.Handles`).
     """
 
     handles: list = []
@@ -150,12 +150,12 @@ class Passes:
 class Setup:
     """What a block gives each engine it starts: ``engine_class(extensions, setup)``."""
 
-    #: the block's :class:`jacmem.strategies.StrategyPlan`
+    #: the block's :class:`jacmem.engine.strategies.StrategyChoices`
     strategies: Any
     #: temporary memory a strategy may use at once
     chunk_bytes: float
     passes: Passes
-    #: the block's :class:`jacmem.notices.Notices`
+    #: the block's :class:`jacmem.engine.notices.Notices`
     notices: Any
     #: ``name(module)``: the module's qualified name
     name: Callable
@@ -165,5 +165,5 @@ class Setup:
     owner: int
     #: ``models()``: the tracked models whose calls reach the block
     models: Callable
-    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
     batch_first: bool = True

@@ -1,6 +1,6 @@
 """The parts of a block that :func:`jacmem.extend` and :mod:`jacmem.privacy` share.
 
-A :class:`Block` owns the engines of one set of extensions (:class:`jacmem.passes.Engine`:
+A :class:`Block` owns the engines of one set of extensions (:class:`jacmem.engine.base.Engine`:
 first order, second order, clipping), their backward passes and their warnings, from
 :meth:`Block.open` to :meth:`Block.close`. It sets no hook itself; what shows it the
 forward calls is its user's choice:
@@ -13,7 +13,7 @@ forward calls is its user's choice:
   only, wherever they run.
 
 Several blocks may be open at once, one per private model and one ``jacmem.extend``;
-each sees only the calls routed to it (:mod:`jacmem.recorder`).
+each sees only the calls routed to it (:mod:`jacmem.engine.recorder`).
 """
 
 from __future__ import annotations
@@ -26,21 +26,25 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from jacmem import distributed, hooks, recorder
-from jacmem.clipping_engine import Clipping
+from jacmem.engine import distributed, hooks, recorder
+from jacmem.engine.base import Engine, Passes, Setup
+from jacmem.engine.clipping import ClippingEngine
+from jacmem.engine.firstorder import FirstOrderEngine
+from jacmem.engine.notices import Notices
+from jacmem.engine.secondorder.engine import SecondOrderEngine
+from jacmem.engine.strategies import AUTO, StrategyChoices, StrategySpec
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import FirstOrderExtension
 from jacmem.extensions.secondorder import SecondOrderExtension
-from jacmem.extensions.secondorder.backprop import Engine as SecondOrder
-from jacmem.firstorder_engine import FirstOrder
-from jacmem.notices import Notices
-from jacmem.passes import Engine, Passes, Setup
-from jacmem.strategies import AUTO, StrategyPlan, StrategySpec
 
 DEFAULT_CHUNK_BYTES = 64 * 2**20
 
 #: each kind of extension, and the engine that runs it
-ENGINES = ((FirstOrderExtension, FirstOrder), (SecondOrderExtension, SecondOrder), (ClipGrad, Clipping))
+ENGINES = (
+    (FirstOrderExtension, FirstOrderEngine),
+    (SecondOrderExtension, SecondOrderEngine),
+    (ClipGrad, ClippingEngine),
+)
 
 Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
 
@@ -80,9 +84,9 @@ class Block:
                 f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
                 "Feed the model [N, T, ...] (e.g. nn.LSTM(..., batch_first=True)) and leave batch_first=True."
             )
-        #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.layout`)
+        #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
         self.batch_first = batch_first
-        self.plan = StrategyPlan(strategy, autotune=autotune)
+        self.plan = StrategyChoices(strategy, autotune=autotune)
         self.chunk_bytes = chunk_bytes
         self.process_group = process_group
         self.engines: list[Engine] = []
@@ -146,7 +150,7 @@ class Block:
 
     @property
     def once(self) -> bool:
-        """Whether a recorded layer may run through :class:`jacmem.hooks.ComputeOnce`."""
+        """Whether a recorded layer may run through :class:`jacmem.engine.hooks.ComputeOnce`."""
         return any(getattr(getattr(e, "recorder", None), "once", False) for e in self.engines)
 
     @property
@@ -169,6 +173,12 @@ class Block:
 
     def untrack(self, model: nn.Module) -> None:
         recorder.untrack(model, owner=self)
+
+    @staticmethod
+    def tracked() -> list[tuple[nn.Module, bool]]:
+        """Every tracked model, whichever block takes its calls, and whether a block owns
+        its tracking (a private model's) rather than :func:`jacmem.track`."""
+        return [(model, recorder.owner(model) is not None) for model in recorder.tracked_models()]
 
     def models(self) -> list[nn.Module]:
         """The tracked models whose calls reach this block."""

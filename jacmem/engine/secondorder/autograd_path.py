@@ -28,8 +28,8 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from jacmem import hooks, precision
-from jacmem.extensions.secondorder import backprop
+from jacmem.engine import hooks, precision
+from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, tolerance
 from jacmem.extensions.secondorder.base import Factor
 
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
@@ -47,7 +47,7 @@ class AutogradPath:
     def __init__(self, engine):
         self.engine = engine
         #: (node, its output's autograd edge) of each call of a module with parameters
-        self.records: list[tuple[backprop.Node, GradientEdge]] = []
+        self.records: list[tuple[Node, GradientEdge]] = []
         #: an untracked operation fed a tracked module since the last backward
         self.untracked = False
         #: a loss module was called since the last backward
@@ -66,7 +66,7 @@ class AutogradPath:
 
     # -- forward -------------------------------------------------------------------
 
-    def record(self, node: backprop.Node, output: Tensor) -> None:
+    def record(self, node: Node, output: Tensor) -> None:
         """A call the engine kept: a loss, or a module whose parameters the path serves."""
         if node.loss is not None:
             self.loss = True
@@ -93,7 +93,7 @@ class AutogradPath:
             )
         roots = [tensors] if isinstance(tensors, Tensor) else list(tensors)
         if len(roots) != 1 or roots[0].grad_fn is None:
-            raise backprop.ChainError(
+            raise ChainError(
                 f"jacmem: the curvature of this model goes through operations that only autograd can "
                 f"differentiate, which needs a backward from one loss tensor; this one starts from {len(roots)} "
                 "tensors: sum the losses first (torch.stack(losses).sum().backward())"
@@ -126,7 +126,7 @@ class AutogradPath:
         w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
         (g_z,) = torch.autograd.grad([root], [z], [g_root], create_graph=True, retain_graph=True, allow_unused=True)
         if g_z is None:
-            raise backprop.ChainError(
+            raise ChainError(
                 f"jacmem: the loss does not depend on the output of module {z_node}, the last module with trainable "
                 "parameters called before this backward, where the GGN splits (the autograd path takes it for the "
                 "model's output): call the loss's backward after each model's forward, with no module with "
@@ -151,7 +151,7 @@ class AutogradPath:
         top = float(lam.abs().max())
         tol = top * d * torch.finfo(lam.dtype).eps * 10
         if bool((lam < -max(tol, _LOOSE * top)).any()):
-            raise backprop.ChainError(
+            raise ChainError(
                 f"jacmem: the loss is not convex in the output of module {z_node}, where the GGN splits (its Hessian "
                 f"there has the eigenvalue {float(lam.min()):.3g}): some operation with curvature lies between that "
                 "module and the loss. Compute the loss from the model's output directly"
@@ -169,8 +169,8 @@ class AutogradPath:
         (Hw,) = torch.autograd.grad([g_z], [z], [w], retain_graph=True)
         blocks = torch.einsum("dne,ne->nd", H, w.reshape(n, -1))
         diff, scale = float((Hw.reshape(n, -1) - blocks).norm()), float(Hw.norm() + blocks.norm())
-        if diff > max(backprop._tolerance(g_z.dtype), _LOOSE) * max(scale, torch.finfo(g_z.dtype).tiny):
-            raise backprop.ChainError(
+        if diff > max(tolerance(g_z.dtype), _LOOSE) * max(scale, torch.finfo(g_z.dtype).tiny):
+            raise ChainError(
                 f"jacmem: the loss couples the samples at the output of module {z_node}, where the GGN splits (its "
                 "Hessian there is not block-diagonal over the batch), so it has no per-sample GGN: compute the loss "
                 "as a sum or mean of per-sample terms"
@@ -208,7 +208,7 @@ class AutogradPath:
                 for i, node in enumerate(nodes):
                     G, grads[i] = grads[i], None  # freed once used
                     if G is not None:
-                        G = backprop._in_compute_dtype(node, G.detach().unsqueeze(0))
+                        G = in_compute_dtype(node, G.detach().unsqueeze(0))
                         self._compute(node, acc[i], exts, kind, G, i in shared)
         for node, results in zip(nodes, acc):
             self.engine.stage(
@@ -246,7 +246,7 @@ class AutogradPath:
                 out[ext] = res
         return out
 
-    def _check(self, node: backprop.Node, grad: Tensor) -> None:
+    def _check(self, node: Node, grad: Tensor) -> None:
         """autograd's gradient at a module's output, where the path ran: all of it must
         have come through ``z`` (module docstring)."""
         if self.busy:
@@ -257,13 +257,13 @@ class AutogradPath:
         want = run.autograd.get(id(node))
         have = _summary(grad)
         norm = have[0] + (want[0] if want is not None else 0.0)
-        tol = backprop._tolerance(grad.dtype) * max(norm, torch.finfo(grad.dtype).tiny)
+        tol = tolerance(grad.dtype) * max(norm, torch.finfo(grad.dtype).tiny)
         if want is None:
             off = have[0] > tol
         else:
             off = abs(have[0] - want[0]) > tol or abs(have[1] - want[1]) > tol * sqrt(grad.numel())
         if off:
-            raise backprop.ChainError(
+            raise ChainError(
                 f"jacmem: the output of module {node} reaches the loss other than through the model's output, where "
                 "the GGN splits (the autograd path takes it to be the output of the last module with trainable "
                 "parameters called before the backward): compute the loss from the model's output alone (no "
@@ -279,7 +279,7 @@ def _shared(node, n: int) -> bool:
         return False
     if b == 1:
         return True
-    raise backprop.ChainError(
+    raise ChainError(
         f"jacmem: the output of module {node} has {b} rows where the model's output has {n} samples: the "
         "autograd path needs every module with parameters called per sample (batch axis first) or once for "
         "all samples (batch axis 1). Keep the batch axis through the model (no flattening of tokens into it)"

@@ -1,7 +1,7 @@
 """The planner: which strategies compute a parameter's quantities, and running them.
 
 For one call of one module and one parameter, :func:`plan` chooses a strategy per
-quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.strategies`),
+quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.engine.strategies`),
 :class:`Planner` keeps the plans it made under :func:`plan_key`, and :func:`execute`
 runs them, chunking over the batch so that temporary memory stays under a budget.
 Both engines use it: the first-order one for every recorded call, the second-order
@@ -21,10 +21,10 @@ from math import prod
 import torch
 from torch import Tensor
 
-from jacmem import alloc
 from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
+from jacmem.engine import alloc
+from jacmem.engine.strategies import Decision, StrategyChoices
 from jacmem.extensions.firstorder import PER_SAMPLE, derive
-from jacmem.strategies import Decision, StrategyPlan
 
 
 @dataclass(frozen=True)
@@ -57,13 +57,6 @@ def shapes(obj):
     if isinstance(obj, (tuple, list)):
         return type(obj)(shapes(o) for o in obj)
     return obj
-
-
-def entries(obj) -> int:
-    """Entries of a tensor, or of the tensors in a (nested) tuple or list; 0 for the rest."""
-    if isinstance(obj, Tensor):
-        return obj.numel()
-    return sum(entries(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
 
 
 def _first(g) -> Tensor:
@@ -398,8 +391,8 @@ def trial(
     return thunk
 
 
-def planned(
-    strategies: StrategyPlan,
+def cached_plan(
+    strategies: StrategyChoices,
     module,
     name: str,
     entry: LayerDerivatives,

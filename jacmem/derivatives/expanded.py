@@ -1,6 +1,6 @@
 """One use of a tensor broadcast over the batch: a parameter read directly in a forward
 (a class token, a position embedding, a learnable scale), expanded to the batch where
-it met batched tensors (:mod:`jacmem.broadcast`).
+it met batched tensors (:mod:`jacmem.engine.broadcast`).
 
 Shapes: the gradient that arrives at the expansion is ``g [N, *padded[1:]]``, where
 ``padded`` is the parameter's shape with leading ones (``[D]`` met ``[N, T, D]`` as

@@ -22,10 +22,11 @@ import torch
 from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
-from jacmem import compat, layout, notices
-from jacmem.broadcast import Origin
+from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup
 from jacmem.derivatives.jacobians import lookup_passthrough
+from jacmem.engine import layout, notices
+from jacmem.engine.broadcast import Origin
 
 #: id(parameter) -> number of records alive that will contribute to it. A parameter
 #: with more than one (a module called twice, tied weights) needs its per-sample
@@ -93,12 +94,12 @@ class Record:
         self.release = weakref.finalize(self, _release, keys)
         #: whether the call runs through :class:`ComputeOnce`
         self.once = False
-        #: a call on a batch of one whose output is watched (:mod:`jacmem.broadcast`):
+        #: a call on a batch of one whose output is watched (:mod:`jacmem.engine.broadcast`):
         #: where it met the batch, records of its uses give the per-sample quantities
         self.broadcast: Origin | None = None
         #: a record to ignore: a use of a tensor whose other uses mixed the samples
         self.void = False
-        #: the layout the call was recorded under (:mod:`jacmem.layout`)
+        #: the layout the call was recorded under (:mod:`jacmem.engine.layout`)
         self.batch_first = True
 
     @property
@@ -171,7 +172,7 @@ def record(
     record (or None), and the output, which is new where ``once`` lets the layer run
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
     gradients, or None). ``batch_first=False``: the call takes its batch on axis 1,
-    unless its layer places it itself (:mod:`jacmem.layout`).
+    unless its layer places it itself (:mod:`jacmem.engine.layout`).
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
@@ -213,7 +214,7 @@ def record_use(
     on_grad: OnGrad,
     handles: Handles | list[RemovableHandle],
 ) -> Record:
-    """A record of one use of a tensor broadcast over the batch (:mod:`jacmem.broadcast`):
+    """A record of one use of a tensor broadcast over the batch (:mod:`jacmem.engine.broadcast`):
     a parameter of ``module`` read directly, or the output of a call on a batch of one
     (``x``: that call's kept input, arranged, expanded to the batch); its per-sample
     gradient arrives at ``expanded``."""

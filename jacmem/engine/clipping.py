@@ -1,7 +1,7 @@
 """The clipping engine: clipped per-sample gradients summed into ``.grad``, in the one
 backward pass (:class:`jacmem.ClipGrad`; the math is in :mod:`jacmem.extensions.clipping`).
 
-It is the first-order engine (:mod:`jacmem.firstorder_engine`: the same records,
+It is the first-order engine (:mod:`jacmem.engine.firstorder`: the same records,
 strategies and staging) with another end of pass. While the backward runs, each call
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
@@ -15,7 +15,7 @@ term in it depends on row ``i`` alone), or, for staged per-sample gradients,
 ``einsum('n,n...->...', c, g)``.
 
 autograd's own gradient never reaches ``.grad``: a call through
-:class:`jacmem.hooks.ComputeOnce` returns none for its parameters, and every trainable
+:class:`jacmem.engine.hooks.ComputeOnce` returns none for its parameters, and every trainable
 parameter the block sees carries a hook that turns the gradient autograd would
 accumulate into zeros (so ``.grad`` keeps what it held; inside the block,
 ``torch.autograd.grad`` w.r.t. a parameter gives zeros too). That hook also checks
@@ -40,13 +40,15 @@ import weakref
 import torch
 from torch import Tensor, nn
 
-from jacmem import compat, distributed, hooks, precision
+from jacmem import compat
+from jacmem.derivatives import entries
+from jacmem.engine import distributed, hooks, precision
+from jacmem.engine.base import Setup, Write
+from jacmem.engine.firstorder import FirstOrderEngine, Staging
+from jacmem.engine.notices import listing
+from jacmem.engine.planner import batch_size
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import squared_norms
-from jacmem.firstorder_engine import FirstOrder, Staging
-from jacmem.notices import listing
-from jacmem.passes import Setup, Write
-from jacmem.planner import batch_size, entries
 
 
 class ClipStaging(Staging):
@@ -69,8 +71,8 @@ class ClipStaging(Staging):
         self.narrowest: dict[int, torch.dtype] = {}
 
 
-class Clipping(FirstOrder):
-    """:class:`ClipGrad` for one block (the interface is :class:`jacmem.passes.Engine`)."""
+class ClippingEngine(FirstOrderEngine):
+    """:class:`ClipGrad` for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     #: the engine takes over ``.grad``: no other engine may share its block
     exclusive = True

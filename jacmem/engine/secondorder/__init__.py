@@ -1,0 +1,1 @@
+"""The second-order engine: the module chain, the autograd path, and the façade over both."""

@@ -1,0 +1,153 @@
+"""The second-order engine's graph: a module call as a :class:`Node`, what its consumers
+hand it in a backward pass (:class:`Deposit`), one pass's state, and the chain check's
+tolerance. Both ways through it, the module chain (:mod:`.chain`) and the autograd path
+(:mod:`.autograd_path`), share these.
+"""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import torch
+from torch import Tensor, nn
+
+from jacmem.derivatives.jacobians import LossHessian, Passthrough
+from jacmem.engine import precision
+from jacmem.extensions.secondorder.base import Factor
+
+
+class ChainError(RuntimeError):
+    """An operation that jacmem cannot backpropagate curvature through sits between
+    a module and the loss."""
+
+
+class Node:
+    """One call of one module, as the second-order engine sees it."""
+
+    __slots__ = (
+        "module",
+        "name",
+        "site",
+        "loss",
+        "entry",
+        "hp",
+        "inputs",
+        "out",
+        "out_shape",
+        "producers",
+        "params",
+        "param_entry",
+        "param_hyperparams",
+        "param_input",
+        "untracked_consumers",
+        "grad_by_jacobian",
+        "dtype",
+        "kept_low_precision",
+        "rerunnable",
+        "__weakref__",
+    )
+
+    def __init__(self, module: nn.Module, name: str, loss: LossHessian | None, entry: Passthrough | None):
+        self.module, self.name, self.loss, self.entry = module, name, loss, entry
+        #: the module it is, or, for a functional op, the module whose output it follows
+        self.site = name
+        self.untracked_consumers: list[str] = []
+        #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
+        self.kept_low_precision = False
+        #: the dtype it computes in, where that is not what autograd hands it
+        self.dtype: torch.dtype | None = None
+        #: ``inputs`` are the call's every argument (curvature-matrix products rerun it)
+        self.rerunnable = False
+
+    def __repr__(self) -> str:
+        return f"{self.name!r} ({type(self.module).__name__})"
+
+
+class Deposit:
+    """What a node's consumers handed over to it in one backward pass."""
+
+    __slots__ = ("factors", "grads", "dense", "shares", "sources")
+
+    def __init__(self):
+        self.factors: dict[tuple, Factor] = {}
+        #: the consumers' parts of the gradient w.r.t. the output (autograd's tensors)
+        self.grads: list[Tensor] = []
+        #: KFRA's batch-averaged GGN w.r.t. the output [D, D], where it arrived whole
+        self.dense: Tensor | None = None
+        #: key of a KFRA root factor -> the share of its merge's paths that arrived here
+        self.shares: dict[tuple, Fraction] = {}
+        self.sources: list[str] = []
+
+
+class PassState:
+    """The engine's state in one backward pass: deposits in flight, results staged
+    until its end."""
+
+    __slots__ = ("deposits", "staged", "autograd")
+
+    def __init__(self):
+        self.deposits: dict[int, Deposit] = {}
+        #: where the autograd path runs this pass (:mod:`.autograd_path`), what its check
+        #: expects at each module's output; the chain's hooks then stand by
+        self.autograd: dict | None = None
+        #: id(param) -> (param, owner node, {savefield: value})
+        self.staged: dict[int, tuple] = {}
+
+    def handover(self, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
+        """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
+        call's part of its gradient, where it is a row (:func:`_tap`)."""
+        p = node.producers[i]
+        if p is None:
+            return
+        d = self.deposits.setdefault(id(p), Deposit())
+        if g is not None:
+            self.deposit_grad(node, i, g)
+        for key, f in factors.items():
+            self.deposit(node, i, key, f.kind, f.sign, f.S)
+        if dense is not None:
+            d.dense = dense if d.dense is None else d.dense + dense
+        for key, share in shares.items():
+            d.shares[key] = d.shares.get(key, 0) + share
+
+    def deposit_grad(self, node: Node, i: int, g: Tensor) -> None:
+        d = self.deposits.setdefault(id(node.producers[i]), Deposit())
+        d.grads.append(g)
+        d.sources.append(node.name)
+
+    def deposit(self, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
+        if S is None or node.producers[i] is None:
+            return
+        d = self.deposits.setdefault(id(node.producers[i]), Deposit())
+        have = d.factors.get(key)
+        d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
+
+
+def tolerance(dtype: torch.dtype) -> float:
+    """Relative tolerance of the chain check: rounding of two orders of summation."""
+    if dtype == torch.float64:
+        return 1e-8
+    return 1e-3 if dtype == torch.float32 else 3e-2  # bfloat16, float16 (autocast)
+
+
+def in_compute_dtype(node: Node, grad: Tensor) -> Tensor:
+    """``grad`` in the node's compute dtype (:mod:`jacmem.engine.precision`); the first time,
+    also what the node kept (an autocast forward keeps bf16 or fp16 tensors)."""
+    if node.kept_low_precision:
+        node.dtype = dtype = precision.compute_dtype((*node.inputs, *node.params.values()))
+        node.inputs = tuple(_kept_as(x, dtype) for x in node.inputs)
+        node.out = None if node.out is None else node.out.to(dtype)
+        node.hp = precision.cast(node.hp, dtype)
+        if node.params:
+            node.param_input = precision.cast(node.param_input, dtype)
+            node.param_hyperparams = precision.cast(node.param_hyperparams, dtype)
+        node.kept_low_precision = False
+    return grad if node.dtype is None or grad.dtype == node.dtype else grad.to(node.dtype)
+
+
+def _kept_as(x: Tensor, dtype: torch.dtype) -> Tensor:
+    """A kept input in ``dtype``: a stand-in for its shape (:func:`_shape_of`) stays one."""
+    if x.dtype == dtype or not x.is_floating_point():
+        return x
+    if x.dim() and all(s == 0 for s in x.stride()):
+        return x.new_zeros((), dtype=dtype).expand(x.shape)
+    return x.to(dtype)
