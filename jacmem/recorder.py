@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_map
 from jacmem import compat, hooks
 from jacmem.broadcast import Origin, swap_in, watch
 from jacmem.derivatives import REGISTRY, registered_type
-from jacmem.derivatives.broadcast import use_entry
+from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
 
 
