@@ -43,7 +43,7 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}

@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import Kronecker, conv, layer, register
+from jacmem.derivatives import conv
+from jacmem.derivatives.registry import Kronecker, layer, register
 
 
 def conv_transpose_hyperparams(module: nn.modules.conv._ConvTransposeNd) -> dict:

@@ -63,7 +63,7 @@ import torch
 from opt_einsum import contract
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, register
 
 
 class Batch:

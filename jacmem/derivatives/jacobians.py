@@ -32,7 +32,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives import forward_of, recognised, registered_type
+from jacmem.derivatives.registry import forward_of, recognised, registered_type
 
 
 def _no_hyperparams(module: nn.Module) -> dict[str, Any]:

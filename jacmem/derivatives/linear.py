@@ -23,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import REGISTRY, Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, register
 
 #: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
 CONV1D = "transformers.pytorch_utils.Conv1D"

@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, register
 
 
 class BatchStatisticsError(RuntimeError):
