@@ -26,8 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat, layout
 from jacmem.broadcast import Origin, swap_in
-from jacmem.derivatives import LayerDerivatives, detached, lookup
-from jacmem.derivatives.jacobians import lookup_passthrough
+from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
 
 #: id(parameter) -> number of records alive that will contribute to it. A parameter
 #: with more than one (a module called twice, tied weights) needs its per-sample

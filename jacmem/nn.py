@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import passthrough
+from jacmem.derivatives import passthrough
 
 
 class Sum(nn.Module):

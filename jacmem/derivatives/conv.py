@@ -43,7 +43,8 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives.registry import Cost, Kronecker, layer, register
+from jacmem.derivatives.jacobians import vjp_generic
+from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
@@ -376,8 +377,6 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------
-# (imported here, not at the top: the second-order registry imports the layer files)
-from jacmem.derivatives.jacobians import passthrough, vjp_generic  # noqa: E402
 
 _CONV_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 

@@ -33,7 +33,7 @@ from einops import rearrange
 from torch import Tensor, nn
 
 from jacmem.derivatives import conv
-from jacmem.derivatives.registry import Kronecker, layer, register
+from jacmem.derivatives.registry import Kronecker, layer, passthrough, register
 
 
 def conv_transpose_hyperparams(module: nn.modules.conv._ConvTransposeNd) -> dict:
@@ -135,3 +135,6 @@ for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
         register(_module, _param, _quantity, _name, cost=transposed_cost(_cost))(transposed(_fn))
     # the bias gradient sums g over S_out, as for a conv
     register(_module, "bias", "batch_grad", "sum")(conv.bias_batch_grad)
+
+# Input Jacobian, for second-order extensions: the vjp of their own forward
+passthrough(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, sample_independent=True)

@@ -63,7 +63,7 @@ import torch
 from opt_einsum import contract
 from torch import Tensor, nn
 
-from jacmem.derivatives.registry import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 
 class Batch:
@@ -303,3 +303,6 @@ for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
     register(_module, "weight", "batch_l2", "segment", cost=_segment_cost)(weight_batch_l2_segment)
     register(_module, "weight", "sum_grad_squared", "segment", cost=_segment_cost)(weight_sum_grad_squared_segment)
+
+# second-order extensions: an integer input, nothing to pass on
+passthrough(nn.Embedding)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives.jacobians import LossHessian, lookup_loss, loss, passthrough
+from jacmem.derivatives.registry import LossHessian, lookup_loss, loss, passthrough
 from jacmem.derivatives.shape import flatten_jac_t
 from jacmem.nn import Scale, Sum
 

@@ -23,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, passthrough, register
 
 #: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -160,8 +160,6 @@ layer(
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------
-# (imported here, not at the top: the second-order registry imports the layer files)
-from jacmem.derivatives.jacobians import passthrough  # noqa: E402
 
 
 def jac_t(xs, out, S: Tensor, *, weight: Tensor):

@@ -38,7 +38,14 @@ less for the backward pass but compute the same function) declares it as a class
 attribute, ``stands_for = nn.Conv2d``: every lookup (:func:`registered_type`) then
 answers with the stock type's entries, and nothing is registered for it.
 
-This package imports torch, einops and opt_einsum, and no other jacmem code.
+Second-order extensions backpropagate factors ``S [V, N, *out]``
+(:mod:`jacmem.derivatives.jacobians`). Two more tables serve them:
+:data:`PASSTHROUGH` (:func:`passthrough`: how factors cross a module, ``S_in[v] = J_nᵀ
+S[v]`` per input, by default the vjp of its ``forward``) and :data:`LOSSES` (:func:`loss`:
+a symmetric factorisation of a loss's Hessian w.r.t. its input, exact ``[V, N, *x]`` or
+sampled ``[M, N, *x]``, scaled as the reduction scales the loss).
+
+This module imports torch, and no jacmem code but :func:`~jacmem.derivatives.jacobians.vjp_generic`.
 """
 
 from __future__ import annotations
@@ -49,6 +56,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor, nn
+
+from jacmem.derivatives.jacobians import vjp_generic
 
 QUANTITIES = ("batch_grad", "batch_l2", "sum_grad_squared", "grad")
 
@@ -161,7 +170,7 @@ class LayerDerivatives:
         ``autograd.Function`` whose backward gives the per-sample quantities, the
         summed gradient and the input gradient together (:class:`jacmem.hooks.ComputeOnce`),
         instead of autograd computing the weight gradient a second time. The input
-        gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
+        gradient is the layer's ``jac_t`` (its :func:`passthrough` entry),
         which must then be registered.
     own_layout: the layer places its batch axis itself, whatever a block's ``batch_first``
         says: from its own flag (an RNN's or attention's ``batch_first``, read by
@@ -469,3 +478,133 @@ def fallback(fn: Callable[[nn.Module, int], LayerDerivatives | None]) -> Callabl
 def all_strategy_names() -> set:
     """Every strategy name registered for any layer."""
     return {name for entry in REGISTRY.values() for name in entry.names()}
+
+
+# -- Second order: how factors cross a module, and where curvature starts -------------
+
+
+def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
+    return {}
+
+
+@dataclass
+class Passthrough:
+    """How factors cross one module type.
+
+    hyperparams: ``module -> dict`` of keyword arguments, read at forward time; the
+        generic path adds ``forward`` (the module's bound ``forward``, or the stock
+        type's for a type that stands for one: :func:`jacmem.derivatives.forward_of`).
+    jac_t: ``(xs, out, S, **hp) -> tuple`` of ``[V, N, *in_i]`` (``None`` where input
+        ``i`` needs nothing), from ``xs`` (the tensor inputs), ``out`` and
+        ``S [V, N, *out]``. ``None``: the generic vjp of ``forward``.
+    df, d2f: for elementwise functions, ``(x, out, **hp) -> [N, *]``, the first and
+        second derivative; ``d2f=None`` where it is zero (piecewise linear). Every
+        other module's second derivative w.r.t. its input is taken as zero (linear
+        maps, pooling, padding: DiagHessian adds no residual for them).
+    sample_independent: the input Jacobian is the same for every sample (KFRA then
+        needs it once, not per sample).
+    keep_output: the derivatives read ``out``.
+    keep_input: the derivatives read the values of ``xs`` (not only their shapes):
+        ``False`` lets the engine drop an input that autograd does not keep either
+        (ReLU, Sigmoid and Tanh save their output, not their input).
+    curved: a module that is not elementwise and whose second derivative w.r.t. its
+        input is not zero (LayerNorm, RMSNorm): GGN-type factors cross it, DiagHessian
+        raises there rather than drop that term.
+    """
+
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    jac_t: Callable[..., tuple[Tensor | None, ...]] | None = None
+    df: Callable[..., Tensor] | None = None
+    d2f: Callable[..., Tensor] | None = None
+    sample_independent: bool = False
+    keep_output: bool = False
+    keep_input: bool = True
+    curved: bool = False
+
+    def params(self, module: nn.Module) -> dict[str, Any]:
+        hp = self.hyperparams(module)
+        if self.jac_t is None and self.df is None:
+            hp["forward"] = forward_of(module)
+        return hp
+
+    @property
+    def elementwise(self) -> bool:
+        return self.df is not None
+
+    def backprop(self, xs: tuple[Tensor, ...], out: Tensor | None, S: Tensor, hp: dict, inplace: bool = False):
+        """``S [V, N, *out]`` -> one ``[V, N, *in_i]`` (or ``None``) per input; an
+        elementwise map overwrites ``S`` where ``inplace``."""
+        if self.df is not None:
+            df = self.df(xs[0], out, **hp)
+            return (S.mul_(df) if inplace else S * df,)
+        if self.jac_t is not None:
+            return self.jac_t(xs, out, S, **hp)
+        return vjp_generic(hp["forward"], xs, S)
+
+
+@dataclass
+class LossHessian:
+    """Factors of a loss's Hessian w.r.t. its input ``x [N, C, *D]``.
+
+    check: ``module -> None``; raises for settings whose Hessian is not implemented.
+    sqrt_hessian: ``(x, y, **hp) -> [V, N, *x.shape[1:]]`` with
+        ``Σ_v S[v] S[v]ᵀ`` the exact Hessian of each sample's loss, as reduced.
+    sampled: ``(x, y, mc_samples, **hp) -> [M, N, *x.shape[1:]]``,
+        whose outer products equal the Hessian in expectation (gradients of the loss at
+        targets drawn from the model's predictive distribution, over ``√M``).
+    """
+
+    check: Callable[[nn.Module], None]
+    sqrt_hessian: Callable[..., Tensor]
+    sampled: Callable[..., Tensor]
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+
+    def params(self, module: nn.Module) -> dict[str, Any]:
+        self.check(module)
+        hp = self.hyperparams(module)
+        hp["forward"] = forward_of(module)
+        return hp
+
+
+PASSTHROUGH: dict[type, Passthrough] = {}
+LOSSES: dict[type, LossHessian] = {}
+
+
+def passthrough(*module_types: type, **fields) -> Passthrough:
+    """Declare how factors cross ``module_types``; returns the (shared) entry.
+
+    Also the public way to let second-order extensions through a module of your own:
+    ``jacmem.derivatives.passthrough(MyModule)`` uses the vjp of its
+    ``forward`` (it must be deterministic, with tensor inputs and one tensor output).
+    """
+    entry = Passthrough(**fields)
+    for t in module_types:
+        PASSTHROUGH[t] = entry
+    return entry
+
+
+def loss(module_type: type, entry: LossHessian) -> LossHessian:
+    LOSSES[module_type] = entry
+    return entry
+
+
+#: how factors cross a module that computes a registered layer's function without being
+#: of its type (timm's ``LayerNorm``, HF's ``LlamaRMSNorm``; :func:`jacmem.derivatives.recognised`):
+#: the vjp of its own forward; its second derivative is not known, so DiagHessian stops there
+RECOGNISED = Passthrough(curved=True)
+
+
+def lookup_passthrough(module: nn.Module, x: Any = None, output: Any = None) -> Passthrough | None:
+    """How factors cross ``module`` (:func:`jacmem.derivatives.registered_type`); given a
+    call's first input ``x`` and ``output``, :data:`RECOGNISED` for a module that computes
+    a registered layer's function (:func:`jacmem.derivatives.recognised`)."""
+    cls = registered_type(PASSTHROUGH, type(module))
+    if cls is not None:
+        return PASSTHROUGH[cls]
+    return RECOGNISED if output is not None and recognised(module, x, output) is not None else None
+
+
+def lookup_loss(module: nn.Module) -> LossHessian | None:
+    """The Hessian factors of the loss ``module`` (:func:`jacmem.derivatives.registered_type`)."""
+    cls = registered_type(LOSSES, type(module))
+    return None if cls is None else LOSSES[cls]

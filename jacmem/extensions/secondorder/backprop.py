@@ -1,7 +1,7 @@
 """The second-order engine: factors flow backward module by module, checked against autograd.
 
 In the forward pass (inside :func:`jacmem.extend`), every call of a module that
-:mod:`jacmem.derivatives.jacobians` knows (a layer it can pass factors through, or a
+:mod:`jacmem.derivatives` knows (a layer it can pass factors through, or a
 loss) becomes a :class:`Node`: its inputs, its output where its derivatives read it,
 and, for each input, the node that produced it (if a tracked module did). So does each
 call of a function of :data:`jacmem.derivatives.functional.FUNCTIONAL` made outside
@@ -63,17 +63,9 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, hooks, precision
-from jacmem.derivatives import detached, lookup
+from jacmem.derivatives import LossHessian, Passthrough, detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
-from jacmem.derivatives.jacobians import (
-    LossHessian,
-    Passthrough,
-    diagonal_factor,
-    ea_jac_t_mat_jac,
-    lookup_loss,
-    lookup_passthrough,
-    vjp_generic,
-)
+from jacmem.derivatives.jacobians import diagonal_factor, ea_jac_t_mat_jac, vjp_generic
 from jacmem.extensions.secondorder.autograd_path import AutogradPath
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
@@ -751,7 +743,7 @@ def _check_chain(node: Node, dep: _Deposit | None, grad: Tensor) -> None:
         "jacmem.derivatives.functional.FUNCTIONAL (F.relu, x + y, x * c, torch.flatten, F.cross_entropy, ...), "
         "from the loss back: write other operations as modules that jacmem knows (jacmem.nn.Scale, "
         "jacmem.nn.Sum / jacmem.nn.Residual / jacmem.nn.Parallel for sums and skip connections) or register "
-        "one (jacmem.derivatives.jacobians.passthrough), and compute the loss inside the block."
+        "one (jacmem.derivatives.passthrough), and compute the loss inside the block."
     )
     downstream = ""
     if node.untracked_consumers:
