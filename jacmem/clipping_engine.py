@@ -42,8 +42,8 @@ from torch import Tensor, nn
 from torch.utils._pytree import tree_map
 
 from jacmem import compat, distributed, hooks, precision
+from jacmem.derivatives.quantities import squared_norms
 from jacmem.extensions.clipping import ClipGrad
-from jacmem.extensions.firstorder import squared_norms
 from jacmem.firstorder_engine import FirstOrder, Staging
 from jacmem.notices import listing
 from jacmem.passes import Setup, Write

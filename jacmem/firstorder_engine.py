@@ -23,7 +23,8 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat, distributed, hooks, notices, precision
-from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
+from jacmem.extensions.firstorder import FirstOrderExtension
 from jacmem.notices import LIMIT, listing
 from jacmem.passes import Engine, Setup, Write
 from jacmem.planner import ContractError, batch_size, execute, itemsize, planned, shapes

@@ -22,8 +22,8 @@ import torch
 from torch import Tensor
 
 from jacmem import alloc
-from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
-from jacmem.extensions.firstorder import PER_SAMPLE, derive
+from jacmem.derivatives import Cost, LayerDerivatives, Strategy
+from jacmem.derivatives.quantities import PER_SAMPLE, QUANTITIES, derive
 from jacmem.strategies import Decision, StrategyPlan
 
 

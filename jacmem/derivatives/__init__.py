@@ -18,6 +18,7 @@ from jacmem.derivatives import (
     losses,
     normalization,
     pooling,
+    quantities,
     rnn,
     shape,
 )
@@ -79,6 +80,7 @@ __all__ = [
     "normalization",
     "passthrough",
     "pooling",
+    "quantities",
     "qualified_name",
     "recognised",
     "register",

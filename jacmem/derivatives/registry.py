@@ -1,19 +1,6 @@
 """The registry: module type -> per-parameter derivatives, each with named strategies.
 
-A *quantity* is what the first-order extensions ask of one parameter ``p``:
-
-==================  ==========================================  ================
-quantity            meaning                                     shape
-==================  ==========================================  ================
-``batch_grad``      per-sample gradients g_n                    ``[N, *p.shape]``
-``batch_l2``        their squared norms ‖g_n‖²                  ``[N]``
-``sum_grad_squared``  Σ_n g_n ⊙ g_n                             ``p.shape``
-``grad``            Σ_n g_n (what autograd puts in ``.grad``)   ``p.shape``
-==================  ==========================================  ================
-
-Only ``batch_grad`` is required. The extensions derive the other three from it,
-chunked over the batch, unless a strategy computes them directly (the ghost norm,
-say). A *strategy* is one implementation of one quantity, registered by name:
+A *strategy* is one implementation of one quantity (:mod:`.quantities`), registered by name:
 
 .. code-block:: python
 
@@ -58,8 +45,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from jacmem.derivatives.jacobians import vjp_generic
-
-QUANTITIES = ("batch_grad", "batch_l2", "sum_grad_squared", "grad")
+from jacmem.derivatives.quantities import QUANTITIES
 
 
 @dataclass(frozen=True)
