@@ -19,7 +19,7 @@ import torch
 
 from jacmem.derivatives import REGISTRY
 from jacmem.derivatives.conv import conv_hyperparams
-from jacmem.extensions.firstorder import squared_norms
+from jacmem.derivatives.quantities import squared_norms
 
 
 def main() -> None:

@@ -13,34 +13,9 @@ from __future__ import annotations
 
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import passthrough
+from jacmem.derivatives.functional import Scale, Sum
 
-
-class Sum(nn.Module):
-    """``Sum()(x_1, ..., x_k) = x_1 + ... + x_k``, inputs of one shape (BackPACK's
-    ``SumModule``)."""
-
-    def forward(self, *xs: Tensor) -> Tensor:
-        if not xs or any(x.shape != xs[0].shape for x in xs):
-            raise ValueError(f"jacmem.nn.Sum needs inputs of one shape, got {[tuple(x.shape) for x in xs]}")
-        out = xs[0]
-        for x in xs[1:]:
-            out = out + x
-        return out if len(xs) > 1 else out.clone()
-
-
-class Scale(nn.Module):
-    """``Scale(w)(x) = w * x`` for a constant ``w`` (BackPACK's ``ScaleModule``)."""
-
-    def __init__(self, weight: float = 1.0):
-        super().__init__()
-        self.weight = weight
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.weight
-
-    def extra_repr(self) -> str:
-        return f"weight={self.weight}"
+__all__ = ["Parallel", "Residual", "Scale", "Sum"]
 
 
 class Parallel(nn.Module):
@@ -62,16 +37,3 @@ class Residual(Parallel):
 
     def __init__(self, *layers: nn.Module):
         super().__init__(nn.Identity(), nn.Sequential(*layers))
-
-
-def _sum_jac_t(xs, out, S: Tensor):
-    """Every input gets the output's factor: [V, N, *] -> one [V, N, *] per input."""
-    return tuple(S for _ in xs)
-
-
-def _scale_df(x: Tensor, out: Tensor, *, weight: float) -> Tensor:
-    return x.new_full((), weight).expand_as(x)
-
-
-passthrough(Sum, jac_t=_sum_jac_t, sample_independent=True)
-passthrough(Scale, df=_scale_df, hyperparams=lambda m: {"weight": m.weight})

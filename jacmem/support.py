@@ -24,8 +24,7 @@ from functools import partial
 from pathlib import Path
 
 import jacmem
-from jacmem.derivatives import QUANTITIES, REGISTRY, LayerDerivatives
-from jacmem.derivatives.jacobians import LOSSES, PASSTHROUGH
+from jacmem.derivatives import LOSSES, PASSTHROUGH, QUANTITIES, REGISTRY, LayerDerivatives
 from jacmem.extensions.firstorder import FirstOrderExtension
 from jacmem.extensions.secondorder import SecondOrderExtension
 
@@ -126,7 +125,7 @@ def _names(types) -> str:
 
 def second_order() -> str:
     """Where the second-order extensions' curvature starts (losses) and which modules
-    it flows back through, from :mod:`jacmem.derivatives.jacobians`, as Markdown."""
+    it flows back through, from :mod:`jacmem.derivatives`, as Markdown."""
     exts = [getattr(jacmem, n) for n in jacmem.__all__]
     exts = [e for e in exts if isinstance(e, type) and issubclass(e, SecondOrderExtension)]
     if not exts:

@@ -1,471 +1,93 @@
-"""The registry: module type -> per-parameter derivatives, each with named strategies.
+"""What a layer is: per-parameter derivatives and Jacobians, pure functions of tensors.
 
-A *quantity* is what the first-order extensions ask of one parameter ``p``:
-
-==================  ==========================================  ================
-quantity            meaning                                     shape
-==================  ==========================================  ================
-``batch_grad``      per-sample gradients g_n                    ``[N, *p.shape]``
-``batch_l2``        their squared norms ‖g_n‖²                  ``[N]``
-``sum_grad_squared``  Σ_n g_n ⊙ g_n                             ``p.shape``
-``grad``            Σ_n g_n (what autograd puts in ``.grad``)   ``p.shape``
-==================  ==========================================  ================
-
-Only ``batch_grad`` is required. The extensions derive the other three from it,
-chunked over the batch, unless a strategy computes them directly (the ghost norm,
-say). A *strategy* is one implementation of one quantity, registered by name:
-
-.. code-block:: python
-
-    @register(nn.Conv2d, "weight", "batch_grad", "unfold", cost=unfold_cost)
-    def conv_weight_unfold(x, g, *, stride, ...):
-        '''x: [N, C_in, *spatial_in], g: [N, C_out, *spatial_out] -> [N, *weight.shape]'''
-
-Each function takes ``(x, g, **hyperparams)``: what the layer's ``keep`` returns of
-its inputs (default: the first positional input), the gradient of the loss w.r.t. its
-output(s), both with the batch axis first, and the keyword hyper-parameters that the
-layer's ``hyperparams(module)`` reads off the module. The optional ``cost`` takes the
-same arguments' *shapes* and returns a :class:`Cost`, or ``None`` where the strategy
-does not apply; ``auto`` picks the cheapest. A strategy without ``cost`` counts as
-free, so it always wins ``auto``.
-
-A layer may also register optional capabilities on its entry, where the extensions
-look for them instead of testing the module's type: :class:`Kronecker` (the factor
-rules of KFAC, KFLR and KFRA) and ``squared_vjps`` (a direct form of the GGN diagonal).
-
-A class that stands for a stock layer (``jacmem.memory``'s lean layers, which keep
-less for the backward pass but compute the same function) declares it as a class
-attribute, ``stands_for = nn.Conv2d``: every lookup (:func:`registered_type`) then
-answers with the stock type's entries, and nothing is registered for it.
-
-This package imports torch, einops and opt_einsum, and no other jacmem code.
+:mod:`.registry` holds the tables and how to add to them; each layer family's file
+registers its layers on import. This package imports torch, einops and opt_einsum, and
+no other jacmem code.
 """
 
-from __future__ import annotations
-
-import weakref
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, replace
-from typing import Any
-
-from torch import Tensor, nn
-
-QUANTITIES = ("batch_grad", "batch_l2", "sum_grad_squared", "grad")
-
-
-@dataclass(frozen=True)
-class Cost:
-    """Estimated cost of one strategy on the whole batch.
-
-    ``flops``: floating-point operations. ``workspace``: bytes of temporary memory,
-    excluding the result; it scales with the batch, so chunking divides it.
-    """
-
-    flops: float
-    workspace: float
-
-
-@dataclass(frozen=True)
-class Strategy:
-    """One implementation of one quantity. ``fn(x, g, **hp)``; ``cost(xs, gs, **hp)``
-    with the shapes of ``x`` and ``g``. ``writes_out``: a ``batch_grad`` strategy that
-    also takes ``out=`` (a contiguous ``[N, *param.shape]`` tensor), writes its result
-    there and returns it, so that chunks need no copy into the whole result."""
-
-    fn: Callable[..., Any]
-    cost: Callable[..., Cost | None] | None = None
-    writes_out: bool = False
-
-
-def _no_reason(**hp) -> str | None:
-    return None
-
-
-@dataclass(frozen=True)
-class Kronecker:
-    """How KFAC, KFLR and KFRA factor the GGN block of a layer's weight as ``G ⊗ A``
-    (:mod:`jacmem.extensions.secondorder.kfac` gives the math); an optional capability
-    of a layer's entry.
-
-    input_factor: ``(x, out_shape, dtype, approx, **hyperparams) -> A``, from what
-        ``keep`` kept and the shape of the whole output: ``[I, I]``; ``[g, m, m]`` for a
-        layer in ``g`` groups (the weight's block is then ``block_diag(G[j] ⊗ A[j])``,
-        with ``G[j]`` the diagonal blocks of ``G``); or the diagonal ``[I]`` of a
-        diagonal ``A``. ``dtype``: the weight's. ``approx``: how the ``T`` positions
-        that share the weight count (``"expand"``, ``"reduce"`` or ``None``, the
-        layer's default; :mod:`jacmem.extensions.secondorder.kfac`). ``None``: the
-        layer has no factors (``why_not`` says why).
-    channels_last: the output is ``[N, *, O]``, with a factor per position (Linear);
-        otherwise ``[N, O, *]``, whose output factor sums over positions first
-        (convolutions) unless ``approx="expand"``.
-    refuse: ``(approx, **hyperparams) -> str | None``: why a layer with factors has
-        none with these settings (``"with scale_grad_by_freq=True (...); construct it
-        with ..."``), or ``None``.
-    why_not: with ``input_factor=None``, why the layer has no factors.
-    diagonal: the layer's parameters are scaled elementwise (LayerNorm, RMSNorm):
-        no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal from the
-        same factors instead, ``[d]`` with ``d.shape == param.shape``.
-    """
-
-    input_factor: Callable[..., Tensor] | None = None
-    channels_last: bool = False
-    refuse: Callable[..., str | None] = _no_reason
-    why_not: str = ""
-    diagonal: bool = False
-
-
-def _first_input(args: tuple, kwargs: dict) -> Any:
-    """The first positional input, or the first keyword one (``linear(input=x)``)."""
-    return args[0] if args else next(iter(kwargs.values()))
-
-
-def _identity(output: Any) -> Any:
-    return output
-
-
-@dataclass(frozen=True)
-class _Undo:
-    """How to take back one :func:`register` call: the strategy it replaced (or ``None``),
-    and whether it added the ``(param, quantity)`` table and the type's entry."""
-
-    param: str
-    quantity: str
-    strategy: str
-    replaced: Strategy | None
-    new_table: bool
-    new_entry: bool
-
-
-@dataclass
-class LayerDerivatives:
-    """Everything jacmem knows about one module type.
-
-    hyperparams: ``module -> dict`` of keyword arguments for the derivative functions,
-        read at forward time (so a BatchNorm's mode and statistics are those it ran with).
-    keep: ``(args, kwargs) -> x``, what to keep of the forward inputs, batch axis first.
-    arrange_input: ``(x, **hyperparams) -> x``, applied to what ``keep`` returned where
-        the layout depends on the module (an RNN's ``batch_first``): after it, every
-        tensor in ``x`` (or in its tuples and lists) has the batch on axis 0, since
-        chunking slices axis 0; a dict in ``x`` passes whole to every chunk (a mask that
-        all samples share, say).
-    outputs: ``output -> tensor or tuple of tensors`` whose gradients make ``g``.
-    arrange: ``(g, **hyperparams) -> g``, puts the batch axis of the output gradient(s)
-        first (e.g. an RNN with ``batch_first=False``); chunking slices axis 0.
-    input_free: parameters whose derivatives never read ``x`` (biases): when only
-        those are trainable, no input is kept.
-    for_module: ``module -> LayerDerivatives``, for a layer whose parameter names depend on
-        the instance (an RNN's ``weight_ih_l{k}``): the entry registered for the type
-        shows the names of one instance (the support table's rows), and ``lookup``
-        asks this for the entry of each module.
-    compute_once: inside a block, a call of the layer may run through one
-        ``autograd.Function`` whose backward gives the per-sample quantities, the
-        summed gradient and the input gradient together (:class:`jacmem.engine.hooks.ComputeOnce`),
-        instead of autograd computing the weight gradient a second time. The input
-        gradient is the layer's ``jac_t`` in :mod:`jacmem.derivatives.jacobians`,
-        which must then be registered.
-    own_layout: the layer places its batch axis itself, whatever a block's ``batch_first``
-        says: from its own flag (an RNN's or attention's ``batch_first``, read by
-        ``arrange_input`` and ``arrange``), or on axis 0 by its layout (convolutions,
-        GroupNorm: ``[N, C, *]``). Otherwise, under ``batch_first=False``, the block
-        hands ``keep`` the call's inputs and ``arrange`` its output gradients with axis 1
-        moved first (:mod:`jacmem.engine.layout`), so that the derivatives see the batch first.
-    kronecker: the layer's Kronecker factor rules (:class:`Kronecker`), or ``None``.
-    squared_vjps: ``(x, S, params, batch, budget, **hyperparams) -> {name: tensor} or
-        None``, a direct form of ``Σ_v (J_θᵀ S[v])²`` for the GGN and Hessian diagonals
-        (:mod:`jacmem.extensions.secondorder.diag_ggn`): ``S [V, N, *out]``, ``params``
-        the names and shapes of the parameters to compute, summed over the samples
-        (``p.shape``) or per sample where ``batch`` (``[N, *p.shape]``), temporary
-        memory under ``budget`` bytes; ``None`` where it does not apply to these
-        inputs (the extension then repeats the inputs over ``V``).
-    recognise: ``(module, x, output) -> hyperparams or None``, for a module of no
-        registered type that may compute this layer's function (a subclass that
-        overrides ``forward``, as timm's ``LayerNorm``; HF's ``LlamaRMSNorm``): the
-        hyper-parameters where, on this call's kept input ``x``, the layer's function
-        gives ``output`` to rounding; ``None`` otherwise (see :func:`recognised`).
-    strategies: ``(param, quantity) -> {name: Strategy}``. ``param`` is the name of one
-        of the module's own parameters, or the dotted name of a submodule's parameter
-        that the module's forward uses itself (``MultiheadAttention`` calls its
-        ``out_proj`` functionally: ``"out_proj.weight"``), which the module's record
-        then covers.
-    unconfirmed: how to take back the :func:`register` calls for this entry whose
-        parameter names no instance has confirmed yet, in order (see :func:`lookup`).
-    """
-
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
-    keep: Callable[[tuple, dict], Any] = _first_input
-    outputs: Callable[[Any], Any] = _identity
-    arrange: Callable[..., Any] = lambda g, **hp: g
-    arrange_input: Callable[..., Any] = lambda x, **hp: x
-    for_module: Callable[[nn.Module], LayerDerivatives] | None = None
-    input_free: set = field(default_factory=set)
-    compute_once: bool = False
-    own_layout: bool = False
-    kronecker: Kronecker | None = None
-    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
-    recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
-    strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
-    unconfirmed: list[_Undo] = field(default_factory=list, compare=False, repr=False)
-
-    @property
-    def params(self) -> tuple[str, ...]:
-        """Names of the parameters that have at least a ``batch_grad``."""
-        return tuple(p for p, q in self.strategies if q == "batch_grad")
-
-    def names(self) -> set:
-        """Every strategy name this layer offers, for any parameter and quantity."""
-        return {name for table in self.strategies.values() for name in table}
-
-
-def entries(obj) -> int:
-    """Entries of a tensor, or of the tensors in a (nested) tuple or list; 0 for the rest."""
-    if isinstance(obj, Tensor):
-        return obj.numel()
-    return sum(entries(o) for o in obj) if isinstance(obj, (tuple, list)) else 0
-
-
-def detached(x: Any) -> Any:
-    """``x`` with every tensor detached, through tuples, lists and dicts: what a record
-    keeps of a module's inputs, without holding on to their graph."""
-    if isinstance(x, Tensor):
-        return x.detach()
-    if isinstance(x, (tuple, list)):
-        return type(x)(detached(t) for t in x)
-    if isinstance(x, dict):
-        return {k: detached(v) for k, v in x.items()}
-    return x
-
-
-#: module type -> its entry; a key may also be a type's qualified name,
-#: ``"package.module.Class"`` (:func:`qualified_name`), for a type of a library that
-#: jacmem does not import (``"transformers.pytorch_utils.Conv1D"``)
-REGISTRY: dict[type | str, LayerDerivatives] = {}
-
-
-def layer(
-    module_type: type,
-    *,
-    hyperparams: Callable[[nn.Module], dict[str, Any]] | None = None,
-    keep: Callable[[tuple, dict], Any] | None = None,
-    outputs: Callable[[Any], Any] | None = None,
-    arrange: Callable[..., Any] | None = None,
-    arrange_input: Callable[..., Any] | None = None,
-    for_module: Callable[[nn.Module], LayerDerivatives] | None = None,
-    input_free: tuple[str, ...] = (),
-    compute_once: bool = False,
-    own_layout: bool = False,
-    kronecker: Kronecker | None = None,
-    squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
-    recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None,
-) -> LayerDerivatives:
-    """Declare (or update) how jacmem reads a module type, and its optional
-    capabilities (``kronecker``, ``squared_vjps``); returns its entry."""
-    _changed()
-    entry = REGISTRY.setdefault(module_type, LayerDerivatives())
-    given = dict(
-        hyperparams=hyperparams,
-        keep=keep,
-        outputs=outputs,
-        arrange=arrange,
-        arrange_input=arrange_input,
-        for_module=for_module,
-        kronecker=kronecker,
-        squared_vjps=squared_vjps,
-        recognise=recognise,
-    )
-    for field_name, value in given.items():
-        if value is not None:
-            setattr(entry, field_name, value)
-    entry.input_free |= set(input_free)
-    entry.compute_once |= compute_once
-    entry.own_layout |= own_layout
-    return entry
-
-
-def register(
-    module_type: type,
-    param: str,
-    quantity: str = "batch_grad",
-    strategy: str = "default",
-    *,
-    cost: Callable[..., Cost | None] | None = None,
-    writes_out: bool = False,
-) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
-    parameter ``param`` of ``module_type``.
-
-    This is also the public way to teach jacmem a module of your own, see
-    ``examples/plot_custom_module.py``. Declare the module's hyper-parameters and what to
-    keep with :func:`layer` first, where the defaults do not fit.
-
-    ``param`` is checked against the module at the first lookup of an instance of
-    ``module_type`` (the type alone does not tell its parameters' names): a name the
-    module does not have raises a ``ValueError`` that lists the names it has, and the
-    registrations under that name that no instance has confirmed yet are withdrawn, so
-    the registry is as it was before them and a corrected registration works.
-    """
-    if quantity not in QUANTITIES:
-        raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
-
-    def decorate(fn: Callable) -> Callable:
-        _changed()
-        new_entry = module_type not in REGISTRY
-        entry = REGISTRY.setdefault(module_type, LayerDerivatives())
-        new_table = (param, quantity) not in entry.strategies
-        table = entry.strategies.setdefault((param, quantity), {})
-        entry.unconfirmed.append(_Undo(param, quantity, strategy, table.get(strategy), new_table, new_entry))
-        table[strategy] = Strategy(fn, cost, writes_out)
-        return fn
-
-    return decorate
-
-
-def stands_for(module_type: type) -> type | None:
-    """The stock type whose function ``module_type`` computes, where it (or the base
-    class whose ``forward`` it keeps) declares ``stands_for``; else ``None``."""
-    for cls in module_type.__mro__:
-        if "stands_for" in cls.__dict__:
-            return cls.__dict__["stands_for"] if cls.forward is module_type.forward else None
-    return None
-
-
-def qualified_name(module_type: type) -> str:
-    """``"package.module.Class"``, as a registry key for a type jacmem does not import."""
-    return f"{module_type.__module__}.{module_type.__qualname__}"
-
-
-def registered_type(table: Mapping[type | str, Any], module_type: type) -> type | str | None:
-    """The key of ``table`` whose entry describes ``module_type``: the type itself (or its
-    :func:`qualified_name`); else the stock type it :func:`stands_for`; else its nearest
-    base class in ``table``, where the subclass keeps that class's ``forward`` (so its
-    math is the same); else ``None``. Every registry of jacmem (first-order, Jacobians,
-    losses) looks up through this one rule."""
-    forward = module_type.forward
-    for cls in module_type.__mro__:
-        stock = cls.__dict__.get("stands_for")
-        key = cls if cls in table else qualified_name(cls)
-        if key in table or stock is not None:
-            if cls.forward is not forward:
-                return None
-            return key if key in table else registered_type(table, stock)
-    return None
-
-
-def forward_of(module: nn.Module) -> Callable:
-    """The ``forward`` whose derivatives the registries hold, bound to ``module``: its
-    own, or that of the stock type it :func:`stands_for` (a lean layer's own forward
-    runs autograd Functions that ``torch.func`` cannot transform)."""
-    stock = stands_for(type(module))
-    return module.forward if stock is None else stock.forward.__get__(module)
-
-
-def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int = 0) -> LayerDerivatives | None:
-    """The entry for ``module``'s type (:func:`registered_type`); otherwise, given a call's
-    kept input ``x`` and ``output``, the entry of a layer whose function it computes
-    (:func:`recognised`); otherwise the generic fallback for the module's own parameters
-    (:func:`generic.fallback`, for a call whose batch is on ``batch_axis`` of its inputs
-    and outputs), or ``None`` where that does not apply either. Raises
-    ``ValueError`` where a parameter name registered for the type is not one of the
-    module's (see :func:`register`)."""
-    cls = registered_type(REGISTRY, type(module))
-    if cls is None:
-        found = None if output is None else recognised(module, x, output)
-        return found or generic.fallback(module, batch_axis)
-    entry = REGISTRY[cls]
-    if entry.for_module is not None:
-        entry = entry.for_module(module)
-    key = (type(module), id(entry))
-    if _CHECKED.get(key) != _VERSION[0]:
-        bad = missing_names(module, entry)
-        withdrawn = _withdraw(cls, bad)
-        if bad:
-            raise ValueError(_misspelt(module, cls, bad, withdrawn))
-        _CHECKED[key] = _VERSION[0]
-    return entry
-
-
-#: module -> the entry :func:`recognised` found for it (``None``: none), on its first call
-_RECOGNISED: weakref.WeakKeyDictionary[nn.Module, LayerDerivatives | None] = weakref.WeakKeyDictionary()
-
-
-def recognised(module: nn.Module, x: Any, output: Any) -> LayerDerivatives | None:
-    """The entry of the registered layer whose function ``module`` computes, as its
-    ``recognise`` verifies on the module's first call (input ``x``, ``output``), with the
-    hyper-parameters found then; ``None`` where no layer's does. One check per module:
-    a forward of the candidate's function, without a graph."""
-    if module not in _RECOGNISED:
-        found = None
-        for entry in REGISTRY.values():
-            hp = None if entry.recognise is None else entry.recognise(module, x, output)
-            if hp is not None:
-                found = replace(entry, hyperparams=lambda m, hp=hp: hp, recognise=None)
-                break
-        _RECOGNISED[module] = found
-    return _RECOGNISED[module]
-
-
-#: registrations so far; a lookup checks names again after any
-_VERSION = [0]
-#: (module type, id(entry)) -> the registration count when its names were checked
-_CHECKED: dict[tuple[type, int], int] = {}
-
-
-def _changed() -> None:
-    _VERSION[0] += 1
-
-
-def _has_parameter(module: nn.Module, name: str) -> bool:
-    """Whether ``name`` (dotted for a submodule's) is a parameter of ``module``, or one
-    it declares absent (``bias=False`` registers ``bias`` as ``None``)."""
-    owner, _, leaf = name.rpartition(".")
-    try:
-        sub = module.get_submodule(owner) if owner else module
-    except AttributeError:
-        return False
-    own = dict(sub.named_parameters(recurse=False, remove_duplicate=False))
-    return leaf in own or (hasattr(sub, leaf) and getattr(sub, leaf) is None)
-
-
-def missing_names(module: nn.Module, entry: LayerDerivatives) -> list[str]:
-    """The parameter names registered in ``entry`` that ``module`` does not have."""
-    return sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
-
-
-def _misspelt(module: nn.Module, module_type: type | str, bad: list[str], withdrawn: bool) -> str:
-    """The error for parameter names ``bad`` registered for ``module_type`` that ``module``
-    lacks: the type, the bad names, the names it has, and the fix."""
-    names = [n for n, _ in module.named_parameters()]
-    return (
-        f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
-        f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are {names}. "
-        "Register the derivative under one of those names"
-        + ("; the registration under the wrong name is withdrawn, so a corrected one works" if withdrawn else "")
-    )
-
-
-def _withdraw(module_type: type | str, bad: list[str]) -> bool:
-    """An instance of ``module_type`` was checked: the unconfirmed registrations under a
-    name in ``bad`` are taken back, latest first, and the others are confirmed. Returns
-    whether any was taken back."""
-    entry = REGISTRY[module_type]
-    taken = [u for u in reversed(entry.unconfirmed) if u.param in bad]
-    entry.unconfirmed = []
-    for undo in taken:
-        table = entry.strategies[undo.param, undo.quantity]
-        if undo.replaced is None:
-            del table[undo.strategy]
-        else:
-            table[undo.strategy] = undo.replaced
-        if undo.new_table and not table:
-            del entry.strategies[undo.param, undo.quantity]
-        if undo.new_entry and entry == LayerDerivatives():
-            del REGISTRY[module_type]
-    return bool(taken)
-
-
-def all_strategy_names() -> set:
-    """Every strategy name registered for any layer."""
-    return {name for entry in REGISTRY.values() for name in entry.names()}
-
-
 # The layer families register themselves on import.
-from jacmem.derivatives import attention, conv, conv_transpose, embedding, generic, linear, normalization, rnn  # noqa: E402,F401
+from jacmem.derivatives import (
+    activations,
+    attention,
+    conv,
+    conv_transpose,
+    embedding,
+    functional,
+    generic,
+    linear,
+    losses,
+    normalization,
+    pooling,
+    quantities,
+    rnn,
+    shape,
+)
+from jacmem.derivatives.registry import (
+    LOSSES,
+    PASSTHROUGH,
+    QUANTITIES,
+    REGISTRY,
+    Cost,
+    Kronecker,
+    LayerDerivatives,
+    LossHessian,
+    Passthrough,
+    Strategy,
+    all_strategy_names,
+    detached,
+    entries,
+    forward_of,
+    layer,
+    lookup,
+    lookup_loss,
+    lookup_passthrough,
+    loss,
+    passthrough,
+    qualified_name,
+    recognised,
+    register,
+    registered_type,
+    stands_for,
+)
+
+__all__ = [
+    "LOSSES",
+    "PASSTHROUGH",
+    "QUANTITIES",
+    "REGISTRY",
+    "Cost",
+    "Kronecker",
+    "LayerDerivatives",
+    "LossHessian",
+    "Passthrough",
+    "Strategy",
+    "activations",
+    "all_strategy_names",
+    "attention",
+    "conv",
+    "conv_transpose",
+    "detached",
+    "entries",
+    "embedding",
+    "forward_of",
+    "functional",
+    "generic",
+    "layer",
+    "linear",
+    "lookup",
+    "lookup_loss",
+    "lookup_passthrough",
+    "loss",
+    "losses",
+    "normalization",
+    "passthrough",
+    "pooling",
+    "quantities",
+    "qualified_name",
+    "recognised",
+    "register",
+    "registered_type",
+    "rnn",
+    "shape",
+    "stands_for",
+]

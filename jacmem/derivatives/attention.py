@@ -41,8 +41,9 @@ from torch import Tensor, nn
 from torch.func import functional_call
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, layer, linear, register
+from jacmem.derivatives import linear
 from jacmem.derivatives.generic import VMAP, SharedPass, per_sample_vjp, shared_cost, track, trainable_sizes
+from jacmem.derivatives.registry import Cost, layer, register
 
 OUTER = "outer"
 

@@ -42,7 +42,8 @@ from opt_einsum import contract
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.jacobians import vjp_generic
+from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _CONV_WEIGHT = {1: torch.nn.grad.conv1d_weight, 2: torch.nn.grad.conv2d_weight, 3: torch.nn.grad.conv3d_weight}
@@ -130,7 +131,7 @@ def _sizes(xs, gs, kernel_size, groups):
     return xs[0], xs[1] // groups, gs[1], prod(kernel_size), prod(gs[2:])
 
 
-def _unfold_cost(xs, gs, *, kernel_size, groups, **_):
+def unfold_cost(xs, gs, *, kernel_size, groups, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
     return Cost(flops=2 * n * o * c * k * p, workspace=n * c * groups * k * p)
 
@@ -155,7 +156,7 @@ def weight_batch_grad_unfold(x, g, *, kernel_size, stride, dilation, groups, pad
 GROUPED_CONV_SLOWDOWN = 2.0
 
 
-def _save_memory_cost(xs, gs, *, kernel_size, groups, padding, **_):
+def save_memory_cost(xs, gs, *, kernel_size, groups, padding, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
     padded = prod(s + sum(lr) for s, lr in zip(xs[2:], padding))
     # workspace: the rearranged input, and the result in [C_in/G, N·C_out, *K] before
@@ -227,7 +228,7 @@ def weight_batch_grad_grouped(x, g, *, kernel_size, stride, dilation, groups, pa
     return grad.view(n, o, *shape[1:])
 
 
-def _grad_cost(xs, gs, *, kernel_size, groups, **_):
+def grad_cost(xs, gs, *, kernel_size, groups, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
     return Cost(flops=2 * n * o * c * k * p, workspace=0)
 
@@ -239,7 +240,7 @@ def weight_grad(x, g, *, kernel_size, stride, dilation, groups, padding, padding
     return _CONV_WEIGHT[len(kernel_size)](x, shape, g, stride=stride, padding=own, dilation=dilation, groups=groups)
 
 
-def _ghost_cost(xs, gs, *, kernel_size, groups, **_):
+def ghost_cost(xs, gs, *, kernel_size, groups, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
     return Cost(flops=2 * n * groups * p * p * (c * k + o // groups), workspace=n * groups * (c * k * p + 2 * p * p))
 
@@ -259,7 +260,7 @@ def weight_batch_l2_ghost(x, g, *, kernel_size, stride, dilation, groups, paddin
     return _pair(torch.einsum("nqcp,nqcr->nqpr", cols, cols), g.unflatten(1, (groups, -1)))
 
 
-def _ghost_gram_cost(xs, gs, *, kernel_size, groups, padding, **_):
+def ghost_gram_cost(xs, gs, *, kernel_size, groups, padding, **_):
     n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
     padded = prod(s + sum(lr) for s, lr in zip(xs[2:], padding))
     # workspace: the padded input, its Gram matrix, K shifted reads of it, A Aᵀ and G Gᵀ
@@ -360,18 +361,16 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         kronecker=Kronecker(kronecker_input),
         squared_vjps=squared_vjps,
     )
-    register(_module, "weight", "batch_grad", "unfold", cost=_unfold_cost, writes_out=True)(weight_batch_grad_unfold)
-    register(_module, "weight", "batch_grad", "save_memory", cost=_save_memory_cost)(weight_batch_grad_save_memory)
+    register(_module, "weight", "batch_grad", "unfold", cost=unfold_cost, writes_out=True)(weight_batch_grad_unfold)
+    register(_module, "weight", "batch_grad", "save_memory", cost=save_memory_cost)(weight_batch_grad_save_memory)
     register(_module, "weight", "batch_grad", "grouped", cost=_grouped_cost)(weight_batch_grad_grouped)
-    register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
-    register(_module, "weight", "batch_l2", "ghost_gram", cost=_ghost_gram_cost)(weight_batch_l2_ghost_gram)
-    register(_module, "weight", "grad", "direct", cost=_grad_cost)(weight_grad)
+    register(_module, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2_ghost)
+    register(_module, "weight", "batch_l2", "ghost_gram", cost=ghost_gram_cost)(weight_batch_l2_ghost_gram)
+    register(_module, "weight", "grad", "direct", cost=grad_cost)(weight_grad)
     register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------
-# (imported here, not at the top: the second-order registry imports the layer files)
-from jacmem.derivatives.jacobians import passthrough, vjp_generic  # noqa: E402
 
 _CONV_INPUT = {1: torch.nn.grad.conv1d_input, 2: torch.nn.grad.conv2d_input, 3: torch.nn.grad.conv3d_input}
 

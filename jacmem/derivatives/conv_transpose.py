@@ -32,7 +32,8 @@ import torch.nn.functional as F
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import Kronecker, conv, layer, register
+from jacmem.derivatives import conv
+from jacmem.derivatives.registry import Kronecker, layer, passthrough, register
 
 
 def conv_transpose_hyperparams(module: nn.modules.conv._ConvTransposeNd) -> dict:
@@ -115,11 +116,11 @@ def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
 
 
 _STRATEGIES = [
-    ("weight", "batch_grad", "unfold", conv.weight_batch_grad_unfold, conv._unfold_cost),
-    ("weight", "batch_grad", "save_memory", conv.weight_batch_grad_save_memory, conv._save_memory_cost),
-    ("weight", "batch_l2", "ghost", conv.weight_batch_l2_ghost, conv._ghost_cost),
-    ("weight", "batch_l2", "ghost_gram", conv.weight_batch_l2_ghost_gram, conv._ghost_gram_cost),
-    ("weight", "grad", "direct", conv.weight_grad, conv._grad_cost),
+    ("weight", "batch_grad", "unfold", conv.weight_batch_grad_unfold, conv.unfold_cost),
+    ("weight", "batch_grad", "save_memory", conv.weight_batch_grad_save_memory, conv.save_memory_cost),
+    ("weight", "batch_l2", "ghost", conv.weight_batch_l2_ghost, conv.ghost_cost),
+    ("weight", "batch_l2", "ghost_gram", conv.weight_batch_l2_ghost_gram, conv.ghost_gram_cost),
+    ("weight", "grad", "direct", conv.weight_grad, conv.grad_cost),
 ]
 
 for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
@@ -134,3 +135,6 @@ for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
         register(_module, _param, _quantity, _name, cost=transposed_cost(_cost))(transposed(_fn))
     # the bias gradient sums g over S_out, as for a conv
     register(_module, "bias", "batch_grad", "sum")(conv.bias_batch_grad)
+
+# Input Jacobian, for second-order extensions: the vjp of their own forward
+passthrough(nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d, sample_independent=True)

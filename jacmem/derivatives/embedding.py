@@ -63,7 +63,7 @@ import torch
 from opt_einsum import contract
 from torch import Tensor, nn
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 
 class Batch:
@@ -213,7 +213,7 @@ def weight_batch_grad(x, g: Tensor, **hp) -> Tensor:
     return out.view(n, v, d)
 
 
-def _grad_cost(xs, gs, *, mode, num_embeddings, **_):
+def grad_cost(xs, gs, *, mode, num_embeddings, **_):
     n, t, d, v = _dims(xs, gs, mode, num_embeddings)
     return Cost(flops=2 * n * t * d, workspace=2 * n * t * d)
 
@@ -224,7 +224,7 @@ def weight_grad(x, g: Tensor, **hp) -> Tensor:
     return rows.new_zeros(hp["num_embeddings"], rows.shape[-1]).index_add_(0, idx.flatten(), rows.flatten(0, 1))
 
 
-def _ghost_cost(xs, gs, *, mode, num_embeddings, **_):
+def ghost_cost(xs, gs, *, mode, num_embeddings, **_):
     n, t, d, v = _dims(xs, gs, mode, num_embeddings)
     return Cost(flops=2 * n * t * t * (d + 1), workspace=2 * n * t * d + 3 * n * t * t)
 
@@ -299,7 +299,10 @@ layer(
 layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True)  # one bag per row of axis 0
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)
-    register(_module, "weight", "grad", "scatter", cost=_grad_cost)(weight_grad)
-    register(_module, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)
+    register(_module, "weight", "grad", "scatter", cost=grad_cost)(weight_grad)
+    register(_module, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2_ghost)
     register(_module, "weight", "batch_l2", "segment", cost=_segment_cost)(weight_batch_l2_segment)
     register(_module, "weight", "sum_grad_squared", "segment", cost=_segment_cost)(weight_sum_grad_squared_segment)
+
+# second-order extensions: an integer input, nothing to pass on
+passthrough(nn.Embedding)

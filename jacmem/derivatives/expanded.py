@@ -16,7 +16,7 @@ from math import prod
 
 from torch import Tensor
 
-from jacmem.derivatives import Cost, LayerDerivatives, Strategy
+from jacmem.derivatives.registry import Cost, LayerDerivatives, Strategy
 
 
 def _free(xs, gs, **hp) -> Cost:

@@ -19,6 +19,9 @@ is one where its whole sum or mean is taken (:class:`Reduced`). Both give a
 
 Where the GGN splits: the model's output is the input of the recognised loss (a loss
 module, or a loss function of this table), unmerged where it was merged.
+
+:class:`Sum` and :class:`Scale`, what ``x + y`` and ``x * c`` stand for, are public as
+:class:`jacmem.nn.Sum` and :class:`jacmem.nn.Scale`.
 """
 
 from __future__ import annotations
@@ -30,9 +33,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives.jacobians import LossHessian, lookup_loss, loss, passthrough
+from jacmem.derivatives.registry import LossHessian, lookup_loss, loss, passthrough
 from jacmem.derivatives.shape import flatten_jac_t
-from jacmem.nn import Scale, Sum
 
 
 @dataclass
@@ -50,6 +52,50 @@ class Merged:
 
     x: Tensor
     k: int
+
+
+class Sum(nn.Module):
+    """``Sum()(x_1, ..., x_k) = x_1 + ... + x_k``, inputs of one shape (BackPACK's
+    ``SumModule``)."""
+
+    __module__ = "jacmem.nn"  # its public name, re-exported there
+
+    def forward(self, *xs: Tensor) -> Tensor:
+        if not xs or any(x.shape != xs[0].shape for x in xs):
+            raise ValueError(f"jacmem.nn.Sum needs inputs of one shape, got {[tuple(x.shape) for x in xs]}")
+        out = xs[0]
+        for x in xs[1:]:
+            out = out + x
+        return out if len(xs) > 1 else out.clone()
+
+
+class Scale(nn.Module):
+    """``Scale(w)(x) = w * x`` for a constant ``w`` (BackPACK's ``ScaleModule``)."""
+
+    __module__ = "jacmem.nn"
+
+    def __init__(self, weight: float = 1.0):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        return x * self.weight
+
+    def extra_repr(self) -> str:
+        return f"weight={self.weight}"
+
+
+def _sum_jac_t(xs, out, S: Tensor):
+    """Every input gets the output's factor: [V, N, *] -> one [V, N, *] per input."""
+    return tuple(S for _ in xs)
+
+
+def _scale_df(x: Tensor, out: Tensor, *, weight: float) -> Tensor:
+    return x.new_full((), weight).expand_as(x)
+
+
+passthrough(Sum, jac_t=_sum_jac_t, sample_independent=True)
+passthrough(Scale, df=_scale_df, hyperparams=lambda m: {"weight": m.weight})
 
 
 class Reshape(nn.Module):

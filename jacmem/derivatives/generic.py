@@ -51,7 +51,8 @@ from torch import Tensor, nn
 from torch.func import functional_call, vjp, vmap
 
 from jacmem import compat
-from jacmem.derivatives import Cost, LayerDerivatives, Strategy
+from jacmem.derivatives import registry
+from jacmem.derivatives.registry import Cost, LayerDerivatives, Strategy
 
 #: the strategy name of every recomputation through torch.func
 VMAP = "vmap"
@@ -300,6 +301,7 @@ def recompute_cost(xs, gs, **_) -> Cost:
 _FALLBACKS: dict[tuple[type, tuple[str, ...]], LayerDerivatives] = {}
 
 
+@registry.fallback
 def fallback(module: nn.Module, batch_axis: int = 0) -> LayerDerivatives | None:
     """The generic entry for ``module``'s own parameters, for calls whose batch is on
     ``batch_axis`` (0 or 1) of their inputs and outputs; ``None`` where it has none, or

@@ -23,7 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives import REGISTRY, Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, passthrough, register
 
 #: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
 CONV1D = "transformers.pytorch_utils.Conv1D"
@@ -59,14 +59,14 @@ def weight_grad(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("nto,nti->oi", _flat(g), _flat(x))
 
 
-def _ghost_cost(xs, gs) -> Cost:
+def ghost_cost(xs, gs) -> Cost:
     N, T, I, O = _dims(xs, gs)
     if T == 1:
         return Cost(flops=2 * N * (I + O), workspace=0)
     return Cost(flops=2 * N * T * T * (I + O), workspace=2 * N * T * T)
 
 
-@register(nn.Linear, "weight", "batch_l2", "ghost", cost=_ghost_cost)
+@register(nn.Linear, "weight", "batch_l2", "ghost", cost=ghost_cost)
 def weight_batch_l2_ghost(x: Tensor, g: Tensor) -> Tensor:
     """Ghost norm ‖Gᵀ X‖² = ⟨X Xᵀ, G Gᵀ⟩ per sample, without the gradient:
     [N, *, I], [N, *, O] -> [N]"""
@@ -112,7 +112,7 @@ def conv1d_weight_grad(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("nti,nto->io", _flat(x), _flat(g))
 
 
-register(CONV1D, "weight", "batch_l2", "ghost", cost=_ghost_cost)(weight_batch_l2_ghost)  # a norm: layout-free
+register(CONV1D, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2_ghost)  # a norm: layout-free
 
 
 @register(CONV1D, "weight", "sum_grad_squared", "squares", cost=_squares_cost)
@@ -160,8 +160,6 @@ layer(
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------
-# (imported here, not at the top: the second-order registry imports the layer files)
-from jacmem.derivatives.jacobians import passthrough  # noqa: E402
 
 
 def jac_t(xs, out, S: Tensor, *, weight: Tensor):

@@ -26,7 +26,8 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import LossHessian, diagonal_factor, loss
+from jacmem.derivatives.jacobians import diagonal_factor
+from jacmem.derivatives.registry import LossHessian, loss
 
 
 def _reduction(module: nn.Module) -> dict:

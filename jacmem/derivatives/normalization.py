@@ -41,7 +41,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives import Cost, Kronecker, layer, register
+from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 
 class BatchStatisticsError(RuntimeError):
@@ -221,8 +221,19 @@ if _RMS_NORM is not None:  # a weight, and no bias
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------
-# (imported here, not at the top: the second-order registry imports the layer files)
-from jacmem.derivatives.jacobians import passthrough  # noqa: E402
+
+
+def _eval_only(module: nn.Module) -> dict[str, Any]:
+    if module.training:
+        raise NotImplementedError(
+            f"second-order extensions need {type(module).__name__} in eval mode: in training mode it mixes "
+            "the samples of the batch (batch statistics). Call model.eval() first"
+        )
+    return {}
+
+
+# BatchNorm in eval mode: an affine map per channel, the vjp of its own forward
+passthrough(nn.BatchNorm1d, nn.BatchNorm2d, nn.BatchNorm3d, sample_independent=True, hyperparams=_eval_only)
 
 # the vjp of their own forward; nonlinear in the input, so DiagHessian stops there
 passthrough(*(t for t in (nn.LayerNorm, _RMS_NORM) if t is not None), curved=True)

@@ -12,7 +12,7 @@ from __future__ import annotations
 from torch import Tensor, nn
 from torch.nn import functional as F
 
-from jacmem.derivatives.jacobians import passthrough
+from jacmem.derivatives.registry import passthrough
 
 _MAX_POOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 

@@ -52,8 +52,9 @@ from torch.nn import functional as F
 from torch.nn.utils.rnn import PackedSequence, pack_padded_sequence, pad_packed_sequence
 
 from jacmem import compat
-from jacmem.derivatives import REGISTRY, Cost, LayerDerivatives, Strategy, layer, linear, register, registered_type
+from jacmem.derivatives import linear
 from jacmem.derivatives.generic import SharedPass, shared_cost, track, trainable_sizes
+from jacmem.derivatives.registry import REGISTRY, Cost, LayerDerivatives, Strategy, layer, register, registered_type
 
 UNROLL, FUSED = "unroll", "fused"
 GATES = {"RNN_TANH": 1, "RNN_RELU": 1, "GRU": 3, "LSTM": 4}

@@ -13,7 +13,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import passthrough
+from jacmem.derivatives.registry import passthrough
 
 
 def flatten_jac_t(xs, out, S: Tensor):

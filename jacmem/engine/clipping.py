@@ -42,13 +42,13 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives import entries
+from jacmem.derivatives.quantities import squared_norms
 from jacmem.engine import distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size
 from jacmem.extensions.clipping import ClipGrad
-from jacmem.extensions.firstorder import squared_norms
 
 
 class ClipStaging(Staging):

@@ -23,12 +23,13 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
 from jacmem.engine import distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
 from jacmem.engine.planner import ContractError, batch_size, cached_plan, execute, itemsize, shapes
 from jacmem.engine.recorder import Recorder, tracked_name
-from jacmem.extensions.firstorder import LINEAR_QUANTITIES, FirstOrderExtension, derive
+from jacmem.extensions.firstorder import FirstOrderExtension
 
 
 class _Staged:

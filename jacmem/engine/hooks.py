@@ -23,8 +23,7 @@ from torch import Tensor, nn
 from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
-from jacmem.derivatives import LayerDerivatives, detached, lookup
-from jacmem.derivatives.jacobians import lookup_passthrough
+from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 

@@ -21,10 +21,10 @@ from math import prod
 import torch
 from torch import Tensor
 
-from jacmem.derivatives import QUANTITIES, Cost, LayerDerivatives, Strategy
+from jacmem.derivatives import Cost, LayerDerivatives, Strategy
+from jacmem.derivatives.quantities import PER_SAMPLE, QUANTITIES, derive
 from jacmem.engine import alloc
 from jacmem.engine.strategies import Decision, StrategyChoices
-from jacmem.extensions.firstorder import PER_SAMPLE, derive
 
 
 @dataclass(frozen=True)

@@ -4,10 +4,9 @@ Names, shapes and scaling follow BackPACK 1.7.1: per-sample gradients are those 
 loss as reduced, so with ``reduction="mean"`` they carry its ``1/N`` and
 ``grad_batch.sum(0) == grad``.
 
-Each extension names the *quantities* (see :mod:`jacmem.derivatives`) it needs; the
-first-order engine computes the union once per parameter, with the strategies that
-:mod:`jacmem.engine.planner` chooses. The quantity math that turns per-sample gradients into
-the others (:func:`derive`) is here.
+Each extension names the *quantities* (:mod:`jacmem.derivatives.quantities`) it needs;
+the first-order engine computes the union once per parameter, with the strategies that
+:mod:`jacmem.engine.planner` chooses.
 """
 
 from __future__ import annotations
@@ -16,10 +15,6 @@ from collections.abc import Iterable
 
 import torch
 from torch import Tensor
-
-#: quantities that add up over the calls of a module (weight tying, loops)
-LINEAR_QUANTITIES = ("batch_grad", "grad")
-PER_SAMPLE = ("batch_grad", "batch_l2")
 
 
 class FirstOrderExtension:
@@ -114,58 +109,3 @@ class Variance(FirstOrderExtension):
     def finalize(self, q, batch_size):
         # in place on the two temporaries: fewer fresh allocations, the same values
         return (q["sum_grad_squared"] / batch_size).sub_((q["grad"] / batch_size).square_())
-
-
-def squared_norms(batch_grad: Tensor) -> Tensor:
-    """‖g_n‖² per sample, one fused reduction without a squared copy: [n, *shape] -> [n]"""
-    return torch.linalg.vector_norm(batch_grad.flatten(1), dim=1).square_()
-
-
-#: bytes of samples squared at once by :func:`sum_of_squares`
-_SQUARE_BLOCK_BYTES = 4 * 2**20
-#: per-sample size from which sum_of_squares takes one fused call per sample
-_SAMPLE_LOOP_BYTES = 64 * 2**10
-
-
-def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Σ_n g_n ⊙ g_n, and Σ_n g_n where ``with_sum`` (else None): [n, *shape] -> shape, shape.
-
-    A sample of :data:`_SAMPLE_LOOP_BYTES` or more: one fused multiply-add per sample
-    into the result (``addcmul_``: each gradient read once, no squared copy). Smaller
-    ones: as many samples at a time as fill :data:`_SQUARE_BLOCK_BYTES`, squared and
-    summed (a call per sample would cost more than its work). A norm over axis 0
-    (``vector_norm(dim=0)``) would need no copy, but its strided reduction is slow on
-    CPU. The sum is taken sample by sample (or block by block) too, while that is in
-    cache, rather than in a second pass over the whole chunk.
-    """
-    out = batch_grad.new_zeros(batch_grad.shape[1:])
-    total = batch_grad.new_zeros(out.shape) if with_sum else None
-    per_sample = max(out.numel() * out.element_size(), 1)
-    if per_sample >= _SAMPLE_LOOP_BYTES:
-        for g in batch_grad:
-            out.addcmul_(g, g)
-            if total is not None:
-                total.add_(g)
-        return out, total
-    for block in batch_grad.split(max(1, _SQUARE_BLOCK_BYTES // per_sample)):
-        out += block.square().sum(0)
-        if total is not None:
-            total += block.sum(0)
-    return out, total
-
-
-def derive(batch_grad: Tensor, quantities: Iterable[str]) -> dict[str, Tensor]:
-    """Every quantity from (a chunk of) per-sample gradients ``[n, *shape]``."""
-    wanted = set(quantities)
-    out = {}
-    if "sum_grad_squared" in wanted:
-        out["sum_grad_squared"], total = sum_of_squares(batch_grad, with_sum="grad" in wanted)
-        if total is not None:
-            out["grad"] = total
-    if "batch_grad" in wanted:
-        out["batch_grad"] = batch_grad
-    if "batch_l2" in wanted:
-        out["batch_l2"] = squared_norms(batch_grad)
-    if "grad" in wanted and "grad" not in out:
-        out["grad"] = batch_grad.sum(0)
-    return out

@@ -112,7 +112,7 @@ class Registered(nn.Module):
         return self.inner(x)
 
 
-jacmem.derivatives.jacobians.passthrough(Registered)
+jacmem.derivatives.passthrough(Registered)
 
 
 def test_functional_ops_inside_a_known_module_are_its_own():

@@ -229,11 +229,11 @@ def test_sum_of_squares_both_ways():
     (32·32·3·3 float64 = 72 KiB) takes the first, the bias the second; both against the
     per-sample loop, whole and chunked. With ``unfold`` asked for, Variance's summed
     gradient comes from the same loop (auto computes it directly here)."""
-    from jacmem.extensions import firstorder
+    from jacmem.derivatives import quantities
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Conv2d(32, 32, 3), nn.Tanh(), nn.Flatten(), nn.Linear(288, 3)).double()
-    assert model[0].weight.numel() * 8 >= firstorder._SAMPLE_LOOP_BYTES > model[0].bias.numel() * 8
+    assert model[0].weight.numel() * 8 >= quantities._SAMPLE_LOOP_BYTES > model[0].bias.numel() * 8
     X, y = torch.randn(4, 32, 5, 5, dtype=torch.float64), torch.randn(4, 3, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse)
     for kwargs in ({}, {"chunk_bytes": 1}, {"strategy": "unfold"}, {"strategy": "unfold", "chunk_bytes": 1}):

@@ -10,8 +10,20 @@ import torch
 from torch import nn
 
 import jacmem
-from jacmem.derivatives import REGISTRY, Kronecker, layer, linear, lookup, register, registered_type
-from jacmem.derivatives.jacobians import LOSSES, PASSTHROUGH, lookup_loss, lookup_passthrough, passthrough
+from jacmem.derivatives import (
+    LOSSES,
+    PASSTHROUGH,
+    REGISTRY,
+    Kronecker,
+    layer,
+    linear,
+    lookup,
+    lookup_loss,
+    lookup_passthrough,
+    passthrough,
+    register,
+    registered_type,
+)
 from jacmem.memory import LEAN, lean
 
 DT = torch.float64

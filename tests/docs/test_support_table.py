@@ -52,7 +52,7 @@ def test_every_builtin_layer_and_strategy_appears():
 
 
 def test_second_order_line_names_every_stock_loss_and_passthrough():
-    from jacmem.derivatives.jacobians import LOSSES, PASSTHROUGH
+    from jacmem.derivatives import LOSSES, PASSTHROUGH
 
     line = support.second_order()
     assert "`KFAC`" in line and "`DiagGGNExact`" in line

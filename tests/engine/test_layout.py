@@ -10,8 +10,6 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-import pytest
-
 ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "jacmem"
 
@@ -30,19 +28,6 @@ LAYERS = {
     "jacmem.laplace": 5,
     "jacmem.support": 5,
 }
-
-#: imports inside derivatives/ that the derivatives' own restructuring removes
-#: (importer, imported); each must still exist, so that the list shrinks with the code
-KNOWN = {
-    ("jacmem.derivatives.functional", "jacmem.nn"),
-    ("jacmem.derivatives.jacobians", "jacmem.derivatives.activations"),
-    ("jacmem.derivatives.jacobians", "jacmem.derivatives.losses"),
-    ("jacmem.derivatives.jacobians", "jacmem.derivatives.pooling"),
-    ("jacmem.derivatives.jacobians", "jacmem.derivatives.shape"),
-}
-
-#: reads of another file's private names that the derivatives' restructuring removes
-KNOWN_PRIVATE = {("jacmem.derivatives.conv_transpose", "conv")}
 
 
 def _modules() -> dict[str, Path]:
@@ -102,13 +87,13 @@ def test_no_import_runs_up_the_layers():
         f"{a} (layer {_layer(a)}) imports {b} (layer {_layer(b)})"
         for a, targets in _graph().items()
         for b in targets
-        if _layer(b) > _layer(a) and (a, b) not in KNOWN
+        if _layer(b) > _layer(a)
     )
     assert not up, "\n".join(up)
 
 
 def test_no_import_circles():
-    graph = {a: {b for b in bs if (a, b) not in KNOWN} for a, bs in _graph().items()}
+    graph = _graph()
     circles = []
     for start in sorted(graph):
         stack, seen = [(start, [start])], set()
@@ -129,13 +114,6 @@ def test_no_import_circles():
 def _reexport(circle: str) -> bool:
     names = circle.split(" -> ")
     return any(n in MODULES and MODULES[n].name == "__init__.py" for n in names)
-
-
-@pytest.mark.parametrize("pair", sorted(KNOWN))
-def test_the_known_exceptions_still_exist(pair):
-    """Delete an entry of ``KNOWN`` when the import goes."""
-    a, b = pair
-    assert b in _graph().get(a, set()), f"{a} no longer imports {b}: remove it from KNOWN"
 
 
 def test_no_file_imports_another_files_private_names():
@@ -161,7 +139,6 @@ def test_no_file_imports_another_files_private_names():
                 and not node.attr.startswith("__")
             ):
                 reached.append(f"{name} reads {node.value.id}.{node.attr}")
-    reached = [r for r in reached if not any(r.startswith(f"{a} reads {b}.") for a, b in KNOWN_PRIVATE)]
     assert not reached, "\n".join(sorted(set(reached)))
 
 
@@ -180,10 +157,3 @@ def test_the_public_add_ons_import_public_names_only():
             if module not in allowed or (module == "jacmem.engine.block" and names != ["Block"]):
                 wrong.append(f"{name} imports {module} {names}")
     assert not wrong, "\n".join(wrong)
-
-
-@pytest.mark.parametrize("pair", sorted(KNOWN_PRIVATE))
-def test_the_known_private_reads_still_exist(pair):
-    """Delete an entry of ``KNOWN_PRIVATE`` when the read goes."""
-    name, alias = pair
-    assert f"{alias}._" in MODULES[name].read_text(), f"{name} no longer reads {alias}'s private names"

@@ -57,7 +57,8 @@ from math import sqrt
 import torch
 from torch import Tensor
 
-from jacmem.derivatives.jacobians import Passthrough, diagonal_factor, ea_jac_t_mat_jac, vjp_generic
+from jacmem.derivatives import Passthrough
+from jacmem.derivatives.jacobians import diagonal_factor, ea_jac_t_mat_jac, vjp_generic
 from jacmem.engine import precision
 from jacmem.engine.secondorder.graph import ChainError, Deposit, Node, PassState, in_compute_dtype, tolerance
 from jacmem.extensions.secondorder.base import Factor
@@ -215,7 +216,7 @@ def _check_chain(node: Node, dep: Deposit | None, grad: Tensor) -> None:
         "jacmem.derivatives.functional.FUNCTIONAL (F.relu, x + y, x * c, torch.flatten, F.cross_entropy, ...), "
         "from the loss back: write other operations as modules that jacmem knows (jacmem.nn.Scale, "
         "jacmem.nn.Sum / jacmem.nn.Residual / jacmem.nn.Parallel for sums and skip connections) or register "
-        "one (jacmem.derivatives.jacobians.passthrough), and compute the loss inside the block."
+        "one (jacmem.derivatives.passthrough), and compute the loss inside the block."
     )
     downstream = ""
     if node.untracked_consumers:

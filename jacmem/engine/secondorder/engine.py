@@ -19,9 +19,8 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from jacmem import compat
-from jacmem.derivatives import detached, lookup
+from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
-from jacmem.derivatives.jacobians import lookup_loss, lookup_passthrough
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others

@@ -11,7 +11,7 @@ from fractions import Fraction
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives.jacobians import LossHessian, Passthrough
+from jacmem.derivatives import LossHessian, Passthrough
 from jacmem.engine import precision
 from jacmem.extensions.secondorder.base import Factor
 
