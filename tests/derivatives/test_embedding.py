@@ -28,6 +28,7 @@ import warnings
 import pytest
 import torch
 from backpack import backpack, extend, extensions
+from tests.support.allocations import Allocations
 from tests.support.clipping import assert_grads, expected, median_norm
 from tests.support.reference import (
     FLOWS,
@@ -43,7 +44,6 @@ from tests.support.reference import (
     run_jacmem,
 )
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import jacmem
 from jacmem.derivatives import REGISTRY
@@ -348,21 +348,6 @@ def test_model_with_residual(tied, strategy):
 # -- a GPT-2-sized vocabulary ----------------------------------------------------------
 
 BIG_V, T = 50257, 5
-
-
-class Allocations(TorchDispatchMode):
-    """The shapes of the op outputs with at least ``limit`` entries, while active."""
-
-    def __init__(self, limit: int):
-        super().__init__()
-        self.limit, self.large = limit, []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, Tensor) and t.numel() >= self.limit:
-                self.large.append((str(func), tuple(t.shape)))
-        return out
 
 
 class TokenNet(nn.Module):
