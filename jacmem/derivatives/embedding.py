@@ -295,8 +295,11 @@ layer(
     hyperparams=embedding_hyperparams,
     keep=keep_embedding,
     kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse),
+    ghost_factors={"weight": positions},  # one-hot rows: the row indices [N, T], what each sends [N, T, D]
 )
-layer(nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True)  # one bag per row of axis 0
+layer(
+    nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True, ghost_factors={"weight": positions}
+)  # one bag per row of axis 0
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)
     register(_module, "weight", "grad", "scatter", cost=grad_cost)(weight_grad)

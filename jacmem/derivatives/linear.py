@@ -78,6 +78,16 @@ def weight_batch_l2_ghost(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("nts,nts->n", xx, gg)
 
 
+def weight_ghost_factors(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``weight [O, I]``'s per-sample gradient is ``Σ_t g_t ⊗ x_t``: -> ``[N, T, O]``, ``[N, T, I]``"""
+    return _flat(g), _flat(x)
+
+
+def conv1d_weight_ghost_factors(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
+    """``Conv1D``'s ``weight [I, O]``: ``Σ_t x_t ⊗ g_t`` -> ``[N, T, I]``, ``[N, T, O]``"""
+    return _flat(x), _flat(g)
+
+
 def _squares_cost(xs, gs):
     N, T, I, O = _dims(xs, gs)
     return Cost(flops=N * (I + O) + 2 * N * I * O, workspace=N * (I + O)) if T == 1 else None
@@ -156,6 +166,7 @@ layer(
     compute_once=True,
     kronecker=Kronecker(kronecker_input, channels_last=True),
     squared_vjps=squared_vjps,
+    ghost_factors={"weight": weight_ghost_factors},
 )
 
 
@@ -172,6 +183,12 @@ def jac_t(xs, out, S: Tensor, *, weight: Tensor):
 passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
 passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
 # Conv1D's factors are the Linear's: G ⊗ A approximates the block of weight.T [O, I]
-layer(CONV1D, input_free=("bias",), compute_once=True, kronecker=Kronecker(kronecker_input, channels_last=True))
+layer(
+    CONV1D,
+    input_free=("bias",),
+    compute_once=True,
+    kronecker=Kronecker(kronecker_input, channels_last=True),
+    ghost_factors={"weight": conv1d_weight_ghost_factors},
+)
 # RNNLinear is nn.Linear, one time step at a time: its entry, but for the batch axis
 REGISTRY[RNN_LINEAR] = replace(REGISTRY[nn.Linear], own_layout=True)

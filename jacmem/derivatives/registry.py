@@ -172,6 +172,11 @@ class LayerDerivatives:
         (``p.shape``) or per sample where ``batch`` (``[N, *p.shape]``), temporary
         memory under ``budget`` bytes; ``None`` where it does not apply to these
         inputs (the extension then repeats the inputs over ``V``).
+    ghost_factors: parameter name -> ``(x, g, **hyperparams) -> (r, c)``, one call's
+        per-sample gradient of that matrix parameter ``[R, C]`` as ``Σ_t r[n, t] ⊗ c[n, t]``:
+        ``r [N, T, R]`` (or ``[N, T]`` row indices: one-hot rows), ``c [N, T, C]``. With
+        it, the norm of a sum over several calls (tied weights) comes from cross terms
+        (:mod:`jacmem.derivatives.tied`) instead of per-sample gradients.
     recognise: ``(module, x, output) -> hyperparams or None``, for a module of no
         registered type that may compute this layer's function (a subclass that
         overrides ``forward``, as timm's ``LayerNorm``; HF's ``LlamaRMSNorm``): the
@@ -197,6 +202,7 @@ class LayerDerivatives:
     own_layout: bool = False
     kronecker: Kronecker | None = None
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
+    ghost_factors: dict[str, Callable[..., tuple[Tensor, Tensor]]] = field(default_factory=dict)
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
     unconfirmed: list[_Undo] = field(default_factory=list, compare=False, repr=False)
@@ -250,10 +256,11 @@ def layer(
     own_layout: bool = False,
     kronecker: Kronecker | None = None,
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
+    ghost_factors: dict[str, Callable[..., tuple[Tensor, Tensor]]] | None = None,
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type, and its optional
-    capabilities (``kronecker``, ``squared_vjps``); returns its entry."""
+    capabilities (``kronecker``, ``squared_vjps``, ``ghost_factors``); returns its entry."""
     _changed()
     entry = REGISTRY.setdefault(module_type, LayerDerivatives())
     given = dict(
@@ -270,6 +277,7 @@ def layer(
     for field_name, value in given.items():
         if value is not None:
             setattr(entry, field_name, value)
+    entry.ghost_factors.update(ghost_factors or {})
     entry.input_free |= set(input_free)
     entry.compute_once |= compute_once
     entry.own_layout |= own_layout

@@ -5,14 +5,17 @@ It is the first-order engine (:mod:`jacmem.engine.firstorder`: the same records,
 strategies and staging) with another end of pass. While the backward runs, each call
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
-parameter used by several calls (tied weights), or whose per-sample gradients take no
-more memory than ``x`` and ``g`` (a bias, a norm's scale), stages its per-sample
-gradients instead, summed over the calls. At the end of the pass, once every norm is known, the clip
-factors ``c`` follow, and each parameter's clipped sum ``Σ_i c_i g_i`` is its summed
-gradient computed from ``x`` and ``g`` scaled by ``c`` row by row (book-keeping, Bu et
-al. 2023: a parameter's gradient is linear in the output gradient, and sample ``i``'s
-term in it depends on row ``i`` alone), or, for staged per-sample gradients,
-``einsum('n,n...->...', c, g)``.
+parameter whose per-sample gradients take no more memory than ``x`` and ``g`` (a bias, a
+norm's scale) stages its per-sample gradients instead. A parameter used by several calls
+(tied weights) keeps every call where its layers give ghost factors, and its norms come
+at the end of the pass from their cross terms (:mod:`jacmem.derivatives.tied`), or from
+per-sample gradients summed over the calls where the cost model finds that cheaper
+(and always where a call has no factors). Once every norm is known, the clip factors
+``c`` follow, and each parameter's clipped sum ``Σ_i c_i g_i`` is its summed gradient
+computed from each call's ``x`` and ``g`` scaled by ``c`` row by row, summed over its
+calls (book-keeping, Bu et al. 2023: a parameter's gradient is linear in the output
+gradient, and sample ``i``'s term in it depends on row ``i`` alone; an ``index_add`` for
+an embedding), or, for staged per-sample gradients, ``einsum('n,n...->...', c, g)``.
 
 autograd's own gradient never reaches ``.grad``: a call through
 :class:`jacmem.engine.hooks.ComputeOnce` returns none for its parameters, and every trainable
@@ -58,8 +61,8 @@ class ClipStaging(Staging):
 
     def __init__(self):
         super().__init__()
-        #: id(parameter) -> (record, parameter name, x, g) of its one call, for the clipped sum
-        self.calls: dict[int, tuple] = {}
+        #: id(parameter) -> (record, parameter name, x, g) of each of its calls, for the clipped sum
+        self.calls: dict[int, list[tuple]] = {}
         #: id(parameter) -> its name, for each parameter whose autograd gradient arrived
         self.reached: dict[int, str] = {}
         #: id(parameter) -> the gradient autograd computed for it (and did not accumulate)
@@ -159,9 +162,12 @@ class ClippingEngine(FirstOrderEngine):
         for pname, param in params.items():
             self._guard([(f"{rec.name}.{pname}", param)])
             staged = self._stage(run, rec, pname, param, n)
-            per_sample = staged.summed or _small(param, n, x, g)
-            wanted = ({"batch_grad"} if per_sample else {"batch_l2"}) | (set() if rec.once else {"grad"})
-            values = self._quantities(rec, pname, param, wanted, x, g, dtype)
+            kept = self._keep(staged, rec, pname, x, g, dtype)
+            per_sample = not kept and (staged.summed or _small(param, n, x, g))
+            wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
+                set() if rec.once else {"grad"}
+            )
+            values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
             if not rec.once:
                 grad, key = values.pop("grad"), id(param)
                 dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype)
@@ -169,7 +175,7 @@ class ClippingEngine(FirstOrderEngine):
                 run.recorded[key] = grad + run.recorded[key] if key in run.recorded else grad
             staged.add(values)
             if not per_sample:
-                run.calls[id(param)] = (rec, pname, x, g)
+                run.calls.setdefault(id(param), []).append((rec, pname, x, g))
         return {}
 
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
@@ -187,6 +193,8 @@ class ClippingEngine(FirstOrderEngine):
         clipped sums, summed over the ranks under DDP; ``.grad`` gets them added."""
         self._finish_partial(run)
         staged, run.staged = run.staged, {}
+        for s in staged.values():
+            self._resolve_tied(s)
         self._check_recorded(run)
         self._check_unsynced(staged)
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
@@ -265,17 +273,21 @@ class ClippingEngine(FirstOrderEngine):
 
     def _clipped_sum(self, run: ClipStaging, staged, c: Tensor) -> Tensor:
         """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or its
-        gradient computed from the call's ``x`` and ``g`` scaled by ``c`` (``[N]``)."""
+        gradient computed from each call's ``x`` and ``g`` scaled by ``c`` (``[N]``),
+        summed over the calls."""
         bg = staged.quantities.get("batch_grad")
         if bg is not None:
             return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
-        rec, pname, x, g = run.calls[id(staged.param)]
-        scaled = compat.tree_map(
-            lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
-        )
         dtype = staged.quantities["batch_l2"].dtype
-        with precision.computing(precision.device_of(scaled)):
-            return self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
+        total = None
+        for rec, pname, x, g in run.calls[id(staged.param)]:
+            scaled = compat.tree_map(
+                lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
+            )
+            with precision.computing(precision.device_of(scaled)):
+                grad = self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
+            total = grad if total is None else total + grad
+        return total
 
 
 def _small(param: nn.Parameter, n: int, x, g) -> bool:

@@ -6,7 +6,10 @@ trainable parameters; calls of tracked models come from their tracker
 engine computes its parameters' quantities with the strategies the planner chose
 (:mod:`jacmem.engine.planner`), in the dtype of :mod:`jacmem.engine.precision`, and stages them in
 the pass's state (:class:`Staging`). A parameter used by several calls (a module called
-twice, tied weights) sums its per-sample gradients over them first. At the end of the
+twice, tied weights) sums its per-sample gradients over them first; where only norms are
+asked for and its layers give ghost factors, it keeps the calls instead, and at the end
+of the pass its norms come from their cross terms (:mod:`jacmem.derivatives.tied`) or,
+where the cost model finds it cheaper, from per-sample gradients. At the end of the
 pass, :meth:`FirstOrderEngine.finish` turns the staged quantities into each extension's
 result, sums over the ranks what is global (:mod:`jacmem.engine.distributed`), warns where
 modules disagree on the batch size, and returns the writes. Whether the results hold
@@ -24,6 +27,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
+from jacmem.derivatives.tied import summed_norm_costs, summed_squared_norms
 from jacmem.engine import distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
@@ -35,11 +39,15 @@ from jacmem.extensions.firstorder import FirstOrderExtension
 class _Staged:
     """What one backward pass has computed so far for one parameter."""
 
-    __slots__ = ("param", "batch_size", "quantities", "summed", "grad")
+    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls")
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
         self.quantities: dict[str, Tensor] = {}
+        #: a parameter shared by several calls whose norms may come from ghost factors:
+        #: ``(record, parameter name, x, g, dtype)`` of each call so far; ``None`` once
+        #: its per-sample gradients are staged instead
+        self.calls: list[tuple] | None = []
         #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
         #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
         self.grad: Tensor | None = None
@@ -190,8 +198,11 @@ class FirstOrderEngine(Engine):
         n = batch_size(g)
         for pname, param in params.items():
             staged = self._stage(run, rec, pname, param, n)
-            wanted = {"batch_grad"} if staged.summed else self.quantities
+            kept = self._keep(staged, rec, pname, x, g, dtype)
+            wanted = set() if kept else {"batch_grad"} if staged.summed else self.quantities
             extra = {"grad"} - wanted if rec.once else set()
+            if not wanted | extra:
+                continue
             values = self._quantities(rec, pname, param, wanted | extra, x, g, dtype)
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
@@ -222,6 +233,42 @@ class FirstOrderEngine(Engine):
             raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
         return staged
 
+    def _keep(self, staged: _Staged, rec: hooks.Record, pname: str, x, g, dtype) -> bool:
+        """Keep this call of a shared parameter for its norms from ghost factors (only
+        norms are asked for, and every call so far has factors); else stage per-sample
+        gradients, those of the calls kept so far first."""
+        if not staged.summed or staged.calls is None:
+            return False
+        if self.quantities == {"batch_l2"} and pname in rec.entry.ghost_factors:
+            staged.calls.append((rec, pname, x, g, dtype))
+            return True
+        self._materialise(staged)
+        return False
+
+    def _materialise(self, staged: _Staged) -> None:
+        """Stage the per-sample gradients of the calls kept so far, summed."""
+        calls, staged.calls = staged.calls, None
+        for rec, pname, x, g, dtype in calls:
+            staged.add(self._quantities(rec, pname, staged.param, {"batch_grad"}, x, g, dtype))
+
+    def _resolve_tied(self, staged: _Staged) -> None:
+        """A shared parameter's kept calls: its ``batch_l2`` from their ghost factors'
+        cross terms, or from per-sample gradients, whichever the cost model finds
+        cheaper; the choice is ``explain()``'s, under the first call's module."""
+        if not staged.calls:
+            return
+        factors = [rec.entry.ghost_factors[pname](x, g, **rec.hp) for rec, pname, x, g, _ in staged.calls]
+        options = summed_norm_costs([(tuple(r.shape), tuple(c.shape)) for r, c in factors], staged.param.numel())
+        rec, pname, _, g, _ = staged.calls[0]
+        chosen = self.strategies.choose(
+            rec.module, rec.name, rec.entry.names(), pname, "batch_l2", {f"tied {k}": c for k, c in options.items()},
+            itemsize(g), staged.param.device,
+        )  # fmt: skip
+        if chosen == "tied ghost":
+            staged.add({"batch_l2": summed_squared_norms(factors)})
+        else:
+            self._materialise(staged)
+
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
         output gradient ``g`` (in ``dtype``), by the planned strategies."""
@@ -238,8 +285,12 @@ class FirstOrderEngine(Engine):
         parameters, sum over the ranks what is global; the results, unwritten."""
         self._finish_partial(run)
         staged, run.staged = run.staged, {}
+        for s in staged.values():
+            self._resolve_tied(s)
         quantities = {
-            key: derive(s.quantities["batch_grad"], self.quantities) if s.summed else dict(s.quantities)
+            key: derive(s.quantities["batch_grad"], self.quantities)
+            if s.summed and "batch_grad" in s.quantities
+            else dict(s.quantities)
             for key, s in staged.items()
         }
         sizes = {key: s.batch_size for key, s in staged.items()}

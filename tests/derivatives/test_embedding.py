@@ -28,11 +28,14 @@ import warnings
 import pytest
 import torch
 from backpack import backpack, extend, extensions
+from tests.support.allocations import Allocations
+from tests.support.clipping import assert_grads, expected, median_norm
 from tests.support.reference import (
     FLOWS,
     REFERENCE,
     assert_close,
     check_against,
+    clear,
     cross_entropy,
     mse,
     per_sample_grads,
@@ -340,3 +343,77 @@ def test_model_with_residual(tied, strategy):
     for exts, flow in itertools.product(EXTENSION_SETS, FLOWS):
         run_jacmem(model, X, y, cross_entropy, "mean", [e() for e in exts], flow, strategy=strategy)
         check_against(model, reference, [e.savefield for e in exts], f"[TextNet tied={tied} {strategy} {exts} {flow}]")
+
+
+# -- a GPT-2-sized vocabulary ----------------------------------------------------------
+
+BIG_V, T = 50257, 5
+
+
+class TokenNet(nn.Module):
+    """GPT-2's input side at its real vocabulary: token embeddings ``wte [V, D]`` (with a
+    padding row) plus position embeddings ``wpe [T, D]`` on ``[1, T]`` position ids,
+    broadcast over the batch; a small head on the mean over positions. [N, T] -> [N, 3]"""
+
+    def __init__(self):
+        super().__init__()
+        self.wte = nn.Embedding(BIG_V, D, padding_idx=1)
+        self.wpe = nn.Embedding(T, D)
+        self.head = nn.Linear(D, 3)
+
+    def forward(self, ids):
+        positions = torch.arange(ids.shape[1], device=ids.device)[None]  # [1, T]
+        return self.head(torch.tanh(self.wte(ids) + self.wpe(positions)).mean(1))
+
+
+def token_case():
+    """(model, ids, y, per-sample gradients by the loop): ids from a few rows, so that
+    tokens repeat within a sample, some of them the padding row, and one the last row."""
+    torch.manual_seed(0)
+    model = TokenNet().double()
+    ids = torch.randint(0, 4, (N, T))
+    ids[0, 0], ids[1, 2], ids[2, -1] = 1, 1, BIG_V - 1
+    y = torch.randint(0, 3, (N,))
+    return model, ids, y, per_sample_grads(model, ids, y, cross_entropy, "mean")
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "segment"])
+def test_real_vocabulary_norms_without_per_sample_gradients(strategy):
+    """BatchL2Grad, SumGradSquared and Variance of a 50257-token embedding, against the
+    loop, while the backward allocates nothing of ``N·V·D`` entries (``[N, V, D]``);
+    BatchGrad, which must form it, shows that the watch sees it."""
+    model, ids, y, reference = token_case()
+    exts = [jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()]
+    for ext in [*([e] for e in exts), exts]:
+        clear(model)
+        watch = Allocations(N * BIG_V * D)
+        with jacmem.extend(*ext, strategy={"wte": strategy}):
+            loss = cross_entropy(model(ids), y, "mean")
+            with watch:
+                loss.backward()
+        assert watch.large == [], f"{ext}: {watch.large}"
+        check_against(model, reference, [e.savefield for e in ext], f"[{strategy} {ext}]")
+    watch = Allocations(N * BIG_V * D)
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss = cross_entropy(model(ids), y, "mean")
+        with watch:
+            loss.backward()
+    assert (N, BIG_V, D) in [shape for _, shape in watch.large]
+
+
+@pytest.mark.parametrize("strategy", ["auto", "ghost", "segment"])
+def test_real_vocabulary_clipped_sum_without_per_sample_gradients(strategy):
+    """ClipGrad on a 50257-token embedding: norms by the strategy, the clipped sum by
+    book-keeping (an index_add of the c-scaled output gradients), no ``[N, V, D]``."""
+    model, ids, y, reference = token_case()
+    grads = {p: g * N for p, g in reference.items()}  # each sample's own loss term
+    C = median_norm(grads)
+    clear(model)
+    watch = Allocations(N * BIG_V * D)
+    with jacmem.extend(jacmem.ClipGrad(C), strategy={"wte": strategy}) as ctx:
+        loss = cross_entropy(model(ids), y, "mean")
+        with watch:
+            loss.backward()
+    assert watch.large == []
+    assert "wte.weight batch_l2 <- " + ("segment" if strategy == "auto" else strategy) in ctx.explain()
+    assert_grads(model, expected(grads, C), strategy)

@@ -1,0 +1,66 @@
+"""The norm of a sum over calls (a tied parameter: a module called twice, an embedding
+tied to a Linear head), from each call's ghost factors, without per-sample gradients.
+
+A layer may write one call's per-sample gradient of a matrix parameter ``[R, C]`` as
+``G_n = Σ_t r[n, t] ⊗ c[n, t]`` (its ``ghost_factors``, see
+:class:`jacmem.derivatives.registry.LayerDerivatives`): ``r`` is ``[N, T, R]``, or
+``[N, T]`` row indices (one-hot rows, an embedding's), and ``c`` is ``[N, T, C]``.
+Then ``⟨G_n, H_n⟩ = Σ_{t,s} ⟨r_t, r'_s⟩⟨c_t, c'_s⟩``, where ``⟨e_i, r'_s⟩ = r'_s[i]``
+(a gather) and ``⟨e_i, e_j⟩ = [i = j]``: ``O(N T S (R + C))`` per pair of calls
+(``O(N T S C)`` with an embedding), never ``[N, R, C]``. This is "phantom clipping"
+(Ding et al., ICML 2024) for any number of calls of layers with factors.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from jacmem.derivatives.registry import Cost
+
+
+def _row_gram(r: Tensor, s: Tensor) -> Tensor:
+    """``⟨r_t, s_u⟩`` per sample: ``[N, T, R]`` or ``[N, T]`` indices, ``[N, U, R]`` or
+    ``[N, U]`` -> ``[N, T, U]``"""
+    if r.is_floating_point() and s.is_floating_point():
+        return torch.einsum("ntr,nur->ntu", r, s)
+    if not r.is_floating_point() and not s.is_floating_point():
+        return r[:, :, None] == s[:, None, :]
+    if r.is_floating_point():
+        return _row_gram(s, r).transpose(1, 2)
+    return s.gather(2, r[:, None, :].expand(-1, s.shape[1], -1)).transpose(1, 2)  # s_u[r_t]
+
+
+def factor_dot(f: tuple[Tensor, Tensor], h: tuple[Tensor, Tensor]) -> Tensor:
+    """``⟨G_n, H_n⟩`` of two calls' gradients from their ghost factors ``(r, c)``: -> ``[N]``"""
+    cols = torch.einsum("ntc,nuc->ntu", f[1], h[1])
+    return (_row_gram(f[0], h[0]).to(cols.dtype) * cols).sum((1, 2))
+
+
+def summed_squared_norms(factors: list[tuple[Tensor, Tensor]]) -> Tensor:
+    """``‖Σ_k G_k‖²`` per sample over the calls' ghost factors:
+    ``Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩`` -> ``[N]``"""
+    total = factor_dot(factors[0], factors[0])
+    for k in range(1, len(factors)):
+        total = total + factor_dot(factors[k], factors[k]) + 2 * sum(factor_dot(factors[k], h) for h in factors[:k])
+    return total
+
+
+def _width(shape: tuple[int, ...]) -> int:
+    """The entries a row factor of this shape gives a product: ``R``, 1 for indices."""
+    return shape[2] if len(shape) == 3 else 1
+
+
+def summed_norm_costs(shapes: list[tuple[tuple, tuple]], param_numel: int) -> dict[str, Cost]:
+    """Costs of ``‖Σ_k G_k‖²`` over calls whose ghost factors have ``shapes`` (``(r, c)``
+    shapes each): from the factors' cross terms (``ghost``), or by materialising and
+    summing each call's per-sample gradients ``[N, R, C]`` (``per-sample gradients``)."""
+    n = shapes[0][1][0]
+    ghost = Cost(0, 0)
+    for k, (r, c) in enumerate(shapes):
+        for r2, c2 in shapes[: k + 1]:
+            pairs = n * c[1] * c2[1]
+            ghost = Cost(ghost.flops + 2 * pairs * (min(_width(r), _width(r2)) + c[2]), max(ghost.workspace, 2 * pairs))
+    result = n * param_numel
+    flops = sum(2 * n * c[1] * _width(r) * c[2] for r, c in shapes) + (len(shapes) + 2) * result
+    return {"ghost": ghost, "per-sample gradients": Cost(flops, 2 * result)}

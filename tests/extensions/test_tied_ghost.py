@@ -1,0 +1,156 @@
+"""Norms of a parameter used by several calls (tied weights) from the calls' ghost factors
+(:mod:`jacmem.derivatives.tied`), against the per-sample loop in float64, through
+BatchL2Grad and ClipGrad (whose clipped sum then sums each call's book-keeping): two
+calls of one Linear, two Linears sharing a weight, an Embedding tied to a Linear head
+(repeated ids, a padding row), and HF GPT-2 with its tied ``wte``/``lm_head`` at the real
+vocabulary of 50257, where nothing of ``[N, V, D]`` may be allocated."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tests.support.allocations import Allocations
+from tests.support.clipping import assert_grads, expected, median_norm
+from tests.support.reference import batch_l2, clear, cross_entropy, per_sample_grads, trainable
+from torch import nn
+
+import jacmem
+import jacmem.engine.firstorder
+from jacmem.derivatives.registry import Cost
+
+DT = torch.float64
+N = 3
+
+
+class Twice(nn.Module):
+    """One Linear called twice, [N, T, 4] -> [N, T*4]."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(torch.tanh(self.lin(x))).flatten(1)
+
+
+class SharedLinears(nn.Module):
+    """Two Linears sharing their weight (not their bias), on [N, T, 4] -> [N, 4]."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+        self.b.weight = self.a.weight
+
+    def forward(self, x):
+        return (self.a(x) * self.b(x.flip(1))).mean(1)
+
+
+class TiedHead(nn.Module):
+    """An Embedding (with a padding row) tied to its Linear head, [N, T] -> [N, V, T]."""
+
+    def __init__(self, v: int = 11):
+        super().__init__()
+        self.emb = nn.Embedding(v, 4, padding_idx=0)
+        self.mix = nn.Linear(4, 4)
+        self.head = nn.Linear(4, v, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.mix(self.emb(ids)))).transpose(1, 2)
+
+
+class Logits(nn.Module):
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids):
+        return self.model(ids).logits.transpose(1, 2)
+
+
+def gpt2(vocab: int = 50257):
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=8, bos_token_id=0, eos_token_id=0
+    )
+    model = Logits(transformers.GPT2LMHeadModel(config))
+    assert model.model.lm_head.weight is model.model.transformer.wte.weight
+    return model
+
+
+def case(name: str):
+    """(model, X, y, the tied parameter's name as explain() shows it); ids repeat within samples."""
+    torch.manual_seed(0)
+    if name == "linear_twice":
+        return Twice().to(DT), torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 12, (N,)), "lin.weight"
+    if name == "shared_linears":
+        return SharedLinears().to(DT), torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 4, (N,)), "b.weight"
+    ids = torch.randint(0, 5, (N, 6))
+    ids[0, :2] = 0  # the padding row
+    if name == "embedding_head":
+        return TiedHead().to(DT), ids, torch.randint(0, 11, (N, 6)), "head.weight"
+    return gpt2().to(DT).eval(), ids, torch.randint(0, 50257, (N, 6)), "model.lm_head.weight"
+
+
+def chosen(ctx, param: str) -> str:
+    """What explain() says gives ``param``'s batch_l2."""
+    line = next(line for line in ctx.explain().splitlines() if line.startswith(f"{param} "))
+    return line.split("batch_l2 <- ")[1].split(" (")[0]
+
+
+CASES = ["linear_twice", "shared_linears", "embedding_head", "gpt2_50257"]
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_batch_l2_of_tied_parameters(name):
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    with jacmem.extend(jacmem.BatchL2Grad()) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert chosen(ctx, tied) == "tied ghost"
+    for p in trainable(model):
+        torch.testing.assert_close(p.batch_l2, batch_l2(reference[p]), rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("clipping", ["flat", "automatic"])
+@pytest.mark.parametrize("name", CASES)
+def test_clipped_sum_of_tied_parameters(name, clipping):
+    """Both clipping styles whose factors come from the total norm."""
+    model, X, y, tied = case(name)
+    grads = {p: g * N for p, g in per_sample_grads(model, X, y, cross_entropy, "mean").items()}
+    C = median_norm(grads)
+    clear(model)
+    with jacmem.extend(jacmem.ClipGrad(C, clipping=clipping)) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert chosen(ctx, tied) == "tied ghost"
+    assert_grads(model, expected(grads, C, clipping), f"{name} {clipping}")
+
+
+def test_gpt2_real_vocabulary_never_forms_per_sample_gradients():
+    """The tied [50257, 8] weight: nothing of N·V·D entries in the backward."""
+    model, X, y, _ = case("gpt2_50257")
+    for ext in (jacmem.BatchL2Grad(), jacmem.ClipGrad(1.0)):
+        watch = Allocations(N * 50257 * 8)
+        with jacmem.extend(ext):
+            loss = cross_entropy(model(X), y, "mean")
+            with watch:
+                loss.backward()
+        assert watch.large == [], f"{ext}: {watch.large}"
+
+
+def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
+    """Where materialising is estimated cheaper, the per-sample gradients summed over the
+    calls give the same norms and clipped sums, and explain() says so."""
+    costs = jacmem.engine.firstorder.summed_norm_costs
+    monkeypatch.setattr(
+        jacmem.engine.firstorder, "summed_norm_costs", lambda *a: {**costs(*a), "per-sample gradients": Cost(0, 0)}
+    )
+    model, X, y, tied = case("embedding_head")
+    grads = {p: g * N for p, g in per_sample_grads(model, X, y, cross_entropy, "mean").items()}
+    C = median_norm(grads)
+    clear(model)
+    with jacmem.extend(jacmem.ClipGrad(C)) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert chosen(ctx, tied) == "tied per-sample gradients"
+    assert_grads(model, expected(grads, C), "materialised")
