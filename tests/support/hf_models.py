@@ -1,5 +1,6 @@
 """Tiny random-init HF GPT-2, BERT, LLaMA and timm ViT models in float64, each with a
-batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py)."""
+batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py),
+and the three HF models with PEFT's LoRA adapters (tests/integration/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -75,4 +76,26 @@ def build(name: str):
     make, data = MODELS[name]
     model = make().to(DT).eval()  # no dropout: the loop must compute the same function
     X, y = data()
+    return model, X, y
+
+
+#: the attention projections LoRA adapts in each HF model (GPT-2's fused ``c_attn`` is a
+#: Conv1D, whose weight is stored [in, out]: PEFT's ``fan_in_fan_out``)
+LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
+
+
+def build_lora(name: str):
+    """:func:`build`'s model with its HF model swapped for PEFT's LoRA model on it (rank 2,
+    no dropout): only the adapters train. ``lora_B`` starts at zero in PEFT, which would
+    make ``lora_A``'s gradients zero; here it is random, so that both are tested."""
+    peft = pytest.importorskip("peft")
+    model, X, y = build(name)
+    config = peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=LORA_TARGETS[name], fan_in_fan_out=name == "gpt2"
+    )
+    model.model = peft.get_peft_model(model.model, config).to(DT)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.normal_()
     return model, X, y
