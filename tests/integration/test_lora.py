@@ -133,3 +133,23 @@ def test_one_private_step_equals_the_loops_and_generate_still_works(name, clippi
             assert out.shape == (1, X.shape[1] + 2)
     finally:
         engine.detach()
+
+
+#: each model's token embedding, which PEFT wraps in a ``lora.Embedding``
+EMBEDDINGS = {"gpt2": "wte", "bert": "word_embeddings", "llama": "embed_tokens"}
+
+
+@pytest.mark.usefixtures("float64_default")
+@pytest.mark.filterwarnings("ignore:Secure RNG turned off", "ignore:Optimal order is the largest alpha")
+def test_lora_on_an_embedding_raises_rather_than_clip_it_wrongly():
+    """PEFT's ``lora.Embedding`` keeps its matrices in ``ParameterDict``s that no module
+    call owns: their per-sample gradients are unknown, so the private backward raises,
+    naming the adapter (docs/guide/privacy.rst)."""
+    model, X, y = build_lora("llama", [EMBEDDINGS["llama"]])
+    engine = PrivacyEngine()
+    try:
+        _, optimizer, _ = private(engine, model.model, 1.0, data_loader=loader(X, y, len(X)))
+        with pytest.raises(RuntimeError, match=r"embed_tokens\.lora_embedding_A.*outside every module call"):
+            train(model, optimizer, [(X, y)], token_sum)
+    finally:
+        engine.detach()

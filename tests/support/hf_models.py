@@ -84,18 +84,20 @@ def build(name: str):
 LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
 
 
-def build_lora(name: str):
+def build_lora(name: str, extra: list[str] = ()):
     """:func:`build`'s model with its HF model swapped for PEFT's LoRA model on it (rank 2,
-    no dropout): only the adapters train. ``lora_B`` starts at zero in PEFT, which would
-    make ``lora_A``'s gradients zero; here it is random, so that both are tested."""
+    no dropout), on the attention projections and the modules named in ``extra``: only
+    the adapters train. ``lora_B`` starts at zero in PEFT, which would make ``lora_A``'s
+    gradients zero; here it is random, so that both are tested."""
     peft = pytest.importorskip("peft")
     model, X, y = build(name)
     config = peft.LoraConfig(
-        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=LORA_TARGETS[name], fan_in_fan_out=name == "gpt2"
-    )
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=LORA_TARGETS[name] + list(extra),
+        fan_in_fan_out=name == "gpt2",
+    )  # fmt: skip
     model.model = peft.get_peft_model(model.model, config).to(DT)
     with torch.no_grad():
         for pname, p in model.named_parameters():
-            if "lora_B" in pname:
+            if "lora_B" in pname or "lora_embedding_B" in pname:
                 p.normal_()
     return model, X, y
