@@ -84,15 +84,21 @@ def build(name: str):
 LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
 
 
-def build_lora(name: str, extra: list[str] = ()):
+#: each model's token embedding, which PEFT wraps in a ``lora.Embedding``
+EMBEDDINGS = {"gpt2": "wte", "bert": "word_embeddings", "llama": "embed_tokens"}
+
+
+def build_lora(name: str, embedding: bool = False):
     """:func:`build`'s model with its HF model swapped for PEFT's LoRA model on it (rank 2,
-    no dropout), on the attention projections and the modules named in ``extra``: only
-    the adapters train. ``lora_B`` starts at zero in PEFT, which would make ``lora_A``'s
-    gradients zero; here it is random, so that both are tested."""
+    no dropout), on the attention projections and, with ``embedding``, the token
+    embedding: only the adapters train. PEFT starts ``lora_B`` (``lora_embedding_B``) at
+    zero, which would make ``lora_A``'s gradients zero; here it is random, so that both
+    are tested."""
     peft = pytest.importorskip("peft")
     model, X, y = build(name)
+    targets = LORA_TARGETS[name] + ([EMBEDDINGS[name]] if embedding else [])
     config = peft.LoraConfig(
-        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=LORA_TARGETS[name] + list(extra),
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
         fan_in_fan_out=name == "gpt2",
     )  # fmt: skip
     model.model = peft.get_peft_model(model.model, config).to(DT)
