@@ -306,7 +306,7 @@ def fallback(module: nn.Module, batch_axis: int = 0) -> LayerDerivatives | None:
     """The generic entry for ``module``'s own parameters, for calls whose batch is on
     ``batch_axis`` (0 or 1) of their inputs and outputs; ``None`` where it has none, or
     where a recomputation one sample at a time could differ from its forward."""
-    names = tuple(n for n, _ in module.named_parameters(recurse=False))
+    names = tuple(n for n, _ in registry.own_parameters(module))
     if not names or _mixes_samples(module):
         return None
     key = (type(module), names, batch_axis)
@@ -321,7 +321,7 @@ def fallback(module: nn.Module, batch_axis: int = 0) -> LayerDerivatives | None:
         }
         _FALLBACKS[key] = LayerDerivatives(
             hyperparams=lambda m: dict(
-                module=m, shared=SharedPass(trainable_sizes(m, [n for n, _ in m.named_parameters(recurse=False)]))
+                module=m, shared=SharedPass(trainable_sizes(m, [n for n, _ in registry.own_parameters(m)]))
             ),
             keep=_keep_call,
             outputs=_float_leaves,

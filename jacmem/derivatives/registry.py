@@ -416,6 +416,18 @@ def _changed() -> None:
     _VERSION[0] += 1
 
 
+def own_parameters(module: nn.Module):
+    """``(name, parameter)`` of what ``module``'s forward reads itself: its own parameters,
+    and those of its ``ParameterDict`` and ``ParameterList`` children by dotted name
+    (``"lora_embedding_A.default"``: PEFT's ``lora.Embedding``), since a parameter
+    container is never called and its parameters are its parent's to use."""
+    yield from module.named_parameters(recurse=False)
+    for child_name, child in module.named_children():
+        if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
+            for name, p in own_parameters(child):
+                yield f"{child_name}.{name}", p
+
+
 def _has_parameter(module: nn.Module, name: str) -> bool:
     """Whether ``name`` (dotted for a submodule's) is a parameter of ``module``, or one
     it declares absent (``bias=False`` registers ``bias`` as ``None``)."""

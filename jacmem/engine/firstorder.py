@@ -27,6 +27,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
+from jacmem.derivatives.registry import own_parameters
 from jacmem.derivatives.tied import summed_norm_costs, summed_squared_norms
 from jacmem.engine import distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
@@ -104,7 +105,7 @@ class FirstOrderEngine(Engine):
     # -- forward -------------------------------------------------------------------
 
     def on_enter(self, module):
-        if next(module.parameters(recurse=False), None) is not None and tracked_name(module) is None:
+        if next(own_parameters(module), None) is not None and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):

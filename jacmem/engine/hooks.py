@@ -24,6 +24,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
+from jacmem.derivatives.registry import own_parameters
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 
@@ -48,7 +49,7 @@ def _release(keys: list[int]) -> None:
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
     that ``entry`` declares by dotted name (those its forward uses itself)."""
-    params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+    params = {n: p for n, p in own_parameters(module) if p.requires_grad}
     for name in entry.params if entry is not None else ():
         owner, _, leaf = name.rpartition(".")
         p = getattr(module.get_submodule(owner), leaf, None) if owner else None

@@ -25,6 +25,7 @@ from jacmem import compat
 from jacmem.derivatives import REGISTRY, registered_type
 from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.derivatives.registry import own_parameters
 from jacmem.engine import hooks
 from jacmem.engine.broadcast import Origin, watch
 
@@ -231,7 +232,7 @@ class Tracker(Recorder):
         self.module_handles: list = []
         for name, module in model.named_modules():
             # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)
-            if module is not model and next(module.parameters(recurse=False), None) is None:
+            if module is not model and next(own_parameters(module), None) is None:
                 continue
             self.names[module] = name or type(module).__name__
             self.module_handles += [

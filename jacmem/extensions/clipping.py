@@ -54,6 +54,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.derivatives.registry import own_parameters
 from jacmem.errors import unsupported_module_error
 
 CLIPPINGS = ("flat", "per_layer", "automatic")
@@ -205,7 +206,7 @@ def check(model: nn.Module) -> None:
                 f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
                 "ModuleValidator.fix does), or put it in eval mode with running statistics."
             )
-        own = [n for n, p in module.named_parameters(recurse=False) if p.requires_grad]
+        own = [n for n, p in own_parameters(module) if p.requires_grad]
         entry = lookup(module) if own else None
         uncovered = [n for n in own if entry is not None and n not in entry.params]
         if uncovered:

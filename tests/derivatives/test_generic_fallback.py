@@ -167,3 +167,29 @@ def test_batch_statistics_refused_in_eval_mode_too():
     """Without running statistics, BatchNorm normalises over the batch in eval mode too."""
     module = WithBatchNorm(track_running_stats=False).eval()
     assert next(module.buffers(), None) is None and lookup(module) is None
+
+
+class Containers(nn.Module):
+    """A layer that reads its parameters from a ParameterDict and a ParameterList, as PEFT's
+    ``lora.Embedding`` does: [N, 4] -> [N, 2]."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.ParameterDict({"default": nn.Parameter(torch.randn(3, 4, dtype=torch.float64))})
+        self.B = nn.ParameterList([nn.Parameter(torch.randn(2, 3, dtype=torch.float64))])
+
+    def forward(self, x):
+        return torch.tanh(x @ self.A["default"].T) @ self.B[0].T
+
+
+@pytest.mark.parametrize("flow", FLOWS)
+def test_parameters_in_parameter_containers_are_the_callers(flow):
+    """A ParameterDict or ParameterList is never called: its parameters are its parent's,
+    which the fallback covers by dotted name (``A.default``, ``B.0``)."""
+    torch.manual_seed(0)
+    model, X, y = Containers(), torch.randn(N, 4, dtype=torch.float64), torch.randn(N, 2, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    with recorded() as records:
+        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad(), jacmem.BatchL2Grad()], flow)
+        assert {r().name for r in records if r() is not None} <= {"Containers"}
+    check_against(model, reference, ["grad_batch", "batch_l2"], f"[containers {flow}]")

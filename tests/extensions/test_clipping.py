@@ -13,9 +13,9 @@ import warnings
 
 import pytest
 import torch
-from tests.support.clipping import assert_grads, expected, median_norm, norms
+from tests.support.clipping import assert_grads, expected, median_norm, norms, per_sample
 from tests.support.distributed import needs_gloo, run_ranks
-from tests.support.reference import cross_entropy, per_sample_grads
+from tests.support.reference import cross_entropy
 from torch import nn
 from torch.nn import functional as F
 
@@ -25,13 +25,6 @@ from jacmem.extensions.clipping import check
 
 DT = torch.float64
 N = 5
-
-
-def per_sample(model, X, y, loss, reduction):
-    """{param: [N, *shape]}: the gradients of each sample's own loss term."""
-    grads = per_sample_grads(model, X, y, loss, reduction)
-    scale = X.shape[0] if reduction == "mean" else 1
-    return {p: g * scale for p, g in grads.items()}
 
 
 def run(model, X, y, loss, ext, reduction="mean", flow="inside"):

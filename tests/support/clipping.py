@@ -5,10 +5,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.reference import trainable
+from tests.support.reference import per_sample_grads, trainable
 from torch import Tensor
 
 import jacmem.engine.clipping
+
+
+def per_sample(model, X, y, loss, reduction) -> dict:
+    """{param: [N, *shape]}: the gradients of each sample's own loss term (the mean's
+    ``1/N`` undone, as Opacus defines them)."""
+    grads = per_sample_grads(model, X, y, loss, reduction)
+    scale = X.shape[0] if reduction == "mean" else 1
+    return {p: g * scale for p, g in grads.items()}
 
 
 def norms(grads: dict) -> Tensor:

@@ -1,5 +1,6 @@
 """Tiny random-init HF GPT-2, BERT, LLaMA and timm ViT models in float64, each with a
-batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py)."""
+batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py),
+and the three HF models with PEFT's LoRA adapters (tests/integration/test_lora.py)."""
 
 from __future__ import annotations
 
@@ -75,4 +76,34 @@ def build(name: str):
     make, data = MODELS[name]
     model = make().to(DT).eval()  # no dropout: the loop must compute the same function
     X, y = data()
+    return model, X, y
+
+
+#: the attention projections LoRA adapts in each HF model (GPT-2's fused ``c_attn`` is a
+#: Conv1D, whose weight is stored [in, out]: PEFT's ``fan_in_fan_out``)
+LORA_TARGETS = {"gpt2": ["c_attn"], "bert": ["query", "value"], "llama": ["q_proj", "v_proj"]}
+
+
+#: each model's token embedding, which PEFT wraps in a ``lora.Embedding``
+EMBEDDINGS = {"gpt2": "wte", "bert": "word_embeddings", "llama": "embed_tokens"}
+
+
+def build_lora(name: str, embedding: bool = False):
+    """:func:`build`'s model with its HF model swapped for PEFT's LoRA model on it (rank 2,
+    no dropout), on the attention projections and, with ``embedding``, the token
+    embedding: only the adapters train. PEFT starts ``lora_B`` (``lora_embedding_B``) at
+    zero, which would make ``lora_A``'s gradients zero; here it is random, so that both
+    are tested."""
+    peft = pytest.importorskip("peft")
+    model, X, y = build(name)
+    targets = LORA_TARGETS[name] + ([EMBEDDINGS[name]] if embedding else [])
+    config = peft.LoraConfig(
+        r=2, lora_alpha=4, lora_dropout=0.0, target_modules=targets,
+        fan_in_fan_out=name == "gpt2",
+    )  # fmt: skip
+    model.model = peft.get_peft_model(model.model, config).to(DT)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname or "lora_embedding_B" in pname:
+                p.normal_()
     return model, X, y

@@ -5,7 +5,8 @@ PrivacyEngine's step against."""
 from __future__ import annotations
 
 import torch
-from tests.support.reference import cross_entropy, per_sample_grads
+from tests.support.clipping import per_sample
+from tests.support.reference import LossFn, cross_entropy, per_sample_grads
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -39,12 +40,17 @@ def clip_factors(grads: dict, max_norm, clipping: str) -> dict:
     return {p: (c / (sq[p].sqrt() + 1e-6)).clamp(max=1.0) for p, c in zip(grads, max_norm)}
 
 
-def loop_step(model, batches, max_norm, clipping: str) -> list[torch.Tensor]:
+def loop_step(
+    model, batches, max_norm, clipping: str, loss: LossFn = cross_entropy, reduction: str = "sum"
+) -> list[torch.Tensor]:
     """The parameters after one SGD step on the clipped sum over ``batches`` (a list
-    of (X, y)), divided by the number of samples: the per-sample loop."""
+    of (X, y)), divided by the number of samples: the per-sample loop. Sample ``n``'s
+    gradient is that of its own loss term, computed at the scale ``reduction`` gives it
+    (:func:`tests.support.clipping.per_sample`): the same in exact arithmetic, but a
+    model that computes in float32 inside (HF LLaMA's RMSNorm) rounds by the scale."""
     total = {p: torch.zeros_like(p) for p in model.parameters()}
     for X, y in batches:
-        grads = per_sample_grads(model, X, y, cross_entropy, "sum")
+        grads = per_sample(model, X, y, loss, reduction)
         factors = clip_factors(grads, max_norm, clipping)
         for p, g in grads.items():
             total[p] += torch.einsum("n,n...->...", factors[p], g)
@@ -52,11 +58,11 @@ def loop_step(model, batches, max_norm, clipping: str) -> list[torch.Tensor]:
     return [(p - LR / count * total[p]).detach() for p in model.parameters()]
 
 
-def train(model, optimizer, batches) -> None:
-    """One step over ``batches``: a backward pass each, then the step."""
+def train(model, optimizer, batches, loss: LossFn = cross_entropy) -> None:
+    """One step over ``batches``: a backward pass of the mean loss each, then the step."""
     optimizer.zero_grad()
     for X, y in batches:
-        nn.functional.cross_entropy(model(X), y).backward()
+        loss(model(X), y, "mean").backward()
     optimizer.step()
 
 

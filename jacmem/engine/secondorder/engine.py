@@ -21,6 +21,7 @@ from torch.overrides import TorchFunctionMode
 from jacmem import compat
 from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
+from jacmem.derivatives.registry import own_parameters
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others
@@ -222,7 +223,7 @@ class SecondOrderEngine(Engine):
         entry covers (a warning names the others), with what that entry keeps."""
         module = node.module
         first = args[0] if args else None
-        node.params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
+        node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
             if fo is None or any(n not in fo.params for n in node.params):
@@ -286,7 +287,7 @@ class SecondOrderEngine(Engine):
         if fn is not None:
             fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
             self.autograd.untracked = True
-        if module in self.warned or not any(p.requires_grad for p in module.parameters(recurse=False)):
+        if module in self.warned or not any(p.requires_grad for _, p in own_parameters(module)):
             return
         if (
             self.autograd.serves()
