@@ -26,6 +26,8 @@ import warnings
 import pytest
 import torch
 from tests.support.reference import (
+    FIRST_ORDER,
+    FIRST_ORDER_RUNS,
     FLOWS,
     check_against,
     check_dropout_raises_then_eval_works,
@@ -38,12 +40,6 @@ from torch import nn
 import jacmem
 from jacmem.derivatives import REGISTRY
 
-EXTENSIONS = {
-    "grad_batch": jacmem.BatchGrad,
-    "batch_l2": jacmem.BatchL2Grad,
-    "sum_grad_squared": jacmem.SumGradSquared,
-    "variance": jacmem.Variance,
-}
 N, L, S, E, HEADS = 3, 4, 5, 6, 2
 
 
@@ -134,16 +130,14 @@ GRID = [(c, s) for c in CASES for s in STRATEGIES]
 def test_attention(case_id, strategy):
     model, X, y, reduction, reference = case(case_id)
     assert any(n.startswith("mha.out_proj") for p in reference for n, q in model.named_parameters() if q is p)
-    runs = [((f,), "inside", {}) for f in EXTENSIONS]  # each alone, then all four: both flows, and chunked
-    runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
-    for fields, flow, kwargs in runs:
+    for fields, flow, kwargs in FIRST_ORDER_RUNS:
         ctx = run_jacmem(
             model,
             X,
             y,
             mse,
             reduction,
-            [EXTENSIONS[f]() for f in fields],
+            [FIRST_ORDER[f]() for f in fields],
             flow,
             strategy=strategy,
             strict=True,
@@ -184,8 +178,8 @@ def test_model_with_conv_linear_and_residual():
     X, y = torch.randn(4, 3, 5, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse, "mean")
     for flow in FLOWS:
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
-        check_against(model, reference, EXTENSIONS, f"[block {flow}]")
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], flow, strict=True)
+        check_against(model, reference, FIRST_ORDER, f"[block {flow}]")
 
 
 class Encoder(nn.Module):
@@ -211,8 +205,8 @@ def test_transformer_encoder():
     X, y = torch.randn(4, 5, E, dtype=torch.float64), torch.randn(4, 2, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse, "mean")
     for flow in FLOWS:
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
-        check_against(model, reference, EXTENSIONS, f"[encoder {flow}]")
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], flow, strict=True)
+        check_against(model, reference, FIRST_ORDER, f"[encoder {flow}]")
 
 
 class Tied(nn.Module):
@@ -234,8 +228,8 @@ def test_out_proj_weight_tied_to_a_linear():
     X, y = torch.randn(4, L, E, dtype=torch.float64), torch.randn(4, E, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse, "mean")
     for flow in FLOWS:
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
-        check_against(model, reference, EXTENSIONS, f"[tied {flow}]")
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], flow, strict=True)
+        check_against(model, reference, FIRST_ORDER, f"[tied {flow}]")
 
 
 def test_unbatched_input_raises():

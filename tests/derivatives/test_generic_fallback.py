@@ -12,18 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.support.fallback_models import F_, Model, ScaledLinear
-from tests.support.reference import FLOWS, check_against, mse, per_sample_grads, recorded, run_jacmem
+from tests.support.reference import (
+    FIRST_ORDER,
+    FIRST_ORDER_RUNS,
+    FLOWS,
+    check_against,
+    mse,
+    per_sample_grads,
+    recorded,
+    run_jacmem,
+)
 from torch import nn
 
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
 
-EXTENSIONS = {
-    "grad_batch": jacmem.BatchGrad,
-    "batch_l2": jacmem.BatchL2Grad,
-    "sum_grad_squared": jacmem.SumGradSquared,
-    "variance": jacmem.Variance,
-}
 N = 3
 
 
@@ -53,10 +56,8 @@ def test_model(strategy):
     model = Model().double()
     X, y = data()
     reference = per_sample_grads(model, X, y, mse, "mean")
-    runs = [((f,), "inside", {}) for f in EXTENSIONS]  # each alone, then all four: both flows, and chunked
-    runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
-    for fields, flow, kwargs in runs:
-        extensions = [EXTENSIONS[f]() for f in fields]
+    for fields, flow, kwargs in FIRST_ORDER_RUNS:
+        extensions = [FIRST_ORDER[f]() for f in fields]
         run_jacmem(model, X, y, mse, "mean", extensions, flow, strategy=strategy, strict=True, **kwargs)
         check_against(model, reference, fields, f"[{strategy} {'+'.join(fields)} {flow} {kwargs}]")
 
@@ -115,8 +116,8 @@ def test_a_broadcast_parameter_needs_no_recomputation():
     model = nn.Sequential(nn.Linear(F_, F_), WithBuffer(broadcast=True)).double()
     X, y = torch.randn(N, F_, dtype=torch.float64), torch.randn(N, F_, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse, "mean")
-    ctx = run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], strict=True)
-    check_against(model, reference, EXTENSIONS, "[broadcast weight]")
+    ctx = run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], strict=True)
+    check_against(model, reference, FIRST_ORDER, "[broadcast weight]")
     assert {d.chosen for d in ctx.plan.decisions.values() if d.module == "1"} == {"expand"}, ctx.explain()
 
 
@@ -135,8 +136,8 @@ def test_refused_in_training_mode_works_in_eval(cls):
     model.eval()
     assert lookup(model[1]) is not None
     reference = per_sample_grads(model, X, y, mse, "mean")
-    run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], strict=True)
-    check_against(model, reference, EXTENSIONS, f"[{cls.__name__} eval]")
+    run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], strict=True)
+    check_against(model, reference, FIRST_ORDER, f"[{cls.__name__} eval]")
 
 
 class WithDropout(nn.Module):

@@ -26,6 +26,8 @@ import warnings
 import pytest
 import torch
 from tests.support.reference import (
+    FIRST_ORDER,
+    FIRST_ORDER_RUNS,
     FLOWS,
     REFERENCE,
     assert_close,
@@ -41,12 +43,6 @@ from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 import jacmem
 from jacmem.derivatives import REGISTRY, lookup
 
-EXTENSIONS = {
-    "grad_batch": jacmem.BatchGrad,
-    "batch_l2": jacmem.BatchL2Grad,
-    "sum_grad_squared": jacmem.SumGradSquared,
-    "variance": jacmem.Variance,
-}
 N, T, I, H = 3, 4, 3, 3
 
 
@@ -133,16 +129,14 @@ GRID = [(c, s) for c in CASES for s in strategies(CASES[c][0])]
 @pytest.mark.parametrize("case_id,strategy", GRID, ids=[f"{c}-{s}" for c, s in GRID])
 def test_rnn_layers(case_id, strategy):
     model, X, y, reduction, reference = case(case_id)
-    runs = [((f,), "inside", {}) for f in EXTENSIONS]  # each alone, then all four: both flows, and chunked
-    runs += [(tuple(EXTENSIONS), flow, {}) for flow in FLOWS] + [(tuple(EXTENSIONS), "inside", dict(chunk_bytes=1))]
-    for fields, flow, kwargs in runs:
+    for fields, flow, kwargs in FIRST_ORDER_RUNS:
         ctx = run_jacmem(
             model,
             X,
             y,
             mse,
             reduction,
-            [EXTENSIONS[f]() for f in fields],
+            [FIRST_ORDER[f]() for f in fields],
             flow,
             strategy=strategy,
             strict=True,
@@ -185,8 +179,8 @@ def test_model_with_conv_linear_and_residual(cls):
     y = torch.randn(4, 2, dtype=torch.float64)
     reference = per_sample_grads(model, X, y, mse, "mean")
     for flow in FLOWS:
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strict=True)
-        check_against(model, reference, EXTENSIONS, f"[{cls.__name__} model {flow}]")
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], flow, strict=True)
+        check_against(model, reference, FIRST_ORDER, f"[{cls.__name__} model {flow}]")
 
 
 def test_dropout_between_layers():
@@ -243,10 +237,10 @@ def test_packed_sequences(case_id):
     assert len(set((1 + (X[:, 0, 0].abs() * 10).long() % T).tolist())) > 1, "want lengths that differ"
     reference = per_sample_grads(model, X, y, mse, "mean")
     for strategy, flow in itertools.product(strategies(type(model.rnn)), FLOWS):
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], flow, strategy=strategy, strict=True)
-        check_against(model, reference, EXTENSIONS, f"[packed {case_id} {strategy} {flow}]")
-    run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], chunk_bytes=1, strict=True)
-    check_against(model, reference, EXTENSIONS, f"[packed {case_id} chunked]")
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], flow, strategy=strategy, strict=True)
+        check_against(model, reference, FIRST_ORDER, f"[packed {case_id} {strategy} {flow}]")
+    run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], chunk_bytes=1, strict=True)
+    check_against(model, reference, FIRST_ORDER, f"[packed {case_id} chunked]")
 
 
 def test_unbatched_input_raises():
@@ -286,9 +280,9 @@ def test_against_backpack(cls):
     model, X, y, bp_model = _backpack_fields(cls, 3)
     bp = dict(bp_model.named_parameters())
     for strategy in strategies(cls):
-        run_jacmem(model, X, y, mse, "mean", [e() for e in EXTENSIONS.values()], strategy=strategy)
+        run_jacmem(model, X, y, mse, "mean", [e() for e in FIRST_ORDER.values()], strategy=strategy)
         for name, p in model.named_parameters():
-            for field in EXTENSIONS:
+            for field in FIRST_ORDER:
                 assert_close(getattr(p, field), getattr(bp[name], field), f"{cls.__name__} {name} {field} vs BackPACK")
     reference = per_sample_grads(model, X, y, mse, "mean")  # and BackPACK agrees with the loop
     for p, gb in reference.items():

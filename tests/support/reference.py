@@ -29,6 +29,8 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+import jacmem
+
 #: (out, target, reduction) -> loss
 LossFn = Callable[[Tensor, Tensor, str], Tensor]
 
@@ -98,6 +100,22 @@ REFERENCE: dict[str, Callable[[Tensor], Tensor]] = {
     "variance": variance,
 }
 
+#: savefield -> the first-order extension that writes it
+FIRST_ORDER = {
+    "grad_batch": jacmem.BatchGrad,
+    "batch_l2": jacmem.BatchL2Grad,
+    "sum_grad_squared": jacmem.SumGradSquared,
+    "variance": jacmem.Variance,
+}
+
+#: ``(savefields, flow, extend kwargs)`` of a layer's test runs: each extension alone,
+#: then all four in both flows, then chunked to one sample at a time
+FIRST_ORDER_RUNS = (
+    [((f,), "inside", {}) for f in FIRST_ORDER]
+    + [(tuple(FIRST_ORDER), flow, {}) for flow in FLOWS]
+    + [(tuple(FIRST_ORDER), "inside", dict(chunk_bytes=1))]
+)
+
 
 def run_backpack(model: nn.Module, X: Tensor, y: Tensor) -> nn.Module:
     """A copy of ``model`` (extended, in an ``nn.Sequential``) after a backward of the mean
@@ -143,7 +161,6 @@ def run_jacmem(
     flow ``"track"``: ``jacmem.track(model)``, the forward, then only the backward inside
     the block, then ``jacmem.untrack(model)``.
     """
-    import jacmem
 
     clear(model)
     if flow == "inside":
@@ -230,8 +247,6 @@ def check_dropout_raises_then_eval_works(model: nn.Module, X: Tensor, y: Tensor,
     """A model with dropout inside a layer jacmem recomputes: in training mode the backward
     raises an error matching ``match``; in eval mode BatchGrad equals the loop's."""
     import pytest
-
-    import jacmem
 
     with pytest.raises(RuntimeError, match=match):
         run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
