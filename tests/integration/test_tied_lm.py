@@ -72,9 +72,10 @@ CLIPS = [
 
 
 @pytest.mark.parametrize("name, clipping, reduction", CLIPS)
-def test_clipped_sum_without_per_sample_gradients(name, clipping, reduction):
+def test_clipped_sum_without_per_sample_gradients(name, clipping, reduction, path):
     """Per-layer thresholds are each parameter's median per-sample norm; the tied weight's
-    is the norm of the sum over its two uses."""
+    is the norm of the sum over its two uses. Both ways to the clipped sum (``path``);
+    staged per-sample gradients are ``[N, V, d]`` by design, so the watch is on the other."""
     model, X, y = case(name)
     grads = per_sample(model, X, y, cross_entropy, reduction)
     if clipping == "flat":
@@ -88,7 +89,7 @@ def test_clipped_sum_without_per_sample_gradients(name, clipping, reduction):
         with watch:
             loss.backward()
     assert chosen(ctx, TIED[name]) == "tied ghost"
-    assert watch.large == []
+    assert watch.large == [] or path == "per_sample"
     assert_grads(model, expected(grads, C, clipping), f"{name} {clipping} {reduction}")
 
 
