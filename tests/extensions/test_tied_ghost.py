@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import transformers
 from tests.support.allocations import Allocations
 from tests.support.clipping import assert_grads, expected, median_norm
-from tests.support.reference import batch_l2, clear, cross_entropy, per_sample_grads, trainable
+from tests.support.hf_models import tied_lm
+from tests.support.reference import batch_l2, chosen, clear, cross_entropy, per_sample_grads, trainable
 from torch import nn
 
 import jacmem
@@ -60,24 +60,6 @@ class TiedHead(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(ids)))).transpose(1, 2)
 
 
-class Logits(nn.Module):
-    def __init__(self, model):
-        super().__init__()
-        self.model = model
-
-    def forward(self, ids):
-        return self.model(ids).logits.transpose(1, 2)
-
-
-def gpt2(vocab: int = 50257):
-    config = transformers.GPT2Config(
-        n_layer=1, n_embd=8, n_head=2, vocab_size=vocab, n_positions=8, bos_token_id=0, eos_token_id=0
-    )
-    model = Logits(transformers.GPT2LMHeadModel(config))
-    assert model.model.lm_head.weight is model.model.transformer.wte.weight
-    return model
-
-
 def case(name: str):
     """(model, X, y, the tied parameter's name as explain() shows it); ids repeat within samples."""
     torch.manual_seed(0)
@@ -89,13 +71,7 @@ def case(name: str):
     ids[0, :2] = 0  # the padding row
     if name == "embedding_head":
         return TiedHead().to(DT), ids, torch.randint(0, 11, (N, 6)), "head.weight"
-    return gpt2().to(DT).eval(), ids, torch.randint(0, 50257, (N, 6)), "model.lm_head.weight"
-
-
-def chosen(ctx, param: str) -> str:
-    """What explain() says gives ``param``'s batch_l2."""
-    line = next(line for line in ctx.explain().splitlines() if line.startswith(f"{param} "))
-    return line.split("batch_l2 <- ")[1].split(" (")[0]
+    return tied_lm("gpt2", d=8).to(DT).eval(), ids, torch.randint(0, 50257, (N, 6)), "model.lm_head.weight"
 
 
 CASES = ["linear_twice", "shared_linears", "embedding_head", "gpt2_50257"]

@@ -1,6 +1,8 @@
 """Tiny random-init HF GPT-2, BERT, LLaMA and timm ViT models in float64, each with a
 batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py),
-and the three HF models with PEFT's LoRA adapters (tests/integration/test_lora.py)."""
+the three HF models with PEFT's LoRA adapters (tests/integration/test_lora.py), and the
+three HF language models at their real vocabularies with tied input and output
+embeddings (tests/integration/test_tied_lm.py, tests/extensions/test_tied_ghost.py)."""
 
 from __future__ import annotations
 
@@ -107,3 +109,51 @@ def build_lora(name: str, embedding: bool = False):
             if "lora_B" in pname or "lora_embedding_B" in pname:
                 p.normal_()
     return model, X, y
+
+
+#: the real vocabularies of the tied language models
+VOCAB = {"gpt2": 50257, "bert": 30522, "llama": 32000}
+
+
+class MaskedLM(nn.Module):
+    """HF BERT's masked-LM head as the loss sees it: X [N, 2, T] (token ids, then token
+    type ids, so that the per-sample loop slices both) -> logits [N, V, T]. Position ids
+    are BERT's default, one ``[1, T]`` row broadcast over the batch."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, X: Tensor) -> Tensor:
+        return self.model(input_ids=X[:, 0], token_type_ids=X[:, 1]).logits.transpose(1, 2)
+
+
+def tied_lm(name: str, d: int = 16, t: int = 8) -> nn.Module:
+    """``name``'s one-layer language model at its real vocabulary (:data:`VOCAB`), width
+    ``d``, up to ``t`` positions, its token embedding tied to its output head: GPT-2's
+    ``wte``/``lm_head``, BERT's ``word_embeddings``/``cls.predictions.decoder`` (with token
+    type embeddings: see :class:`MaskedLM`), LLaMA's ``embed_tokens``/``lm_head``
+    (``tie_word_embeddings=True``). Random init, float32: the caller sets the dtype."""
+    v = VOCAB[name]
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=d, n_head=2, vocab_size=v, n_positions=t, bos_token_id=0, eos_token_id=0
+        )
+        model = transformers.GPT2LMHeadModel(config)
+        tied = model.lm_head.weight is model.transformer.wte.weight
+    elif name == "bert":
+        config = transformers.BertConfig(
+            num_hidden_layers=1, hidden_size=d, num_attention_heads=2, intermediate_size=24, vocab_size=v,
+            max_position_embeddings=t, type_vocab_size=2,
+        )  # fmt: skip
+        model = transformers.BertForMaskedLM(config)
+        tied = model.cls.predictions.decoder.weight is model.bert.embeddings.word_embeddings.weight
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=1, hidden_size=d, num_attention_heads=2, num_key_value_heads=1, intermediate_size=24,
+            vocab_size=v, max_position_embeddings=t, tie_word_embeddings=True, bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert tied, f"{name}: the embeddings are not tied"
+    return MaskedLM(model) if name == "bert" else Logits(model, per_token=True)

@@ -179,6 +179,13 @@ def run_jacmem(
     raise ValueError(f"flow must be one of {FLOWS}, not {flow!r}")
 
 
+def chosen(ctx, param: str) -> str:
+    """What the block ``ctx``'s explain() says gives ``param``'s batch_l2 (``param`` named
+    as in ``model.named_parameters()``), e.g. ``"tied ghost"``."""
+    line = next(line for line in ctx.explain().splitlines() if line.startswith(f"{param} "))
+    return line.split("batch_l2 <- ")[1].split(" (")[0]
+
+
 def check_against(
     model: nn.Module,
     reference: dict[nn.Parameter, Tensor],
