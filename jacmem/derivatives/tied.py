@@ -46,6 +46,23 @@ def summed_squared_norms(factors: list[tuple[Tensor, Tensor]]) -> Tensor:
     return total
 
 
+def add_clipped_sum(total: Tensor, f: tuple[Tensor, Tensor], c: Tensor) -> Tensor:
+    """``total += Σ_n c_n G_n`` in place, from one call's ghost factors ``(r, c)`` and the
+    samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions with
+    the narrower factor scaled (an ``index_add`` where ``r`` holds row indices), so that
+    nothing of the wider factor's size (an LM head's ``[N, T, V]`` output gradient) is
+    copied: ``total [R, C]`` -> ``total``"""
+    r, cols = f
+    coef = c.to(cols.dtype)[:, None, None]
+    if not r.is_floating_point():
+        return total.index_add_(0, r.flatten(), (cols * coef).flatten(0, 1))
+    if r.shape[2] < cols.shape[2]:
+        r = r * coef
+    else:
+        cols = cols * coef
+    return total.addmm_(r.flatten(0, 1).T, cols.flatten(0, 1))
+
+
 def _width(shape: tuple[int, ...]) -> int:
     """The entries a row factor of this shape gives a product: ``R``, 1 for indices."""
     return shape[2] if len(shape) == 3 else 1
