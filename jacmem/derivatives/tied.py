@@ -37,9 +37,23 @@ def factor_dot(f: tuple[Tensor, Tensor], h: tuple[Tensor, Tensor]) -> Tensor:
     return (_row_gram(f[0], h[0]).to(cols.dtype) * cols).sum((1, 2))
 
 
-def summed_squared_norms(factors: list[tuple[Tensor, Tensor]]) -> Tensor:
+def summed_squared_norms(factors: list[tuple[Tensor, Tensor]], chunk_bytes: float = float("inf")) -> Tensor:
     """``‖Σ_k G_k‖²`` per sample over the calls' ghost factors:
-    ``Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩`` -> ``[N]``"""
+    ``Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩`` -> ``[N]``, over slices of the samples whose
+    cross-term matrices (two ``[n, T, S]`` per pair of calls) stay within ``chunk_bytes``"""
+    n = factors[0][1].shape[0]
+    widest = max(f[1].shape[1] for f in factors)
+    step = max(1, min(n, int(chunk_bytes // (2 * widest * widest * factors[0][1].element_size()))))
+    return (
+        torch.cat([_summed(factors, slice(i, i + step)) for i in range(0, n, step)])
+        if n
+        else factors[0][1].new_zeros(0)
+    )
+
+
+def _summed(factors: list[tuple[Tensor, Tensor]], rows: slice) -> Tensor:
+    """:func:`summed_squared_norms` of the samples ``rows``"""
+    factors = [(r[rows], c[rows]) for r, c in factors]
     total = factor_dot(factors[0], factors[0])
     for k in range(1, len(factors)):
         total = total + factor_dot(factors[k], factors[k]) + 2 * sum(factor_dot(factors[k], h) for h in factors[:k])

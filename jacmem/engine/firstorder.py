@@ -266,7 +266,7 @@ class FirstOrderEngine(Engine):
             itemsize(g), staged.param.device,
         )  # fmt: skip
         if chosen == "tied ghost":
-            staged.add({"batch_l2": summed_squared_norms(factors)})
+            staged.add({"batch_l2": summed_squared_norms(factors, self.chunk_bytes)})
         else:
             self._materialise(staged)
 

@@ -16,6 +16,7 @@ from tests.support.reference import batch_l2, clear, cross_entropy, per_sample_g
 from torch import nn
 
 import jacmem
+import jacmem.derivatives.tied
 import jacmem.engine.firstorder
 from jacmem.derivatives.registry import Cost
 
@@ -109,6 +110,24 @@ def test_batch_l2_of_tied_parameters(name):
     with jacmem.extend(jacmem.BatchL2Grad()) as ctx:
         cross_entropy(model(X), y, "mean").backward()
     assert chosen(ctx, tied) == "tied ghost"
+    for p in trainable(model):
+        torch.testing.assert_close(p.batch_l2, batch_l2(reference[p]), rtol=1e-9, atol=1e-15)
+
+
+@pytest.mark.parametrize("name", ["shared_linears", "embedding_head"])
+def test_cross_terms_chunked_over_the_samples(name, monkeypatch):
+    """Under a chunk_bytes below one sample's cross-term matrices, the tied norms come one
+    sample at a time, and are the same."""
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    slices = []
+    summed = jacmem.derivatives.tied._summed
+    monkeypatch.setattr(jacmem.derivatives.tied, "_summed", lambda f, rows: slices.append(rows) or summed(f, rows))
+    with jacmem.extend(jacmem.BatchL2Grad(), chunk_bytes=1) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert chosen(ctx, tied) == "tied ghost"
+    assert slices == [slice(i, i + 1) for i in range(N)]
     for p in trainable(model):
         torch.testing.assert_close(p.batch_l2, batch_l2(reference[p]), rtol=1e-9, atol=1e-15)
 
