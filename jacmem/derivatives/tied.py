@@ -60,6 +60,23 @@ def _summed(factors: list[tuple[Tensor, Tensor]], rows: slice) -> Tensor:
     return total
 
 
+def per_sample_gradients(factors: list[tuple[Tensor, Tensor]], rows: slice, shape: tuple[int, int]) -> Tensor:
+    """The per-sample gradients of the samples ``rows``, summed over the calls, from their
+    ghost factors: a batched product per call (an ``index_add`` where ``r`` holds row
+    indices) -> ``[n, R, C]`` (``shape`` is ``(R, C)``)"""
+    cols = factors[0][1][rows]
+    n = cols.shape[0]
+    flat = cols.new_zeros(n * shape[0], shape[1])
+    for r, c in factors:
+        r, c = r[rows], c[rows]
+        if r.is_floating_point():
+            flat.view(n, *shape).baddbmm_(r.transpose(1, 2), c)
+        else:
+            keys = (torch.arange(n, device=r.device)[:, None] * shape[0] + r).flatten()
+            flat.index_add_(0, keys, c.flatten(0, 1))
+    return flat.view(n, *shape)
+
+
 def add_clipped_sum(total: Tensor, f: tuple[Tensor, Tensor], c: Tensor) -> Tensor:
     """``total += Σ_n c_n G_n`` in place, from one call's ghost factors ``(r, c)`` and the
     samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions with
@@ -92,6 +109,13 @@ def summed_norm_costs(shapes: list[tuple[tuple, tuple]], param_numel: int) -> di
         for r2, c2 in shapes[: k + 1]:
             pairs = n * c[1] * c2[1]
             ghost = Cost(ghost.flops + 2 * pairs * (min(_width(r), _width(r2)) + c[2]), max(ghost.workspace, 2 * pairs))
+    return {"ghost": ghost, "per-sample gradients": per_sample_cost(shapes, param_numel, n)}
+
+
+def per_sample_cost(shapes: list[tuple[tuple, tuple]], param_numel: int, samples: int) -> Cost:
+    """Cost of the calls' summed per-sample gradients (:func:`per_sample_gradients`), and of
+    a norm or square of them, ``samples`` at a time"""
+    n = shapes[0][1][0]
     result = n * param_numel
     flops = sum(2 * n * c[1] * _width(r) * c[2] for r, c in shapes) + (len(shapes) + 2) * result
-    return {"ghost": ghost, "per-sample gradients": Cost(flops, 2 * result)}
+    return Cost(flops, 2 * samples * param_numel)

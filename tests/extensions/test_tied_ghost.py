@@ -12,7 +12,7 @@ import torch
 import transformers
 from tests.support.allocations import Allocations
 from tests.support.clipping import assert_grads, expected, median_norm
-from tests.support.reference import batch_l2, clear, cross_entropy, per_sample_grads, trainable
+from tests.support.reference import REFERENCE, batch_l2, clear, cross_entropy, per_sample_grads, trainable
 from torch import nn
 
 import jacmem
@@ -156,6 +156,38 @@ def test_gpt2_real_vocabulary_never_forms_per_sample_gradients():
             with watch:
                 loss.backward()
         assert watch.large == [], f"{ext}: {watch.large}"
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2**30])
+@pytest.mark.parametrize("name", CASES)
+def test_second_moments_of_tied_parameters(name, chunk_bytes):
+    """SumGradSquared, Variance and BatchL2Grad together from the per-sample gradients
+    summed over the calls, a slice of samples at a time (one sample under chunk_bytes=1),
+    never [N, *p.shape] whole; explain() says so."""
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    exts = (jacmem.SumGradSquared(), jacmem.Variance(), jacmem.BatchL2Grad())
+    with jacmem.extend(*exts, chunk_bytes=chunk_bytes) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert "sum_grad_squared <- tied per-sample gradients" in next(
+        line for line in ctx.explain().splitlines() if line.startswith(f"{tied} ")
+    )
+    for p in trainable(model):
+        for field in ("sum_grad_squared", "variance", "batch_l2"):
+            expected = REFERENCE[field](reference[p])
+            torch.testing.assert_close(getattr(p, field), expected, rtol=1e-9, atol=1e-15, msg=f"{name} {field}")
+
+
+def test_gpt2_real_vocabulary_variance_without_per_sample_gradients():
+    """Variance of the tied [50257, 8] weight: nothing of N·V·D entries in the backward."""
+    model, X, y, _ = case("gpt2_50257")
+    watch = Allocations(N * 50257 * 8)
+    with jacmem.extend(jacmem.Variance(), chunk_bytes=1):
+        loss = cross_entropy(model(X), y, "mean")
+        with watch:
+            loss.backward()
+    assert watch.large == []
 
 
 def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
