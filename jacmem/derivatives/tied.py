@@ -37,13 +37,61 @@ def factor_dot(f: tuple[Tensor, Tensor], h: tuple[Tensor, Tensor]) -> Tensor:
     return (_row_gram(f[0], h[0]).to(cols.dtype) * cols).sum((1, 2))
 
 
-def summed_squared_norms(factors: list[tuple[Tensor, Tensor]]) -> Tensor:
+def summed_squared_norms(factors: list[tuple[Tensor, Tensor]], chunk_bytes: float = float("inf")) -> Tensor:
     """``‖Σ_k G_k‖²`` per sample over the calls' ghost factors:
-    ``Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩`` -> ``[N]``"""
+    ``Σ_k ‖G_k‖² + 2 Σ_{k<l} ⟨G_k, G_l⟩`` -> ``[N]``, over slices of the samples whose
+    cross-term matrices (two ``[n, T, S]`` per pair of calls) stay within ``chunk_bytes``"""
+    n = factors[0][1].shape[0]
+    widest = max(f[1].shape[1] for f in factors)
+    step = max(1, min(n, int(chunk_bytes // (2 * widest * widest * factors[0][1].element_size()))))
+    return (
+        torch.cat([_summed(factors, slice(i, i + step)) for i in range(0, n, step)])
+        if n
+        else factors[0][1].new_zeros(0)
+    )
+
+
+def _summed(factors: list[tuple[Tensor, Tensor]], rows: slice) -> Tensor:
+    """:func:`summed_squared_norms` of the samples ``rows``"""
+    factors = [(r[rows], c[rows]) for r, c in factors]
     total = factor_dot(factors[0], factors[0])
     for k in range(1, len(factors)):
         total = total + factor_dot(factors[k], factors[k]) + 2 * sum(factor_dot(factors[k], h) for h in factors[:k])
     return total
+
+
+def per_sample_gradients(factors: list[tuple[Tensor, Tensor]], rows: slice, shape: tuple[int, int]) -> Tensor:
+    """The per-sample gradients of the samples ``rows``, summed over the calls, from their
+    ghost factors: a batched product per call (an ``index_add`` where ``r`` holds row
+    indices) -> ``[n, R, C]`` (``shape`` is ``(R, C)``)"""
+    cols = factors[0][1][rows]
+    n = cols.shape[0]
+    flat = cols.new_zeros(n * shape[0], shape[1])
+    for r, c in factors:
+        r, c = r[rows], c[rows]
+        if r.is_floating_point():
+            flat.view(n, *shape).baddbmm_(r.transpose(1, 2), c)
+        else:
+            keys = (torch.arange(n, device=r.device)[:, None] * shape[0] + r).flatten()
+            flat.index_add_(0, keys, c.flatten(0, 1))
+    return flat.view(n, *shape)
+
+
+def add_clipped_sum(total: Tensor, f: tuple[Tensor, Tensor], c: Tensor) -> Tensor:
+    """``total += Σ_n c_n G_n`` in place, from one call's ghost factors ``(r, c)`` and the
+    samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions with
+    the narrower factor scaled (an ``index_add`` where ``r`` holds row indices), so that
+    nothing of the wider factor's size (an LM head's ``[N, T, V]`` output gradient) is
+    copied: ``total [R, C]`` -> ``total``"""
+    r, cols = f
+    coef = c.to(cols.dtype)[:, None, None]
+    if not r.is_floating_point():
+        return total.index_add_(0, r.flatten(), (cols * coef).flatten(0, 1))
+    if r.shape[2] < cols.shape[2]:
+        r = r * coef
+    else:
+        cols = cols * coef
+    return total.addmm_(r.flatten(0, 1).T, cols.flatten(0, 1))
 
 
 def _width(shape: tuple[int, ...]) -> int:
@@ -61,6 +109,13 @@ def summed_norm_costs(shapes: list[tuple[tuple, tuple]], param_numel: int) -> di
         for r2, c2 in shapes[: k + 1]:
             pairs = n * c[1] * c2[1]
             ghost = Cost(ghost.flops + 2 * pairs * (min(_width(r), _width(r2)) + c[2]), max(ghost.workspace, 2 * pairs))
+    return {"ghost": ghost, "per-sample gradients": per_sample_cost(shapes, param_numel, n)}
+
+
+def per_sample_cost(shapes: list[tuple[tuple, tuple]], param_numel: int, samples: int) -> Cost:
+    """Cost of the calls' summed per-sample gradients (:func:`per_sample_gradients`), and of
+    a norm or square of them, ``samples`` at a time"""
+    n = shapes[0][1][0]
     result = n * param_numel
     flops = sum(2 * n * c[1] * _width(r) * c[2] for r, c in shapes) + (len(shapes) + 2) * result
-    return {"ghost": ghost, "per-sample gradients": Cost(flops, 2 * result)}
+    return Cost(flops, 2 * samples * param_numel)

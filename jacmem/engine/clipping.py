@@ -14,8 +14,11 @@ per-sample gradients summed over the calls where the cost model finds that cheap
 ``c`` follow, and each parameter's clipped sum ``Σ_i c_i g_i`` is its summed gradient
 computed from each call's ``x`` and ``g`` scaled by ``c`` row by row, summed over its
 calls (book-keeping, Bu et al. 2023: a parameter's gradient is linear in the output
-gradient, and sample ``i``'s term in it depends on row ``i`` alone; an ``index_add`` for
-an embedding), or, for staged per-sample gradients, ``einsum('n,n...->...', c, g)``.
+gradient, and sample ``i``'s term in it depends on row ``i`` alone), where a layer gives
+ghost factors one product of them with the narrower scaled (an ``index_add`` for an
+embedding; an LM head's ``[N, T, V]`` output gradient is never copied), or, for staged
+per-sample gradients, ``einsum('n,n...->...', c, g)``. Each call's ``x`` and ``g`` are
+dropped once its term is added, and autograd's gradients once checked.
 
 autograd's own gradient never reaches ``.grad``: a call through
 :class:`jacmem.engine.hooks.ComputeOnce` returns none for its parameters, and every trainable
@@ -46,6 +49,7 @@ from torch import Tensor, nn
 from jacmem import compat
 from jacmem.derivatives import entries
 from jacmem.derivatives.quantities import squared_norms
+from jacmem.derivatives.tied import add_clipped_sum
 from jacmem.engine import distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
@@ -196,6 +200,8 @@ class ClippingEngine(FirstOrderEngine):
         for s in staged.values():
             self._resolve_tied(s)
         self._check_recorded(run)
+        run.autograd.clear()  # checked: two gradients per parameter that the clipped sums need no more
+        run.recorded.clear()
         self._check_unsynced(staged)
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
         scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
@@ -272,19 +278,28 @@ class ClippingEngine(FirstOrderEngine):
         return next(iter(sizes.values()), 0)
 
     def _clipped_sum(self, run: ClipStaging, staged, c: Tensor) -> Tensor:
-        """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or its
-        gradient computed from each call's ``x`` and ``g`` scaled by ``c`` (``[N]``),
-        summed over the calls."""
+        """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or
+        summed over its calls, each dropped once added (an LM head's output gradient is
+        the largest thing a pass keeps): a call whose layer gives ghost factors adds
+        their product with the narrower factor scaled by ``c`` (``[N]``)
+        (:func:`jacmem.derivatives.tied.add_clipped_sum`), any other call its gradient
+        computed from ``x`` and ``g`` scaled by ``c`` row by row."""
         bg = staged.quantities.get("batch_grad")
         if bg is not None:
             return torch.einsum("n,n...->...", c.to(bg.dtype), bg)
         dtype = staged.quantities["batch_l2"].dtype
-        total = None
-        for rec, pname, x, g in run.calls[id(staged.param)]:
-            scaled = compat.tree_map(
-                lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
-            )
-            with precision.computing(precision.device_of(scaled)):
+        calls, total = run.calls.pop(id(staged.param)), None
+        while calls:
+            rec, pname, x, g = calls.pop(0)
+            with precision.computing(precision.device_of(g)):
+                if pname in rec.entry.ghost_factors:
+                    if total is None:
+                        total = staged.param.new_zeros(staged.param.shape, dtype=dtype)
+                    add_clipped_sum(total, rec.entry.ghost_factors[pname](x, g, **rec.hp), c)
+                    continue
+                scaled = compat.tree_map(
+                    lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
+                )
                 grad = self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
             total = grad if total is None else total + grad
         return total

@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
 from jacmem.derivatives.registry import own_parameters
-from jacmem.derivatives.tied import summed_norm_costs, summed_squared_norms
+from jacmem.derivatives.tied import per_sample_cost, per_sample_gradients, summed_norm_costs, summed_squared_norms
 from jacmem.engine import distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
@@ -235,12 +235,12 @@ class FirstOrderEngine(Engine):
         return staged
 
     def _keep(self, staged: _Staged, rec: hooks.Record, pname: str, x, g, dtype) -> bool:
-        """Keep this call of a shared parameter for its norms from ghost factors (only
-        norms are asked for, and every call so far has factors); else stage per-sample
-        gradients, those of the calls kept so far first."""
+        """Keep this call of a shared parameter for its quantities from ghost factors (no
+        per-sample gradients are asked for, and every call so far has factors); else
+        stage per-sample gradients, those of the calls kept so far first."""
         if not staged.summed or staged.calls is None:
             return False
-        if self.quantities == {"batch_l2"} and pname in rec.entry.ghost_factors:
+        if "batch_grad" not in self.quantities and pname in rec.entry.ghost_factors:
             staged.calls.append((rec, pname, x, g, dtype))
             return True
         self._materialise(staged)
@@ -255,20 +255,46 @@ class FirstOrderEngine(Engine):
     def _resolve_tied(self, staged: _Staged) -> None:
         """A shared parameter's kept calls: its ``batch_l2`` from their ghost factors'
         cross terms, or from per-sample gradients, whichever the cost model finds
-        cheaper; the choice is ``explain()``'s, under the first call's module."""
-        if not staged.calls:
+        cheaper; its ``sum_grad_squared`` and ``grad`` (and ``batch_l2`` where so chosen)
+        from the per-sample gradients summed over the calls, as many samples at a time as
+        ``chunk_bytes`` holds (at least one), never ``[N, *p.shape]`` whole. The choices are
+        ``explain()``'s, under the first call's module."""
+        calls, staged.calls = staged.calls, []
+        if not calls:
             return
-        factors = [rec.entry.ghost_factors[pname](x, g, **rec.hp) for rec, pname, x, g, _ in staged.calls]
-        options = summed_norm_costs([(tuple(r.shape), tuple(c.shape)) for r, c in factors], staged.param.numel())
-        rec, pname, _, g, _ = staged.calls[0]
-        chosen = self.strategies.choose(
-            rec.module, rec.name, rec.entry.names(), pname, "batch_l2", {f"tied {k}": c for k, c in options.items()},
-            itemsize(g), staged.param.device,
-        )  # fmt: skip
-        if chosen == "tied ghost":
-            staged.add({"batch_l2": summed_squared_norms(factors)})
-        else:
-            self._materialise(staged)
+        factors = [rec.entry.ghost_factors[pname](x, g, **rec.hp) for rec, pname, x, g, _ in calls]
+        shapes_ = [(tuple(r.shape), tuple(c.shape)) for r, c in factors]
+        rec, pname, _, g, _ = calls[0]
+
+        def choose(quantity: str, options: dict) -> str:
+            return self.strategies.choose(
+                rec.module, rec.name, rec.entry.names(), pname, quantity, options, itemsize(g), staged.param.device
+            )
+
+        rest = self.quantities - {"batch_l2"}
+        if "batch_l2" in self.quantities:
+            options = summed_norm_costs(shapes_, staged.param.numel())
+            if choose("batch_l2", {f"tied {k}": c for k, c in options.items()}) == "tied ghost":
+                staged.add({"batch_l2": summed_squared_norms(factors, self.chunk_bytes)})
+            else:
+                rest = self.quantities
+        if not rest:
+            return
+        step = max(1, int(self.chunk_bytes // (staged.param.numel() * itemsize(g))))
+        cost = per_sample_cost(shapes_, staged.param.numel(), step)
+        for quantity in sorted(rest - {"batch_l2"}):  # the one way: for explain()
+            choose(quantity, {"tied per-sample gradients": cost})
+        staged.quantities.update(self._from_slices(factors, rest, step, tuple(staged.param.shape), staged.batch_size))
+
+    @staticmethod
+    def _from_slices(factors: list, wanted: set, step: int, shape: tuple, n: int) -> dict[str, Tensor]:
+        """``wanted`` quantities of per-sample gradients summed over the calls, ``[n, *shape]``,
+        derived ``step`` samples at a time: per-sample ones concatenated, others summed."""
+        out: dict[str, Tensor] = {}
+        for i in range(0, max(n, 1), step):  # an empty batch: one empty slice, for empty and zero results
+            for q, v in derive(per_sample_gradients(factors, slice(i, i + step), shape), wanted).items():
+                out[q] = v if q not in out else torch.cat([out[q], v]) if q in PER_SAMPLE else out[q] + v
+        return out
 
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and

@@ -12,10 +12,11 @@ import torch
 from tests.support.allocations import Allocations
 from tests.support.clipping import assert_grads, expected, median_norm
 from tests.support.hf_models import tied_lm
-from tests.support.reference import batch_l2, chosen, clear, cross_entropy, per_sample_grads, trainable
+from tests.support.reference import REFERENCE, batch_l2, chosen, clear, cross_entropy, per_sample_grads, trainable
 from torch import nn
 
 import jacmem
+import jacmem.derivatives.tied
 import jacmem.engine.firstorder
 from jacmem.derivatives.registry import Cost
 
@@ -89,6 +90,24 @@ def test_batch_l2_of_tied_parameters(name):
         torch.testing.assert_close(p.batch_l2, batch_l2(reference[p]), rtol=1e-9, atol=1e-15)
 
 
+@pytest.mark.parametrize("name", ["shared_linears", "embedding_head"])
+def test_cross_terms_chunked_over_the_samples(name, monkeypatch):
+    """Under a chunk_bytes below one sample's cross-term matrices, the tied norms come one
+    sample at a time, and are the same."""
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    slices = []
+    summed = jacmem.derivatives.tied._summed
+    monkeypatch.setattr(jacmem.derivatives.tied, "_summed", lambda f, rows: slices.append(rows) or summed(f, rows))
+    with jacmem.extend(jacmem.BatchL2Grad(), chunk_bytes=1) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert chosen(ctx, tied) == "tied ghost"
+    assert slices == [slice(i, i + 1) for i in range(N)]
+    for p in trainable(model):
+        torch.testing.assert_close(p.batch_l2, batch_l2(reference[p]), rtol=1e-9, atol=1e-15)
+
+
 @pytest.mark.parametrize("clipping", ["flat", "automatic"])
 @pytest.mark.parametrize("name", CASES)
 def test_clipped_sum_of_tied_parameters(name, clipping):
@@ -113,6 +132,38 @@ def test_gpt2_real_vocabulary_never_forms_per_sample_gradients():
             with watch:
                 loss.backward()
         assert watch.large == [], f"{ext}: {watch.large}"
+
+
+@pytest.mark.parametrize("chunk_bytes", [1, 2**30])
+@pytest.mark.parametrize("name", CASES)
+def test_second_moments_of_tied_parameters(name, chunk_bytes):
+    """SumGradSquared, Variance and BatchL2Grad together from the per-sample gradients
+    summed over the calls, a slice of samples at a time (one sample under chunk_bytes=1),
+    never [N, *p.shape] whole; explain() says so."""
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    exts = (jacmem.SumGradSquared(), jacmem.Variance(), jacmem.BatchL2Grad())
+    with jacmem.extend(*exts, chunk_bytes=chunk_bytes) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    assert "sum_grad_squared <- tied per-sample gradients" in next(
+        line for line in ctx.explain().splitlines() if line.startswith(f"{tied} ")
+    )
+    for p in trainable(model):
+        for field in ("sum_grad_squared", "variance", "batch_l2"):
+            expected = REFERENCE[field](reference[p])
+            torch.testing.assert_close(getattr(p, field), expected, rtol=1e-9, atol=1e-15, msg=f"{name} {field}")
+
+
+def test_gpt2_real_vocabulary_variance_without_per_sample_gradients():
+    """Variance of the tied [50257, 8] weight: nothing of N·V·D entries in the backward."""
+    model, X, y, _ = case("gpt2_50257")
+    watch = Allocations(N * 50257 * 8)
+    with jacmem.extend(jacmem.Variance(), chunk_bytes=1):
+        loss = cross_entropy(model(X), y, "mean")
+        with watch:
+            loss.backward()
+    assert watch.large == []
 
 
 def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
