@@ -36,6 +36,11 @@ def _flat(t: Tensor) -> Tensor:
     return rearrange(t, "n ... f -> n (...) f")
 
 
+def _rows(t: Tensor) -> Tensor:
+    """[N, *, F] -> [N·T, F]"""
+    return t.reshape(-1, t.shape[-1])
+
+
 def _dims(xs, gs):
     """Shapes of x and g -> (N, T, I, O)."""
     return xs[0], prod(xs[1:-1]), xs[-1], gs[-1]
@@ -55,8 +60,9 @@ def weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
 
 @register(nn.Linear, "weight", "grad", "direct", cost=_outer_cost)
 def weight_grad(x: Tensor, g: Tensor) -> Tensor:
-    """Summed gradient: [N, *, I], [N, *, O] -> [O, I]"""
-    return torch.einsum("nto,nti->oi", _flat(g), _flat(x))
+    """Summed gradient: [N, *, I], [N, *, O] -> [O, I], one matrix product over the
+    ``N·T`` rows (a transposed operand is BLAS's, not a copy)"""
+    return _rows(g).T @ _rows(x)
 
 
 def ghost_cost(xs, gs) -> Cost:
@@ -73,9 +79,9 @@ def weight_batch_l2_ghost(x: Tensor, g: Tensor) -> Tensor:
     x, g = _flat(x), _flat(g)
     if x.shape[1] == 1:
         return x.square().sum((1, 2)) * g.square().sum((1, 2))
-    xx = torch.einsum("nti,nsi->nts", x, x)
-    gg = torch.einsum("nto,nso->nts", g, g)
-    return torch.einsum("nts,nts->n", xx, gg)
+    xx = torch.bmm(x, x.transpose(1, 2))  # [N, T, T], contiguous: the dot below copies neither
+    gg = torch.bmm(g, g.transpose(1, 2))
+    return torch.linalg.vecdot(xx.flatten(1), gg.flatten(1))
 
 
 def weight_ghost_factors(x: Tensor, g: Tensor) -> tuple[Tensor, Tensor]:
@@ -119,7 +125,7 @@ def conv1d_weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
 @register(CONV1D, "weight", "grad", "direct", cost=_outer_cost)
 def conv1d_weight_grad(x: Tensor, g: Tensor) -> Tensor:
     """Summed gradient: [N, *, I], [N, *, O] -> [I, O]"""
-    return torch.einsum("nti,nto->io", _flat(x), _flat(g))
+    return _rows(x).T @ _rows(g)
 
 
 register(CONV1D, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2_ghost)  # a norm: layout-free
