@@ -49,13 +49,13 @@ def _loader(X, y):
     return DataLoader(TensorDataset(X, y), batch_size=X.shape[0])
 
 
-def prepare(engine: str, model, X, y):
-    """A ``step()``: one SGD step of ``model`` on ``(X, y)``, private with ``engine``
-    (or ``"plain"``)."""
+def prepare(engine: str, model, X, y, lossfunc=None):
+    """A ``step()``: one SGD step of ``model`` on ``(X, y)`` with the loss ``lossfunc``
+    (by default ``nn.CrossEntropyLoss()``), private with ``engine`` (or ``"plain"``)."""
     import torch
     from torch import nn
 
-    lossfunc = nn.CrossEntropyLoss()
+    lossfunc = lossfunc or nn.CrossEntropyLoss()
     opt = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=LR)
     private = dict(noise_multiplier=SIGMA, max_grad_norm=C, poisson_sampling=False)
     if engine == "jacmem":
