@@ -60,21 +60,58 @@ def _summed(factors: list[tuple[Tensor, Tensor]], rows: slice) -> Tensor:
     return total
 
 
-def per_sample_gradients(factors: list[tuple[Tensor, Tensor]], rows: slice, shape: tuple[int, int]) -> Tensor:
-    """The per-sample gradients of the samples ``rows``, summed over the calls, from their
-    ghost factors: a batched product per call (an ``index_add`` where ``r`` holds row
-    indices) -> ``[n, R, C]`` (``shape`` is ``(R, C)``)"""
-    cols = factors[0][1][rows]
-    n = cols.shape[0]
-    flat = cols.new_zeros(n * shape[0], shape[1])
+def summed_moments(
+    factors: list[tuple[Tensor, Tensor]], shape: tuple[int, int], wanted: set, chunk_bytes: float
+) -> dict[str, Tensor]:
+    """``wanted`` among ``sum_grad_squared`` (``Σ_n G_n ⊙ G_n``, ``[R, C]``), ``grad``
+    (``Σ_n G_n``, ``[R, C]``) and ``batch_l2`` (``‖G_n‖²``, ``[N]``) of the per-sample
+    gradients ``G_n`` summed over the calls, from their ghost factors (``shape`` is
+    ``(R, C)``). ``G_n`` is formed a block of rows of a slice of samples at a time, as
+    many as ``chunk_bytes`` holds (at least one row of one sample), and folded into the
+    results in place: never ``[n, R, C]``, which for a tied 50k-token embedding is 154 MB
+    a sample in float32."""
+    cols = factors[0][1]
+    n, (rows, width) = cols.shape[0], shape
+    per_row = width * cols.element_size()
+    step = max(1, min(n, int(chunk_bytes // per_row)))
+    block = max(1, min(rows, int(chunk_bytes // (step * per_row))))
+    out = {q: cols.new_zeros(shape) for q in wanted & {"sum_grad_squared", "grad"}}
+    if "batch_l2" in wanted:
+        out["batch_l2"] = cols.new_zeros(n)
+    buffer = cols.new_empty(min(step, n) * block + 1, width)  # + a spare row, see _rows
+    for i in range(0, n, step):
+        for first in range(0, rows, block):
+            g = _rows(factors, slice(i, i + step), first, min(block, rows - first), buffer)
+            part = slice(first, first + g.shape[1])
+            if "grad" in out:
+                out["grad"][part] += g.sum(0)
+            if "sum_grad_squared" in out or "batch_l2" in out:
+                g.square_()
+            if "sum_grad_squared" in out:
+                out["sum_grad_squared"][part] += g.sum(0)
+            if "batch_l2" in out:
+                out["batch_l2"][i : i + g.shape[0]] += g.sum((1, 2))
+    return out
+
+
+def _rows(factors: list[tuple[Tensor, Tensor]], samples: slice, first: int, count: int, buffer: Tensor) -> Tensor:
+    """Rows ``first : first + count`` of the summed per-sample gradients of ``samples``, in
+    ``buffer`` (``[≥ n·count + 1, C]``): a batched product per call on its rows' slice of
+    ``r``, an ``index_add`` where ``r`` holds row indices (those outside the block go to
+    the spare last row, so that no mask needs a host sync) -> ``[n, count, C]``"""
+    n = factors[0][1][samples].shape[0]
+    flat = buffer[: n * count + 1].zero_()
+    g = flat[:-1].view(n, count, -1)
     for r, c in factors:
-        r, c = r[rows], c[rows]
+        r, c = r[samples], c[samples]
         if r.is_floating_point():
-            flat.view(n, *shape).baddbmm_(r.transpose(1, 2), c)
+            g.baddbmm_(r[:, :, first : first + count].transpose(1, 2), c)
         else:
-            keys = (torch.arange(n, device=r.device)[:, None] * shape[0] + r).flatten()
-            flat.index_add_(0, keys, c.flatten(0, 1))
-    return flat.view(n, *shape)
+            local = r - first
+            keys = torch.arange(n, device=r.device)[:, None] * count + local
+            keys = keys.masked_fill_((local < 0) | (local >= count), n * count)
+            flat.index_add_(0, keys.flatten(), c.flatten(0, 1))
+    return g
 
 
 def add_clipped_sum(total: Tensor, f: tuple[Tensor, Tensor], c: Tensor) -> Tensor:
@@ -109,13 +146,13 @@ def summed_norm_costs(shapes: list[tuple[tuple, tuple]], param_numel: int) -> di
         for r2, c2 in shapes[: k + 1]:
             pairs = n * c[1] * c2[1]
             ghost = Cost(ghost.flops + 2 * pairs * (min(_width(r), _width(r2)) + c[2]), max(ghost.workspace, 2 * pairs))
-    return {"ghost": ghost, "per-sample gradients": per_sample_cost(shapes, param_numel, n)}
+    return {"ghost": ghost, "per-sample gradients": per_sample_cost(shapes, param_numel, n * param_numel)}
 
 
-def per_sample_cost(shapes: list[tuple[tuple, tuple]], param_numel: int, samples: int) -> Cost:
-    """Cost of the calls' summed per-sample gradients (:func:`per_sample_gradients`), and of
-    a norm or square of them, ``samples`` at a time"""
+def per_sample_cost(shapes: list[tuple[tuple, tuple]], param_numel: int, entries: int) -> Cost:
+    """Cost of the calls' summed per-sample gradients (:func:`summed_moments`), and of a
+    norm or square of them, ``entries`` of them at a time"""
     n = shapes[0][1][0]
     result = n * param_numel
     flops = sum(2 * n * c[1] * _width(r) * c[2] for r, c in shapes) + (len(shapes) + 2) * result
-    return Cost(flops, 2 * samples * param_numel)
+    return Cost(flops, 2 * entries)

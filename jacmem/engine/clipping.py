@@ -58,6 +58,16 @@ from jacmem.engine.planner import batch_size
 from jacmem.extensions.clipping import ClipGrad
 
 
+def _distance(a: Tensor, b: Tensor, chunk_bytes: float) -> Tensor:
+    """``‖a - b‖`` (``b`` in ``a``'s dtype) over flat pieces of ``a``: no temporary of
+    ``a``'s size (a tied 50k-token embedding's ``[V, d]``, 154 MB in float32), only pieces
+    of ``chunk_bytes``, but of ``2**20`` entries at least (a tiny ``chunk_bytes`` would
+    make a Python loop over single entries) -> a scalar"""
+    step = max(int(chunk_bytes // a.element_size()), 2**20)
+    pieces = zip(a.reshape(-1).split(step), b.reshape(-1).split(step))
+    return torch.linalg.vector_norm(torch.stack([(x - y.to(x.dtype)).norm() for x, y in pieces]))
+
+
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
@@ -237,7 +247,7 @@ class ClippingEngine(FirstOrderEngine):
         CUDA, a failure is a device-side assertion."""
         for key, grad in run.autograd.items():
             recorded = run.recorded.get(key)
-            diff = grad.norm() if recorded is None else (grad - recorded.to(grad.dtype)).norm()
+            diff = grad.norm() if recorded is None else _distance(grad, recorded, self.chunk_bytes)
             eps = max(torch.finfo(dtype).eps for dtype in (grad.dtype, run.narrowest.get(key, grad.dtype)))
             tol = eps**0.5 * grad.norm().clamp(min=1e-30)
             compat.assert_on_device(

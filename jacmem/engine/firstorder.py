@@ -26,9 +26,9 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
 from jacmem.derivatives.registry import own_parameters
-from jacmem.derivatives.tied import per_sample_cost, per_sample_gradients, summed_norm_costs, summed_squared_norms
+from jacmem.derivatives.tied import per_sample_cost, summed_moments, summed_norm_costs, summed_squared_norms
 from jacmem.engine import distributed, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
@@ -256,8 +256,9 @@ class FirstOrderEngine(Engine):
         """A shared parameter's kept calls: its ``batch_l2`` from their ghost factors'
         cross terms, or from per-sample gradients, whichever the cost model finds
         cheaper; its ``sum_grad_squared`` and ``grad`` (and ``batch_l2`` where so chosen)
-        from the per-sample gradients summed over the calls, as many samples at a time as
-        ``chunk_bytes`` holds (at least one), never ``[N, *p.shape]`` whole. The choices are
+        from the per-sample gradients summed over the calls, a block of rows of a slice of
+        samples at a time within ``chunk_bytes`` (:func:`summed_moments`), never one
+        sample's ``p.shape`` whole where that exceeds it. The choices are
         ``explain()``'s, under the first call's module."""
         calls, staged.calls = staged.calls, []
         if not calls:
@@ -280,21 +281,11 @@ class FirstOrderEngine(Engine):
                 rest = self.quantities
         if not rest:
             return
-        step = max(1, int(self.chunk_bytes // (staged.param.numel() * itemsize(g))))
-        cost = per_sample_cost(shapes_, staged.param.numel(), step)
+        entries = min(staged.param.numel() * staged.batch_size, max(1, int(self.chunk_bytes // itemsize(g))))
+        cost = per_sample_cost(shapes_, staged.param.numel(), entries)
         for quantity in sorted(rest - {"batch_l2"}):  # the one way: for explain()
             choose(quantity, {"tied per-sample gradients": cost})
-        staged.quantities.update(self._from_slices(factors, rest, step, tuple(staged.param.shape), staged.batch_size))
-
-    @staticmethod
-    def _from_slices(factors: list, wanted: set, step: int, shape: tuple, n: int) -> dict[str, Tensor]:
-        """``wanted`` quantities of per-sample gradients summed over the calls, ``[n, *shape]``,
-        derived ``step`` samples at a time: per-sample ones concatenated, others summed."""
-        out: dict[str, Tensor] = {}
-        for i in range(0, max(n, 1), step):  # an empty batch: one empty slice, for empty and zero results
-            for q, v in derive(per_sample_gradients(factors, slice(i, i + step), shape), wanted).items():
-                out[q] = v if q not in out else torch.cat([out[q], v]) if q in PER_SAMPLE else out[q] + v
-        return out
+        staged.quantities.update(summed_moments(factors, tuple(staged.param.shape), rest, self.chunk_bytes))
 
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and

@@ -107,5 +107,7 @@ class Variance(FirstOrderExtension):
     savefield, quantities = "variance", ("sum_grad_squared", "grad")
 
     def finalize(self, q, batch_size):
-        # in place on the two temporaries: fewer fresh allocations, the same values
-        return (q["sum_grad_squared"] / batch_size).sub_((q["grad"] / batch_size).square_())
+        # (Σg² - (Σg)²/N) / N: one fresh p.shape (the result) where two temporaries were,
+        # 154 MB less at the peak of a tied 50k-token embedding in float32
+        # (an empty batch: NaN, as before, not a ZeroDivisionError)
+        return torch.mul(q["grad"], q["grad"]).div_(-batch_size).add_(q["sum_grad_squared"]).div_(batch_size)

@@ -324,6 +324,17 @@ def test_a_parameter_used_outside_every_recorded_call_is_refused():
     assert no_hooks(model)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_the_check_of_recorded_sums_compares_piece_by_piece(dtype):
+    """autograd's gradient against the recorded sum (in another dtype, too), over 3 pieces
+    of 2**20 entries (the least a piece holds) without a temporary of the whole: the norm
+    of the difference."""
+    a = torch.randn(1500, 1500, dtype=DT)
+    b = (a + 1e-3 * torch.randn_like(a)).to(dtype)
+    got = jacmem.engine.clipping._distance(a, b, chunk_bytes=1)
+    torch.testing.assert_close(got, (a - b.to(DT)).norm(), rtol=1e-12, atol=0)
+
+
 def test_clipgrad_runs_alone_in_its_block():
     with pytest.raises(ValueError, match="runs alone"):
         jacmem.extend(jacmem.ClipGrad(1.0), jacmem.BatchGrad())

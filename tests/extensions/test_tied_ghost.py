@@ -134,12 +134,14 @@ def test_gpt2_real_vocabulary_never_forms_per_sample_gradients():
         assert watch.large == [], f"{ext}: {watch.large}"
 
 
-@pytest.mark.parametrize("chunk_bytes", [1, 2**30])
+@pytest.mark.parametrize("chunk_bytes", [1, 288, 2**30])
 @pytest.mark.parametrize("name", CASES)
 def test_second_moments_of_tied_parameters(name, chunk_bytes):
     """SumGradSquared, Variance and BatchL2Grad together from the per-sample gradients
-    summed over the calls, a slice of samples at a time (one sample under chunk_bytes=1),
-    never [N, *p.shape] whole; explain() says so."""
+    summed over the calls, a block of rows of a slice of samples at a time: one row of
+    one sample under chunk_bytes=1; under 288, all 3 samples in blocks of 3 rows of 4
+    float64 columns (the last block short: 11 = 3+3+3+2 rows of the embedding), never
+    [N, *p.shape] whole; explain() says so."""
     model, X, y, tied = case(name)
     reference = per_sample_grads(model, X, y, cross_entropy, "mean")
     clear(model)
