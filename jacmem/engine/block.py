@@ -234,6 +234,7 @@ class Block:
             self._check_fsdp(module)
             self._roots.append(weakref.ref(module))
         self._depth += 1
+        fsdp.unshard_own(module)
         for engine in self.engines:
             engine.on_enter(module)
 

@@ -61,6 +61,15 @@ def is_fsdp(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
+def unshard_own(module: nn.Module) -> None:
+    """An FSDP2 module whose own parameters (not its children's) are still sharded as its
+    call begins, when the block sees it: unshard them now (``FSDPModule.unshard``, what
+    FSDP's pre-forward hook, which runs after the block's, does next), so that the engines
+    see the parameters its forward uses."""
+    if is_fsdp(module) and any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+        module.unshard()
+
+
 def check(model: nn.Module, name, second_order: bool) -> None:
     """Raise where jacmem cannot compute exactly under the FSDP modules of ``model``
     (``name(module)`` names them): FSDP1, second-order extensions, a placement other
