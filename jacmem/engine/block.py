@@ -209,7 +209,7 @@ class Block:
     def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
         """(process group, its parameters in model order) for the models called in the
         block and the tracked ones: the ``process_group`` argument, or that of a
-        ``DistributedDataParallel`` model."""
+        ``DistributedDataParallel`` model; FSDP2's parameters are :meth:`shardings`'."""
         models = self._roots_and_models()
         groups: list[tuple[Any, list[nn.Parameter]]] = []
         seen = set()
@@ -217,7 +217,7 @@ class Block:
             group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
             if group is None:
                 continue
-            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen and not fsdp.sharded(p)]
             seen.update(map(id, params))
             groups.append((group, params))
         return groups

@@ -61,12 +61,17 @@ def is_fsdp(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
+def sharded(param: Tensor) -> bool:
+    """Whether ``param`` is a sharded ``DTensor`` (FSDP2's, for the block's models)."""
+    return DTensor is not None and isinstance(param, DTensor)
+
+
 def unshard_own(module: nn.Module) -> None:
     """An FSDP2 module whose own parameters (not its children's) are still sharded as its
     call begins, when the block sees it: unshard them now (``FSDPModule.unshard``, what
     FSDP's pre-forward hook, which runs after the block's, does next), so that the engines
     see the parameters its forward uses."""
-    if is_fsdp(module) and any(isinstance(p, DTensor) for p in module.parameters(recurse=False)):
+    if is_fsdp(module) and any(map(sharded, module.parameters(recurse=False))):
         module.unshard()
 
 

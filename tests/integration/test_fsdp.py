@@ -140,8 +140,21 @@ def first_order_and_clipping(case: Case, wrapping: str) -> None:
     check_clipped(case, model, ext, f"{case.name} {wrapping} ClipGrad")
 
 
+def tracked(case: Case) -> None:
+    """The forward before the block, the model given to ``jacmem.track``."""
+    model = case.sharded("per_block")
+    jacmem.track(model)
+    try:
+        loss = case.loss(model)
+        with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
+            loss.backward()
+    finally:
+        jacmem.untrack(model)
+    check_first_order(case, model, f"{case.name} track")
+
+
 def training(case: Case) -> None:
-    """Gradient accumulation, per-layer clipping, a tracked model, mixed precision."""
+    """Gradient accumulation, per-layer clipping, mixed precision."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     model = case.sharded("per_block")
@@ -158,16 +171,6 @@ def training(case: Case) -> None:
     want = expected(case.clipped, thresholds, "per_layer")
     for i, (p, w) in enumerate(zip(model.parameters(), want.values())):
         torch.testing.assert_close(p.grad.full_tensor(), w, rtol=1e-9, atol=1e-12, msg=lambda m: f"per_layer {i}: {m}")
-
-    model = case.sharded("whole")
-    jacmem.track(model)
-    try:
-        loss = case.loss(model)
-        with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
-            loss.backward()
-    finally:
-        jacmem.untrack(model)
-    check_first_order(case, model, f"{case.name} track")
 
     policy = MixedPrecisionPolicy(param_dtype=DT, reduce_dtype=DT)
     model = case.sharded("per_block", mp_policy=policy)
@@ -257,6 +260,7 @@ def _worker(rank: int, world: int, names: tuple[str, ...]) -> None:
         case = Case(name, rank, world)
         for wrapping in ("whole", "per_block", "nested"):
             first_order_and_clipping(case, wrapping)
+        tracked(case)
         if name == "cnn":
             training(case)
             private_names(case)
