@@ -23,6 +23,7 @@ __all__ = [
     "WeakTensorKeyDictionary",
     "assert_on_device",
     "current_graph_task_id",
+    "fsdp_parameters",
     "functorch_transforms_active",
     "fused_recurrence",
     "handle_alive",
@@ -167,3 +168,16 @@ def swap_parameters(module: nn.Module, tensors: dict[str, Tensor]) -> Callable[[
         module._parameters.update(saved)
 
     return restore
+
+
+def fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter | None]]:
+    """The parameters an FSDP2 module (``fully_shard``) manages itself, not those of
+    the FSDP2 modules inside it: (sharded parameter, the user's ``DTensor``; unsharded
+    parameter that forward and backward run on, one object kept across steps, None
+    before the first forward). The module's ``_get_fsdp_state()._fsdp_param_group``,
+    its ``fsdp_params`` and their ``sharded_param`` and ``_unsharded_param``
+    (torch/distributed/fsdp/_fully_shard), since torch 2.4."""
+    group = module._get_fsdp_state()._fsdp_param_group
+    if group is None:
+        return []
+    return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]

@@ -167,3 +167,5 @@ class Setup:
     models: Callable
     #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
     batch_first: bool = True
+    #: ``shardings()``: the FSDP2 parameters of the block's models (:mod:`jacmem.engine.fsdp`)
+    shardings: Callable = list

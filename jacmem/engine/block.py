@@ -26,7 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from jacmem.engine import distributed, hooks, recorder
+from jacmem.engine import distributed, fsdp, hooks, recorder
 from jacmem.engine.base import Engine, Passes, Setup
 from jacmem.engine.clipping import ClippingEngine
 from jacmem.engine.firstorder import FirstOrderEngine
@@ -100,6 +100,8 @@ class Block:
         #: the models called at depth 0 in the block, as weak references, in order
         self._roots: list[weakref.ref] = []
         self._late = hooks.LateBackward()
+        #: the models :meth:`_check_fsdp` passed
+        self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -117,6 +119,7 @@ class Block:
             self.owner,
             self.models,
             self.batch_first,
+            self.shardings,
         )
         try:
             self.engines = [cls(exts, setup) for cls, exts in self.kinds]
@@ -140,6 +143,7 @@ class Block:
             self.engines = []
             self._roots = []
             self._names = weakref.WeakKeyDictionary()
+            self._fsdp_checked = weakref.WeakSet()
             self._depth = 0
             self.owner = None
         self.notices.flush()
@@ -167,6 +171,7 @@ class Block:
     def track(self, model: nn.Module) -> None:
         """Record ``model``'s calls for this block alone, wherever they run, until
         :meth:`untrack` or :meth:`close`; the engines see the model at once."""
+        self._check_fsdp(model)
         recorder.track(model, self.batch_first, owner=self)
         for engine in self.engines:
             engine.on_track(model)
@@ -187,18 +192,32 @@ class Block:
     def name(self, module: nn.Module) -> str:
         return self._names.get(module) or recorder.tracked_name(module) or type(module).__name__
 
+    def _roots_and_models(self) -> list[nn.Module]:
+        return [m for m in (ref() for ref in self._roots) if m is not None] + self.models()
+
+    def shardings(self) -> list[fsdp.Sharding]:
+        """The FSDP2 parameters of the models called in the block and the tracked ones."""
+        return fsdp.shardings(self._roots_and_models())
+
+    def _check_fsdp(self, model: nn.Module) -> None:
+        """Raise where ``model`` is sharded by FSDP in a way the block cannot follow; once
+        per model and block."""
+        if model not in self._fsdp_checked:
+            fsdp.check(model, self.name, any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds))
+            self._fsdp_checked.add(model)
+
     def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
         """(process group, its parameters in model order) for the models called in the
         block and the tracked ones: the ``process_group`` argument, or that of a
-        ``DistributedDataParallel`` model."""
-        models = [m for m in (ref() for ref in self._roots) if m is not None] + self.models()
+        ``DistributedDataParallel`` model; FSDP2's parameters are :meth:`shardings`'."""
+        models = self._roots_and_models()
         groups: list[tuple[Any, list[nn.Parameter]]] = []
         seen = set()
         for model in models:
             group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
             if group is None:
                 continue
-            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen]
+            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen and not fsdp.sharded(p)]
             seen.update(map(id, params))
             groups.append((group, params))
         return groups
@@ -212,8 +231,10 @@ class Block:
         if self._depth == 0 and module not in self._names:
             for name, sub in module.named_modules():
                 self._names.setdefault(sub, name or type(sub).__name__)
+            self._check_fsdp(module)
             self._roots.append(weakref.ref(module))
         self._depth += 1
+        fsdp.unshard_own(module)
         for engine in self.engines:
             engine.on_enter(module)
 
@@ -248,6 +269,8 @@ class Block:
 
     def backward(self, tensors, grad_tensors) -> None:
         """A backward of the block's thread is about to begin: to every engine."""
+        for model in self.models():  # tracked: their forwards may have run before the block
+            self._check_fsdp(model)
         for engine in self.engines:
             engine.on_backward(tensors, grad_tensors, len(self.engines) == 1)
 

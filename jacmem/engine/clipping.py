@@ -222,20 +222,41 @@ class ClippingEngine(FirstOrderEngine):
         squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
         if self.clip.clipping == "per_layer":
             self.clip.bind(p for model in [*self.roots, *self.models()] for p in model.parameters())
-        factors, norms = self.clip.factors(squared, run.names) if squared else ({}, torch.zeros(0))
+        shardings = self.shardings()
+        user = {key: id(sharding.sharded[key]) for sharding in shardings for key in sharding.sharded}
+        factors, norms = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
         for group, params in self.groups():  # every group holds the same samples: each gives the global count
             sums, count = distributed.sum_over_ranks(group, params, sums, n)
         writes: list[Write] = [
             (self.clip, "norms", norms),
-            (self.clip, "samples", self.clip.samples + count),
             (self.clip, "unclipped", self.clip.count_unclipped(factors)),
         ]
+        for sharding in shardings:  # FSDP2: the shards of the sums, to the user's sharded parameters
+            shards, count = sharding.reduce_scatter({key: sums.pop(key) for key in sharding.sharded if key in sums}, n)
+            for key, local in shards.items():
+                param, value = sharding.sharded[key], sharding.dtensor(key, local)
+                writes.append((param, "grad", value if param.grad is None else param.grad.add_(value)))
+        writes.append((self.clip, "samples", self.clip.samples + count))
         for key, s in staged.items():
-            value = precision.result(sums[key], s.param)
-            writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))
+            if key in sums:
+                value = precision.result(sums[key], s.param)
+                writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))
         return writes
+
+    def _factors(
+        self, squared: dict[int, Tensor], names: dict[int, str], user: dict[int, int]
+    ) -> tuple[dict[int, Tensor], Tensor]:
+        """The clip factors and norms of ``squared`` (``id(param) -> [N]``); ``user`` maps
+        an FSDP2 unsharded parameter's id to its sharded one's, the parameter that per-layer
+        thresholds name."""
+        if not squared:
+            return {}, torch.zeros(0)
+        factors, norms = self.clip.factors(
+            {user.get(k, k): v for k, v in squared.items()}, {user.get(k, k): v for k, v in names.items()}
+        )
+        return {k: factors[user.get(k, k)] for k in squared}, norms
 
     def _check_recorded(self, run: ClipStaging) -> None:
         """Raise where autograd's gradient of a parameter is not the sum of its recorded

@@ -34,7 +34,7 @@ from torch import Tensor, nn
 #: the quantities that are summed over the ranks; the others stay local
 GLOBAL_QUANTITIES = ("sum_grad_squared", "grad")
 #: the power of 1/W each quantity carries
-_SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
+SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
 
 
 def process_group_of(module: nn.Module) -> Any | None:
@@ -66,7 +66,7 @@ def synchronize(
     for key, q in quantities.items():
         if key in {id(p) for p in params}:
             for name, value in q.items():
-                q[name] = value / world ** _SCALE_POWER[name]
+                q[name] = value / world ** SCALE_POWER[name]
     if not params or not any(name in GLOBAL_QUANTITIES for name in wanted):
         return  # the same decision on every rank, so that all or none call the collective
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32

@@ -26,10 +26,10 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
 from jacmem.derivatives.registry import own_parameters
 from jacmem.derivatives.tied import per_sample_cost, summed_moments, summed_norm_costs, summed_squared_norms
-from jacmem.engine import distributed, hooks, notices, precision
+from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
 from jacmem.engine.planner import ContractError, batch_size, cached_plan, execute, itemsize, shapes
@@ -94,6 +94,7 @@ class FirstOrderEngine(Engine):
         self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
         self.owner: int | None = setup.owner
         self.batch_first = setup.batch_first
+        self.shardings = setup.shardings
         #: the block's own calls; a layer that allows it runs through ComputeOnce
         self.recorder = Recorder(self._on_grad, once=True, batch_first=setup.batch_first)
         #: modules already warned about (weakly: a long block sees re-created modules)
@@ -316,8 +317,12 @@ class FirstOrderEngine(Engine):
         self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
         for group, params in self.groups():
             distributed.synchronize(group, params, self.quantities, quantities, sizes)
+        sharded = {}
+        for sharding in self.shardings():
+            sharding.synchronize(self.quantities, quantities, sizes)
+            sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
-            (s.param, ext.savefield, precision.result(ext.finalize(quantities[key], sizes[key]), s.param))
+            _write(ext, s.param, key, ext.finalize(quantities[key], sizes[key]), sharded.get(key))
             for key, s in staged.items()
             for ext in self.extensions
         ]
@@ -434,3 +439,20 @@ class FirstOrderEngine(Engine):
             )
 
         self.notices.add(("first-order unsupported",), rec.name, say)
+
+
+def _write(
+    ext: FirstOrderExtension, param: nn.Parameter, key: int, value: Tensor, sharding: fsdp.Sharding | None
+) -> Write:
+    """``ext``'s result for ``param``, on the parameter, or under FSDP2 (``sharding``, a
+    :class:`jacmem.engine.fsdp.Sharding`) on the user's sharded parameter: per-sample
+    gradients as a ``DTensor`` sharded on their dimension 1, per-sample norms as they
+    are, the rest as a ``DTensor`` like the parameter."""
+    if sharding is None:
+        return param, ext.savefield, precision.result(value, param)
+    target = sharding.sharded[key]
+    if "batch_grad" in ext.quantities:
+        return target, ext.savefield, sharding.dtensor(key, value, dim=1)
+    if set(ext.quantities) <= set(PER_SAMPLE):
+        return target, ext.savefield, precision.result(value, target)
+    return target, ext.savefield, sharding.dtensor(key, value)

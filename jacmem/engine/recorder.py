@@ -26,7 +26,7 @@ from jacmem.derivatives import REGISTRY, registered_type
 from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
 from jacmem.derivatives.registry import own_parameters
-from jacmem.engine import hooks
+from jacmem.engine import fsdp, hooks
 from jacmem.engine.broadcast import Origin, watch
 
 
@@ -235,11 +235,13 @@ class Tracker(Recorder):
             if module is not model and next(own_parameters(module), None) is None:
                 continue
             self.names[module] = name or type(module).__name__
-            self.module_handles += [
-                module.register_forward_pre_hook(self._on_enter),
-                module.register_forward_hook(self._on_leave, always_call=True),
-                module.register_forward_hook(self._on_forward, with_kwargs=True),
-            ]
+            # an FSDP2 module's forward hook reshards its parameters: see the call before it
+            # (its pre-forward hook, which unshards them, comes first already)
+            first = fsdp.is_fsdp(module)
+            after = [(self._on_leave, {"always_call": True}), (self._on_forward, {"with_kwargs": True})]
+            self.module_handles.append(module.register_forward_pre_hook(self._on_enter))
+            for hook, kwargs in reversed(after) if first else after:  # leave, then forward, either way
+                self.module_handles.append(module.register_forward_hook(hook, prepend=first, **kwargs))
 
     @property
     def block(self) -> Any:

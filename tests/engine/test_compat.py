@@ -1,5 +1,6 @@
 """jacmem.compat: each private torch API the engine uses still does what it says, on
-the torch installed here (a torch upgrade that moves one fails here first)."""
+the torch installed here (a torch upgrade that moves one fails here first).
+``fsdp_parameters`` needs a process group: tests/integration/test_fsdp.py checks it."""
 
 import pytest
 import torch

@@ -1,0 +1,280 @@
+"""FSDP2 (``fully_shard``): gloo ranks on the CPU against one process on the whole batch.
+
+Each rank holds its own rows of the batch; the reference is the per-sample autograd loop
+of ``tests/support/reference.py`` on the whole batch, in float64, in every rank, on an
+unsharded copy of the model. With FSDP's averaging and ``reduction="mean"`` (see
+:mod:`jacmem.engine.fsdp`):
+
+- ``grad_batch.full_tensor()`` is the reference's ``[N, *shape]``; ``batch_l2`` the
+  reference's rows of the rank's samples; ``sum_grad_squared`` and ``variance``
+  (gathered) the reference's over the whole batch;
+- under ``ClipGrad``, ``.grad.full_tensor()`` is the clipped sum over the whole batch,
+  ``ClipGrad.samples`` the global count, ``ClipGrad.norms`` the rank's rows.
+
+Models: a CNN (uneven shards: dimension 0 of 3 over 2 and 4 ranks), a tiny HF GPT-2 (tied
+``wte``/``lm_head``, default position ids) and a tiny timm ViT, each sharded whole, per
+block (and the root) and nested (a part of each block too). One start of the processes
+runs every check, as starting processes is the slow part.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from tests.support import hf_models
+from tests.support.clipping import expected, median_norm, norms, per_sample
+from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.reference import REFERENCE, assert_close, cross_entropy, per_sample_grads
+from torch import nn
+
+import jacmem
+from jacmem import compat
+
+DT = torch.float64
+PER_RANK = 2
+FIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance")
+
+
+def cnn() -> nn.Module:
+    """[N, 2, 6, 6] -> [N, 3]"""
+    return nn.Sequential(
+        nn.Sequential(nn.Conv2d(2, 4, 3), nn.ReLU(), nn.Conv2d(4, 3, 3)), nn.ReLU(), nn.Flatten(), nn.Linear(12, 3)
+    )
+
+
+def data(name: str, n: int):
+    if name == "cnn":
+        return torch.randn(n, 2, 6, 6, dtype=DT), torch.randint(0, 3, (n,))
+    if name == "vit":
+        return torch.randn(n, 3, 8, 8, dtype=DT), torch.randint(0, 3, (n,))
+    return torch.randint(0, hf_models.V, (n, hf_models.T)), torch.randint(0, hf_models.V, (n, hf_models.T))
+
+
+MODELS = {"cnn": cnn, "gpt2": hf_models.gpt2, "vit": hf_models.vit}
+
+
+def blocks(name: str, model: nn.Module) -> list[nn.Module]:
+    """The model's blocks (what FSDP users shard one by one)."""
+    if name == "cnn":
+        return [model[0], model[3]]
+    return list(model.model.transformer.h) if name == "gpt2" else list(model.blocks)
+
+
+def inner(name: str, block: nn.Module) -> list[nn.Module]:
+    """A part of a block, sharded on its own under ``nested``."""
+    if name == "cnn":
+        return [block[0]] if isinstance(block, nn.Sequential) else []
+    return [block.mlp]
+
+
+def shard(name: str, model: nn.Module, wrapping: str, **kwargs) -> nn.Module:
+    """``model`` ``fully_shard``-ed ``whole``, ``per_block`` (each block, then the root) or
+    ``nested`` (a part of each block, the block, the root)."""
+    from torch.distributed.fsdp import fully_shard
+
+    if wrapping != "whole":
+        for block in blocks(name, model):
+            for part in inner(name, block) if wrapping == "nested" else []:
+                fully_shard(part, **kwargs)
+            fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)
+    return model
+
+
+class Case:
+    """A model, its whole batch and the references, the same in every rank."""
+
+    def __init__(self, name: str, rank: int, world: int):
+        torch.manual_seed(0)
+        self.name, self.rank, self.world = name, rank, world
+        self.model = MODELS[name]().to(DT).eval()  # no dropout: the loop must compute the same function
+        self.X, self.y = data(name, world * PER_RANK)
+        self.rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        self.reference = list(per_sample_grads(self.model, self.X, self.y, cross_entropy).values())
+        self.clipped = per_sample(self.model, self.X, self.y, cross_entropy, "mean")
+        self.C = median_norm(self.clipped)
+        self.expected = list(expected(self.clipped, self.C).values())
+
+    def sharded(self, wrapping: str, **kwargs) -> nn.Module:
+        return shard(self.name, copy.deepcopy(self.model), wrapping, **kwargs)
+
+    def loss(self, model: nn.Module):
+        return cross_entropy(model(self.X[self.rows]), self.y[self.rows], "mean")
+
+
+def check_first_order(case: Case, model: nn.Module, what: str) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    assert len(params) == len(case.reference)
+    for i, (p, gb) in enumerate(zip(params, case.reference)):
+        where = f"rank {case.rank} {what} param {i}"
+        assert_close(p.grad.full_tensor(), gb.sum(0), f"{where} .grad")
+        assert p.grad_batch.placements == (torch.distributed.tensor.Shard(1),), where
+        assert_close(p.grad_batch.full_tensor(), gb, f"{where} grad_batch")
+        assert_close(p.batch_l2, REFERENCE["batch_l2"](gb)[case.rows], f"{where} batch_l2")
+        for field in ("sum_grad_squared", "variance"):
+            assert_close(getattr(p, field).full_tensor(), REFERENCE[field](gb), f"{where} {field}")
+
+
+def check_clipped(case: Case, model: nn.Module, ext: jacmem.ClipGrad, what: str, passes: int = 1) -> None:
+    params = [p for p in model.parameters() if p.requires_grad]
+    for i, (p, want) in enumerate(zip(params, case.expected)):
+        torch.testing.assert_close(
+            p.grad.full_tensor(), passes * want, rtol=1e-9, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}"
+        )
+    torch.testing.assert_close(ext.norms, norms(case.clipped)[case.rows], rtol=1e-9, atol=0)
+    assert ext.samples == passes * case.world * PER_RANK
+
+
+def first_order_and_clipping(case: Case, wrapping: str) -> None:
+    model = case.sharded(wrapping)
+    with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
+        case.loss(model).backward()
+    check_first_order(case, model, f"{case.name} {wrapping}")
+
+    model = case.sharded(wrapping)
+    ext = jacmem.ClipGrad(case.C)
+    with jacmem.extend(ext):
+        case.loss(model).backward()
+    check_clipped(case, model, ext, f"{case.name} {wrapping} ClipGrad")
+
+
+def tracked(case: Case) -> None:
+    """The forward before the block, the model given to ``jacmem.track``."""
+    model = case.sharded("per_block")
+    jacmem.track(model)
+    try:
+        loss = case.loss(model)
+        with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
+            loss.backward()
+    finally:
+        jacmem.untrack(model)
+    check_first_order(case, model, f"{case.name} track")
+
+
+def training(case: Case) -> None:
+    """Gradient accumulation, per-layer clipping, mixed precision."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    model = case.sharded("per_block")
+    ext = jacmem.ClipGrad(case.C)
+    with jacmem.extend(ext):  # two passes before the step: FSDP's .grad accumulates
+        case.loss(model).backward()
+        case.loss(model).backward()
+    check_clipped(case, model, ext, f"{case.name} accumulation", passes=2)
+
+    model = case.sharded("nested")
+    thresholds = [g.flatten(1).norm(dim=1).median().item() for g in case.clipped.values()]
+    with jacmem.extend(jacmem.ClipGrad(thresholds, "per_layer")):
+        case.loss(model).backward()
+    want = expected(case.clipped, thresholds, "per_layer")
+    for i, (p, w) in enumerate(zip(model.parameters(), want.values())):
+        torch.testing.assert_close(p.grad.full_tensor(), w, rtol=1e-9, atol=1e-12, msg=lambda m: f"per_layer {i}: {m}")
+
+    policy = MixedPrecisionPolicy(param_dtype=DT, reduce_dtype=DT)
+    model = case.sharded("per_block", mp_policy=policy)
+    ext = jacmem.ClipGrad(case.C)
+    with jacmem.extend(ext):
+        case.loss(model).backward()
+    check_clipped(case, model, ext, f"{case.name} MixedPrecisionPolicy")
+
+
+def frozen(rank: int, world: int) -> None:
+    """LoRA on GPT-2: the frozen base gets nothing; the adapters equal one process."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = hf_models.gpt2().to(DT).eval()
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=["c_attn"], fan_in_fan_out=True)
+    model.model = peft.get_peft_model(model.model, config).to(DT)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if "lora_B" in pname:
+                p.normal_()
+    X, y = data("gpt2", world * PER_RANK)
+    rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+    clipped = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(clipped)
+    want = list(expected(clipped, C).values())
+    from torch.distributed.fsdp import fully_shard
+
+    for block in model.model.base_model.model.transformer.h:
+        fully_shard(block)
+    fully_shard(model)
+    with jacmem.extend(jacmem.ClipGrad(C)):
+        cross_entropy(model(X[rows]), y[rows], "mean").backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    assert len(trainable) == len(want) and all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    for i, (p, w) in enumerate(zip(trainable, want)):
+        torch.testing.assert_close(p.grad.full_tensor(), w, rtol=1e-9, atol=1e-12, msg=lambda m: f"LoRA {i}: {m}")
+
+
+def private_names(case: Case) -> None:
+    """``jacmem.compat.fsdp_parameters``: the user's sharded parameters, and the unsharded
+    ones FSDP puts in their place for the forward (one object across steps)."""
+    model = case.sharded("whole")
+    pairs = compat.fsdp_parameters(model)
+    assert [s for s, _ in pairs] == list(model.parameters()) and all(u is None for _, u in pairs)
+    seen, weight = [], model[3].weight
+    handle = model[3].register_forward_hook(lambda module, args, out: seen.append(module.weight))
+    for _ in range(2):
+        case.loss(model)
+    handle.remove()
+    unsharded = dict(compat.fsdp_parameters(model))[weight]
+    assert seen == [unsharded, unsharded] and not isinstance(unsharded, torch.distributed.tensor.DTensor)
+
+
+def errors(case: Case) -> None:
+    """Second order and unsupported placements raise before the step, naming FSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = case.sharded("whole")
+    with pytest.raises(RuntimeError, match="FSDP.*second-order"):
+        with jacmem.extend(jacmem.DiagGGNExact()):
+            case.loss(model)
+    jacmem.track(model)
+    try:
+        loss = case.loss(model)
+        with pytest.raises(RuntimeError, match="FSDP.*second-order"):
+            with jacmem.extend(jacmem.KFAC()):
+                loss.backward()
+    finally:
+        jacmem.untrack(model)
+
+    by_column = copy.deepcopy(case.model)
+    fully_shard(by_column, shard_placement_fn=lambda p: torch.distributed.tensor.Shard(int(p.dim() == 2)))
+    with pytest.raises(RuntimeError, match=r"FSDP .*Shard\(0\) on a 1-D mesh"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            case.loss(by_column)
+
+    hsdp = copy.deepcopy(case.model)
+    fully_shard(hsdp, mesh=init_device_mesh("cpu", (1, case.world), mesh_dim_names=("replicate", "shard")))
+    with pytest.raises(RuntimeError, match=r"FSDP .*Shard\(0\) on a 1-D mesh"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            case.loss(hsdp)
+
+
+def _worker(rank: int, world: int, names: tuple[str, ...]) -> None:
+    for name in names:
+        case = Case(name, rank, world)
+        for wrapping in ("whole", "per_block", "nested"):
+            first_order_and_clipping(case, wrapping)
+        tracked(case)
+        if name == "cnn":
+            training(case)
+            private_names(case)
+            errors(case)
+    if world == 2:
+        frozen(rank, world)
+
+
+@needs_gloo
+def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    run_ranks(_worker, tmp_path, 2, ("cnn", "gpt2", "vit"), world=2)
+
+
+@needs_gloo
+@pytest.mark.heavy
+def test_four_ranks_equal_one_process_on_the_whole_batch(tmp_path):
+    run_ranks(_worker, tmp_path, 4, ("cnn", "gpt2"), world=4)
