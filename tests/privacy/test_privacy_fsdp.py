@@ -35,6 +35,7 @@ from tests.support.hf_models import gpt2
 from tests.support.privacy import LR, clip_factors, loader, loop_step, train
 from tests.support.reference import cross_entropy
 from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import distribute_tensor
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
@@ -153,6 +154,14 @@ def _refusal_worker(rank: int) -> None:
     model = nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Linear(WIDTH, WIDTH))
     fully_shard(model[0])
     with pytest.raises(ValueError, match=r"FSDP: parameter '1.weight' \(module '1'\) is not sharded"):
+        make_private(model, poisson_sampling=False)
+    # HSDP: a 2-D mesh replicates each shard over its first axis (here of size 1)
+    model = fully_shard(
+        nn.Linear(WIDTH, WIDTH), mesh=init_device_mesh("cpu", (1, WORLD), mesh_dim_names=("replicate", "shard"))
+    )
+    with pytest.raises(
+        ValueError, match=r"FSDP: parameter 'weight' \(module 'FSDPLinear'\) has placements .* 2-D mesh"
+    ):
         make_private(model, poisson_sampling=False)
     with pytest.raises(ValueError, match=r"clipping='adaptive' is not for distributed training \(FSDP\)"):
         make_private(blocks(), clipping="adaptive", poisson_sampling=False)
