@@ -6,14 +6,17 @@ its ``.grad``: the rank's rows of the clipped sum over the global batch. The noi
 - with the clipped sum zero (a step on an empty batch), the update gathered with
   ``full_tensor()`` is the noise over ``B``: its per-coordinate standard deviation is
   ``σC/B`` (noise added once per coordinate: W ranks each noising every coordinate
-  would give ``√W`` times that), in ``secure_mode`` too;
+  would give ``√W`` times that), in ``secure_mode`` too (Opacus's secure draws, from a
+  per-rank stand-in for ``torchcsprng``'s generator, which is not installed here);
 - the ranks' noise is independent (no correlation between the two shards' noise, and
   different draws where every rank was seeded alike), and a seeded run draws it again;
 - the accountant counts each step once, and every rank reports the same ε.
 
 With noise 0, one private step under FSDP2 equals the per-sample loop's clipped SGD
-step on the whole batch (tiny HF GPT-2, tied embeddings, float64). What cannot be noised
-exactly once (a trainable parameter outside every ``fully_shard``, adaptive clipping)
+step on the whole batch (tiny HF GPT-2, tied embeddings, float64): the optimizer alone,
+on each ``.grad`` set to what the engine leaves (the loop's clipped sum, sharded), and
+the whole step through the backward. What cannot be noised exactly once (a trainable
+parameter outside every ``fully_shard``, HSDP's replicated shards, adaptive clipping)
 is refused in ``make_private``, naming FSDP and the module.
 
 One start of the two processes runs each group of checks: starting them is the slow
