@@ -39,7 +39,8 @@ One step therefore moves the parameters (plain SGD, ``loss_reduction="mean"``) b
 ``-lr/(B·k) · (Σ_i clip_C(g_i) + n)``: ``B`` the expected batch size (the loader's
 ``batch_size`` without Poisson sampling), ``k`` the backward passes since the last step
 (virtual batches: each pass adds its clipped sum), ``n ~ N(0, σ²C²)`` per coordinate,
-drawn once per step for the global batch under ``DistributedDataParallel``.
+drawn once per step for the global batch under ``DistributedDataParallel``, and under
+FSDP2 (``fully_shard``) by each rank for the coordinates it owns.
 """
 
 from __future__ import annotations
@@ -50,9 +51,12 @@ import numbers
 import warnings
 from collections.abc import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch import nn, optim
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard
 from torch.utils.data import DataLoader
 
 try:
@@ -64,13 +68,14 @@ try:
         DistributedDPOptimizerFastGradientClipping,
         DPOptimizerFastGradientClipping,
     )
+    from opacus.optimizers.optimizer import _check_processed_flag, _generate_noise, _mark_as_processed
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
 from jacmem.engine.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
-__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "AdaptiveDPOptimizer"]
+__all__ = ["PrivacyEngine", "DPOptimizer", "DistributedDPOptimizer", "ShardedDPOptimizer", "AdaptiveDPOptimizer"]
 
 CLIPPING = ("flat", "per_layer", "automatic", "adaptive")
 #: set on a ``.grad`` that :meth:`_ClippedSum.accumulate` has added to ``summed_grad``
@@ -92,11 +97,12 @@ class _Private:
     Distributed: the clipping engine sums the clipped sums over the ranks itself, in
     the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
     off while the block is open, and a model that is not DDP-wrapped, in a process
-    group of more than one rank, is summed over the default group."""
+    group of more than one rank, is summed over the default group. An FSDP2 model's
+    clipped sums are reduce-scattered by the engine, as FSDP reduces gradients."""
 
     def __init__(self, module: nn.Module, clip: ClipGrad, batch_first: bool = True):
         ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-        group = dist.group.WORLD if _distributed(module) and not ddp else None
+        group = dist.group.WORLD if _distributed(module) and not (ddp or _fsdp(module)) else None
         self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
@@ -275,6 +281,73 @@ class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClip
             dist.broadcast(p.grad, src=0)
 
 
+class ShardedDPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
+    """:class:`DPOptimizer` under FSDP2 (``fully_shard``). The backward leaves each
+    parameter's ``.grad`` a ``DTensor`` sharded like the parameter (``Shard(0)``), the
+    rank's rows of the clipped sum over the global batch, so ``B`` is the global expected
+    batch size. The shards do not overlap: each rank adds ``N(0, σ²C²)`` to the rows it
+    owns (``grad.to_local()``), and every coordinate gets its noise once, from one rank,
+    for the global batch. The ranks' noise is independent: without ``secure_mode``
+    (whose ``torchcsprng`` generator reads ``/dev/urandom`` in each process), the noise
+    comes from a generator of this rank's own (:func:`_rank_generator`)."""
+
+    def __init__(
+        self,
+        optimizer: optim.Optimizer,
+        *,
+        private: _Private,
+        max_grad_norm: float | Sequence[float],
+        generator: torch.Generator | None = None,
+        secure_mode: bool = False,
+        **kwargs,
+    ):
+        if not secure_mode:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            generator = _rank_generator(generator, params[0].device if params else torch.device("cpu"))
+        super().__init__(
+            optimizer,
+            max_grad_norm=self._own_threshold(private, max_grad_norm),
+            generator=generator,
+            secure_mode=secure_mode,
+            **kwargs,
+        )
+
+    def add_noise(self) -> None:
+        """Noise on this rank's rows of each ``summed_grad``; ``.grad`` the noised
+        ``DTensor``, with the parameter's placement."""
+        for p in self.params:
+            summed = p.summed_grad
+            _check_processed_flag(summed)
+            local = summed.to_local()
+            noise = _generate_noise(
+                std=self.noise_multiplier * self.max_grad_norm,
+                reference=local,
+                generator=self.generator,
+                secure_mode=self.secure_mode,
+            )
+            p.grad = DTensor.from_local(
+                local + noise,
+                summed.device_mesh,
+                summed.placements,
+                run_check=False,
+                shape=summed.shape,
+                stride=summed.stride(),
+            )
+            _mark_as_processed(summed)
+
+
+def _rank_generator(generator: torch.Generator | None, device: torch.device) -> torch.Generator:
+    """A generator on ``device`` for this rank alone: seeded from one draw of
+    ``generator`` (torch's default generator where None) and the rank, through NumPy's
+    ``SeedSequence`` (its ``spawn_key``), so that ranks seeded alike (the same
+    ``noise_generator``, or the same ``torch.manual_seed`` for the same initial model)
+    never draw the same noise, and a seeded run draws the same noise again."""
+    where = generator.device if generator is not None else torch.device("cpu")
+    entropy = int(torch.randint(2**63 - 1, (), generator=generator, device=where))
+    seed = np.random.SeedSequence(entropy, spawn_key=(dist.get_rank(),)).generate_state(1, np.uint64)[0]
+    return torch.Generator(device).manual_seed(int(seed))
+
+
 class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradientClipping):
     """Adaptive clipping (Andrew et al. 2021), Opacus's ``AdaClipDPOptimizer`` on
     ClipGrad's flat clipped sums. Each step, with ``b`` the samples of the step's passes
@@ -309,6 +382,38 @@ def _distributed(module: nn.Module) -> bool:
     return isinstance(module, nn.parallel.DistributedDataParallel) or (
         dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
     )
+
+
+def _fsdp(module: nn.Module) -> bool:
+    """Whether ``fully_shard`` was applied to ``module`` or to one of its submodules."""
+    return any(isinstance(m, FSDPModule) for m in module.modules())
+
+
+def _refuse_unsharded(module: nn.Module, optimizer: optim.Optimizer) -> None:
+    """Under FSDP2, every trainable parameter of the optimizer must be a ``DTensor``
+    with FSDP's ``Shard(0)`` on a 1-D mesh: each rank noises the rows it owns, once. A
+    plain parameter (its module outside every ``fully_shard``) is whole on every rank,
+    and an HSDP parameter (a 2-D mesh) is whole on every replica: either would get its
+    noise once per rank. Raises ``ValueError`` naming the parameter and its module."""
+    names = {id(p): name for name, p in module.named_parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if not p.requires_grad:
+                continue
+            name = names[id(p)]
+            owner = name.rpartition(".")[0] or type(module).__name__
+            if not isinstance(p, DTensor):
+                raise ValueError(
+                    f"jacmem: FSDP: parameter {name!r} (module {owner!r}) is not sharded, though the model is "
+                    "fully_shard-ed: every rank would add noise to it. Apply fully_shard to the root model too "
+                    "(after its blocks), so that every trainable parameter is sharded."
+                )
+            if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+                raise ValueError(
+                    f"jacmem: FSDP: parameter {name!r} (module {owner!r}) has placements {tuple(p.placements)} on a "
+                    f"{p.device_mesh.ndim}-D mesh; private training under FSDP takes fully_shard's Shard(0) on a "
+                    "1-D mesh (HSDP replicates shards, and each replica would add its own noise)."
+                )
 
 
 def _refuse_tracked(module: nn.Module) -> None:
@@ -398,7 +503,8 @@ class PrivacyEngine(OpacusEngine):
         Args:
             module: the model; returned as it is (``model is module``), its hooks
                 installed. A ``DistributedDataParallel`` model (or a process group of
-                more than one rank) gets the distributed optimizer.
+                more than one rank) gets the distributed optimizer; a ``fully_shard``-ed
+                one (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards.
             optimizer: over (a subset of) ``module``'s parameters.
             criterion: the loss, returned as it is where Opacus returns its ghost-clipping
                 criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
@@ -451,7 +557,9 @@ class PrivacyEngine(OpacusEngine):
             UnsupportedModuleError: where a trainable parameter's per-sample gradient
                 cannot be computed exactly (e.g. BatchNorm in training mode), before any
                 hook is installed (a ``ValueError``, and Opacus's error of that name).
-            ValueError: on bad arguments, or a model that is private already.
+            ValueError: on bad arguments, or a model that is private already; under
+                FSDP, a trainable parameter that is not a ``Shard(0)`` ``DTensor`` on a
+                1-D mesh (its name, its module and the fix).
         """
         if noise_generator is not None and self.secure_mode:
             raise ValueError("noise_generator: not with secure_mode, whose noise comes from torchcsprng")
@@ -479,12 +587,19 @@ class PrivacyEngine(OpacusEngine):
             optimizer = optimizer.original_optimizer
         max_grad_norm = _thresholds(optimizer, clipping, max_grad_norm)
         check(module)  # refuses before anything is installed
-        distributed = _distributed(module)
-        if clipping == "adaptive" and distributed:
-            raise ValueError("clipping='adaptive' is not for distributed training (nor is Opacus's)")
-        optimizer_class = (
-            AdaptiveDPOptimizer if clipping == "adaptive" else DistributedDPOptimizer if distributed else DPOptimizer
-        )
+        distributed, sharded = _distributed(module), _fsdp(module)
+        if clipping == "adaptive" and (distributed or sharded):
+            raise ValueError(
+                f"clipping='adaptive' is not for distributed training{' (FSDP)' if sharded else ''}, "
+                "nor is Opacus's: choose 'flat', 'per_layer' or 'automatic'"
+            )
+        if clipping == "adaptive":
+            optimizer_class = AdaptiveDPOptimizer
+        elif sharded:
+            _refuse_unsharded(module, optimizer)
+            optimizer_class = ShardedDPOptimizer
+        else:
+            optimizer_class = DistributedDPOptimizer if distributed else DPOptimizer
         _refuse_unknown(optimizer_class, kwargs)
         data_loader = self._prepare_data_loader(
             data_loader,
@@ -494,7 +609,8 @@ class PrivacyEngine(OpacusEngine):
             rand_on_empty=rand_on_empty,
         )
         sample_rate = 1 / len(data_loader)
-        # the global batch's: under DDP every rank's .grad holds the global clipped sum
+        # the global batch's: under DDP every rank's .grad holds the global clipped sum,
+        # under FSDP its rows of it
         expected_batch_size = int(len(data_loader.dataset) * sample_rate)
         # adaptive clipping clips flat; its optimizer moves the threshold between steps
         clip = ClipGrad(
