@@ -180,6 +180,73 @@ def training(case: Case) -> None:
     check_clipped(case, model, ext, f"{case.name} MixedPrecisionPolicy")
 
 
+#: float64 sharded parameters, FSDP computing in a lower dtype: the relative tolerance
+#: of each (torch.testing's for float32 and float16, two rounding steps of bfloat16)
+LOWER = {torch.float32: 1.3e-6, torch.bfloat16: 1.6e-2, torch.float16: 1e-3}
+
+
+def assert_near(actual, want, rtol: float, what: str) -> None:
+    """``actual`` (float64) equals ``want`` (a lower dtype) to ``rtol``, relative to the
+    largest entry of ``want`` for entries near zero."""
+    want = want.double()
+    torch.testing.assert_close(
+        actual, want, rtol=rtol, atol=rtol * want.abs().max().item(), msg=lambda m: f"{what}: {m}"
+    )
+
+
+def lower_precision(case: Case) -> None:
+    """A float64 model under a ``MixedPrecisionPolicy`` whose ``param_dtype`` is lower
+    (gloo reducing it): every quantity equals one process computing in that dtype (the
+    loop on a copy cast to it), within its tolerance, stored in float64."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    for dtype, rtol in LOWER.items():
+        low = copy.deepcopy(case.model).to(dtype)
+        X = case.X.to(dtype)
+        reference = list(per_sample_grads(low, X, case.y, cross_entropy).values())
+        clipped = per_sample(low, X, case.y, cross_entropy, "mean")
+        want = list(expected(clipped, case.C).values())
+
+        model = case.sharded("per_block", mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+        with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
+            case.loss(model).backward()
+        for i, (p, gb) in enumerate(zip(model.parameters(), reference)):
+            where = f"rank {case.rank} {dtype} param {i}"
+            assert p.grad_batch.dtype == DT, where
+            assert_near(p.grad_batch.full_tensor(), gb, rtol, f"{where} grad_batch")
+            assert_near(p.batch_l2, REFERENCE["batch_l2"](gb)[case.rows], rtol, f"{where} batch_l2")
+            for field in ("sum_grad_squared", "variance"):
+                assert_near(getattr(p, field).full_tensor(), REFERENCE[field](gb), rtol, f"{where} {field}")
+
+        model = case.sharded("per_block", mp_policy=MixedPrecisionPolicy(param_dtype=dtype))
+        ext = jacmem.ClipGrad(case.C)
+        with jacmem.extend(ext):
+            case.loss(model).backward()
+        for i, (p, w) in enumerate(zip(model.parameters(), want)):
+            assert p.grad.dtype == DT
+            assert_near(p.grad.full_tensor(), w, rtol, f"rank {case.rank} {dtype} ClipGrad param {i}")
+        assert_near(ext.norms.double(), norms(clipped)[case.rows], rtol, f"rank {case.rank} {dtype} norms")
+
+
+def fsdp1(case: Case) -> None:
+    """FSDP1 (``FullyShardedDataParallel``, here on the CPU) raises naming FSDP, both
+    where the forward enters the block and where a tracked model's backward does."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    model = FullyShardedDataParallel(copy.deepcopy(case.model), device_id=torch.device("cpu"))
+    with pytest.raises(RuntimeError, match=r"FSDP1 \(FullyShardedDataParallel\).*fully_shard"):
+        with jacmem.extend(jacmem.ClipGrad(case.C)):
+            case.loss(model)
+    jacmem.track(model)
+    try:
+        loss = case.loss(model)
+        with pytest.raises(RuntimeError, match=r"FSDP1 \(FullyShardedDataParallel\).*fully_shard"):
+            with jacmem.extend(jacmem.BatchGrad()):
+                loss.backward()
+    finally:
+        jacmem.untrack(model)
+
+
 def frozen(rank: int, world: int) -> None:
     """LoRA on GPT-2: the frozen base gets nothing; the adapters equal one process."""
     peft = pytest.importorskip("peft")
@@ -265,6 +332,8 @@ def _worker(rank: int, world: int, names: tuple[str, ...]) -> None:
             training(case)
             private_names(case)
             errors(case)
+            lower_precision(case)
+            fsdp1(case)
     if world == 2:
         frozen(rank, world)
 

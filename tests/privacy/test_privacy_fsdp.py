@@ -182,34 +182,39 @@ def test_refusals_and_poisson_sampling(tmp_path):
 PER_RANK = 3
 
 
-def _step_worker(rank: int, engine: bool) -> None:
+def _step_worker(rank: int, engine: bool, passes: int = 1) -> None:
     """One private step (noise 0) of a tiny HF GPT-2, each block and the root sharded,
     on this rank's rows of the batch, against the loop's step on the whole batch. With
     ``engine`` False the backward is skipped and each ``.grad`` set to what the engine
     leaves under FSDP2 (this rank's rows of the loop's clipped sum over the whole
-    batch): the optimizer's part alone."""
+    batch): the optimizer's part alone. ``passes``: backward passes before the step
+    (gradient accumulation), each on a global batch of ``WORLD · PER_RANK``, this
+    rank's rows of each: the step divides the clipped sum over all of them by their
+    number, as the loop does."""
     torch.set_default_dtype(torch.float64)
     warnings.simplefilter("ignore")
     torch.manual_seed(0)  # the same model and whole batch in every rank
     model = gpt2().double().eval()
-    X = torch.randint(0, 23, (WORLD * PER_RANK, 5))
-    y = torch.randint(0, 23, (WORLD * PER_RANK, 5))
+    per_pass = WORLD * PER_RANK
+    X = torch.randint(0, 23, (passes * per_pass, 5))
+    y = torch.randint(0, 23, (passes * per_pass, 5))
     grads = per_sample(model, X, y, cross_entropy, "mean")  # the scale train() gives each sample
     max_norm = norms(grads).median().item()  # clips about half the samples
     factors = clip_factors(grads, max_norm, "flat")
     clipped = [torch.einsum("n,n...->...", factors[p], grads[p]) for p in model.parameters()]
-    expected = loop_step(copy.deepcopy(model), [(X, y)], max_norm, "flat", reduction="mean")
+    batches = [(X[k * per_pass : (k + 1) * per_pass], y[k * per_pass : (k + 1) * per_pass]) for k in range(passes)]
+    expected = loop_step(copy.deepcopy(model), batches, max_norm, "flat", reduction="mean")
 
     for block in model.model.transformer.h:
         fully_shard(block)
     fully_shard(model)
     _, opt, _ = PrivacyEngine().make_private(
-        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(X, y, len(X)),
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(X, y, per_pass),
         noise_multiplier=0.0, max_grad_norm=max_norm, poisson_sampling=False,
     )  # fmt: skip
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     if engine:
-        train(model, opt, [(X[rows], y[rows])])
+        train(model, opt, [(bX[rows], by[rows]) for bX, by in batches])
     else:
         for p, total in zip(model.parameters(), clipped):
             p.grad = distribute_tensor(total, p.device_mesh, p.placements)
@@ -226,3 +231,9 @@ def test_private_step_on_the_engines_sharded_grad_equals_one_process(tmp_path):
 @needs_gloo
 def test_private_step_under_fsdp_equals_one_process(tmp_path):
     run_ranks(_step_worker, tmp_path, True, world=WORLD)
+
+
+@needs_gloo
+def test_gradient_accumulation_under_fsdp_equals_one_process(tmp_path):
+    """Two backward passes, then the step."""
+    run_ranks(_step_worker, tmp_path, True, 2, world=WORLD)
