@@ -180,3 +180,24 @@ def test_sequential_is_exact_but_not_compiled():
         cross_entropy(compiled(X), y, "mean").backward()
     check_against(model, reference, ["grad_batch"], "[sequential]")
     assert counter.frame_count == 0
+
+
+def test_second_order_is_exact_on_a_compiled_model():
+    """DiagGGNExact and DiagHessian (and per sample) of a compiled model equal the dense
+    diagonals of the plain model's GGN and Hessian."""
+    from tests.support.secondorder_ref import dense, diagonals
+
+    model, X, y = cnn()
+    lossf = nn.CrossEntropyLoss()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    exts = [jacmem.DiagGGNExact(), jacmem.DiagHessian(), jacmem.BatchDiagGGNExact(), jacmem.BatchDiagHessian()]
+    with jacmem.extend(*exts):
+        lossf(compiled(X), y).backward()
+    assert counter.frame_count >= 1
+    (ggn, hess), (ggn_n, hess_n) = dense(model, lossf, X, y), dense(model, lossf, X, y, per_sample=True)
+    refs = {"diag_ggn_exact": ggn, "diag_h": hess, "diag_ggn_exact_batch": ggn_n, "diag_h_batch": hess_n}
+    for field, M in refs.items():
+        for name, ref in diagonals(model, M).items():
+            got = getattr(model.get_parameter(name), field)
+            torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-7, msg=f"{field} of {name}")
