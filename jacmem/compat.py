@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree
+from torch.utils.hooks import RemovableHandle
 from torch.utils.weak import WeakTensorKeyDictionary
 
 __all__ = [
@@ -28,6 +29,9 @@ __all__ = [
     "fused_recurrence",
     "handle_alive",
     "is_backward_hook_node",
+    "global_module_hooks",
+    "is_compiled_module",
+    "never_compile_alone",
     "plain_torch_function",
     "queue_callback",
     "swap_parameters",
@@ -92,6 +96,50 @@ def is_backward_hook_node(fn) -> bool:
     class name ``BackwardHookFunctionBackward`` (``torch.utils.hooks.BackwardHook``),
     which torch has used since 1.8; torch exports no type to test against."""
     return fn is not None and type(fn).__name__ == _BACKWARD_HOOK_NODE
+
+
+#: (pre-hook, leave hook, forward hook) -> their handles, made once: see global_module_hooks
+_GLOBAL_HANDLES: dict[tuple, list[RemovableHandle]] = {}
+
+
+def global_module_hooks(pre: Callable, leave: Callable, forward: Callable) -> list[RemovableHandle]:
+    """Register, for every module, the forward pre-hook ``pre``, the forward hook
+    ``leave`` (``always_call=True``) and the forward hook ``forward`` (``with_kwargs=True``),
+    as ``register_module_forward_pre_hook`` and ``register_module_forward_hook`` do, but
+    under the same ids each time the same three are registered: torch.compile guards on
+    the ids of the global hooks, so that a compiled model recompiled at each block
+    otherwise. Writes ``torch.nn.modules.module``'s ``_global_forward_pre_hooks``,
+    ``_global_forward_hooks``, ``_global_forward_hooks_always_called`` and
+    ``_global_forward_hooks_with_kwargs``, since torch 2.0 (2.1 for the last two)."""
+    from torch.nn.modules import module as m
+
+    handles = _GLOBAL_HANDLES.get((pre, leave, forward))
+    if handles is None:
+        handles = _GLOBAL_HANDLES[(pre, leave, forward)] = [
+            RemovableHandle(m._global_forward_pre_hooks),
+            RemovableHandle(m._global_forward_hooks, extra_dict=m._global_forward_hooks_always_called),
+            RemovableHandle(m._global_forward_hooks, extra_dict=m._global_forward_hooks_with_kwargs),
+        ]
+    m._global_forward_pre_hooks[handles[0].id] = pre
+    m._global_forward_hooks[handles[1].id] = leave
+    m._global_forward_hooks_always_called[handles[1].id] = True
+    m._global_forward_hooks[handles[2].id] = forward
+    m._global_forward_hooks_with_kwargs[handles[2].id] = True
+    return list(handles)
+
+
+def is_compiled_module(module) -> bool:
+    """Whether ``module`` is the wrapper ``torch.compile(model)`` returns, whose forward
+    runs ``model``'s compiled. ``torch._dynamo.eval_frame.OptimizedModule``, since
+    torch 2.0 (torch exports no public name for it)."""
+    return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
+
+
+def never_compile_alone(fn: Callable) -> None:
+    """torch.compile never compiles ``fn``'s frame on its own (where eager code calls it),
+    while it still traces ``fn`` inline where a compiled frame calls it.
+    ``torch._dynamo.eval_frame.skip_code``, since torch 2.0."""
+    torch._dynamo.eval_frame.skip_code(fn.__code__)
 
 
 def handle_alive(handle) -> bool:

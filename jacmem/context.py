@@ -12,12 +12,12 @@ block ends, every hook comes off and everything kept is dropped.
 
 from __future__ import annotations
 
+import functools
 import sys
 import threading
 from typing import Any
 
-from torch.nn.modules import module as module_hooks
-
+from jacmem import compat
 from jacmem.engine import hooks, recorder
 from jacmem.engine.block import DEFAULT_CHUNK_BYTES, Block, Extension
 from jacmem.engine.recorder import track, untrack  # noqa: F401  (jacmem.context.track, as before)
@@ -117,11 +117,7 @@ class extend:
             _ACTIVE = self
         try:
             block = self.block.open()
-            self._module_handles = [
-                module_hooks.register_module_forward_pre_hook(block.enter),
-                module_hooks.register_module_forward_hook(block.leave, always_call=True),
-                module_hooks.register_module_forward_hook(block.forward, with_kwargs=True),
-            ]
+            self._module_handles = compat.global_module_hooks(_enter, _leave, _forward)
             recorder.sink(block)
             self._watch.on_backward = block.backward
             self._watch.open(block.owner)
@@ -151,3 +147,27 @@ class extend:
     def explain(self) -> str:
         """What each layer's quantities were computed with, and why."""
         return self.block.explain()
+
+
+# The global module hooks: the same three functions for every block (they dispatch to
+# the active one), so that a compiled model's guards on its hooks hold from one block
+# to the next; each runs eagerly, a named graph break in a compiled forward
+# (:func:`jacmem.engine.hooks.eager`).
+
+
+@functools.partial(hooks.eager, parameterless=False)
+def _enter(module, args):
+    active = _ACTIVE
+    return None if active is None else active.block.enter(module, args)
+
+
+@functools.partial(hooks.eager, parameterless=False)
+def _leave(module, args, output):
+    active = _ACTIVE
+    return None if active is None else active.block.leave(module, args, output)
+
+
+@functools.partial(hooks.eager, parameterless=False)
+def _forward(module, args, kwargs, output):
+    active = _ACTIVE
+    return None if active is None else active.block.forward(module, args, kwargs, output)

@@ -106,7 +106,8 @@ class FirstOrderEngine(Engine):
     # -- forward -------------------------------------------------------------------
 
     def on_enter(self, module):
-        if next(own_parameters(module), None) is not None and tracked_name(module) is None:
+        # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
+        if (next(own_parameters(module), None) is not None or hooks.compiled()) and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):

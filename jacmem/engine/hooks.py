@@ -12,6 +12,7 @@ take them off (and so free the records) when it is done.
 
 from __future__ import annotations
 
+import functools
 import threading
 import weakref
 from collections import Counter
@@ -44,6 +45,52 @@ def _release(keys: list[int]) -> None:
         _LIVE[key] -= 1
         if _LIVE[key] <= 0:
             del _LIVE[key]
+
+
+#: whether the module hook running now was called from a forward that torch.compile
+#: traces (:func:`eager`); one entry per hook call in progress
+_COMPILED: list[bool] = []
+
+
+def eager(hook: Callable, parameterless: bool = True) -> Callable:
+    """``hook``, a module hook of jacmem's, run eagerly where a compiled forward calls it:
+    torch.compile breaks its graph there, with a reason that names jacmem, and compiles
+    the module's forward on either side; what the hook keeps, and the tensor hooks it
+    sets, are those of real tensors, as in an eager forward. While it runs,
+    :func:`compiled` says whether the forward is a compiled one.
+
+    ``parameterless=False``: in a compiled forward, the hook skips the calls of modules
+    without trainable parameters of their own (activations, pooling, containers), with
+    no graph break; where it sees both ends of every call it sees (the block's global
+    hooks), it loses nothing: no such call is recorded."""
+
+    def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
+        if torch.compiler.is_compiling() and not parameterless and not _has_trainable(args[0]):
+            return None
+        return _run(hook, torch.compiler.is_compiling(), args, kwargs)
+
+    compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
+    return functools.wraps(hook)(traced)
+
+
+def _has_trainable(module: nn.Module) -> bool:
+    return any(p is not None and p.requires_grad for p in module._parameters.values())
+
+
+@torch.compiler.disable(reason="jacmem records this module call (jacmem.engine.hooks.eager)")
+def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
+    _COMPILED.append(compiled or bool(args) and compat.is_compiled_module(args[0]))
+    try:
+        return hook(*args, **kwargs)
+    finally:
+        _COMPILED.pop()
+
+
+def compiled() -> bool:
+    """Whether the module hook running now (:func:`eager`) was called from a forward
+    that torch.compile traces, or is one of a compiled model's wrapper: its outputs go back into a compiled graph, which may
+    hold nothing but plain tensors."""
+    return bool(_COMPILED) and _COMPILED[-1]
 
 
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:

@@ -70,6 +70,9 @@ class Recorder:
         #: under batch_first=False, the first call of the running outermost forward:
         #: (its name, its batch size)
         self.first: tuple[str, int] | None = None
+        #: whether the running outermost forward is one torch.compile traces: its module calls
+        #: return plain tensors (no watched views), as a compiled graph takes nothing else
+        self.compiled = False
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -77,14 +80,15 @@ class Recorder:
         """Before ``module``'s forward: where its type is registered nowhere, its own
         trainable parameters become watched views until :meth:`leave` (not where a
         BatchNorm inside it mixes the samples)."""
+        self.compiled = self.compiled or hooks.compiled()
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
         if registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
-        if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active():
-            return
+        if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active() or self.compiled:
+            return  # (a compiled forward takes plain tensors only: left to the module's own record)
         uses: list[hooks.Record] = []
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
@@ -105,7 +109,7 @@ class Recorder:
         if state is not None:
             state[0]()
         if outermost:
-            self.batch, self.first = 1, None
+            self.batch, self.first, self.compiled = 1, None, False
 
     def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
         """The parameters of ``module`` whose uses in the forward just ended were each
@@ -141,6 +145,8 @@ class Recorder:
         if n > 1:
             self.batch = n
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
+            if self.compiled:
+                raise RuntimeError(_COMPILED_BROADCAST.format(name=rec.name, type=type(module).__name__))
             new = self._broadcast(rec, new)
         return None if new is output else new
 
@@ -182,6 +188,14 @@ class Recorder:
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
         self.records = weakref.WeakSet()
+
+
+_COMPILED_BROADCAST = (
+    "jacmem: module {name!r} ({type}) ran on a batch of one inside a forward that torch.compile traces; its output "
+    "may be broadcast over the batch, which jacmem follows in eager forwards only (a watched view, which a "
+    "compiled graph cannot take). Give its input the batch axis (e.g. position_ids=torch.arange(T).expand(N, -1)), "
+    "freeze its parameters, or run the model without torch.compile."
+)
 
 
 def _batch_of(rec: hooks.Record) -> int:
@@ -230,6 +244,8 @@ class Tracker(Recorder):
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
+        # run eagerly in a compiled forward: hooks.eager
+        enter, leave, forward = map(hooks.eager, (self._on_enter, self._on_leave, self._on_forward))
         for name, module in model.named_modules():
             # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)
             if module is not model and next(own_parameters(module), None) is None:
@@ -238,8 +254,8 @@ class Tracker(Recorder):
             # an FSDP2 module's forward hook reshards its parameters: see the call before it
             # (its pre-forward hook, which unshards them, comes first already)
             first = fsdp.is_fsdp(module)
-            after = [(self._on_leave, {"always_call": True}), (self._on_forward, {"with_kwargs": True})]
-            self.module_handles.append(module.register_forward_pre_hook(self._on_enter))
+            after = [(leave, {"always_call": True}), (forward, {"with_kwargs": True})]
+            self.module_handles.append(module.register_forward_pre_hook(enter))
             for hook, kwargs in reversed(after) if first else after:  # leave, then forward, either way
                 self.module_handles.append(module.register_forward_hook(hook, prepend=first, **kwargs))
 

@@ -1,0 +1,203 @@
+"""Compiled models (``torch.compile``) inside ``jacmem.extend``: float64, against the
+per-sample loop (tests/support/reference.py).
+
+jacmem's module hooks run eagerly: torch.compile breaks its graph at each call of a
+module with trainable parameters, by a reason that names jacmem, and compiles what
+lies between (docs/guide/compile.rst). Each test counts Dynamo's graphs with a
+``CompileCounterWithBackend("aot_eager")`` backend (no C++ build): at least one, so
+that a model that ran eagerly fails, and none new after the first step."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch._dynamo as dynamo
+from tests.support import hf_models
+from tests.support.clipping import assert_grads, expected, median_norm, norms, per_sample
+from tests.support.reference import (
+    FIRST_ORDER,
+    check_against,
+    clear,
+    cross_entropy,
+    per_sample_grads,
+)
+from torch import Tensor, nn
+from torch._dynamo.testing import CompileCounterWithBackend
+from torch.nn import functional as F
+
+import jacmem
+
+pytestmark = [pytest.mark.usefixtures("float64_default")]
+
+N = 6
+EXTENSION_SETS = [(f,) for f in FIRST_ORDER] + [tuple(FIRST_ORDER)]
+
+
+class CNN(nn.Module):
+    """The seed CNN's layers, small ([N, 1, 12, 12] -> [N, 5]), in a forward of its own:
+    torch.compile compiles what lies between jacmem's graph breaks here (in an
+    ``nn.Sequential``, whose loop over the layers is torch's own code, it compiles
+    nothing: :func:`test_sequential_is_exact_but_not_compiled`)."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv1, self.conv2, self.fc = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1), nn.Linear(12, 5)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x = F.max_pool2d(F.relu(self.conv1(x)), 3, stride=2)
+        x = F.max_pool2d(F.relu(self.conv2(x)), 3, stride=2)
+        return self.fc(x.flatten(1))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return CNN(), torch.randn(N, 1, 12, 12), torch.randint(0, 5, (N,))
+
+
+class PositionedGPT2(nn.Module):
+    """Tiny HF GPT-2 (tied embeddings) given ``position_ids`` with the batch axis."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, ids: Tensor) -> Tensor:
+        positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
+        return self.model.model(ids, position_ids=positions).logits.transpose(1, 2)
+
+
+def gpt2_positioned():
+    model, X, y = hf_models.build("gpt2")
+    return PositionedGPT2(model), X, y
+
+
+def vit():
+    return hf_models.build("vit")
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    dynamo.reset()
+    yield
+    dynamo.reset()
+
+
+def _steps(model, X, y, extensions, flow: str, steps: int = 3) -> CompileCounterWithBackend:
+    """``steps`` backward passes of the compiled model, each in a block of its own; the
+    counter of Dynamo's graphs, checked: some, and none new after the first step."""
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    if flow == "track":
+        jacmem.track(compiled)
+    try:
+        for step in range(steps):
+            clear(model)
+            value = cross_entropy(compiled(X), y, "mean") if flow == "track" else None
+            with jacmem.extend(*[e() for e in extensions]):
+                (cross_entropy(compiled(X), y, "mean") if value is None else value).backward()
+            if step == 0:
+                first = counter.frame_count
+    finally:
+        if flow == "track":
+            jacmem.untrack(compiled)
+    assert counter.frame_count >= 1, "the model ran eagerly: Dynamo made no graph"
+    assert counter.frame_count == first, f"recompiled after the first step: {first} -> {counter.frame_count}"
+    return counter
+
+
+@pytest.mark.parametrize("flow", ["inside", "track"])
+@pytest.mark.parametrize("make", [cnn, vit, gpt2_positioned], ids=["cnn", "vit", "gpt2"])
+def test_first_order_extensions_are_exact_on_compiled_models(make, flow):
+    model, X, y = make()
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    sets = EXTENSION_SETS if make is cnn and flow == "inside" else [tuple(FIRST_ORDER)]
+    for fields in sets:
+        _steps(model, X, y, [FIRST_ORDER[f] for f in fields], flow)
+        check_against(model, reference, fields, f"[{make.__name__} {flow} {fields}]")
+
+
+@pytest.mark.parametrize("flow", ["inside", "track"])
+@pytest.mark.parametrize("clipping", ["flat", "per_layer"])
+def test_clip_grad_is_exact_on_a_compiled_model(clipping, flow):
+    model, X, y = cnn()
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    per_layer = [g.flatten(1).norm(dim=1).median().item() for g in grads.values()]
+    C = per_layer if clipping == "per_layer" else median_norm(grads)
+    _steps(model, X, y, [lambda: jacmem.ClipGrad(C, clipping)], flow)
+    assert_grads(model, expected(grads, C, clipping), f"[{clipping} {flow}]")
+
+
+def test_privacy_engine_on_a_compiled_model():
+    from tests.support.privacy import LR, loader, loop_step
+
+    from jacmem.privacy import PrivacyEngine
+
+    model, X, y = cnn()
+    C = norms(per_sample(model, X, y, cross_entropy, "sum")).median().item()
+    expected_params = loop_step(copy.deepcopy(model), [(X, y)], C, "flat")
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    engine = PrivacyEngine()
+    try:
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        private, opt, _ = engine.make_private(
+            module=compiled, optimizer=opt, data_loader=loader(X, y), noise_multiplier=0.0, max_grad_norm=C,
+            poisson_sampling=False, clipping="flat",
+        )  # fmt: skip
+        opt.zero_grad()
+        cross_entropy(private(X), y, "mean").backward()
+        opt.step()
+    finally:
+        engine.detach()
+    assert counter.frame_count >= 1
+    for p, e in zip(model.parameters(), expected_params):
+        torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12)
+
+
+def test_default_position_ids_raise_naming_torch_compile():
+    """GPT-2's ``[1, T]`` position ids: the broadcast of their embedding over the batch
+    is followed in eager forwards only; compiled, the block says so, and the fix."""
+    model, X, y = hf_models.build("gpt2")
+    compiled = torch.compile(model, backend="aot_eager")
+    with pytest.raises(RuntimeError, match=r"wpe.*torch\.compile.*position_ids"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            cross_entropy(compiled(X), y, "mean").backward()
+
+
+def test_sequential_is_exact_but_not_compiled():
+    """An ``nn.Sequential`` calls its layers in a loop of torch's own code: a graph break
+    there leaves the whole forward to eager (Dynamo compiles no torch frame alone).
+    Exact, with no Dynamo error; the docs say to give the model a forward of its own."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(100, 5))
+    X, y = torch.randn(N, 1, 12, 12), torch.randint(0, 5, (N,))
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    with jacmem.extend(jacmem.BatchGrad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    check_against(model, reference, ["grad_batch"], "[sequential]")
+    assert counter.frame_count == 0
+
+
+def test_second_order_is_exact_on_a_compiled_model():
+    """DiagGGNExact and DiagHessian (and per sample) of a compiled model equal the dense
+    diagonals of the plain model's GGN and Hessian."""
+    from tests.support.secondorder_ref import dense, diagonals
+
+    model, X, y = cnn()
+    lossf = nn.CrossEntropyLoss()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    exts = [jacmem.DiagGGNExact(), jacmem.DiagHessian(), jacmem.BatchDiagGGNExact(), jacmem.BatchDiagHessian()]
+    with jacmem.extend(*exts):
+        lossf(compiled(X), y).backward()
+    assert counter.frame_count >= 1
+    (ggn, hess), (ggn_n, hess_n) = dense(model, lossf, X, y), dense(model, lossf, X, y, per_sample=True)
+    refs = {"diag_ggn_exact": ggn, "diag_h": hess, "diag_ggn_exact_batch": ggn_n, "diag_h_batch": hess_n}
+    for field, M in refs.items():
+        for name, ref in diagonals(model, M).items():
+            got = getattr(model.get_parameter(name), field)
+            torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-7, msg=f"{field} of {name}")
