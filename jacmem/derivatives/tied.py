@@ -98,16 +98,21 @@ def summed_moments(
 def _rows(factors: list[tuple[Tensor, Tensor]], samples: slice, first: int, count: int, buffer: Tensor) -> Tensor:
     """Rows ``first : first + count`` of the summed per-sample gradients of ``samples``, in
     ``buffer`` (``[≥ n·count + 1, C]``): a batched product per call on its rows' slice of
-    ``r``, an :func:`~jacmem.derivatives.embedding.add_rows` where ``r`` holds row indices (those outside the block go to
-    the spare last row, so that no mask needs a host sync) -> ``[n, count, C]``"""
+    ``r``, the first of them writing the block (no zeroing), then an
+    :func:`~jacmem.derivatives.embedding.add_rows` per call where ``r`` holds row indices
+    (those outside the block go to the spare last row, never read, so that no mask needs a
+    host sync) -> ``[n, count, C]``"""
     n = factors[0][1][samples].shape[0]
-    flat = buffer[: n * count + 1].zero_()
+    flat = buffer[: n * count + 1]
     g = flat[:-1].view(n, count, -1)
+    dense = [f for f in factors if f[0].is_floating_point()]
+    if not dense:
+        flat.zero_()
+    for k, (r, c) in enumerate(dense):
+        g.baddbmm_(r[samples, :, first : first + count].transpose(1, 2), c[samples], beta=min(k, 1))
     for r, c in factors:
-        r, c = r[samples], c[samples]
-        if r.is_floating_point():
-            g.baddbmm_(r[:, :, first : first + count].transpose(1, 2), c)
-        else:
+        if not r.is_floating_point():
+            r, c = r[samples], c[samples]
             local = r - first
             keys = torch.arange(n, device=r.device)[:, None] * count + local
             keys = keys.masked_fill_((local < 0) | (local >= count), n * count)
