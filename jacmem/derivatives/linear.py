@@ -182,7 +182,12 @@ layer(
 def jac_t(xs, out, S: Tensor, *, weight: Tensor):
     """Jᵀ S = S W per vector: [V, N, *, O] -> ([V, N, *, I],), as one matrix product
     (``S @ W`` on a strided ``S``, such as KFRA's transposed rows, becomes V·N
-    vector-matrix products)"""
+    vector-matrix products); where ``S``'s last two axes are column-major (an LM head's
+    output gradient from logits transposed to ``[N, V, T]``), whose rows cannot be
+    flattened without copying ``S`` whole, a batched product over the leading axes"""
+    if S.dim() > 3 and S.stride(-2) == 1 and S.stride(-1) != 1:
+        batched = S.flatten(0, -3)  # [V·N·…, T, O]: a view where only the last two axes are transposed
+        return (torch.bmm(batched, weight.expand(batched.shape[0], *weight.shape)).view(*S.shape[:-1], -1),)
     return ((S.flatten(0, -2) @ weight).unflatten(0, S.shape[:-1]),)
 
 

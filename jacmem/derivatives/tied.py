@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from jacmem.derivatives.embedding import add_rows
 from jacmem.derivatives.registry import Cost
 
 
@@ -97,33 +98,38 @@ def summed_moments(
 def _rows(factors: list[tuple[Tensor, Tensor]], samples: slice, first: int, count: int, buffer: Tensor) -> Tensor:
     """Rows ``first : first + count`` of the summed per-sample gradients of ``samples``, in
     ``buffer`` (``[≥ n·count + 1, C]``): a batched product per call on its rows' slice of
-    ``r``, an ``index_add`` where ``r`` holds row indices (those outside the block go to
-    the spare last row, so that no mask needs a host sync) -> ``[n, count, C]``"""
+    ``r``, the first of them writing the block (no zeroing), then an
+    :func:`~jacmem.derivatives.embedding.add_rows` per call where ``r`` holds row indices
+    (those outside the block go to the spare last row, never read, so that no mask needs a
+    host sync) -> ``[n, count, C]``"""
     n = factors[0][1][samples].shape[0]
-    flat = buffer[: n * count + 1].zero_()
+    flat = buffer[: n * count + 1]
     g = flat[:-1].view(n, count, -1)
+    dense = [f for f in factors if f[0].is_floating_point()]
+    if not dense:
+        flat.zero_()
+    for k, (r, c) in enumerate(dense):
+        g.baddbmm_(r[samples, :, first : first + count].transpose(1, 2), c[samples], beta=min(k, 1))
     for r, c in factors:
-        r, c = r[samples], c[samples]
-        if r.is_floating_point():
-            g.baddbmm_(r[:, :, first : first + count].transpose(1, 2), c)
-        else:
+        if not r.is_floating_point():
+            r, c = r[samples], c[samples]
             local = r - first
             keys = torch.arange(n, device=r.device)[:, None] * count + local
             keys = keys.masked_fill_((local < 0) | (local >= count), n * count)
-            flat.index_add_(0, keys.flatten(), c.flatten(0, 1))
+            add_rows(flat, keys.flatten(), c.flatten(0, 1))
     return g
 
 
 def add_clipped_sum(total: Tensor, f: tuple[Tensor, Tensor], c: Tensor) -> Tensor:
     """``total += Σ_n c_n G_n`` in place, from one call's ghost factors ``(r, c)`` and the
     samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions with
-    the narrower factor scaled (an ``index_add`` where ``r`` holds row indices), so that
+    the narrower factor scaled (:func:`~jacmem.derivatives.embedding.add_rows` where ``r`` holds row indices), so that
     nothing of the wider factor's size (an LM head's ``[N, T, V]`` output gradient) is
     copied: ``total [R, C]`` -> ``total``"""
     r, cols = f
     coef = c.to(cols.dtype)[:, None, None]
     if not r.is_floating_point():
-        return total.index_add_(0, r.flatten(), (cols * coef).flatten(0, 1))
+        return add_rows(total, r.flatten(), (cols * coef).flatten(0, 1))
     if r.shape[2] < cols.shape[2]:
         r = r * coef
     else:

@@ -9,7 +9,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 
 class Allocations(TorchDispatchMode):
-    """The shapes of the op outputs with at least ``limit`` entries, while active."""
+    """The shapes of the op outputs with at least ``limit`` entries, while active, but
+    those in an input's storage (views such as ``expand``, in-place writes): they allocate nothing."""
 
     def __init__(self, limit: int):
         super().__init__()
@@ -17,7 +18,8 @@ class Allocations(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in [*args, *(kwargs or {}).values()] if isinstance(a, Tensor)}
         for t in out if isinstance(out, (tuple, list)) else [out]:
-            if isinstance(t, Tensor) and t.numel() >= self.limit:
+            if isinstance(t, Tensor) and t.numel() >= self.limit and t.untyped_storage().data_ptr() not in inputs:
                 self.large.append((str(func), tuple(t.shape)))
         return out
