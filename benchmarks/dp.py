@@ -21,7 +21,6 @@ and ``<!-- dp:end -->``; ``--quick``: tiny sizes, one repeat, written to
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import re
@@ -29,7 +28,6 @@ import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 from benchmarks import harness
 
@@ -209,17 +207,13 @@ def cases(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.dp", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: checks the harness")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--only", help="regular expression on 'model engine' (plain runs always match 'plain')")
-    p.add_argument("--repeats", type=int, help="paired steps at least (default 7, quick 1)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=6.0, help="time budget of a paired timing (default 6; quick 0)")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--note", default="", help="a sentence for the report")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p = harness.parser(
+        "dp", __doc__, timeout=600.0,
+        models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)),
+        only=dict(help="regular expression on 'model engine' (plain runs always match 'plain')"),
+        threads=dict(type=int, default=2),
+        seconds=dict(type=float, default=6.0, help="time budget of a paired timing (default 6; quick 0)"),
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.child:
         harness.answer(args.child, child)

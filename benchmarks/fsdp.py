@@ -23,7 +23,6 @@ written to ``out/fsdp-quick.md`` (it checks the harness).
 
 from __future__ import annotations
 
-import argparse
 import copy
 import os
 import statistics
@@ -31,7 +30,6 @@ import sys
 import tempfile
 import time
 import warnings
-from pathlib import Path
 
 from benchmarks import harness
 
@@ -186,13 +184,7 @@ def table(results: list[dict], args) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.fsdp", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 pair: checks the harness")
-    p.add_argument("--repeats", type=int, help="timed pairs after the warm-up (default 7, quick 1)")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--note", default="", help="a sentence for the report")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p = harness.parser("fsdp", __doc__, timeout=900.0)
     args = p.parse_args(argv)
     if args.child:
         harness.answer(args.child, child)

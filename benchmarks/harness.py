@@ -7,6 +7,7 @@ other module of ``benchmarks``.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -131,3 +132,23 @@ def write_block(path: Path, block: str, start: str, end: str) -> None:
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"
     path.write_text(text.lstrip("\n"))
+
+
+def parser(module: str, doc: str, timeout: float, **extra) -> argparse.ArgumentParser:
+    """The command line every benchmark module shares (``python -m benchmarks.<module>``):
+    ``--quick`` (tiny sizes, one repeat: checks the harness), ``--repeats``, ``--timeout``
+    (seconds per case), ``--markdown`` (where the report goes), ``--note`` (a sentence
+    for it) and the hidden ``--child`` by which a case's process is started. ``extra``:
+    the module's own options, ``name=dict(add_argument's keywords)``."""
+    p = argparse.ArgumentParser(
+        prog=f"python -m benchmarks.{module}", description=" ".join(doc.split("\n\n")[0].split())
+    )
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one repeat: checks the harness")
+    for name, kwargs in extra.items():
+        p.add_argument("--" + name.replace("_", "-"), **kwargs)
+    p.add_argument("--repeats", type=int, help="timed repeats (the module's default; quick: 1)")
+    p.add_argument("--timeout", type=float, default=timeout)
+    p.add_argument("--markdown", type=Path)
+    p.add_argument("--note", default="", help="a sentence for the report")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    return p

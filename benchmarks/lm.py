@@ -34,14 +34,12 @@ The table goes to BENCHMARKS.md between ``<!-- lm:start -->`` and ``<!-- lm:end 
 
 from __future__ import annotations
 
-import argparse
 import copy
 import gc
 import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -371,17 +369,13 @@ def cases(args) -> list[dict]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.lm", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny configurations, 1 pair: checks the harness")
-    p.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
-    p.add_argument("--methods", nargs="+", default=list(METHODS), choices=list(METHODS))
-    p.add_argument("--repeats", type=int, help="paired steps after the warm-up (default 5, quick 1)")
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--func-gib", type=float, default=6.0, help="torch.func's memory budget (GiB)")
-    p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--note", default="", help="a sentence for the report")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p = harness.parser(
+        "lm", __doc__, timeout=900.0,
+        models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)),
+        methods=dict(nargs="+", default=list(METHODS), choices=list(METHODS)),
+        threads=dict(type=int, default=2),
+        func_gib=dict(type=float, default=6.0, help="torch.func's memory budget (GiB)"),
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.child:
         harness.answer(args.child, child)

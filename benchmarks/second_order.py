@@ -26,14 +26,12 @@ model and batch, and 2 threads.
 
 from __future__ import annotations
 
-import argparse
 import gc
 import re
 import statistics
 import sys
 import time
 import warnings
-from pathlib import Path
 
 from benchmarks import harness
 
@@ -335,17 +333,13 @@ def separate(model: str, by: dict) -> list[str]:
 
 
 def main(argv=None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.second_order", description=__doc__.splitlines()[0])
-    p.add_argument("--quick", action="store_true", help="tiny sizes, 1 repeat: checks the harness")
-    p.add_argument("--models", nargs="+", default=list(EXTENSIONS), choices=list(EXTENSIONS))
-    p.add_argument("--only", help="regular expression on 'model lib extension'")
-    p.add_argument("--repeats", type=int)
-    p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--seconds", type=float, default=4.0, help="time budget of a paired timing (default 4; quick 0)")
-    p.add_argument("--timeout", type=float, default=600.0)
-    p.add_argument("--markdown", type=Path)
-    p.add_argument("--note", default="", help="a sentence for the report, e.g. why this many threads")
-    p.add_argument("--child", help=argparse.SUPPRESS)
+    p = harness.parser(
+        "second_order", __doc__, timeout=600.0,
+        models=dict(nargs="+", default=list(EXTENSIONS), choices=list(EXTENSIONS)),
+        only=dict(help="regular expression on 'model lib extension'"),
+        threads=dict(type=int, default=2),
+        seconds=dict(type=float, default=4.0, help="time budget of a paired timing (default 4; quick 0)"),
+    )  # fmt: skip
     args = p.parse_args(argv)
     if args.child:
         harness.answer(args.child, child)
