@@ -66,7 +66,10 @@ def worker(rank: int, port: int, out: str) -> None:
 
 if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--rank":
     worker(int(sys.argv[2]), int(os.environ["JACMEM_DDP_PORT"]), sys.argv[3])
-    sys.exit(0)
+    # leave at once: at the interpreter's teardown, DDP's reducer can still hold the gloo
+    # group, whose threads then wait for the lock the teardown holds (a hang, now and then)
+    sys.stdout.flush()
+    os._exit(0)
 
 # %%
 # Start the two ranks (this file, run with ``--rank``), each on its half of the batch.

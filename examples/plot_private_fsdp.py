@@ -115,7 +115,10 @@ def worker(out: str) -> None:
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     warnings.filterwarnings("ignore", message="Secure RNG turned off")
     worker(sys.argv[2])
-    sys.exit(0)
+    # leave at once: at the interpreter's teardown, DDP's reducer can still hold the gloo
+    # group, whose threads then wait for the lock the teardown holds (a hang, now and then)
+    sys.stdout.flush()
+    os._exit(0)
 
 # %%
 # Two ranks, started as ``torchrun`` starts them: this file, run with ``--worker``.
