@@ -8,8 +8,9 @@ the process group at the end of each backward pass, in one ``all_reduce``). With
 DDP's average and ``reduction="mean"``, two ranks with equal halves of a batch give
 exactly what one process gives on the whole batch.
 
-This example starts two processes with the ``gloo`` backend on 127.0.0.1 (the same
-script, run as a worker), then runs the whole batch in this process and compares.
+This example starts two processes with the ``gloo`` backend on the loopback device
+(the same script, run as a worker; they meet through a file), then runs the whole
+batch in this process and compares.
 On GPUs, the same code runs under ``torchrun`` with ``nccl``
 (see :doc:`/guide/distributed`).
 
@@ -19,7 +20,6 @@ Run: ``python examples/plot_ddp.py`` (``JACMEM_QUICK=1`` for a small run).
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -54,9 +54,10 @@ def step(model, X, y) -> dict[str, dict[str, torch.Tensor]]:
     return {f: {n: getattr(p, f) for n, p in params.items()} for f in ("grad_batch", "variance", "grad")}
 
 
-def worker(rank: int, port: int, out: str) -> None:
-    """One rank: its half of the batch, under DDP; saves its results to ``out``."""
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=WORLD)
+def worker(rank: int, rendezvous: str, out: str) -> None:
+    """One rank: its half of the batch, under DDP; saves its results to ``out``. The
+    ranks meet through the file ``rendezvous``."""
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=WORLD)
     model, X, y = setup()
     ddp = nn.parallel.DistributedDataParallel(model)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
@@ -64,8 +65,8 @@ def worker(rank: int, port: int, out: str) -> None:
     dist.destroy_process_group()
 
 
-if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--rank":
-    worker(int(sys.argv[2]), int(os.environ["JACMEM_DDP_PORT"]), sys.argv[3])
+if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--rank":
+    worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
     # leave at once: at the interpreter's teardown, DDP's reducer can still hold the gloo
     # group, whose threads then wait for the lock the teardown holds (a hang, now and then)
     sys.stdout.flush()
@@ -73,15 +74,17 @@ if __name__ == "__main__" and len(sys.argv) == 4 and sys.argv[1] == "--rank":
 
 # %%
 # Start the two ranks (this file, run with ``--rank``), each on its half of the batch.
+# They meet through a file, not a TCP port (a port found free may be taken before rank 0
+# binds it), and gloo talks over the loopback device: the host's name may resolve to an
+# address a sandbox cannot reach.
 
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
 with tempfile.TemporaryDirectory() as tmp:
-    outs = [os.path.join(tmp, f"rank{r}.pt") for r in range(WORLD)]
-    env = dict(os.environ, JACMEM_DDP_PORT=str(port))
+    rendezvous, outs = os.path.join(tmp, "rendezvous"), [os.path.join(tmp, f"rank{r}.pt") for r in range(WORLD)]
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")
     procs = [
-        subprocess.Popen([sys.executable, str(HERE), "--rank", str(r), outs[r]], env=env, stderr=subprocess.PIPE)
+        subprocess.Popen(
+            [sys.executable, str(HERE), "--rank", str(r), rendezvous, outs[r]], env=env, stderr=subprocess.PIPE
+        )
         for r in range(WORLD)
     ]
     for r, proc in enumerate(procs):

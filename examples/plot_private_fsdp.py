@@ -126,7 +126,8 @@ if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
 with tempfile.TemporaryDirectory() as tmp:
     out = os.path.join(tmp, "curves.pt")
     launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD}"]
-    done = subprocess.run([*launch, str(HERE), "--worker", out], capture_output=True, text=True, timeout=600)
+    env = dict(os.environ, GLOO_SOCKET_IFNAME="lo")  # the host's name may resolve to an unreachable address
+    done = subprocess.run([*launch, str(HERE), "--worker", out], env=env, capture_output=True, text=True, timeout=600)
     if done.returncode:
         raise RuntimeError(f"torchrun failed:\n{done.stdout}\n{done.stderr}")
     sharded = torch.load(out)
