@@ -224,7 +224,10 @@ class AutogradPath:
     def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
         """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
         shared call's: ``[v, N, 1, *out]``, one sample's slice at a time), merged into
-        ``acc`` (``{param: {ext: result}}``)."""
+        ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
+        (:meth:`SecondOrderEngine.gather_column`)."""
+        if node.tied:
+            self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
         parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
         for ext in exts:
             if shared:

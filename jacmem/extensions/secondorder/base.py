@@ -80,6 +80,11 @@ class SecondOrderExtension:
 
     savefield: str = ""
     kinds: tuple[str, ...] = ()
+    #: its result for a parameter depends on the factors only through the vectors
+    #: ``J_θ,nᵀ S[v, n]`` (``call.first_order``'s per-sample gradients): for a parameter
+    #: that several calls use (tied weights), the engine sums those over the calls and
+    #: computes it once, as for a parameter used directly (the cross terms counted)
+    sums_calls: bool = False
 
     def compute(self, call: Call) -> dict[str, Any]:
         """``{param name: result}`` for one call."""

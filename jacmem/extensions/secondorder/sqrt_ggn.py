@@ -66,6 +66,8 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
 
 
 class _SqrtGGN(SecondOrderExtension):
+    sums_calls = True
+
     def __init__(self, subsampling: Sequence[int] | None = None):
         self.subsampling = checked_subsampling(subsampling, type(self).__name__)
 
