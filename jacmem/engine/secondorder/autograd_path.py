@@ -232,7 +232,7 @@ class AutogradPath:
         for ext in exts:
             if shared:
                 got = [part[ext] for part in parts if ext in part]
-                out = _across_samples(ext, got) if got else None
+                out = {pname: ext.merge_samples([part[pname] for part in got]) for pname in got[0]} if got else None
             else:
                 out = self._results(node, [ext], kind, G).get(ext)
             for pname, value in (out or {}).items():
@@ -303,22 +303,6 @@ def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
         one[m] = s[m]
         parts.append(_vjps(z, edges, one))
     return [None if parts[0][k] is None else torch.stack([p[k] for p in parts]) for k in range(len(edges))]
-
-
-def _across_samples(ext, parts: list[dict]) -> dict:
-    """One shared call's results, sample by sample, as one: a per-sample quantity
-    (``ext.batch``) stacks them, any other merges them."""
-    out = {}
-    for pname in parts[0]:
-        values = [part[pname] for part in parts]
-        if getattr(ext, "batch", False):
-            out[pname] = torch.cat(values)
-        else:
-            merged = values[0]
-            for value in values[1:]:
-                merged = ext.merge_chunks(merged, value)
-            out[pname] = merged
-    return out
 
 
 def _summary(g: Tensor) -> tuple[float, float]:
