@@ -393,14 +393,15 @@ class SecondOrderEngine(Engine):
         the block cannot take the sum over calls, naming the parameter and the fix."""
         unable = [ext for ext in self.extensions if not ext.sums_calls]
         if unable:
-            pname = min(node.tied)
+            many = len(node.tied) > 1
+            names = ("parameters " if many else "parameter ") + ", ".join(map(repr, sorted(node.tied)))
             raise NotImplementedError(
-                f"jacmem: parameter {pname!r} of module {node} is used by more than one call in this backward pass "
-                f"(tied weights, or a module called twice), and {', '.join(map(repr, unable))} cannot give a shared "
-                "parameter's curvature: it is not the sum of each call's (cross terms between the calls), and the "
-                "sum of the calls' Kronecker factors is no Kronecker factor of it. DiagGGNExact, DiagGGNMC, their "
-                "Batch forms and SqrtGGNExact/MC sum over the calls; for the others give each call its own "
-                "parameter (untie it), or freeze it (requires_grad=False)"
+                f"jacmem: {names} of module {node} {'are' if many else 'is'} used by more than one call in this "
+                f"backward pass (tied weights, or a module called twice), and {', '.join(map(repr, unable))} cannot "
+                "give a shared parameter's curvature: it has cross terms between the calls, which no Kronecker "
+                "factor (or Hessian residual) of one call forms (the guide's 'Tied and shared parameters'). "
+                "DiagGGNExact, DiagGGNMC, their Batch forms and SqrtGGNExact/MC sum over the calls; for the others "
+                "give each call its own parameter (untie it), or freeze it (requires_grad=False)"
             )
         call = self.call(node, list(factors.values()), None, tied=True)
         for pname in node.tied:
