@@ -294,8 +294,9 @@ def test_chain_error_names_the_op(op, grad_fn):
 @pytest.mark.heavy
 def test_hf_gpt2_labels_refuses():
     """HF GPT2 with ``labels=``: the loss inside the model is followed; its tied
-    embedding and head weight is refused by second order (cross terms between the
-    calls), and no number is written."""
+    embedding and head weight is refused by KFLR (the sum of the calls' Kronecker factors
+    is none of the shared weight: tests/integration/test_tied_curvature.py), and no
+    number is written."""
     import transformers
 
     torch.manual_seed(10)
@@ -303,10 +304,10 @@ def test_hf_gpt2_labels_refuses():
     cfg.bos_token_id = cfg.eos_token_id = 0
     model = transformers.GPT2LMHeadModel(cfg).to(DT).eval()
     ids = torch.randint(0, 11, (2, 5))
-    with pytest.raises(NotImplementedError, match=r"'lm_head' \(Linear\) is used by more than one call"):
-        with jacmem.extend(DiagGGNExact()):
+    with pytest.raises(NotImplementedError, match=r"parameter 'weight' of module .* is used by more than one call"):
+        with jacmem.extend(jacmem.KFLR()):
             model(ids, labels=ids).loss.backward()
-    assert all(not hasattr(p, "diag_ggn_exact") for p in model.parameters())
+    assert all(not hasattr(p, "kflr") for p in model.parameters())
 
 
 def test_no_mode_outside_the_block():

@@ -128,13 +128,13 @@ class MaskedLM(nn.Module):
         return self.model(input_ids=X[:, 0], token_type_ids=X[:, 1]).logits.transpose(1, 2)
 
 
-def tied_lm(name: str, d: int = 16, t: int = 8) -> nn.Module:
-    """``name``'s one-layer language model at its real vocabulary (:data:`VOCAB`), width
+def tied_lm(name: str, d: int = 16, t: int = 8, vocab: int | None = None) -> nn.Module:
+    """``name``'s one-layer language model at its real vocabulary (:data:`VOCAB`, or ``vocab``), width
     ``d``, up to ``t`` positions, its token embedding tied to its output head: GPT-2's
     ``wte``/``lm_head``, BERT's ``word_embeddings``/``cls.predictions.decoder`` (with token
     type embeddings: see :class:`MaskedLM`), LLaMA's ``embed_tokens``/``lm_head``
     (``tie_word_embeddings=True``). Random init, float32: the caller sets the dtype."""
-    v = VOCAB[name]
+    v = vocab or VOCAB[name]
     if name == "gpt2":
         config = transformers.GPT2Config(
             n_layer=1, n_embd=d, n_head=2, vocab_size=v, n_positions=t, bos_token_id=0, eos_token_id=0

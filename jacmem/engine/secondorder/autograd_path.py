@@ -224,12 +224,15 @@ class AutogradPath:
     def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
         """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
         shared call's: ``[v, N, 1, *out]``, one sample's slice at a time), merged into
-        ``acc`` (``{param: {ext: result}}``)."""
+        ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
+        (:meth:`SecondOrderEngine.gather_column`)."""
+        if node.tied:
+            self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
         parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
         for ext in exts:
             if shared:
                 got = [part[ext] for part in parts if ext in part]
-                out = _across_samples(ext, got) if got else None
+                out = {pname: ext.merge_samples([part[pname] for part in got]) for pname in got[0]} if got else None
             else:
                 out = self._results(node, [ext], kind, G).get(ext)
             for pname, value in (out or {}).items():
@@ -300,22 +303,6 @@ def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
         one[m] = s[m]
         parts.append(_vjps(z, edges, one))
     return [None if parts[0][k] is None else torch.stack([p[k] for p in parts]) for k in range(len(edges))]
-
-
-def _across_samples(ext, parts: list[dict]) -> dict:
-    """One shared call's results, sample by sample, as one: a per-sample quantity
-    (``ext.batch``) stacks them, any other merges them."""
-    out = {}
-    for pname in parts[0]:
-        values = [part[pname] for part in parts]
-        if getattr(ext, "batch", False):
-            out[pname] = torch.cat(values)
-        else:
-            merged = values[0]
-            for value in values[1:]:
-                merged = ext.merge_chunks(merged, value)
-            out[pname] = merged
-    return out
 
 
 def _summary(g: Tensor) -> tuple[float, float]:

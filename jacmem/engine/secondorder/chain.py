@@ -117,7 +117,7 @@ class Chain:
             grad = in_compute_dtype(node, grad)
         factors, dense, shares = dep.factors, self._kfra_whole(dep), dep.shares
         if node.params:
-            self._compute(run, node, list(factors.values()), dense)
+            self._compute(run, node, factors, dense)
         if not any(p is not None for p in node.producers):
             return
         entry, xs, hp = node.entry, node.inputs, node.hp
@@ -180,11 +180,15 @@ class Chain:
                     o[start : start + step] = t
         return tuple(outs)
 
-    def _compute(self, run: PassState, node: Node, factors: list[Factor], dense: Tensor | None) -> None:
+    def _compute(self, run: PassState, node: Node, factors: dict[tuple, Factor], dense: Tensor | None) -> None:
+        """The extensions' results for ``node``'s parameters, staged; its tied ones' vectors
+        gathered instead, per factor key (:meth:`SecondOrderEngine.gather`)."""
         self.engine.check_unshared(run, node)
-        call = self.engine.call(node, factors, dense)
-        results: dict[str, dict[str, object]] = {pname: {} for pname in node.params}
-        for ext in self.engine.extensions:
+        if node.tied:
+            self.engine.gather(run, node, factors)
+        call = self.engine.call(node, list(factors.values()), dense)
+        results: dict[str, dict[str, object]] = {pname: {} for pname in call.params}
+        for ext in self.engine.extensions if call.params else ():
             out = self.engine.run_extension(ext, call)
             for pname, value in (out or {}).items():
                 results[pname][ext.savefield] = precision.result(value, node.params[pname])

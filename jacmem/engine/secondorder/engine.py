@@ -27,8 +27,9 @@ from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
-from jacmem.engine.secondorder.graph import Node, PassState
+from jacmem.engine.secondorder.graph import Node, PassState, Tied
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
+from jacmem.extensions.secondorder.sqrt_ggn import root_vjps
 
 #: how far up the autograd graph a forward looks for the tracked module that an
 #: untracked operation consumed (only to name it in the error)
@@ -73,6 +74,8 @@ class SecondOrderEngine(Engine):
         self.merged = compat.WeakTensorKeyDictionary()
         #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
         self.unreduced = compat.WeakTensorKeyDictionary()
+        #: id(param) -> the first call (weakly) that used it since the last backward began
+        self.users: dict[int, weakref.ref] = {}
         self.mode = _Functional(self)
         self.mode.__enter__()
         self.chain = Chain(self)
@@ -233,6 +236,19 @@ class SecondOrderEngine(Engine):
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
                 node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
+                self._mark_tied(node)
+
+    def _mark_tied(self, node: Node) -> None:
+        """``node.tied``: its parameters that another call of this forward uses too
+        (marked on both calls)."""
+        for pname, p in node.params.items():
+            ref = self.users.get(id(p))
+            other = ref() if ref is not None else None
+            if other is None or other is node or not any(q is p for q in other.params.values()):
+                self.users[id(p)] = weakref.ref(node)
+                continue
+            node.tied.add(pname)
+            other.tied.update(n for n, q in other.params.items() if q is p)
 
     def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
         """Hooks on the autograd nodes of this call that take an input with a producer
@@ -331,6 +347,7 @@ class SecondOrderEngine(Engine):
         self.notices.add(("second-order unsupported parameters",), node.name, say)
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        self.users.clear()
         self.autograd.on_backward(tensors, grad_tensors, alone)
 
     @_outside_mode
@@ -357,23 +374,92 @@ class SecondOrderEngine(Engine):
 
     @staticmethod
     def check_unshared(run: PassState, node: Node) -> None:
+        """A parameter staged by another call, which the forward did not see shared
+        (the calls' forwards were split by another backward)."""
         for pname, p in node.params.items():
-            if id(p) in run.staged:
+            if pname not in node.tied and id(p) in run.staged:
                 raise NotImplementedError(
                     f"jacmem: parameter {pname!r} of module {node} is used by more than one call in this "
-                    f"backward pass (also by {run.staged[id(p)][1]}: a module called twice, or tied weights). "
-                    "Second-order extensions need each parameter used once: a shared parameter's curvature has "
-                    "cross terms between its calls, which they do not form. Give each call its own parameter, "
-                    "freeze it (requires_grad=False), or use first-order extensions, which sum the calls"
+                    f"backward pass (also by {run.staged[id(p)][1]}), whose forwards ran on either side of "
+                    "another backward: second-order extensions sum a shared parameter's calls only within one "
+                    "forward and backward. Run the forwards of the calls together, then one backward"
                 )
 
-    def call(self, node: Node, factors: list[Factor], dense: Tensor | None) -> Call:
-        """What the extensions see of ``node`` with these factors at its output."""
+    def gather(self, run: PassState, node: Node, factors: dict[tuple, Factor], per_sample: bool = False) -> None:
+        """The vectors ``J_θ,nᵀ S[v, n]`` of ``node``'s tied parameters (``node.tied``) for
+        each factor ``S [V, N, *out]``, added per key to their other calls' (:class:`Tied`);
+        ``per_sample``: the call's output is shared by the samples and ``S`` is
+        ``[V, N, 1, *out]``, each sample's slice at a time. Raises where an extension of
+        the block cannot take the sum over calls, naming the parameter and the fix."""
+        unable = [ext for ext in self.extensions if not ext.sums_calls]
+        if unable:
+            many = len(node.tied) > 1
+            names = ("parameters " if many else "parameter ") + ", ".join(map(repr, sorted(node.tied)))
+            raise NotImplementedError(
+                f"jacmem: {names} of module {node} {'are' if many else 'is'} used by more than one call in this "
+                f"backward pass (tied weights, or a module called twice), and {', '.join(map(repr, unable))} cannot "
+                "give a shared parameter's curvature: it has cross terms between the calls, which no Kronecker "
+                "factor (or Hessian residual) of one call forms (the guide's 'Tied and shared parameters'). "
+                "DiagGGNExact, DiagGGNMC, their Batch forms and SqrtGGNExact/MC sum over the calls; for the others "
+                "give each call its own parameter (untie it), or freeze it (requires_grad=False)"
+            )
+        call = self.call(node, list(factors.values()), None, tied=True)
+        for pname in node.tied:
+            p = node.params[pname]
+            tied = run.tied.setdefault(id(p), Tied(p))
+            tied.names.append(str(node))
+            for key, f in factors.items():
+                if per_sample:
+                    parts = [root_vjps(call, Factor(f.kind, f.sign, f.S[:, m]), pname) for m in range(f.S.shape[1])]
+                    B = torch.cat(parts, 1)
+                else:
+                    B = root_vjps(call, f, pname)
+                tied.add(key, f.kind, f.sign, B)
+
+    def gather_column(self, run: PassState, node: Node, kind: str, G: Tensor, per_sample: bool) -> None:
+        """:meth:`gather` for the autograd path's next column ``G [1, N, *out]`` of ``kind``
+        (every call gets the columns in the same order: the key is the column's index)."""
+        tied = run.tied.setdefault(id(node.params[min(node.tied)]), Tied(node.params[min(node.tied)]))
+        index = tied.count.get((id(node), kind), 0)
+        tied.count[(id(node), kind)] = index + 1
+        self.gather(run, node, {(kind, index): Factor(kind, 1.0, G)}, per_sample)
+
+    def _tied_writes(self, tied: Tied) -> list[Write]:
+        """The extensions' results for a tied parameter from its calls' summed vectors:
+        computed as for a parameter used directly (the identity), whose per-sample
+        gradient for the output gradient ``B`` is ``B``."""
+        p, grouped = tied.param, {}
+        for f in tied.columns.values():  # one factor per kind and sign, its keys along V
+            grouped.setdefault((f.kind, f.sign), []).append(f.S)
+        factors = [Factor(kind, sign, torch.cat(Bs)) for (kind, sign), Bs in grouped.items()]
+        call = Call(
+            module=None,
+            name=" and ".join(dict.fromkeys(tied.names)),
+            params={"": p},
+            entry=None,
+            hp={},
+            x=None,
+            inputs=None,
+            out_shape=tuple(factors[0].S.shape[1:]) if factors else (),
+            factors=factors,
+            first_order=_identity,
+            budget=self.budget,
+        )
+        writes = []
+        for ext in self.extensions if factors else ():
+            value = (self.run_extension(ext, call) or {}).get("")
+            if value is not None:
+                writes.append((p, ext.savefield, precision.result(value, p)))
+        return writes
+
+    def call(self, node: Node, factors: list[Factor], dense: Tensor | None, tied: bool = False) -> Call:
+        """What the extensions see of ``node`` with these factors at its output: its
+        parameters but the tied ones (:meth:`gather`), or only those where ``tied``."""
         module, offered = node.module, node.param_entry.names()
         return Call(
             module=module,
             name=node.name,
-            params=node.params,
+            params={n: p for n, p in node.params.items() if (n in node.tied) == tied},
             entry=node.param_entry,
             hp=node.param_hyperparams,
             x=node.param_input,
@@ -415,15 +501,19 @@ class SecondOrderEngine(Engine):
             ) from err
 
     def stage(self, run: PassState, node: Node, results: dict[str, dict[str, object]]) -> None:
-        """``{param name: {savefield: value}}``, written when the pass ends."""
+        """``{param name: {savefield: value}}``, written when the pass ends (the tied
+        parameters' come from :meth:`gather` instead)."""
         self.check_unshared(run, node)
         for pname, p in node.params.items():
-            run.staged[id(p)] = (p, node, results[pname])
+            if pname not in node.tied:
+                run.staged[id(p)] = (p, node, results[pname])
 
     def finish(self, run: PassState) -> list[Write]:
         staged, run.staged = run.staged, {}
+        tied, run.tied = run.tied, {}
         run.deposits.clear()
-        return [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+        writes = [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
+        return writes + [w for t in tied.values() for w in self._tied_writes(t)]
 
 
 class _Functional(TorchFunctionMode):
@@ -441,6 +531,12 @@ class _Functional(TorchFunctionMode):
         if build is None or self.engine.inside or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         return self.engine.on_function(func, build, args, kwargs)
+
+
+def _identity(pname: str, x, g: Tensor, quantities: set[str]) -> dict[str, Tensor]:
+    """First-order quantities of a parameter used as it is: for output gradients
+    ``g [N', *p.shape]`` its per-sample gradients are ``g``."""
+    return {q: g if q == "batch_grad" else g.square().sum(0) for q in quantities}
 
 
 def _op_name(func) -> str:

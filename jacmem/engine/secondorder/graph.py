@@ -44,6 +44,7 @@ class Node:
         "dtype",
         "kept_low_precision",
         "rerunnable",
+        "tied",
         "__weakref__",
     )
 
@@ -58,6 +59,9 @@ class Node:
         self.dtype: torch.dtype | None = None
         #: ``inputs`` are the call's every argument (curvature-matrix products rerun it)
         self.rerunnable = False
+        #: the names of its parameters that other calls use too (tied weights, a module
+        #: called twice): their curvature is the sum over the calls' (:class:`Tied`)
+        self.tied: set[str] = set()
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
@@ -79,11 +83,33 @@ class Deposit:
         self.sources: list[str] = []
 
 
+class Tied:
+    """One parameter used by several calls, in one backward pass: each call's vectors
+    ``J_θ,nᵀ S[v, n]`` (``[V, N, *θ.shape]``), summed over the calls per factor key, so
+    that the curvature made from them at the pass's end counts the cross terms."""
+
+    __slots__ = ("param", "names", "columns", "count")
+
+    def __init__(self, param: nn.Parameter):
+        self.param = param
+        #: the calls that used it, as ``'name' (Type)``
+        self.names: list[str] = []
+        #: factor key -> the calls' vectors so far, summed
+        self.columns: dict[tuple, Factor] = {}
+        #: (id(node), kind) -> how many of its columns one call has added (the autograd
+        #: path's columns arrive one at a time, in the same order at every call)
+        self.count: dict[tuple, int] = {}
+
+    def add(self, key: tuple, kind: str, sign: float, B: Tensor) -> None:
+        have = self.columns.get(key)
+        self.columns[key] = Factor(kind, sign, B) if have is None else Factor(kind, sign, have.S.add_(B))
+
+
 class PassState:
     """The engine's state in one backward pass: deposits in flight, results staged
     until its end."""
 
-    __slots__ = ("deposits", "staged", "autograd")
+    __slots__ = ("deposits", "staged", "autograd", "tied")
 
     def __init__(self):
         self.deposits: dict[int, Deposit] = {}
@@ -92,6 +118,8 @@ class PassState:
         self.autograd: dict | None = None
         #: id(param) -> (param, owner node, {savefield: value})
         self.staged: dict[int, tuple] = {}
+        #: id(param) -> the vectors of a parameter that several calls use
+        self.tied: dict[int, Tied] = {}
 
     def handover(self, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
         """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 
@@ -80,6 +81,11 @@ class SecondOrderExtension:
 
     savefield: str = ""
     kinds: tuple[str, ...] = ()
+    #: its result for a parameter depends on the factors only through the vectors
+    #: ``J_θ,nᵀ S[v, n]`` (``call.first_order``'s per-sample gradients): for a parameter
+    #: that several calls use (tied weights), the engine sums those over the calls and
+    #: computes it once, as for a parameter used directly (the cross terms counted)
+    sums_calls: bool = False
 
     def compute(self, call: Call) -> dict[str, Any]:
         """``{param name: result}`` for one call."""
@@ -92,6 +98,17 @@ class SecondOrderExtension:
         if isinstance(a, (list, tuple)):
             return type(a)(x + y for x, y in zip(a, b))
         return a + b
+
+    def merge_samples(self, parts: list) -> Any:
+        """One parameter's results from a call whose output all samples share (a ``[1, T]``
+        position embedding), computed one sample at a time, merged: a per-sample result
+        (``batch``) stacks them, any other merges them as slices."""
+        if getattr(self, "batch", False):
+            return torch.cat(parts)
+        merged = parts[0]
+        for part in parts[1:]:
+            merged = self.merge_chunks(merged, part)
+        return merged
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

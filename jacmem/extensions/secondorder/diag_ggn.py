@@ -85,7 +85,7 @@ def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str
 
 
 class _DiagGGN(SecondOrderExtension):
-    batch = False
+    batch, sums_calls = False, True
 
     def compute(self, call: Call):
         return squared_vjps(call, call.of_kind(*self.kinds), self.batch)

@@ -66,8 +66,18 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
 
 
 class _SqrtGGN(SecondOrderExtension):
+    sums_calls = True
+
     def __init__(self, subsampling: Sequence[int] | None = None):
         self.subsampling = checked_subsampling(subsampling, type(self).__name__)
+
+    def merge_chunks(self, a: Tensor, b: Tensor) -> Tensor:
+        """Slices of ``V`` stack along ``V``."""
+        return torch.cat((a, b))
+
+    def merge_samples(self, parts: list[Tensor]) -> Tensor:
+        """Samples stack along ``N`` (axis 1)."""
+        return torch.cat(parts, 1)
 
     def compute(self, call: Call) -> dict[str, Tensor]:
         """Several factors of the kind (a sum of losses) stack along ``V``."""
