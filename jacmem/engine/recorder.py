@@ -73,6 +73,9 @@ class Recorder:
         #: whether the running outermost forward is one torch.compile traces: its module calls
         #: return plain tensors (no watched views), as a compiled graph takes nothing else
         self.compiled = False
+        #: name -> type of each module recorded in a compiled model's forward whose call
+        #: Dynamo did not trace: it ran eagerly (an ``nn.Sequential``'s layers), for explain()
+        self.eager: dict[str, str] = {}
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -137,6 +140,8 @@ class Recorder:
         )
         if rec is None:
             return None
+        if self.compiled and not hooks.compiled():
+            self.eager[name] = type(module).__name__
         self.records.add(rec)
         if not self.batch_first:
             self._check_batch(rec)

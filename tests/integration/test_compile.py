@@ -176,10 +176,28 @@ def test_sequential_is_exact_but_not_compiled():
     reference = per_sample_grads(model, X, y, cross_entropy)
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
-    with jacmem.extend(jacmem.BatchGrad()):
+    with jacmem.extend(jacmem.BatchGrad()) as block:
         cross_entropy(compiled(X), y, "mean").backward()
     check_against(model, reference, ["grad_batch"], "[sequential]")
     assert counter.frame_count == 0
+    eager = [line for line in block.explain().splitlines() if "ran eagerly in a compiled forward" in line]
+    assert eager == [
+        f"_orig_mod.{name} ({type(module).__name__}) ran eagerly in a compiled forward: torch.compile traced no call of it"
+        for name, module in model.named_children()
+        if next(module.parameters(), None) is not None
+    ]
+
+
+def test_explain_names_the_modules_that_ran_eagerly():
+    """A forward of its own compiles between jacmem's graph breaks; the calls of the
+    modules with trainable parameters run eagerly, and ``explain()`` names each."""
+    model, X, y = cnn()
+    counter = CompileCounterWithBackend("aot_eager")
+    with jacmem.extend(jacmem.BatchGrad()) as block:
+        cross_entropy(torch.compile(model, backend=counter)(X), y, "mean").backward()
+    assert counter.frame_count >= 1
+    eager = [line.split(" ran eagerly")[0] for line in block.explain().splitlines() if "ran eagerly" in line]
+    assert eager == ["_orig_mod.conv1 (Conv2d)", "_orig_mod.conv2 (Conv2d)", "_orig_mod.fc (Linear)"]
 
 
 def test_second_order_is_exact_on_a_compiled_model():
