@@ -99,10 +99,10 @@ def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
         _COMPILED.pop()
 
 
-#: slot -> (forward hook, module) of the calls a compiled graph records (:func:`_tap`)
-_SLOTS: dict[int, tuple[Callable, nn.Module]] = {}
-#: (forward hook, module) -> its slot
-_SLOT_OF: dict[tuple[Callable, nn.Module], int] = {}
+#: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`)
+_SLOTS: dict[int, tuple[Callable, weakref.ref]] = {}
+#: module -> forward hook -> its slot
+_SLOT_OF: weakref.WeakKeyDictionary[nn.Module, dict[Callable, int]] = weakref.WeakKeyDictionary()
 #: id -> the output-gradient hook of a record made in a compiled graph, until its graph
 #: is freed or its recorder closes (:func:`_hook`)
 _TAPPED: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # (weakly referable, for the handles)
@@ -114,11 +114,11 @@ _DEFERRED: list[list[int]] = []
 def _slot(hook: Callable, module: nn.Module) -> int:
     """The number a compiled graph names ``hook`` on ``module`` by: run when torch.compile
     traces the call, and a constant of the graph."""
-    key = (hook, module)
-    if key not in _SLOT_OF:
-        _SLOT_OF[key] = len(_SLOTS)
-        _SLOTS[_SLOT_OF[key]] = key
-    return _SLOT_OF[key]
+    slots = _SLOT_OF.setdefault(module, {})
+    if hook not in slots:
+        slots[hook] = len(_SLOTS)
+        _SLOTS[slots[hook]] = (hook, weakref.ref(module))
+    return slots[hook]
 
 
 @torch.library.custom_op("jacmem::tap", mutates_args=())
@@ -128,6 +128,7 @@ def _tap(slot: int, args: list[Tensor], output: Tensor) -> Tensor:
     tensor, the ids of the output-gradient hooks its records set (in ``_TAPPED``,
     dropped when the tensor is freed with the graph that saves it)."""
     hook, module = _SLOTS[slot]
+    module = module()  # alive: the model whose compiled graph runs holds it
     _DEFERRED.append([])
     try:
         with compat.autograd_inside_op(), torch.enable_grad():
