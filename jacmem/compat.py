@@ -23,6 +23,7 @@ from torch.utils.weak import WeakTensorKeyDictionary
 __all__ = [
     "WeakTensorKeyDictionary",
     "assert_on_device",
+    "autograd_inside_op",
     "current_graph_task_id",
     "fsdp_parameters",
     "functorch_transforms_active",
@@ -54,6 +55,18 @@ def assert_on_device(condition: torch.Tensor, message: str) -> None:
     there, and the process's CUDA context with it. ``torch._assert_async`` with a
     message, since torch 2.1."""
     torch._assert_async(condition, message)
+
+
+#: the dispatch keys a thread includes and excludes outside any op: those of the import
+_DISPATCH_KEYS = (torch._C._dispatch_tls_local_include_set(), torch._C._dispatch_tls_local_exclude_set())
+
+
+def autograd_inside_op():
+    """A context in which autograd records again, inside the kernel of a custom op
+    (``torch.library.custom_op``), which torch runs below autograd: the dispatch keys of
+    this thread are those outside any op, set by ``torch._C._ForceDispatchKeyGuard``,
+    as torch's own ``torch._ops`` does, since torch 2.1."""
+    return torch._C._ForceDispatchKeyGuard(*_DISPATCH_KEYS)
 
 
 def current_graph_task_id() -> int:

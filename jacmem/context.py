@@ -12,7 +12,6 @@ block ends, every hook comes off and everything kept is dropped.
 
 from __future__ import annotations
 
-import functools
 import sys
 import threading
 from typing import Any
@@ -151,23 +150,22 @@ class extend:
 
 # The global module hooks: the same three functions for every block (they dispatch to
 # the active one), so that a compiled model's guards on its hooks hold from one block
-# to the next; each runs eagerly, a named graph break in a compiled forward
-# (:func:`jacmem.engine.hooks.eager`).
+# to the next; a compiled forward traces them (:func:`jacmem.engine.hooks.eager`).
 
 
-@functools.partial(hooks.eager, parameterless=False)
+@hooks.eager
 def _enter(module, args):
     active = _ACTIVE
     return None if active is None else active.block.enter(module, args)
 
 
-@functools.partial(hooks.eager, parameterless=False)
+@hooks.eager
 def _leave(module, args, output):
     active = _ACTIVE
     return None if active is None else active.block.leave(module, args, output)
 
 
-@functools.partial(hooks.eager, parameterless=False)
+@hooks.eager
 def _forward(module, args, kwargs, output):
     active = _ACTIVE
     return None if active is None else active.block.forward(module, args, kwargs, output)

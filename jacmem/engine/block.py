@@ -90,6 +90,9 @@ class Block:
         self.chunk_bytes = chunk_bytes
         self.process_group = process_group
         self.engines: list[Engine] = []
+        #: name -> type of the modules of a compiled model that ran eagerly, from the
+        #: engines' recorders (:mod:`jacmem.engine.recorder`), kept past close for explain()
+        self.eager: dict[str, str] = {}
         #: the thread that opened the block (None while closed)
         self.owner: int | None = None
         self.ended = 0
@@ -121,6 +124,7 @@ class Block:
             self.batch_first,
             self.shardings,
         )
+        self.eager = {}
         try:
             self.engines = [cls(exts, setup) for cls, exts in self.kinds]
         except BaseException:
@@ -135,6 +139,7 @@ class Block:
             for model in recorder.tracked_models():
                 if recorder.owner(model) is self:
                     recorder.untrack(model, owner=self)
+            self._eager()
             for engine in self.engines:
                 engine.close()
             self.passes.close()
@@ -163,8 +168,17 @@ class Block:
         return [h for engine in self.engines for h in engine.handles]
 
     def explain(self) -> str:
-        """What each layer's quantities were computed with, and why."""
-        return self.plan.explain()
+        """What each layer's quantities were computed with, and why; first, the modules of a
+        compiled model that ran eagerly (:mod:`jacmem.engine.recorder`)."""
+        eager = self._eager().items()
+        lines = [f"{n} ({t}) ran eagerly in a compiled forward: torch.compile traced no call of it" for n, t in eager]
+        return "\n".join([*lines, self.plan.explain()])
+
+    def _eager(self) -> dict[str, str]:
+        """:attr:`eager`, with what the engines' recorders saw so far."""
+        for engine in self.engines:
+            self.eager.update(getattr(getattr(engine, "recorder", None), "eager", {}))
+        return self.eager
 
     # -- models ----------------------------------------------------------------------
 

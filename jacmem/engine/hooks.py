@@ -15,7 +15,7 @@ from __future__ import annotations
 import functools
 import threading
 import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -52,22 +52,35 @@ def _release(keys: list[int]) -> None:
 _COMPILED: list[bool] = []
 
 
-def eager(hook: Callable, parameterless: bool = True) -> Callable:
-    """``hook``, a module hook of jacmem's, run eagerly where a compiled forward calls it:
-    torch.compile breaks its graph there, with a reason that names jacmem, and compiles
-    the module's forward on either side; what the hook keeps, and the tensor hooks it
-    sets, are those of real tensors, as in an eager forward. While it runs,
-    :func:`compiled` says whether the forward is a compiled one.
+def eager(hook: Callable) -> Callable:
+    """``hook``, a module hook of jacmem's (pre-hook ``(module, args)``, leave hook
+    ``(module, args, output)`` or forward hook ``(module, args, kwargs, output)``), as a
+    compiled forward calls it: traced, with no graph break. There, the forward hook of a
+    module with trainable parameters of its own, called on tensors and returning one,
+    runs at the graph's run time, on real tensors, in the op ``jacmem::tap``
+    (:func:`_tap`); the gradient of the module's output reaches its records through
+    ``jacmem::tapped`` in the compiled backward (:class:`Tap`). The other calls of the
+    hooks are skipped: modules without trainable parameters record nothing, and the
+    pre- and leave hooks only follow broadcasts, which a compiled graph cannot take
+    (the compiled model's wrapper, whose hooks run eagerly, begins and ends the forward).
 
-    ``parameterless=False``: in a compiled forward, the hook skips the calls of modules
-    without trainable parameters of their own (activations, pooling, containers), with
-    no graph break; where it sees both ends of every call it sees (the block's global
-    hooks), it loses nothing: no such call is recorded."""
+    A forward hook on other arguments (keyword arguments, non-tensors, a tuple output)
+    runs eagerly: torch.compile breaks its graph there, with a reason that names jacmem,
+    and compiles the module's forward on either side. While the hook runs,
+    :func:`compiled` says whether the forward is a compiled one."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
-        if torch.compiler.is_compiling() and not parameterless and not _has_trainable(args[0]):
+        if not torch.compiler.is_compiling():
+            return _run(hook, False, args, kwargs)
+        if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
-        return _run(hook, torch.compiler.is_compiling(), args, kwargs)
+        module, margs, mkwargs, output = args
+        if mkwargs or not isinstance(output, Tensor) or not all(isinstance(a, Tensor) for a in margs):
+            return _run(hook, True, args, kwargs)
+        if not output.requires_grad:
+            return None
+        token = torch.ops.jacmem.tap(_slot(hook, module), list(margs), output)
+        return Tap.apply(output, token)
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
     return functools.wraps(hook)(traced)
@@ -84,6 +97,89 @@ def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
         return hook(*args, **kwargs)
     finally:
         _COMPILED.pop()
+
+
+#: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`)
+_SLOTS: dict[int, tuple[Callable, weakref.ref]] = {}
+#: module -> forward hook -> its slot
+_SLOT_OF: weakref.WeakKeyDictionary[nn.Module, dict[Callable, int]] = weakref.WeakKeyDictionary()
+#: id -> the output-gradient hook of a record made in a compiled graph, until its graph
+#: is freed or its recorder closes (:func:`_hook`)
+_TAPPED: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # (weakly referable, for the handles)
+#: while :func:`_tap` runs a forward hook: the ids in ``_TAPPED`` of the hooks its records set
+_DEFERRED: list[list[int]] = []
+
+
+@torch.compiler.assume_constant_result
+def _slot(hook: Callable, module: nn.Module) -> int:
+    """The number a compiled graph names ``hook`` on ``module`` by: run when torch.compile
+    traces the call, and a constant of the graph."""
+    slots = _SLOT_OF.setdefault(module, {})
+    if hook not in slots:
+        slots[hook] = len(_SLOTS)
+        _SLOTS[slots[hook]] = (hook, weakref.ref(module))
+    return slots[hook]
+
+
+@torch.library.custom_op("jacmem::tap", mutates_args=())
+def _tap(slot: int, args: list[Tensor], output: Tensor) -> Tensor:
+    """At a compiled graph's run time: the forward hook of ``slot`` on the call
+    ``module(*args) -> output``, as in an eager forward; returns, as a [K] int64 CPU
+    tensor, the ids of the output-gradient hooks its records set (in ``_TAPPED``,
+    dropped when the tensor is freed with the graph that saves it)."""
+    hook, module = _SLOTS[slot]
+    module = module()  # alive: the model whose compiled graph runs holds it
+    _DEFERRED.append([])
+    try:
+        with compat.autograd_inside_op(), torch.enable_grad():
+            _run(hook, True, (module, tuple(args), {}, output.detach().requires_grad_()), {})
+    finally:
+        ids = _DEFERRED.pop()
+    token = torch.tensor(ids, dtype=torch.int64)
+    weakref.finalize(token, _untap, ids)
+    return token
+
+
+@_tap.register_fake
+def _(slot, args, output):
+    return torch.empty(0, dtype=torch.int64)  # (its length is data-dependent: torch.compile never reads it)
+
+
+def _untap(ids: list[int]) -> None:
+    for i in ids:
+        _TAPPED.pop(i, None)
+
+
+@torch.library.custom_op("jacmem::tapped", mutates_args=("grad",))
+def _tapped(grad: Tensor, token: Tensor) -> None:
+    """In a compiled backward: ``grad``, the gradient of a call's output, to the hooks of
+    ``token`` (:func:`_tap`). Declared as writing ``grad``, so that it runs in order."""
+    with compat.autograd_inside_op():
+        for i in token.tolist():
+            hook = _TAPPED.get(i)
+            if hook is not None:
+                hook(grad)
+
+
+@_tapped.register_fake
+def _(grad, token):
+    return None
+
+
+class Tap(torch.autograd.Function):
+    """The output of a call recorded in a compiled graph: a copy (later in-place ops may
+    write it), whose gradient goes to the call's records (``jacmem::tapped``)."""
+
+    @staticmethod
+    def forward(ctx, output: Tensor, token: Tensor) -> Tensor:
+        ctx.save_for_backward(token)
+        return output.clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (token,) = ctx.saved_tensors
+        torch.ops.jacmem.tapped(grad, token)
+        return grad, None
 
 
 def compiled() -> bool:
@@ -242,7 +338,7 @@ def record(
     rec = Record(module, name, entry, params, x, outputs)
     rec.batch_first = batch_first
 
-    fused = _compute_once(rec, args, output, on_grad) if once else None
+    fused = _compute_once(rec, args, output, on_grad) if once and not _DEFERRED else None
     if fused is not None:  # its node's inputs: x, then the parameters
         rec.once = True
         rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
@@ -275,7 +371,13 @@ def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles) -> None:
     """Hooks on ``outputs`` that hand ``rec`` to ``on_grad`` once all their gradients arrived."""
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in rec.params.items()}
     for i, out in enumerate(outputs):
-        handle = out.register_hook(_make_hook(rec, i, on_grad))
+        hook = _make_hook(rec, i, on_grad)
+        if _DEFERRED:  # in a compiled graph (:func:`_tap`): its output has one tensor
+            handle = RemovableHandle(_TAPPED)
+            _TAPPED[handle.id] = hook
+            _DEFERRED[-1].append(handle.id)
+        else:
+            handle = out.register_hook(hook)
         (handles.add if isinstance(handles, Handles) else handles.append)(handle)
 
 

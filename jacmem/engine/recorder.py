@@ -73,6 +73,12 @@ class Recorder:
         #: whether the running outermost forward is one torch.compile traces: its module calls
         #: return plain tensors (no watched views), as a compiled graph takes nothing else
         self.compiled = False
+        #: name -> type of each module recorded in a compiled model's forward whose call
+        #: Dynamo did not trace: it ran eagerly (in a frame torch.compile gave up on), for explain()
+        self.eager: dict[str, str] = {}
+        #: the module a compiled model's wrapper runs: its own hooks run eagerly, around
+        #: its compiled forward
+        self.compiled_root: nn.Module | None = None
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -81,6 +87,8 @@ class Recorder:
         trainable parameters become watched views until :meth:`leave` (not where a
         BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled()
+        if compat.is_compiled_module(module):
+            self.compiled_root = module._orig_mod
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
@@ -137,6 +145,8 @@ class Recorder:
         )
         if rec is None:
             return None
+        if self.compiled and not hooks.compiled() and module is not self.compiled_root:
+            self.eager[name] = type(module).__name__
         self.records.add(rec)
         if not self.batch_first:
             self._check_batch(rec)
@@ -145,7 +155,7 @@ class Recorder:
         if n > 1:
             self.batch = n
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
-            if self.compiled:
+            if self.compiled or hooks.compiled():
                 raise RuntimeError(_COMPILED_BROADCAST.format(name=rec.name, type=type(module).__name__))
             new = self._broadcast(rec, new)
         return None if new is output else new
@@ -244,7 +254,7 @@ class Tracker(Recorder):
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         self.model = weakref.ref(model)
         self.module_handles: list = []
-        # run eagerly in a compiled forward: hooks.eager
+        # traced by a compiled forward: hooks.eager
         enter, leave, forward = map(hooks.eager, (self._on_enter, self._on_leave, self._on_forward))
         for name, module in model.named_modules():
             # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)

@@ -1,11 +1,12 @@
 """Compiled models (``torch.compile``) inside ``jacmem.extend``: float64, against the
 per-sample loop (tests/support/reference.py).
 
-jacmem's module hooks run eagerly: torch.compile breaks its graph at each call of a
-module with trainable parameters, by a reason that names jacmem, and compiles what
-lies between (docs/guide/compile.rst). Each test counts Dynamo's graphs with a
-``CompileCounterWithBackend("aot_eager")`` backend (no C++ build): at least one, so
-that a model that ran eagerly fails, and none new after the first step."""
+A compiled forward traces jacmem's module hooks: each call of a module with trainable
+parameters is recorded by the op ``jacmem::tap`` at the graph's run time, with no graph
+break (docs/guide/compile.rst). Each test counts Dynamo's graphs with a
+``CompileCounterWithBackend("aot_eager")`` backend (no C++ build): at least one, none
+new after the first step, and no module named by ``explain()`` as run eagerly, so that
+a model that ran eagerly fails."""
 
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from tests.support.reference import (
 )
 from torch import Tensor, nn
 from torch._dynamo.testing import CompileCounterWithBackend
-from torch.nn import functional as F
 
 import jacmem
 
@@ -35,25 +35,15 @@ N = 6
 EXTENSION_SETS = [(f,) for f in FIRST_ORDER] + [tuple(FIRST_ORDER)]
 
 
-class CNN(nn.Module):
-    """The seed CNN's layers, small ([N, 1, 12, 12] -> [N, 5]), in a forward of its own:
-    torch.compile compiles what lies between jacmem's graph breaks here (in an
-    ``nn.Sequential``, whose loop over the layers is torch's own code, it compiles
-    nothing: :func:`test_sequential_is_exact_but_not_compiled`)."""
-
-    def __init__(self):
-        super().__init__()
-        self.conv1, self.conv2, self.fc = nn.Conv2d(1, 4, 3, padding=1), nn.Conv2d(4, 3, 3, padding=1), nn.Linear(12, 5)
-
-    def forward(self, x: Tensor) -> Tensor:
-        x = F.max_pool2d(F.relu(self.conv1(x)), 3, stride=2)
-        x = F.max_pool2d(F.relu(self.conv2(x)), 3, stride=2)
-        return self.fc(x.flatten(1))
-
-
 def cnn():
+    """The seed CNN's layers, small, as an ``nn.Sequential``: [N, 1, 12, 12] -> [N, 5]."""
     torch.manual_seed(0)
-    return CNN(), torch.randn(N, 1, 12, 12), torch.randint(0, 5, (N,))
+    model = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, stride=2),
+        nn.Conv2d(4, 3, 3, padding=1), nn.ReLU(), nn.MaxPool2d(3, stride=2),
+        nn.Flatten(), nn.Linear(12, 5),
+    )  # fmt: skip
+    return model, torch.randn(N, 1, 12, 12), torch.randint(0, 5, (N,))
 
 
 class PositionedGPT2(nn.Module):
@@ -86,7 +76,8 @@ def _fresh_dynamo():
 
 def _steps(model, X, y, extensions, flow: str, steps: int = 3) -> CompileCounterWithBackend:
     """``steps`` backward passes of the compiled model, each in a block of its own; the
-    counter of Dynamo's graphs, checked: some, and none new after the first step."""
+    counter of Dynamo's graphs, checked: some, none new after the first step, and no
+    module that ran eagerly."""
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model, backend=counter)
     if flow == "track":
@@ -95,8 +86,9 @@ def _steps(model, X, y, extensions, flow: str, steps: int = 3) -> CompileCounter
         for step in range(steps):
             clear(model)
             value = cross_entropy(compiled(X), y, "mean") if flow == "track" else None
-            with jacmem.extend(*[e() for e in extensions]):
+            with jacmem.extend(*[e() for e in extensions]) as block:
                 (cross_entropy(compiled(X), y, "mean") if value is None else value).backward()
+            assert "ran eagerly" not in block.explain()
             if step == 0:
                 first = counter.frame_count
     finally:
@@ -166,20 +158,40 @@ def test_default_position_ids_raise_naming_torch_compile():
             cross_entropy(compiled(X), y, "mean").backward()
 
 
-def test_sequential_is_exact_but_not_compiled():
-    """An ``nn.Sequential`` calls its layers in a loop of torch's own code: a graph break
-    there leaves the whole forward to eager (Dynamo compiles no torch frame alone).
-    Exact, with no Dynamo error; the docs say to give the model a forward of its own."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Conv2d(1, 4, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(100, 5))
-    X, y = torch.randn(N, 1, 12, 12), torch.randint(0, 5, (N,))
+def test_sequential_compiles_as_one_graph():
+    """An ``nn.Sequential`` calls its layers in a loop of torch's own code: jacmem's hooks
+    break no graph there, so its forward is one graph, as without jacmem."""
+    model, X, y = cnn()
+    counter = _steps(model, X, y, [jacmem.BatchGrad], "inside")
+    assert counter.frame_count == 1
+
+
+class Uncompiled(nn.Module):
+    """A Linear whose caller torch.compile does not trace."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Linear(12, 5)
+
+    @torch.compiler.disable
+    def forward(self, x: Tensor) -> Tensor:
+        return self.inner(x)
+
+
+def test_explain_names_the_modules_that_ran_eagerly():
+    """Where torch.compile gives up on a frame (here the ``nn.Sequential``'s, as a
+    function it may not trace is called in its loop), the modules it calls run eagerly,
+    exact; the block's ``explain()`` names each."""
+    model, X, y = cnn()
+    model[-1] = Uncompiled()
     reference = per_sample_grads(model, X, y, cross_entropy)
     counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter)
-    with jacmem.extend(jacmem.BatchGrad()):
-        cross_entropy(compiled(X), y, "mean").backward()
-    check_against(model, reference, ["grad_batch"], "[sequential]")
+    with jacmem.extend(jacmem.BatchGrad()) as block:
+        cross_entropy(torch.compile(model, backend=counter)(X), y, "mean").backward()
+    check_against(model, reference, ["grad_batch"], "[uncompiled]")
     assert counter.frame_count == 0
+    eager = [line.split(" ran eagerly")[0] for line in block.explain().splitlines() if "ran eagerly" in line]
+    assert eager == ["_orig_mod.0 (Conv2d)", "_orig_mod.3 (Conv2d)", "_orig_mod.7.inner (Linear)"]
 
 
 def test_second_order_is_exact_on_a_compiled_model():
