@@ -105,6 +105,37 @@ def weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("no,ni->oi", _flat(g).squeeze(1).square(), _flat(x).squeeze(1).square())
 
 
+#: bytes of per-sample gradients that the ``outer`` second moments hold at once
+_MOMENT_BLOCK_BYTES = 16 * 2**20
+
+
+def _moments_cost(xs, gs) -> Cost:
+    """The per-sample products and their squares, summed; no workspace that grows with
+    the batch (:func:`_sum_outer_squares` reuses one block of :data:`_MOMENT_BLOCK_BYTES`)"""
+    N, T, I, O = _dims(xs, gs)
+    return Cost(flops=2 * N * T * I * O + 2 * N * I * O, workspace=0)
+
+
+def _sum_outer_squares(a: Tensor, b: Tensor) -> Tensor:
+    """Σ_n (a_nᵀ b_n) ⊙ (a_nᵀ b_n), the products of a block of samples at a time in one
+    reused buffer, squared into one result (a weight ``[3072, 768]`` at T > 1 otherwise
+    went one sample per chunk, each with new buffers): [N, T, P], [N, T, Q] -> [P, Q]"""
+    n, p, q = a.shape[0], a.shape[-1], b.shape[-1]
+    block = max(1, min(n, _MOMENT_BLOCK_BYTES // max(p * q * a.element_size(), 1)))
+    buffer, out = a.new_empty((block, p, q)), a.new_zeros((p, q))
+    for start in range(0, n, block):
+        k = min(block, n - start)
+        for product in torch.bmm(a[start : start + k].transpose(1, 2), b[start : start + k], out=buffer[:k]):
+            out.addcmul_(product, product)
+    return out
+
+
+@register(nn.Linear, "weight", "sum_grad_squared", "outer", cost=_moments_cost)
+def weight_sum_grad_squared_outer(x: Tensor, g: Tensor) -> Tensor:
+    """Σ_n (Σ_t g_t x_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [O, I]"""
+    return _sum_outer_squares(_flat(g), _flat(x))
+
+
 @register(nn.Linear, "bias", "batch_grad", "sum")
 @register(CONV1D, "bias", "batch_grad", "sum")
 def bias_batch_grad(x, g: Tensor) -> Tensor:
@@ -135,6 +166,12 @@ register(CONV1D, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2
 def conv1d_weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
     """Σ_n (x_n g_nᵀ)²: [N, I], [N, O] -> [I, O]"""
     return torch.einsum("ni,no->io", _flat(x).squeeze(1).square(), _flat(g).squeeze(1).square())
+
+
+@register(CONV1D, "weight", "sum_grad_squared", "outer", cost=_moments_cost)
+def conv1d_weight_sum_grad_squared_outer(x: Tensor, g: Tensor) -> Tensor:
+    """Σ_n (Σ_t x_t g_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [I, O]"""
+    return _sum_outer_squares(_flat(x), _flat(g))
 
 
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------

@@ -6,7 +6,11 @@ strategies and staging) with another end of pass. While the backward runs, each 
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
 parameter whose per-sample gradients take no more memory than ``x`` and ``g`` (a bias, a
-norm's scale) stages its per-sample gradients instead. A parameter used by several calls
+norm's scale) stages its per-sample gradients instead, and so does one whose per-sample
+gradients the cost model finds cheaper than its norms now and a second product at the
+end of the pass, while the pass's kept per-sample gradients stay within
+:func:`jacmem.engine.cost_model.keep_budget` beyond the ``x`` and ``g`` they let go
+(``explain()``: ``clipped sum <- per-sample gradients kept``). A parameter used by several calls
 (tied weights) keeps every call where its layers give ghost factors, and its norms come
 at the end of the pass from their cross terms (:mod:`jacmem.derivatives.tied`), or from
 per-sample gradients summed over the calls where the cost model finds that cheaper
@@ -47,14 +51,15 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives import entries
+from jacmem.derivatives import Cost, entries
 from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum
 from jacmem.engine import distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
+from jacmem.engine.cost_model import keep_budget
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
-from jacmem.engine.planner import batch_size
+from jacmem.engine.planner import batch_size, itemsize, shapes
 from jacmem.extensions.clipping import ClipGrad
 
 
@@ -71,7 +76,7 @@ def _distance(a: Tensor, b: Tensor, chunk_bytes: float) -> Tensor:
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
-    __slots__ = ("calls", "reached", "autograd", "recorded", "narrowest")
+    __slots__ = ("calls", "reached", "autograd", "recorded", "narrowest", "kept")
 
     def __init__(self):
         super().__init__()
@@ -86,6 +91,8 @@ class ClipStaging(Staging):
         self.recorded: dict[int, Tensor] = {}
         #: id(parameter) -> the narrowest dtype of its calls' output gradients
         self.narrowest: dict[int, torch.dtype] = {}
+        #: bytes of the per-sample gradients staged so far beyond the ``x`` and ``g`` they let go
+        self.kept = 0.0
 
 
 class ClippingEngine(FirstOrderEngine):
@@ -177,7 +184,7 @@ class ClippingEngine(FirstOrderEngine):
             self._guard([(f"{rec.name}.{pname}", param)])
             staged = self._stage(run, rec, pname, param, n)
             kept = self._keep(staged, rec, pname, x, g, dtype)
-            per_sample = not kept and (staged.summed or _small(param, n, x, g))
+            per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
                 set() if rec.once else {"grad"}
             )
@@ -191,6 +198,33 @@ class ClippingEngine(FirstOrderEngine):
             if not per_sample:
                 run.calls.setdefault(id(param), []).append((rec, pname, x, g))
         return {}
+
+    def _per_sample(self, run: ClipStaging, rec: hooks.Record, pname: str, param: nn.Parameter, n: int, x, g) -> bool:
+        """Whether the call stages its per-sample gradients ``[n, *param.shape]`` rather
+        than its norms and its ``x`` and ``g`` for the clipped sum: where they take no more
+        memory than ``x`` and ``g`` (a bias, a norm's scale, a Linear on long sequences),
+        or, while the pass's kept per-sample gradients stay within
+        :func:`keep_budget`, where the cost model finds them cheaper (ViT-S's ``qkv`` at
+        197 tokens: its ghost norm's 0.95 GFLOP against 3.5M entries written and read
+        twice). That choice is ``explain()``'s ``clipped sum``."""
+        extra = (n * param.numel() - entries(x) - entries(g)) * itemsize(g)
+        if extra <= 0:
+            return True
+        costs = _clip_costs(rec, pname, n * param.numel(), shapes(x), shapes(g))
+        if costs is None:
+            return False
+        keep, recompute = costs
+        options = {
+            "per-sample gradients kept": keep if run.kept + extra <= keep_budget(self.chunk_bytes) else None,
+            "norms, then the clipped sum from x and g": recompute,
+        }
+        chosen = self.strategies.choose(
+            rec.module, rec.name, rec.entry.names(), pname, "clipped sum", options, itemsize(g), param.device
+        )
+        if chosen != "per-sample gradients kept":
+            return False
+        run.kept += extra
+        return True
 
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
         """A trainable parameter without exact per-sample gradients: an unclipped
@@ -336,9 +370,26 @@ class ClippingEngine(FirstOrderEngine):
         return total
 
 
-def _small(param: nn.Parameter, n: int, x, g) -> bool:
-    """Whether the per-sample gradients ``[n, *param.shape]`` take no more memory than
-    the call's ``x`` and ``g``, which the clipped sum would otherwise keep (a bias, a
-    norm's scale, a Linear on long sequences): then they are staged, and the clipped sum
-    needs no second pass over the call."""
-    return n * param.numel() <= entries(x) + entries(g)
+def _clip_costs(rec: hooks.Record, pname: str, result: int, xs, gs) -> tuple[Cost, Cost] | None:
+    """The cost of a parameter's clipped sum in one call by its layer's cheapest
+    strategies: keeping its per-sample gradients (``result`` entries, written, then
+    read for the norms and for the ``c``-weighted sum: memory traffic that makes it
+    lose to a ghost norm on short sequences, as GPT-2's at T=128 on the CPU) against its
+    norms now and its summed gradient from ``x`` and the scaled ``g`` at the end of the
+    pass (the norms by a strategy of their own, or from per-sample gradients computed and
+    dropped). ``None`` where a strategy it needs has no cost model."""
+
+    def cheapest(quantity: str) -> Cost | None:
+        costs = [
+            s.cost(xs, gs, **rec.hp) if s.cost is not None else None
+            for s in rec.entry.strategies.get((pname, quantity), {}).values()
+        ]
+        return min((c for c in costs if c is not None), key=lambda c: c.flops, default=None)
+
+    per_sample, grad, norms = cheapest("batch_grad"), cheapest("grad"), cheapest("batch_l2")
+    if per_sample is None or grad is None:
+        return None
+    if norms is None:
+        norms = Cost(per_sample.flops + 2 * result, per_sample.workspace + 2 * result)
+    keep = Cost(per_sample.flops + 3 * result, per_sample.workspace + 3 * result)
+    return keep, Cost(norms.flops + grad.flops, norms.workspace)

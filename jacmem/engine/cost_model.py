@@ -13,6 +13,10 @@ import torch
 
 from jacmem.derivatives import Cost
 
+#: How many ``chunk_bytes`` the per-sample gradients one backward pass keeps may take
+#: beyond the inputs and output gradients they replace (:func:`keep_budget`)
+KEEP_CHUNKS = 8
+
 #: FLOP/s of a batched matrix product and byte/s of a strided copy, on a 2-thread Xeon
 #: (the benchmark machine): a matter of order, only their ratio steers ``auto``
 FLOP_RATE = 5e10
@@ -122,3 +126,12 @@ def estimated_seconds(cost: Cost, itemsize: int, profile: DeviceProfile = CPU_PR
         + cost.workspace * itemsize / profile.byte_rate
         + profile.overhead
     )
+
+
+def keep_budget(chunk_bytes: float) -> float:
+    """Bytes that per-sample gradients kept through one backward pass may take beyond
+    the inputs and output gradients that they let go (ClipGrad keeps them where they
+    save a second product at the end of the pass): :data:`KEEP_CHUNKS` × ``chunk_bytes``,
+    512 MiB at the block's default (a 2-layer GPT-2 at N=8 keeps all of its blocks'
+    matrices in 360 MB)."""
+    return KEEP_CHUNKS * chunk_bytes

@@ -243,6 +243,23 @@ def test_sum_of_squares_both_ways():
         check_against(model, reference, ["sum_grad_squared", "variance"], f"sum of squares {kwargs}")
 
 
+@pytest.mark.parametrize("block_bytes", [1, 2 * 6 * 5 * 8, 2**20], ids=["one", "two-short-last", "whole"])
+def test_second_moments_of_a_sequence_linear_in_blocks_of_samples(block_bytes, monkeypatch):
+    """A Linear on sequences: SumGradSquared and Variance by ``outer``, the per-sample
+    products of a block of samples at a time in one buffer (one sample, two with a
+    short last block of five, all), against the per-sample loop."""
+    from jacmem.derivatives import linear
+
+    monkeypatch.setattr(linear, "_MOMENT_BLOCK_BYTES", block_bytes)
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(5, 6), nn.Tanh(), nn.Flatten(), nn.Linear(18, 3)).double()
+    X, y = torch.randn(5, 3, 5, dtype=torch.float64), torch.randn(5, 3, dtype=torch.float64)
+    reference = per_sample_grads(model, X, y, mse)
+    ctx = run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()])
+    assert ctx.plan.decisions[("0", "weight", "sum_grad_squared")].chosen == "outer", ctx.explain()
+    check_against(model, reference, ["sum_grad_squared", "variance"], f"blocks of {block_bytes} bytes")
+
+
 def run_auto(conv: nn.Module, size: int, extension) -> jacmem.extend:
     """``extension`` with auto on ``conv`` (module "0") and a Linear head, cross-entropy,
     a batch of two ``size``×``size`` inputs: the block, whose ``plan.decisions`` say

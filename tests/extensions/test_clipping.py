@@ -403,7 +403,8 @@ def test_ddp_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
 @pytest.mark.parametrize("strategy", ["ghost", "ghost_gram", "unfold"])
 def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
     """The norms by each of a conv's strategies (chosen by name), the clipped sum as always."""
-    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: False)  # norms, not per-sample gradients
+    # norms, not per-sample gradients
+    monkeypatch.setattr(jacmem.engine.clipping.ClippingEngine, "_per_sample", lambda *args: False)
     model, X, y = family("conv2d")
     grads = per_sample(model, X, y, cross_entropy, "mean")
     C = median_norm(grads)
@@ -414,3 +415,32 @@ def test_any_norm_strategy_gives_the_same_clipped_sum(strategy, monkeypatch):
         or f"0.weight batch_l2 <- per-sample gradients by {strategy}" in ctx.explain()
     )
     assert_grads(model, expected(grads, C), strategy)
+
+
+class Pooled(nn.Module):
+    """A wide Linear on a long sequence, pooled: [N, T, D] -> [N, 3]. Its per-sample
+    gradients outgrow its ``x`` and ``g`` (D² > 2·T·D), and its ghost norm's T² terms
+    cost more than writing them (T² > 60·D)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.wide, self.head = nn.Linear(d, d), nn.Linear(d, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.wide(x)).mean(1))
+
+
+@pytest.mark.parametrize("chunk_bytes,chosen", [(2**26, "per-sample gradients kept"), (1, "norms, then")])
+def test_the_keep_budget_chooses_per_sample_gradients_or_norms(chunk_bytes, chosen):
+    """Per-sample gradients bigger than ``x`` and ``g`` are kept where the cost model finds
+    them cheaper than a ghost norm and a second product, within the pass's budget (a
+    multiple of ``chunk_bytes``); past it, the norms now and the clipped sum from ``x``
+    and ``g``. Both give the clipped sum of the per-sample loop."""
+    torch.manual_seed(0)
+    model, X, y = Pooled(300).to(DT), torch.randn(3, 140, 300, dtype=DT), torch.randint(0, 3, (3,))
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    with jacmem.extend(jacmem.ClipGrad(C), chunk_bytes=chunk_bytes) as ctx:
+        F.cross_entropy(model(X), y).backward()
+    assert f"wide.weight clipped sum <- {chosen}" in ctx.explain(), ctx.explain()
+    assert_grads(model, expected(grads, C), chosen)

@@ -55,5 +55,7 @@ def median_norm(grads: dict) -> float:
 def path(request, monkeypatch):
     """Both ways to the clipped sum: from each call's x and c-scaled g, or from staged
     per-sample gradients (the engine picks by memory; here each is forced in turn)."""
-    monkeypatch.setattr(jacmem.engine.clipping, "_small", lambda *args: request.param == "per_sample")
+    monkeypatch.setattr(
+        jacmem.engine.clipping.ClippingEngine, "_per_sample", lambda *args: request.param == "per_sample"
+    )
     return request.param
