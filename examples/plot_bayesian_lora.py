@@ -34,7 +34,6 @@ runs it) for fewer prompts and training steps. It prints a table and saves
 
 from __future__ import annotations
 
-import argparse
 import os
 import warnings
 from pathlib import Path
@@ -137,64 +136,69 @@ def scores(probs: Tensor, y: Tensor | None) -> dict[str, float]:
     return out
 
 
-def main(argv=None) -> dict[str, dict[str, dict[str, float]]]:
-    p = argparse.ArgumentParser(description="A Kronecker Laplace over the LoRA adapters of a tiny LLaMA")
-    p.add_argument(
-        "--out",
-        type=Path,
-        default=Path(globals().get("__file__", "plot_bayesian_lora.py")).resolve().parents[1] / "out",
-    )
-    args = p.parse_args(argv)
-    torch.manual_seed(0)
-    data = torch.Generator().manual_seed(0)
-    model = lora_llama()
-    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    print(f"LLaMA, 2 layers, d=64, vocabulary {VOCAB}: {trainable:,} of {sum(p.numel() for p in model.parameters()):,}")
-    X, y = prompts(N_TRAIN, data)
-    train(model, X, y, data)
-    worst = check_factors(model, X[:16], y[:16])
-    print(f"Kronecker factors on one batch: jacmem's equal curvlinops' within {worst:.1e} (relative)")
+# %%
+# MAP: fine-tune the adapters and the head. The marker's token reaches the last position
+# only through attention, whose queries and values the adapters change.
 
-    la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron", backend=JacmemGGN)
-    la.fit(DataLoader(TensorDataset(X, y), batch_size=32))
-    la.optimize_prior_precision(method="marglik", n_steps=20 if QUICK else 100)
-    print(
-        f"prior precision {la.prior_precision.item():.3g}, log marginal likelihood {la.log_marginal_likelihood():.1f}"
-    )
+torch.manual_seed(0)
+data = torch.Generator().manual_seed(0)
+model = lora_llama()
+trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+total = sum(p.numel() for p in model.parameters())
+print(f"LLaMA, 2 layers, d=64, vocabulary {VOCAB}: {trainable:,} of {total:,} parameters trainable")
+X, y = prompts(N_TRAIN, data)
+train(model, X, y, data)
 
-    tests = {
-        "held-out prompts": prompts(N_TEST, data),
-        "no marker (OOD)": (prompts(N_TEST, data, marked=False)[0], None),
-    }
-    predictors = {
-        "MAP": lambda X: torch.softmax(model(X), -1),
-        "Laplace": lambda X: la(X, pred_type="glm", link_approx="probit"),
-    }
-    results = {}
-    with torch.no_grad():
-        for name, predict in predictors.items():
-            results[name] = {test: scores(predict(Xt), yt) for test, (Xt, yt) in tests.items()}
-    print(f"\n{'':>8}{'accuracy':>10}{'NLL':>8}{'ECE':>8}{'confidence':>12}{'OOD confidence':>16}")
-    for name, r in results.items():
-        i, o = r["held-out prompts"], r["no marker (OOD)"]
-        row = (i["accuracy"], i["nll"], i["ece"], i["confidence"], o["confidence"])
-        print(f"{name:>8}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row, (10, 8, 8, 12, 16))))
-    assert results["Laplace"]["no marker (OOD)"]["confidence"] < results["MAP"]["no marker (OOD)"]["confidence"]
+# %%
+# The curvature. jacmem's Kronecker factors of the adapters first, against laplace's
+# curvlinops backend on one batch; then laplace fits the Laplace over all trainable
+# parameters (the adapters and the head) with jacmem's backend, and tunes the prior
+# precision by the marginal likelihood.
 
-    fig, axes = plt.subplots(1, 4, figsize=(13, 3.5), layout="constrained")
-    bars = [("accuracy", "held-out prompts"), ("nll", "held-out prompts"), ("ece", "held-out prompts")]
-    bars.append(("confidence", "no marker (OOD)"))
-    for ax, (what, test) in zip(axes, bars):
-        ax.bar(list(results), [r[test][what] for r in results.values()], color=["C0", "C1"])
-        ax.set_title(f"{what} ({test})")
-    axes[-1].axhline(1 / K, color="grey", linestyle=":", label="uniform")
-    axes[-1].legend(loc="lower right")
-    fig.suptitle("LoRA on a tiny LLaMA: MAP vs a Kronecker Laplace over the adapters (backend=JacmemGGN)")
-    args.out.mkdir(parents=True, exist_ok=True)
-    fig.savefig(args.out / "plot_bayesian_lora.png", dpi=100)
-    return results
+worst = check_factors(model, X[:16], y[:16])
+print(f"Kronecker factors on one batch: jacmem's equal curvlinops' within {worst:.1e} (relative)")
+la = Laplace(model, "classification", subset_of_weights="all", hessian_structure="kron", backend=JacmemGGN)
+la.fit(DataLoader(TensorDataset(X, y), batch_size=32))
+warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")  # it is what we use
+la.optimize_prior_precision(method="marglik", n_steps=20 if QUICK else 100, link_approx="probit")
+print(f"prior precision {la.prior_precision.item():.3g}, log marginal likelihood {la.log_marginal_likelihood():.1f}")
 
+# %%
+# The predictive, MAP's softmax against the Laplace's (GLM, probit), on held-out prompts
+# and on prompts with no marker, where every answer is as good as another.
 
-if __name__ == "__main__":
-    warnings.filterwarnings("ignore", message="By default `link_approx` is `probit`")
-    main()
+tests = {
+    "held-out prompts": prompts(N_TEST, data),
+    "no marker (OOD)": (prompts(N_TEST, data, marked=False)[0], None),
+}
+predictors = {
+    "MAP": lambda X: torch.softmax(model(X), -1),
+    "Laplace": lambda X: la(X, pred_type="glm", link_approx="probit"),
+}
+results = {}
+with torch.no_grad():
+    for name, predict in predictors.items():
+        results[name] = {test: scores(predict(Xt), yt) for test, (Xt, yt) in tests.items()}
+print(f"{'':>8}{'accuracy':>10}{'NLL':>8}{'ECE':>8}{'confidence':>12}{'OOD confidence':>16}")
+for name, r in results.items():
+    i, o = r["held-out prompts"], r["no marker (OOD)"]
+    row = (i["accuracy"], i["nll"], i["ece"], i["confidence"], o["confidence"])
+    print(f"{name:>8}" + "".join(f"{v:>{w}.3f}" for v, w in zip(row, (10, 8, 8, 12, 16))))
+assert results["Laplace"]["no marker (OOD)"]["confidence"] < results["MAP"]["no marker (OOD)"]["confidence"]
+
+# %%
+# The same as bars. Where no answer is right, the Laplace's confidence falls towards
+# the uniform ``1 / K``; MAP stays sure.
+
+fig, axes = plt.subplots(1, 4, figsize=(13, 3.5), layout="constrained")
+bars = [("accuracy", "held-out prompts"), ("nll", "held-out prompts"), ("ece", "held-out prompts")]
+bars.append(("confidence", "no marker (OOD)"))
+for ax, (what, test) in zip(axes, bars):
+    ax.bar(list(results), [r[test][what] for r in results.values()], color=["C0", "C1"])
+    ax.set_title(f"{what} ({test})")
+axes[-1].axhline(1 / K, color="grey", linestyle=":", label="uniform")
+axes[-1].legend(loc="lower right")
+fig.suptitle("LoRA on a tiny LLaMA: MAP vs a Kronecker Laplace over the adapters (backend=JacmemGGN)")
+out = Path(globals().get("__file__", "plot_bayesian_lora.py")).resolve().parents[1] / "out"
+out.mkdir(parents=True, exist_ok=True)
+fig.savefig(out / "plot_bayesian_lora.png", dpi=100)
