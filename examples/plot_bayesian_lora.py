@@ -20,8 +20,10 @@ is right and a calibrated model says so.
 As in the paper, the output layer is adapted too: jacmem's curvature of an LLaMA runs
 through autograd (rotary embeddings and attention are functions, not modules), and
 splits the GGN at the output of the last module with trainable parameters, so the
-head must be that module. A frozen head raises a ``ChainError`` naming the last
-adapter. The head here is the LM head's rows of the answer tokens (the same logits as
+head must be that module. With a frozen head jacmem takes the last adapter's output
+for the model's and refuses: a ``ChainError`` (the loss is not convex there) under
+eager attention, torch's own error under the default SDPA attention (no double
+backward of its CPU kernel). The head here is the LM head's rows of the answer tokens (the same logits as
 slicing the full head's output, without its 32000 columns), trained whole
 (PEFT's ``modules_to_save``). The script checks jacmem's Kronecker factors against
 laplace's curvlinops backend on one batch, and that the Laplace is less confident than
