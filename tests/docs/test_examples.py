@@ -164,6 +164,27 @@ def test_plot_laplace_resnet_quick(tmp_path, capsys, monkeypatch):
     assert "diag Laplace: prior precision" in out and "kron Laplace: prior precision" in out
 
 
+@pytest.mark.heavy
+def test_plot_bayesian_lora_quick(monkeypatch, capsys):
+    """``JACMEM_QUICK=1`` end to end, in this process: the adapters' Kronecker factors
+    match curvlinops' (the example asserts it), the figure is saved, and the Laplace is
+    less confident than MAP on prompts with no right answer."""
+    pytest.importorskip("laplace")
+    pytest.importorskip("peft")
+    monkeypatch.setenv("JACMEM_QUICK", "1")
+    example = runpy.run_path(str(EXAMPLES / "plot_bayesian_lora.py"), run_name="__main__")
+    results = example["results"]
+    assert list(results) == ["MAP", "Laplace"]
+    for r in results.values():
+        assert 1 / example["K"] <= r["no marker (OOD)"]["confidence"] <= 1
+        assert 0 <= r["held-out prompts"]["accuracy"] <= 1 and r["held-out prompts"]["nll"] > 0
+    assert results["Laplace"]["no marker (OOD)"]["confidence"] < results["MAP"]["no marker (OOD)"]["confidence"]
+    out = capsys.readouterr().out
+    assert "2,304 of 2,132,800 parameters trainable" in out, out
+    assert re.search(r"jacmem's equal curvlinops' within [\d.e+-]+ \(relative\)", out), out
+    assert (ROOT / "out" / "plot_bayesian_lora.png").stat().st_size > 10_000
+
+
 def test_plot_first_steps_norms_are_each_samples_own():
     """The start-here example's per-sample gradient norms, against a loop of one backward
     per sample on the same model; and what its text claims: the mislabelled samples are
