@@ -25,6 +25,13 @@ with jacmem in place of BackPACK, and keep its conventions:
   jacmem (a norm's weight and bias) gets its exact GGN diagonal as a diagonal block;
   an Embedding gets ``[diag(A), G]`` (its weight is ``weight.T`` of a Linear on one-hot
   inputs); a grouped convolution (block-diagonal factors) is refused.
+* A layer that shares its weight over positions (a convolution) follows curvlinops'
+  ``kfac_approx="expand"`` convention by default, whose Kronecker diagonal is closer to
+  the exact GGN diagonal than BackPACK's (``kfac_approx=None``); see :class:`JacmemGGN`.
+* ``last_layer=True`` (laplace's ``subset_of_weights="last_layer"``, whose model is a
+  ``FeatureExtractor``): the features come from a forward without a graph and jacmem
+  extends the last layer alone, fed them; ``subnetwork_indices`` (laplace's
+  ``"subnetwork"``) restricts ``diag``, ``full``, ``jacobians`` and ``gradients``.
 * ``jacobians`` are ``[N, C, P]`` and ``gradients`` ``[N, P]``, with ``P`` the
   parameters (of ``subnetwork_indices`` where given) concatenated in order.
 * The input ``x`` goes to the model as it comes: a tensor ``[N, *]``, or a dict-like
@@ -91,10 +98,20 @@ class JacmemInterface(CurvatureInterface):
                 )
         return values
 
+    def _output(self, x) -> Tensor:
+        """The model's output on ``x``; for last-layer Laplace, the last layer's output on
+        the features, which are computed without a graph (laplace's ``FeatureExtractor``),
+        so that jacmem sees the last layer alone."""
+        if not self.last_layer:
+            return self.model(x)
+        with torch.no_grad():
+            _, features = self.model.forward_with_features(x)
+        return self._model(features)
+
     def _loss(self, x, y) -> tuple[Tensor, Tensor]:
         """The model's output ``f`` on ``x`` and laplace's summed loss; classification
         outputs ``[N, ..., C]`` flattened to ``[N·..., C]``, as laplace's BackPACK backend."""
-        f = self.model(x)
+        f = self._output(x)
         if self.likelihood == "classification" and f.dim() > 2:  # a reshape jacmem follows only where needed
             f, y = f.reshape(-1, f.shape[-1]), y.reshape(-1)
         return f, self.lossfunc(f, y)
@@ -118,7 +135,7 @@ class JacmemInterface(CurvatureInterface):
         if enable_backprop:
             return CurvatureInterface.jacobians(self, x, enable_backprop=True)
         with jacmem.extend(jacmem.BatchGrad()):
-            f = self.model(x)
+            f = self._output(x)
             if f.dim() != 2:
                 raise ValueError(
                     f"jacmem.laplace: jacobians need model outputs [N, C], got {list(f.shape)}; "
@@ -145,7 +162,15 @@ class JacmemGGN(JacmemInterface, GGNInterface):
     """laplace-torch's GGN (``stochastic=True``: its Monte-Carlo Fisher) by jacmem:
     ``diag`` by :class:`jacmem.DiagGGNExact` (:class:`jacmem.DiagGGNMC`), ``kron`` by
     :class:`jacmem.KFLR` (:class:`jacmem.KFAC`), ``full`` from the Jacobians
-    (laplace's own, for small models)."""
+    (laplace's own, for small models).
+
+    ``num_samples`` is the Monte-Carlo samples of ``stochastic=True``, overridden per call
+    by laplace's ``mc_samples`` keyword of ``diag``, ``kron`` and ``full``.
+    ``kfac_approx`` is ``kron``'s convention for weight sharing (a convolution's positions,
+    a sequence's tokens), overridden per call by laplace's ``kfac_approx`` keyword:
+    ``"expand"`` (the default, curvlinops' convention and laplace's default backend's),
+    ``"reduce"``, or ``None`` (jacmem's per-layer default: BackPACK's convention for a
+    convolution, whose Kronecker diagonal is farther from the exact GGN diagonal)."""
 
     def __init__(
         self,
@@ -157,21 +182,23 @@ class JacmemGGN(JacmemInterface, GGNInterface):
         dict_key_y: str = "labels",
         stochastic: bool = False,
         num_samples: int = 1,
+        kfac_approx: str | None = "expand",
     ) -> None:
-        _refuse_last_layer(last_layer)
         super().__init__(
             model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y, stochastic, num_samples
         )
+        self.kfac_approx = kfac_approx
 
-    def _diag_extension(self):
-        return jacmem.DiagGGNMC(mc_samples=self.num_samples) if self.stochastic else jacmem.DiagGGNExact()
+    def _diag_extension(self, mc_samples: int):
+        return jacmem.DiagGGNMC(mc_samples=mc_samples) if self.stochastic else jacmem.DiagGGNExact()
 
     def _diag_field(self) -> str:
         return "diag_ggn_mc" if self.stochastic else "diag_ggn_exact"
 
     def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """``factor · loss`` and the GGN diagonal ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``: ``[P]``."""
-        with jacmem.extend(self._diag_extension()):
+        """``factor · loss`` and the GGN diagonal ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``: ``[P]``
+        (``Λ_n`` from ``mc_samples`` samples where ``stochastic``)."""
+        with jacmem.extend(self._diag_extension(kwargs.get("mc_samples", self.num_samples))):
             _, loss = self._loss(x, y)
             got = self._run(loss, self._diag_field(), torch.zeros_like)
         diag = self._flat(self._every(got, "GGN diagonal"), batched=False)
@@ -179,10 +206,13 @@ class JacmemGGN(JacmemInterface, GGNInterface):
 
     def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
         """``factor · loss`` and the Kronecker-factored GGN as laplace's :class:`Kron`
-        (see the module docstring for the factors and their scaling)."""
+        (see the module docstring for the factors and their scaling); laplace's keywords
+        ``mc_samples`` and ``kfac_approx`` override the backend's."""
         if self.subnetwork_indices is not None:
             raise ValueError("jacmem.laplace: kron has no subnetwork; use hessian_structure='full' with a subnetwork")
-        kron_ext = jacmem.KFAC(mc_samples=self.num_samples) if self.stochastic else jacmem.KFLR()
+        mc_samples = kwargs.get("mc_samples", self.num_samples)
+        approx = kwargs.get("kfac_approx", self.kfac_approx)
+        kron_ext = jacmem.KFAC(mc_samples, kfac_approx=approx) if self.stochastic else jacmem.KFLR(kfac_approx=approx)
         field = "kfac" if self.stochastic else "kflr"
         with jacmem.extend(kron_ext), warnings.catch_warnings():
             # those parameters get their GGN diagonal below
@@ -191,7 +221,7 @@ class JacmemGGN(JacmemInterface, GGNInterface):
             got = self._run(loss, field, _zero_factors)
         missing = [p for p, g in zip(self.params, got) if g is None]
         if missing:  # no Kronecker factors in jacmem (a norm's weight): the GGN diagonal
-            with jacmem.extend(self._diag_extension()):
+            with jacmem.extend(self._diag_extension(mc_samples)):
                 _, loss = self._loss(x, y)
                 diags = iter(self._run(loss, self._diag_field(), torch.zeros_like, params=missing))
             got = self._every([_diagonal_block(next(diags)) if g is None else g for g in got], "GGN diagonal")
@@ -199,22 +229,19 @@ class JacmemGGN(JacmemInterface, GGNInterface):
         kfacs = [_laplace_factors(names[p], factors, len(y), N) for p, factors in zip(self.params, got)]
         return self.factor * loss.detach(), Kron(kfacs) * self.factor
 
+    def full(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """laplace's GGN ``[P, P]`` from the Jacobians, with laplace's ``mc_samples``
+        keyword (default ``num_samples``) for the Monte-Carlo Fisher of ``stochastic``."""
+        num_samples, self.num_samples = self.num_samples, kwargs.get("mc_samples", self.num_samples)
+        try:
+            return GGNInterface.full(self, x, y)
+        finally:
+            self.num_samples = num_samples
+
 
 class JacmemEF(JacmemInterface, EFInterface):
     """laplace-torch's empirical Fisher by jacmem: ``diag`` by
     :class:`jacmem.SumGradSquared`; ``full`` from :meth:`gradients`."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        likelihood: str,
-        last_layer: bool = False,
-        subnetwork_indices: torch.LongTensor | None = None,
-        dict_key_x: str = "input_ids",
-        dict_key_y: str = "labels",
-    ) -> None:
-        _refuse_last_layer(last_layer)
-        super().__init__(model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y)
 
     def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """``factor · loss`` and ``factor · Σ_n g_n²``: ``[P]``."""
@@ -266,11 +293,3 @@ def _laplace_factors(name: str, factors: list[Tensor], M: int, N: int) -> list[T
     if A.dim() == 1:  # an Embedding: weight [V, D] is weight.T of a Linear on one-hot inputs
         return [torch.diag(A * M / N), G]
     return [G, A * M / N]
-
-
-def _refuse_last_layer(last_layer: bool) -> None:
-    if last_layer:
-        raise ValueError(
-            "jacmem.laplace: last-layer Laplace needs no jacmem (its curvature is closed form); "
-            "use laplace's default backend with subset_of_weights='last_layer'"
-        )

@@ -19,6 +19,8 @@ from torch.utils.data import DataLoader, TensorDataset
 pytest.importorskip("laplace")
 from laplace import Laplace  # noqa: E402
 from laplace.curvature import BackPackGGN, CurvlinopsEF, CurvlinopsGGN  # noqa: E402
+from laplace.utils import FeatureExtractor  # noqa: E402
+from tests.support.secondorder_ref import dense  # noqa: E402
 
 import jacmem  # noqa: E402
 from jacmem.laplace import JacmemEF, JacmemGGN  # noqa: E402
@@ -111,21 +113,75 @@ def test_jacobians_gradients_ef_full_equal_torch_func(name, likelihood):
     no_leftovers(model)
 
 
+def same_kron(got, want):
+    """Two (loss, Kron) pairs: equal losses and factors."""
+    close(got[0], want[0])
+    assert [len(f) for f in got[1].kfacs] == [len(f) for f in want[1].kfacs]
+    for g, w in zip(got[1].kfacs, want[1].kfacs):
+        for a, b in zip(g, w, strict=True):
+            close(a, b)
+
+
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
 @pytest.mark.parametrize("name", ["mlp", "cnn"])
 def test_kron_equals_backpack_and_curvlinops(name, likelihood):
+    """The default convention (``kfac_approx="expand"``) is curvlinops' type-2 KFAC;
+    ``kfac_approx=None`` is BackPACK's KFLR; for Linear layers the two agree."""
     model, twin, X, y = case(name, likelihood)
-    loss, kron = JacmemGGN(model, likelihood).kron(X, y, N=4 * N)
-    references = [BackPackGGN(twin, likelihood)]  # KFLR
-    if name == "mlp":  # curvlinops' type-2 KFAC is KFLR for Linear layers
-        references.append(CurvlinopsGGN(twin, likelihood))
-    for ref in references:
-        ref_loss, ref_kron = ref.kron(X, y, N=4 * N)
-        close(loss, ref_loss)
-        assert [len(f) for f in kron.kfacs] == [len(f) for f in ref_kron.kfacs]
-        for got, want in zip(kron.kfacs, ref_kron.kfacs):
-            for g, w in zip(got, want):
-                close(g, w)
+    pairs = [
+        (JacmemGGN(model, likelihood), CurvlinopsGGN(twin, likelihood)),
+        (JacmemGGN(model, likelihood, kfac_approx=None), BackPackGGN(twin, likelihood)),
+    ]
+    if name == "mlp":
+        pairs.append((JacmemGGN(model, likelihood), BackPackGGN(twin, likelihood)))
+    for ours, ref in pairs:
+        same_kron(ours.kron(X, y, N=4 * N), ref.kron(X, y, N=4 * N))
+    no_leftovers(model)
+
+
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_kfac_approx_of_a_call_equals_curvlinops(likelihood):
+    """laplace passes ``kfac_approx`` to ``kron`` (its ``asdl_fisher_kwargs``): "reduce"
+    on a convolution is curvlinops' "reduce", and not the default "expand"."""
+    model, twin, X, y = case("cnn", likelihood)
+    ours, ref = JacmemGGN(model, likelihood), CurvlinopsGGN(twin, likelihood)
+    reduced = ours.kron(X, y, N=N, kfac_approx="reduce")
+    same_kron(reduced, ref.kron(X, y, N=N, kfac_approx="reduce"))
+    assert not torch.allclose(reduced[1].kfacs[0][1], ours.kron(X, y, N=N)[1].kfacs[0][1])
+
+
+def test_default_kron_convention_is_the_closer_to_the_exact_diagonal():
+    """On a convolution (weight shared over positions), the Kronecker diagonal of the
+    default ``kfac_approx="expand"`` is closer to the exact GGN diagonal (torch.func) than
+    BackPACK's (``None``), for the convolution's weight and for the whole network."""
+    model, _, X, y = case("cnn", "classification")
+    exact = torch.diagonal(dense(model, nn.CrossEntropyLoss(reduction="sum"), X, y)[0])
+    errors = {}
+    for approx in ("expand", None):
+        diag = JacmemGGN(model, "classification", kfac_approx=approx).kron(X, y, N=N)[1].diag()
+        conv = model[0].weight.numel()
+        errors[approx] = [((diag - exact)[s].norm() / exact[s].norm()).item() for s in (slice(conv), slice(None))]
+    assert all(e < n for e, n in zip(errors["expand"], errors[None])), errors
+
+
+def test_mc_samples_of_a_call_is_num_samples():
+    """laplace's ``mc_samples`` keyword of ``diag``, ``kron`` and ``full`` draws as many
+    samples as the backend's ``num_samples``: the same numbers from the same seed, and
+    not those of one sample."""
+    model, _, X, y = case("mlp", "classification")
+    many, one = (
+        JacmemGGN(model, "classification", stochastic=True, num_samples=7),
+        JacmemGGN(model, "classification", stochastic=True),
+    )
+    for call, kwargs in (("diag", {}), ("kron", {"N": N}), ("full", {})):
+        results = []
+        for backend, mc in ((many, {}), (one, {"mc_samples": 7}), (one, {})):
+            torch.manual_seed(3)
+            got = getattr(backend, call)(X, y, **kwargs, **mc)[1]
+            results.append(got.to_matrix() if call == "kron" else got)
+        close(results[1], results[0])
+        assert not torch.allclose(results[2], results[0]), call
+    assert one.num_samples == 1
     no_leftovers(model)
 
 
@@ -145,6 +201,14 @@ def test_stochastic_is_the_monte_carlo_fisher():
         for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, rtol=0.05, atol=0.05 * w.abs().max().item())
     no_leftovers(model)
+
+
+def test_full_stochastic_converges_with_mc_samples():
+    model, twin, X, y = case("mlp", "classification")
+    _, exact = CurvlinopsGGN(twin, "classification").full(X, y)
+    torch.manual_seed(4)
+    _, H = JacmemGGN(model, "classification", stochastic=True).full(X, y, mc_samples=4000)
+    torch.testing.assert_close(H, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
 def test_kron_without_factors_takes_the_ggn_diagonal():
@@ -334,10 +398,74 @@ def test_subnetwork_indices():
     close(ours.jacobians(X)[0], ref.jacobians(X)[0][..., idx])
 
 
+class SinFeatures(nn.Module):
+    """An MLP whose features pass through ``torch.sin``, a chain jacmem cannot follow
+    (:class:`jacmem.ChainError`): last-layer Laplace must not need it to."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = nn.Linear(4, 5), nn.Linear(5, C)
+
+    def forward(self, x):
+        return self.head(torch.sin(self.body(x)))
+
+
+@pytest.mark.parametrize("structure", ["diag", "kron", "full"])
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+def test_last_layer_laplace_matches_curvlinops(structure, likelihood):
+    """laplace's default, ``subset_of_weights="last_layer"``: the curvature of the head
+    on the features, equal to CurvlinopsGGN's, on a body jacmem could not extend."""
+    torch.manual_seed(1)
+    model = SinFeatures()
+    twin = copy.deepcopy(model)
+    X, y = torch.randn(N, 4), TARGETS[likelihood]()
+    kwargs = dict(subset_of_weights="last_layer", hessian_structure=structure)
+    la = Laplace(model, likelihood, backend=JacmemGGN, **kwargs)
+    ref = Laplace(twin, likelihood, backend=CurvlinopsGGN, **kwargs)
+    for lap in (la, ref):
+        lap.fit(loader(X, y))
+    H, ref_H = (la.H, ref.H) if structure != "kron" else (la.H.to_matrix(), ref.H.to_matrix())
+    assert H.shape == ((C * 6, C * 6) if structure != "diag" else (C * 6,))
+    close(H, ref_H)
+    close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
+    pred = dict(pred_type="glm") | (dict(link_approx="probit") if likelihood == "classification" else {})
+    for got, want in zip(la(X, **pred), ref(X, **pred)):
+        torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-10)
+    no_leftovers(model)
+
+
+def test_last_layer_empirical_fisher():
+    """JacmemEF on the head: ``diag`` is the diagonal of CurvlinopsEF's ``full``
+    (laplace's own EF ``diag`` gives zeros on a last layer: its torch.func gradients
+    name the head's parameters as the whole model's)."""
+    torch.manual_seed(1)
+    model = SinFeatures()
+    X, y = torch.randn(N, 4), TARGETS["classification"]()
+    features = FeatureExtractor(model, last_layer_name="head")
+    twin = FeatureExtractor(copy.deepcopy(model), last_layer_name="head")
+    _, ref_full = CurvlinopsEF(twin, "classification", last_layer=True).full(X, y)
+    ours = JacmemEF(features, "classification", last_layer=True)
+    close(ours.diag(X, y)[1], torch.diagonal(ref_full))
+    close(ours.full(X, y)[1], ref_full)
+    no_leftovers(model)
+
+
+@pytest.mark.parametrize("structure", ["diag", "full"])
+def test_subnetwork_laplace_matches_curvlinops(structure):
+    model, twin, X, y = case("mlp", "classification")
+    idx = torch.tensor([0, 3, 7, 21, 40, 42])
+    kwargs = dict(subset_of_weights="subnetwork", hessian_structure=structure, subnetwork_indices=idx)
+    la = Laplace(model, "classification", backend=JacmemGGN, **kwargs)
+    ref = Laplace(twin, "classification", backend=CurvlinopsGGN, **kwargs)
+    for lap in (la, ref):
+        lap.fit(loader(X, y))
+    close(la.H, ref.H)
+    close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
+    no_leftovers(model)
+
+
 def test_refusals_name_the_fix():
     model = mlp()
-    with pytest.raises(ValueError, match="subset_of_weights='last_layer'"):
-        JacmemGGN(model, "classification", last_layer=True)
     with pytest.raises(NotImplementedError, match="hessian_structure='diag'"):
         JacmemEF(model, "classification").kron(torch.randn(2, 4), torch.tensor([0, 1]), N=2)
     grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(2 * 4 * 4, C))
