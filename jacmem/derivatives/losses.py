@@ -34,8 +34,12 @@ def _reduction(module: nn.Module) -> dict:
     return {"reduction": module.reduction}
 
 
-def _scale(S: Tensor, reduction: str, terms: float) -> Tensor:
-    return S / sqrt(terms) if reduction == "mean" else S
+def _scale(S: Tensor, reduction: str, terms: float | Tensor) -> Tensor:
+    """``S`` over ``√terms`` for the mean (``terms``: a tensor where it is counted on the
+    device, with no host sync)."""
+    if reduction != "mean":
+        return S
+    return S / (terms.sqrt() if isinstance(terms, Tensor) else sqrt(terms))
 
 
 # -- MSELoss ------------------------------------------------------------------------
@@ -82,7 +86,7 @@ def _ce_weights(x: Tensor, y: Tensor, reduction: str, ignore_index: int):
     if y.is_floating_point():
         return y.sum(1), x.numel() // x.shape[1]
     keep = (y != ignore_index).to(x.dtype)
-    return keep, keep.sum().clamp(min=1).item()
+    return keep, keep.sum().clamp(min=1)
 
 
 def ce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int) -> Tensor:
