@@ -18,7 +18,8 @@ import torch.nn.functional as F
 from tests.support.allocations import Allocations
 
 import jacmem
-from jacmem import BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
+from jacmem import KFAC, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
+from jacmem.derivatives.losses import categorical
 
 pytestmark = pytest.mark.usefixtures("float64_default")
 transformers = pytest.importorskip("transformers")
@@ -48,32 +49,60 @@ def _params(model) -> dict:
     return {n: p for n, p in model.named_parameters() if p.requires_grad}
 
 
-def test_diag_ggn_mc_equals_the_gradients_at_the_drawn_labels():
-    """The engine's draw ``ŷ ~ softmax(logits)`` (one per position, ``torch.multinomial``
-    under the same seed): its GGN diagonal is ``Σ_n g_n² / terms``, ``g_n`` the gradient
-    of sample ``n``'s summed cross-entropy at ``ŷ`` over the non-ignored positions."""
+def _drawn(model, ids, labels, v: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(logits [N, T, V], drawn labels [N, T], keep [N, T])``: the engine's draw
+    ``ŷ ~ softmax(logits)`` (one per position, under :data:`SEED`; its distribution is
+    what the convergence test checks), on HF's float32 logits,
+    ``-100`` where HF's shifted labels are ignored."""
+    logits = model(ids).logits  # HF's loss pairs position t with label t + 1
+    keep = F.pad(labels, (0, 1), value=-100)[:, 1:] != -100
+    torch.manual_seed(SEED)
+    draws = categorical(logits.detach().float().softmax(-1).reshape(-1, v), 1).reshape(N, T)
+    return logits, torch.where(keep, draws, -100), keep
+
+
+@pytest.mark.parametrize("count", [None, 4.0], ids=["mean", "sum-over-count"])
+def test_diag_ggn_mc_equals_the_gradients_at_the_drawn_labels(count):
+    """Its GGN diagonal is ``Σ_n g_n² / c``, ``g_n`` the gradient of sample ``n``'s
+    summed cross-entropy at ``ŷ`` over the non-ignored positions, ``c`` the number of
+    those (the mean) or HF's ``num_items_in_batch`` (a sum divided by it)."""
     v = 11
     model, (ids, labels) = _gpt2(v), _ids(v)
+    extra = {} if count is None else {"num_items_in_batch": torch.tensor(count)}
     with jacmem.extend(DiagGGNMC(mc_samples=1), BatchDiagGGNMC(mc_samples=1)):
-        loss = model(ids, labels=labels).loss
+        loss = model(ids, labels=labels, **extra).loss
         torch.manual_seed(SEED)
         loss.backward()
     params = _params(model)
-    logits = model(ids).logits  # [N, T, V]; HF's loss pairs position t with label t + 1
-    target = F.pad(labels, (0, 1), value=-100)[:, 1:]
-    keep = target != -100
-    torch.manual_seed(SEED)
-    draws = torch.multinomial(logits.detach().softmax(-1).reshape(-1, v), 1, replacement=True).reshape(N, T)
-    drawn = torch.where(keep, draws, -100)
-    terms = keep.sum()
+    logits, drawn, keep = _drawn(model, ids, labels, v)
+    c = keep.sum() if count is None else count
     batch = {name: torch.zeros(N, *p.shape) for name, p in params.items()}
     for n in range(N):
         ce = F.cross_entropy(logits[n], drawn[n], reduction="sum")
         for name, g in zip(params, torch.autograd.grad(ce, list(params.values()), retain_graph=True)):
-            batch[name][n] = g.square() / terms
+            batch[name][n] = g.square() / c
     for name, p in params.items():
         torch.testing.assert_close(p.diag_ggn_mc_batch, batch[name], msg=name)
         torch.testing.assert_close(p.diag_ggn_mc, batch[name].sum(0), msg=name)
+
+
+def test_kfac_of_the_head_equals_its_factors_at_the_drawn_labels():
+    """The LM head's KFAC (``"expand"``): ``A = Σ_{n,t} a aᵀ / (N·T)`` from its inputs,
+    ``G = Σ_{n,t} s sᵀ`` from the roots ``s = (softmax − onehot(ŷ)) / √c``, zero at the
+    ignored positions."""
+    v = 11
+    model, (ids, labels) = _gpt2(v), _ids(v)
+    with jacmem.extend(KFAC()):
+        loss = model(ids, labels=labels).loss
+        torch.manual_seed(SEED)
+        loss.backward()
+    logits, drawn, keep = _drawn(model, ids, labels, v)
+    a = model.transformer(ids).last_hidden_state.detach().reshape(N * T, -1)
+    s = (logits.detach().softmax(-1) - F.one_hot(drawn.clamp(min=0), v)) * keep[..., None] / keep.sum().sqrt()
+    s = s.reshape(N * T, v)
+    G, A = model.lm_head.weight.kfac
+    torch.testing.assert_close(A, a.T @ a / (N * T))
+    torch.testing.assert_close(G, s.T @ s)
 
 
 def _error(model, ids, labels, exact: dict, m: int) -> float:
