@@ -7,9 +7,15 @@ module's input made by an untracked op, or no loss module), for the GGN kinds
 ``z [N, *]`` the output of the last tracked module with parameters, the GGN is
 ``Σ_n J_nᵀ H_n J_n``:
 
-* ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the loss, batched
-  over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``S_n ε / √M``,
-  ``ε [K, M]`` standard normal, for ``mc<M>``);
+* ``mc<M>``, where the root is one registered loss (cross-entropy, also HF's shifted LM
+  loss with ``ignore_index``; MSE; BCE) times a factor, on ``z`` through linear links
+  (casts, reshapes, slices): the loss's own sampled factor ``[M, N, *x]`` (gradients at
+  labels drawn from the model's predictive, as BackPACK and curvlinops' MC Fisher),
+  carried back to ``z``: ``M`` columns at any ``D``, nothing of size ``D × D``;
+* otherwise ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the
+  loss, batched over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh``
+  (``S_n ε / √M``, ``ε [K, M]`` standard normal, for ``mc<M>``), refused before any
+  work where ``N·D²`` is out of reach;
 * the factor's ``V`` columns reach each module's output by VJPs
   (``is_grads_batched``, in slices under ``chunk_bytes``);
 * checked, else ``ChainError`` naming the fix: the loss depends on ``z``, reaches the
