@@ -245,26 +245,30 @@ class AutogradPath:
         return out
 
     def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
-        """Every kind's factor from ``z`` to each module's output, one column of ``V``
-        per backward; the modules' results staged in ``run``. Returns ``{id(node): the
-        image of ∂L/∂z at its output}``, for :meth:`_check`."""
+        """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
+        columns under ``chunk_bytes`` (one batched backward each); the modules' results
+        staged in ``run``. Returns ``{id(node): the image of ∂L/∂z at its output}``, for
+        :meth:`_check`."""
         nodes, edges = [r[0] for r in records], [r[1] for r in records]
         n = z_node.out_shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
         expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
+        column = (prod(z_node.out_shape) + sum(prod(node.out_shape) for node in nodes)) * g_z.element_size()
+        step = max(1, int(self.engine.budget // max(column, 1)))
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
         for kind, S in factors.items():
             exts = [e for e in self.engine.extensions if kind in e.kinds]
-            for s in S:
-                grads = _vjps(z, edges, s)
+            for start in range(0, S.shape[0], step):
+                cols = S[start : start + step]
+                grads = _batched_vjps(z, edges, cols)
                 if shared:
-                    for i, G in zip(shared, _per_sample(z, [edges[i] for i in shared], s)):
-                        grads[i] = G
+                    per = [_per_sample(z, [edges[i] for i in shared], s) for s in cols]
+                    for k, i in enumerate(shared):
+                        grads[i] = None if per[0][k] is None else torch.stack([p[k] for p in per])
                 for i, node in enumerate(nodes):
                     G, grads[i] = grads[i], None  # freed once used
                     if G is not None:
-                        G = in_compute_dtype(node, G.detach().unsqueeze(0))
-                        self._compute(node, acc[i], exts, kind, G, i in shared)
+                        self._compute(node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared)
         for node, results in zip(nodes, acc):
             self.engine.stage(
                 run,
@@ -402,6 +406,13 @@ def _shared(node, n: int) -> bool:
 def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
     """One column ``s [N, *z]`` to each edge (``None`` where unused)."""
     return list(torch.autograd.grad([z], edges, [s], retain_graph=True, allow_unused=True))
+
+
+def _batched_vjps(z: GradientEdge, edges: list, cols: Tensor) -> list[Tensor | None]:
+    """Columns ``cols [v, N, *z]`` to each edge, one batched backward: ``[v, N, *out]``."""
+    if cols.shape[0] == 1:
+        return [None if G is None else G.unsqueeze(0) for G in _vjps(z, edges, cols[0])]
+    return list(torch.autograd.grad([z], edges, [cols], retain_graph=True, allow_unused=True, is_grads_batched=True))
 
 
 def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
