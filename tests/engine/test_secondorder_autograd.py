@@ -21,6 +21,8 @@ from torch.func import hessian
 
 import jacmem
 from jacmem import KFAC, KFLR, BatchDiagGGNExact, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
+from jacmem.engine.secondorder import autograd_path
+from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.graph import ChainError
 
 pytestmark = pytest.mark.usefixtures("float64_default")
@@ -139,6 +141,93 @@ def test_mc_factors_average_to_the_exact_ggn():
         scale = float(p.diag_ggn_exact.abs().max())
         torch.testing.assert_close(p.diag_ggn_mc, p.diag_ggn_exact, atol=0.1 * scale, rtol=0)
         torch.testing.assert_close(p.diag_ggn_mc_batch.sum(0), p.diag_ggn_mc)
+
+
+class Gated(nn.Module):
+    """A gate (a product of two tensors) breaks the module chain: the autograd path runs."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(5, 6), nn.Linear(6, 4)
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.b(h * torch.sigmoid(h))
+
+
+def _exact_diagonal(model, loss_fn) -> dict:
+    with jacmem.extend(DiagGGNExact()):
+        loss_fn().backward()
+    return {n: p.diag_ggn_exact.clone() for n, p in model.named_parameters()}
+
+
+def _no_hessian(monkeypatch) -> list:
+    """Makes building the loss Hessian fail; returns the list of the sampler's answers."""
+    sampler, seen = AutogradPath._sampler, []
+
+    def refuse(*args):
+        raise AssertionError("the loss Hessian was built")
+
+    def spy(*args):
+        seen.append(sampler(*args))
+        return seen[-1]
+
+    monkeypatch.setattr(AutogradPath, "_loss_factor", refuse)
+    monkeypatch.setattr(AutogradPath, "_sampler", spy)
+    return seen
+
+
+@pytest.mark.parametrize("loss", ["cross_entropy", "cross_entropy_sum_doubled", "mse_module"])
+def test_mc_samples_the_loss_labels_without_its_hessian(loss, monkeypatch):
+    """One registered loss, times a factor, on the model's output: the Monte-Carlo kinds
+    take the loss's own sampled factor (no Hessian is built) and average to the exact
+    diagonal, per sample too."""
+    torch.manual_seed(0)
+    model, X = Gated(), torch.randn(3, 5)
+    y, lossf = torch.tensor([0, 3, 1]), nn.MSELoss()
+    fns = {
+        "cross_entropy": lambda: F.cross_entropy(model(X), y),
+        "cross_entropy_sum_doubled": lambda: 2 * F.cross_entropy(model(X), y, reduction="sum"),
+        "mse_module": lambda: lossf(model(X), torch.randn(3, 4, generator=torch.Generator().manual_seed(1))),
+    }
+    exact = _exact_diagonal(model, fns[loss])
+    seen = _no_hessian(monkeypatch)
+    with jacmem.extend(DiagGGNMC(mc_samples=4000), BatchDiagGGNMC(mc_samples=4000)):
+        fns[loss]().backward()
+    assert len(seen) == 1 and seen[0] is not None  # the autograd path ran, and sampled
+    for name, p in model.named_parameters():
+        scale = float(exact[name].abs().max())
+        torch.testing.assert_close(p.diag_ggn_mc, exact[name], atol=0.1 * scale, rtol=0, msg=name)
+        torch.testing.assert_close(p.diag_ggn_mc_batch.sum(0), p.diag_ggn_mc)
+
+
+def test_mc_of_two_losses_samples_their_hessian():
+    """A sum of two losses has no one loss to sample labels from: the Monte-Carlo kinds
+    sample the Hessian's factor, and still average to the exact diagonal."""
+    torch.manual_seed(0)
+    model, X, y, y2 = Gated(), torch.randn(3, 5), torch.tensor([0, 3, 1]), torch.tensor([2, 2, 0])
+
+    def loss_fn():
+        z = model(X)
+        return F.cross_entropy(z, y) + F.cross_entropy(z, y2)
+
+    exact = _exact_diagonal(model, loss_fn)
+    with jacmem.extend(DiagGGNMC(mc_samples=4000)):
+        loss_fn().backward()
+    for name, p in model.named_parameters():
+        scale = float(exact[name].abs().max())
+        torch.testing.assert_close(p.diag_ggn_mc, exact[name], atol=0.1 * scale, rtol=0, msg=name)
+
+
+def test_an_exact_hessian_out_of_reach_raises_before_the_work(monkeypatch):
+    """The exact kinds need ``D`` columns per sample: past the limit, an error names the
+    Monte-Carlo kinds before any Hessian-vector product."""
+    torch.manual_seed(0)
+    model, X, y = Gated(), torch.randn(3, 5), torch.tensor([0, 3, 1])
+    monkeypatch.setattr(autograd_path, "_EXACT_BYTES", 3 * 4 * 4 * 4 - 1)
+    monkeypatch.setattr(AutogradPath, "_gradient", None)  # the first product would fail otherwise
+    with pytest.raises(RuntimeError, match=r"3x4x4 entries.*DiagGGNMC, KFAC"), jacmem.extend(DiagGGNExact()):
+        F.cross_entropy(model(X), y).backward()
 
 
 # -- HF BERT, timm ViT, a LLaMA block --------------------------------------------------

@@ -7,9 +7,15 @@ module's input made by an untracked op, or no loss module), for the GGN kinds
 ``z [N, *]`` the output of the last tracked module with parameters, the GGN is
 ``Σ_n J_nᵀ H_n J_n``:
 
-* ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the loss, batched
-  over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``S_n ε / √M``,
-  ``ε [K, M]`` standard normal, for ``mc<M>``);
+* ``mc<M>``, where the root is one registered loss (cross-entropy, also HF's shifted LM
+  loss with ``ignore_index``; MSE; BCE) times a factor, on ``z`` through linear links
+  (casts, reshapes, slices): the loss's own sampled factor ``[M, N, *x]`` (gradients at
+  labels drawn from the model's predictive, as BackPACK and curvlinops' MC Fisher),
+  carried back to ``z``: ``M`` columns at any ``D``, nothing of size ``D × D``;
+* otherwise ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the
+  loss, batched over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh``
+  (``S_n ε / √M``, ``ε [K, M]`` standard normal, for ``mc<M>``), refused before any
+  work where ``N·D²`` is out of reach;
 * the factor's ``V`` columns reach each module's output by VJPs
   (``is_grads_batched``, in slices under ``chunk_bytes``);
 * checked, else ``ChainError`` naming the fix: the loss depends on ``z``, reaches the
@@ -52,13 +58,19 @@ class AutogradPath:
         self.untracked = False
         #: a loss module was called since the last backward
         self.loss = False
-        #: the path's own products are running: every hook of the engine stands by
+        #: (node, its output's autograd edge) of each loss called since the last backward
+        self.losses: list[tuple[Node, GradientEdge]] = []
+        #: the path serves this backward (from its start, before the loss's hooks, which
+        #: would otherwise build the loss's factors for nothing, to its products' end):
+        #: every hook of the engine stands by
         self.busy = False
+        #: the path's own products are running
+        self.running = False
         self.handles = hooks.Handles()
 
     def close(self) -> None:
         hooks.remove(self.handles)
-        self.records = []
+        self.records, self.losses = [], []
 
     def serves(self) -> bool:
         """Whether the block's extensions are all GGN-type (else the chain runs)."""
@@ -70,6 +82,7 @@ class AutogradPath:
         """A call the engine kept: a loss, or a module whose parameters the path serves."""
         if node.loss is not None:
             self.loss = True
+            self.losses.append((node, get_gradient_edge(output)))
         if not node.params:
             return
         self.records.append((node, get_gradient_edge(output)))
@@ -81,7 +94,9 @@ class AutogradPath:
         """A backward is about to begin: where the chain is incomplete and the block's
         extensions are GGN-type, hook the path onto the root (``alone``: no first-order
         engine in the block, whose hooks would see the path's batched products)."""
+        self.busy = False
         records, self.records = self.records, []
+        losses, self.losses = self.losses, []
         needed, self.untracked, self.loss = self.untracked or not self.loss, False, False
         if not records or not needed or not self.serves():
             return
@@ -102,29 +117,36 @@ class AutogradPath:
         handle = None
 
         def start(grad_outputs):
-            if self.busy:
+            if self.running:
                 return
             handle.remove()
-            self._run(root, grad_outputs[root.output_nr], records)
+            self._run(root, grad_outputs[root.output_nr], records, losses)
 
         handle = root.node.register_prehook(start)
         self.handles.add(handle)
-
-    def _run(self, root: GradientEdge, g_root: Tensor, records: list) -> None:
-        run = self.engine.passes.state(self.engine)
         self.busy = True
+
+    def _run(self, root: GradientEdge, g_root: Tensor, records: list, losses: list) -> None:
+        run = self.engine.passes.state(self.engine)
+        self.busy = self.running = True
         try:
             with torch.enable_grad(), precision.computing(g_root.device):
                 z_node, z = records[-1]
-                L, g_z = self._loss_factor(root, g_root, z_node, z)
-                run.autograd = self._push(run, L, g_z, z_node, z, records)
+                sampler = self._sampler(root, z_node, losses)
+                if sampler is None or "exact" in self.engine.kinds:
+                    L, g_z = self._loss_factor(root, g_root, z_node, z)
+                else:
+                    L, g_z = None, self._gradient(root, g_root, z_node, z, create_graph=False)
+                factors = self._factors(L, z_node.out_shape, sampler, root, g_root)
+                run.autograd = self._push(run, factors, g_z, z_node, z, records)
         finally:
-            self.busy = False
+            self.busy = self.running = False
 
-    def _loss_factor(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge) -> tuple[Tensor, Tensor]:
-        """``(L [N, D, K], ∂L/∂z)``: ``L_n L_nᵀ = H_n``, the loss Hessian of sample ``n``
-        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
-        (g_z,) = torch.autograd.grad([root], [z], [g_root], create_graph=True, retain_graph=True, allow_unused=True)
+    def _gradient(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge, create_graph: bool) -> Tensor:
+        """``∂L/∂z`` (with its graph where ``create_graph``, for the Hessian)."""
+        (g_z,) = torch.autograd.grad(
+            [root], [z], [g_root], create_graph=create_graph, retain_graph=True, allow_unused=True
+        )
         if g_z is None:
             raise ChainError(
                 f"jacmem: the loss does not depend on the output of module {z_node}, the last module with trainable "
@@ -132,8 +154,37 @@ class AutogradPath:
                 "model's output): call the loss's backward after each model's forward, with no module with "
                 "parameters called after the model"
             )
+        return g_z
+
+    def _sampler(self, root: GradientEdge, z_node, losses: list) -> tuple[Node, GradientEdge, list[Node]] | None:
+        """Where the Monte-Carlo kinds can sample the loss's own labels (the loss
+        module's ``sampled``: ``O(M)`` columns, whatever ``|z|``): ``(the loss's node,
+        its output's edge, the nodes from the loss back to z)``. That needs one loss,
+        which the root is a multiple of (``loss``, ``loss / count``), on an input that
+        ``z`` reaches through linear links only (casts, reshapes, slices: no curvature
+        between ``z`` and the loss, so ``z``'s loss Hessian is the loss's, carried back).
+        ``None`` otherwise: the Monte-Carlo kinds then sample the Hessian's factor."""
+        if len(losses) != 1 or not any(k.startswith("mc") for k in self.engine.kinds):
+            return None
+        loss, edge = losses[0]
+        if not _multiple_of(root, edge):
+            return None
+        links, node = [], loss.producers[0] if loss.producers else None
+        while node is not None and node is not z_node:
+            entry = node.entry
+            if entry is None or entry.curved or entry.d2f is not None or len(node.producers) != 1:
+                return None
+            links.append(node)
+            node = node.producers[0]
+        return (loss, edge, links) if node is z_node else None
+
+    def _loss_factor(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge) -> tuple[Tensor, Tensor]:
+        """``(L [N, D, K], ∂L/∂z)``: ``L_n L_nᵀ = H_n``, the loss Hessian of sample ``n``
+        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
         n, shape = z_node.out_shape[0], z_node.out_shape[1:]
         d = prod(shape)
+        _check_cost(z_node, n, d, self.engine.kinds)
+        g_z = self._gradient(root, g_root, z_node, z, create_graph=True)
         H = g_z.new_zeros(d, n, d)
         if g_z.requires_grad:  # else the loss is linear in z: H = 0
             step = max(1, int(self.engine.budget // max(n * d * g_z.element_size() * 4, 1)))
@@ -176,40 +227,48 @@ class AutogradPath:
                 "as a sum or mean of per-sample terms"
             )
 
-    def _factors(self, L: Tensor, shape: tuple[int, ...]) -> dict[str, Tensor]:
-        """Each GGN kind's factor at ``z``, ``[V, N, *z]`` (module docstring)."""
-        n, _, k = L.shape
+    def _factors(self, L: Tensor | None, shape: tuple[int, ...], sampler, root: GradientEdge, g_root: Tensor):
+        """Each GGN kind's factor at ``z``, ``[V, N, *z]`` (module docstring): the
+        Monte-Carlo kinds' from the loss's own sampled labels where ``sampler`` (see
+        :meth:`_sampler`), else from ``L``."""
         out = {}
         for kind in sorted(self.engine.kinds):
             if kind == "exact":
-                out[kind] = L.permute(2, 0, 1).reshape(k, *shape)
+                out[kind] = L.permute(2, 0, 1).reshape(L.shape[2], *shape)
+            elif sampler is not None:
+                out[kind] = _sampled(sampler, int(kind[2:]), root, g_root).reshape(-1, *shape)
             else:
+                n, _, k = L.shape
                 m = int(kind[2:])
                 eps = torch.randn(m, n, k, dtype=L.dtype, device=L.device)
                 out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
         return out
 
-    def _push(self, run, L: Tensor, g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
-        """Every kind's factor from ``z`` to each module's output, one column of ``V``
-        per backward; the modules' results staged in ``run``. Returns ``{id(node): the
-        image of ∂L/∂z at its output}``, for :meth:`_check`."""
+    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
+        """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
+        columns under ``chunk_bytes`` (one batched backward each); the modules' results
+        staged in ``run``. Returns ``{id(node): the image of ∂L/∂z at its output}``, for
+        :meth:`_check`."""
         nodes, edges = [r[0] for r in records], [r[1] for r in records]
         n = z_node.out_shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
         expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
+        column = (prod(z_node.out_shape) + sum(prod(node.out_shape) for node in nodes)) * g_z.element_size()
+        step = max(1, int(self.engine.budget // max(column, 1)))
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
-        for kind, S in self._factors(L, z_node.out_shape).items():
+        for kind, S in factors.items():
             exts = [e for e in self.engine.extensions if kind in e.kinds]
-            for s in S:
-                grads = _vjps(z, edges, s)
+            for start in range(0, S.shape[0], step):
+                cols = S[start : start + step]
+                grads = _batched_vjps(z, edges, cols)
                 if shared:
-                    for i, G in zip(shared, _per_sample(z, [edges[i] for i in shared], s)):
-                        grads[i] = G
+                    per = [_per_sample(z, [edges[i] for i in shared], s) for s in cols]
+                    for k, i in enumerate(shared):
+                        grads[i] = None if per[0][k] is None else torch.stack([p[k] for p in per])
                 for i, node in enumerate(nodes):
                     G, grads[i] = grads[i], None  # freed once used
                     if G is not None:
-                        G = in_compute_dtype(node, G.detach().unsqueeze(0))
-                        self._compute(node, acc[i], exts, kind, G, i in shared)
+                        self._compute(node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared)
         for node, results in zip(nodes, acc):
             self.engine.stage(
                 run,
@@ -274,6 +333,64 @@ class AutogradPath:
             )
 
 
+def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tensor:
+    """The loss's Monte-Carlo factor ``[M, N, *x]`` at its input ``x`` (gradients at
+    labels drawn from the model's predictive, :class:`jacmem.derivatives.LossHessian`),
+    times the square root of the loss's weight in the root, carried back to ``z``
+    through the linear links: ``[M, N, *z]``."""
+    loss, edge, links = sampler
+    (c,) = torch.autograd.grad([root], [edge], [g_root], retain_graph=True)
+    torch._assert_async(c >= 0, "jacmem: the loss enters the backward with a negative weight; the GGN needs it >= 0")
+    x, y = loss.inputs[0], loss.inputs[1] if len(loss.inputs) > 1 else None
+    hp = {k: v for k, v in loss.hp.items() if k != "forward"}
+    S = loss.loss.sampled(x, y, m, **hp) * c.sqrt()
+    for node in links:
+        (S,) = node.entry.backprop(node.inputs, node.out, S, node.hp)
+    return S
+
+
+#: autograd nodes that take one tensor to a multiple of it (by a number, or by a tensor
+#: that needs no gradient: HF's ``loss / num_items_in_batch``)
+_SCALINGS = {"MulBackward0", "MulBackward1", "DivBackward0", "DivBackward1", "NegBackward0", "CloneBackward0"}
+
+
+def _multiple_of(root: GradientEdge, edge: GradientEdge) -> bool:
+    """Whether the root is the tensor at ``edge`` times a factor (no other terms)."""
+    fn, nr = root.node, root.output_nr
+    for _ in range(16):
+        if fn is edge.node and nr == edge.output_nr:
+            return True
+        following = [e for e in fn.next_functions if e[0] is not None]
+        if fn.name() not in _SCALINGS or len(following) != 1:
+            return False
+        fn, nr = following[0]
+    return False
+
+
+#: the most bytes the exact loss Hessian at the model's output (``[N, D, D]``) may take
+_EXACT_BYTES = 2**32
+
+
+def _check_cost(z_node, n: int, d: int, kinds) -> None:
+    """Raise, before any work, where the loss Hessian at ``z`` (``D`` backward columns
+    per sample, ``N·D²`` entries) is out of reach."""
+    size = n * d * d * 4  # float32 at least
+    if size <= _EXACT_BYTES:
+        return
+    fix = (
+        "use the Monte-Carlo kinds (DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC), which sample the loss's labels "
+        "and cost one backward per sample"
+        if "exact" in kinds
+        else "the Monte-Carlo kinds sample the loss's labels only where the root is one loss (CrossEntropyLoss, "
+        "MSELoss, BCEWithLogitsLoss, as a module or function) times a factor, on the model's output through casts, "
+        "reshapes and slices: compute the loss that way"
+    )
+    raise RuntimeError(
+        f"jacmem: the curvature at the output of module {z_node} needs the loss Hessian there whole: {d} backward "
+        f"columns per sample and {n}x{d}x{d} entries (at least {size / 2**30:.0f} GiB), out of reach: {fix}"
+    )
+
+
 def _shared(node, n: int) -> bool:
     """A call whose output all ``n`` samples share (batch axis 1, broadcast over the
     batch: BERT's position embeddings); raises where its batch axis is neither."""
@@ -292,6 +409,13 @@ def _shared(node, n: int) -> bool:
 def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
     """One column ``s [N, *z]`` to each edge (``None`` where unused)."""
     return list(torch.autograd.grad([z], edges, [s], retain_graph=True, allow_unused=True))
+
+
+def _batched_vjps(z: GradientEdge, edges: list, cols: Tensor) -> list[Tensor | None]:
+    """Columns ``cols [v, N, *z]`` to each edge, one batched backward: ``[v, N, *out]``."""
+    if cols.shape[0] == 1:
+        return [None if G is None else G.unsqueeze(0) for G in _vjps(z, edges, cols[0])]
+    return list(torch.autograd.grad([z], edges, [cols], retain_graph=True, allow_unused=True, is_grads_batched=True))
 
 
 def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
