@@ -389,3 +389,110 @@ def test_hf_conv1d_has_the_linears_factors(approx):
     torch.testing.assert_close(conv1d.weight.kflr[0], G)
     torch.testing.assert_close(conv1d.weight.kflr[1], A)
     torch.testing.assert_close(conv1d.bias.kflr[0], G)
+
+
+class _OneHot(nn.Module):
+    """An HF model whose token embedding is a bias-free Linear on one-hot ids (fed as
+    ``inputs_embeds``): the Embedding as curvlinops sees it, whose ``A`` is the dense
+    ``[V, V]`` of which jacmem keeps the diagonal."""
+
+    def __init__(self, logits: nn.Module, embedding: nn.Embedding):
+        super().__init__()
+        self.logits = logits
+        self.emb = nn.Linear(*embedding.weight.shape, bias=False).to(DT)
+        with torch.no_grad():
+            self.emb.weight.copy_(embedding.weight.T)
+
+    def forward(self, ids):
+        embeds = self.emb(nn.functional.one_hot(ids, self.emb.in_features).to(DT))
+        logits = self.logits.model(inputs_embeds=embeds).logits
+        return logits.transpose(1, 2) if self.logits.per_token else logits
+
+
+def _twin(model: nn.Module, embedding: str) -> nn.Module:
+    """``model`` for curvlinops: each HF ``Conv1D`` a Linear with its weight transposed,
+    the token embedding a Linear on one-hot ids (:class:`_OneHot`)."""
+    import copy
+
+    from transformers.pytorch_utils import Conv1D
+
+    twin = copy.deepcopy(model)
+    for module in list(twin.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                lin = nn.Linear(*child.weight.shape).to(DT)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight.T)
+                    lin.bias.copy_(child.bias)
+                setattr(module, name, lin)
+    return _OneHot(twin, twin.get_submodule(embedding))
+
+
+def _lm(name: str):
+    """Untied one- or two-layer HF models (tests/support/hf_models.py), float64, and a
+    batch: GPT-2 and LLaMA with a loss per token, BERT a sequence classifier."""
+    import transformers
+    from tests.support import hf_models
+
+    torch.manual_seed(13)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=8, n_head=2, vocab_size=hf_models.V, n_positions=8, tie_word_embeddings=False,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model = hf_models.Logits(transformers.GPT2LMHeadModel(config), per_token=True)
+    else:
+        model = getattr(hf_models, name)()
+    model = model.to(DT).eval()
+    X, y = hf_models.tokens(3 if name == "bert" else None)
+    return model, X, y
+
+
+#: each model's token embedding, and the layers whose output at a position reaches the loss
+#: only at that position (with a loss per token), or all (BERT: one loss term per sample)
+LM_CASES = {
+    "gpt2": ("model.transformer.wte", ("attn.c_proj", "mlp.", "lm_head")),
+    "bert": ("model.bert.embeddings.word_embeddings", ("",)),
+    "llama": ("model.model.embed_tokens", ("o_proj", "mlp.", "lm_head")),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LM_CASES))
+def test_kflr_on_language_models_equals_curvlinops(name):
+    """KFLR-expand on untied GPT-2 (HF Conv1D), BERT and LLaMA: every Linear's and
+    Conv1D's ``A`` equals curvlinops' type-2 ``A``, and the token Embedding's ``a`` the
+    diagonal of curvlinops' ``A`` for the one-hot Linear it is (:class:`_OneHot`; the rest
+    of that ``A`` is zero; 0 at ``padding_idx``, whose row has no gradient). ``G``: equal at every layer whose output at a position reaches
+    the loss only at that position (all of BERT's: one loss term per sample). Before the
+    attention, with a loss per token, they part by convention: curvlinops' type-2 pushes
+    each class's Hessian column through all positions at once (its roots' outer products
+    have position cross terms that the loss Hessian has not, as in
+    :func:`test_reduce_with_a_loss_per_position`); jacmem's roots are each position's own."""
+    from curvlinops import KFACLinearOperator
+
+    embedding, positionwise = LM_CASES[name]
+    model, X, y = _lm(name)
+    lossf = nn.CrossEntropyLoss()
+    twin = _twin(model, embedding)
+    params = [p for m in twin.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    op = KFACLinearOperator(
+        twin, lossf, params, [(X, y)], fisher_type="type-2", kfac_approx="expand", check_deterministic=False
+    )
+    op.compute_kronecker_factors()
+    run(model, lossf, X, y, KFLR("expand"))
+    compared = 0
+    for twin_name in op._mapping:
+        G_ref, A_ref = op._gradient_covariances[twin_name], op._input_covariances[twin_name]
+        ours = embedding if twin_name == "emb" else twin_name[len("logits.") :]
+        G, A = model.get_submodule(ours).weight.kflr
+        if A.dim() == 1:
+            pad = model.get_submodule(ours).padding_idx  # BERT's: its row gets no gradient, and 0 in a
+            if pad is not None:
+                A_ref[pad, pad] = 0
+            torch.testing.assert_close(torch.diag(A), A_ref, msg=ours)
+        else:
+            torch.testing.assert_close(A, A_ref, msg=ours)
+        if twin_name != "emb" and any(key in ours for key in positionwise):
+            torch.testing.assert_close(G, G_ref, msg=ours)
+            compared += 1
+    assert compared >= 4
