@@ -566,12 +566,15 @@ class LossHessian:
     sampled: ``(x, y, mc_samples, **hp) -> [M, N, *x.shape[1:]]``,
         whose outer products equal the Hessian in expectation (gradients of the loss at
         targets drawn from the model's predictive distribution, over ``√M``).
+    empirical: ``(x, y, **hp) -> [1, N, *x.shape[1:]]``, the gradient of the loss at the
+        true targets, scaled as ``sampled``: the empirical Fisher's root.
     """
 
     check: Callable[[nn.Module], None]
     sqrt_hessian: Callable[..., Tensor]
     sampled: Callable[..., Tensor]
     hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    empirical: Callable[..., Tensor] | None = None
 
     def params(self, module: nn.Module) -> dict[str, Any]:
         self.check(module)

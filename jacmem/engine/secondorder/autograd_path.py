@@ -10,6 +10,9 @@ module's input made by an untracked op, or no loss module), for the GGN kinds
 * ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the loss, batched
   over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``S_n ε / √M``,
   ``ε [K, M]`` standard normal, for ``mc<M>``);
+* ``empirical`` (the empirical Fisher's root, no Hessian): the loss's own root at its
+  input (:class:`jacmem.derivatives.LossHessian`), times the square root of the loss's
+  weight in the backward, brought to ``z`` by one VJP; one loss call only;
 * the factor's ``V`` columns reach each module's output by VJPs
   (``is_grads_batched``, in slices under ``chunk_bytes``);
 * checked, else ``ChainError`` naming the fix: the loss depends on ``z``, reaches the
@@ -41,6 +44,10 @@ def _is_ggn_kind(kind: str) -> bool:
     return kind == "exact" or kind.startswith("mc")
 
 
+def _serves(kind: str) -> bool:
+    return _is_ggn_kind(kind) or kind == "empirical"
+
+
 class AutogradPath:
     """The autograd path of one second-order engine (see the module docstring)."""
 
@@ -50,8 +57,9 @@ class AutogradPath:
         self.records: list[tuple[Node, GradientEdge]] = []
         #: an untracked operation fed a tracked module since the last backward
         self.untracked = False
-        #: a loss module was called since the last backward
-        self.loss = False
+        #: the loss calls since the last backward: (node, its output's edge, its input's edge
+        #: where the empirical kind needs it)
+        self.losses: list[tuple[Node, GradientEdge, GradientEdge | None]] = []
         #: the path's own products are running: every hook of the engine stands by
         self.busy = False
         self.handles = hooks.Handles()
@@ -62,14 +70,16 @@ class AutogradPath:
 
     def serves(self) -> bool:
         """Whether the block's extensions are all GGN-type (else the chain runs)."""
-        return all(_is_ggn_kind(k) for k in self.engine.kinds)
+        return all(_serves(k) for k in self.engine.kinds)
 
     # -- forward -------------------------------------------------------------------
 
-    def record(self, node: Node, output: Tensor) -> None:
-        """A call the engine kept: a loss, or a module whose parameters the path serves."""
+    def record(self, node: Node, output: Tensor, x: Tensor | None = None) -> None:
+        """A call the engine kept (``x``: a loss's input): a loss, or a module whose
+        parameters the path serves."""
         if node.loss is not None:
-            self.loss = True
+            edge = get_gradient_edge(x) if "empirical" in self.engine.kinds else None
+            self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
             return
         self.records.append((node, get_gradient_edge(output)))
@@ -82,7 +92,8 @@ class AutogradPath:
         extensions are GGN-type, hook the path onto the root (``alone``: no first-order
         engine in the block, whose hooks would see the path's batched products)."""
         records, self.records = self.records, []
-        needed, self.untracked, self.loss = self.untracked or not self.loss, False, False
+        losses, self.losses = self.losses, []
+        needed, self.untracked = self.untracked or not losses, False
         if not records or not needed or not self.serves():
             return
         if not alone:
@@ -105,26 +116,31 @@ class AutogradPath:
             if self.busy:
                 return
             handle.remove()
-            self._run(root, grad_outputs[root.output_nr], records)
+            self._run(root, grad_outputs[root.output_nr], records, losses)
 
         handle = root.node.register_prehook(start)
         self.handles.add(handle)
 
-    def _run(self, root: GradientEdge, g_root: Tensor, records: list) -> None:
+    def _run(self, root: GradientEdge, g_root: Tensor, records: list, losses: list) -> None:
         run = self.engine.passes.state(self.engine)
         self.busy = True
         try:
             with torch.enable_grad(), precision.computing(g_root.device):
                 z_node, z = records[-1]
-                L, g_z = self._loss_factor(root, g_root, z_node, z)
-                run.autograd = self._push(run, L, g_z, z_node, z, records)
+                hessian = any(_is_ggn_kind(k) for k in self.engine.kinds)
+                L, g_z = self._loss_factor(root, g_root, z_node, z, hessian)
+                emp = self._empirical(root, g_root, z, losses) if "empirical" in self.engine.kinds else None
+                run.autograd = self._push(run, L, g_z, z_node, z, records, emp)
         finally:
             self.busy = False
 
-    def _loss_factor(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge) -> tuple[Tensor, Tensor]:
+    def _loss_factor(
+        self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge, hessian: bool
+    ) -> tuple[Tensor | None, Tensor]:
         """``(L [N, D, K], ∂L/∂z)``: ``L_n L_nᵀ = H_n``, the loss Hessian of sample ``n``
-        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
-        (g_z,) = torch.autograd.grad([root], [z], [g_root], create_graph=True, retain_graph=True, allow_unused=True)
+        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD);
+        ``L`` is ``None`` unless ``hessian``."""
+        (g_z,) = torch.autograd.grad([root], [z], [g_root], create_graph=hessian, retain_graph=True, allow_unused=True)
         if g_z is None:
             raise ChainError(
                 f"jacmem: the loss does not depend on the output of module {z_node}, the last module with trainable "
@@ -132,6 +148,8 @@ class AutogradPath:
                 "model's output): call the loss's backward after each model's forward, with no module with "
                 "parameters called after the model"
             )
+        if not hessian:
+            return None, g_z.detach()
         n, shape = z_node.out_shape[0], z_node.out_shape[1:]
         d = prod(shape)
         H = g_z.new_zeros(d, n, d)
@@ -176,11 +194,30 @@ class AutogradPath:
                 "as a sum or mean of per-sample terms"
             )
 
-    def _factors(self, L: Tensor, shape: tuple[int, ...]) -> dict[str, Tensor]:
-        """Each GGN kind's factor at ``z``, ``[V, N, *z]`` (module docstring)."""
+    def _empirical(self, root: GradientEdge, g_root: Tensor, z: GradientEdge, losses: list) -> Tensor:
+        """The empirical Fisher's root at ``z``, ``[1, N, *z]`` (module docstring)."""
+        if len(losses) != 1:
+            raise ChainError(
+                f"jacmem: the empirical Fisher on the autograd path needs one loss call per backward; this one has "
+                f"{len(losses)}: compute the loss once, over the whole batch"
+            )
+        node, out, x = losses[0]
+        if node.loss.empirical is None:
+            raise NotImplementedError(f"jacmem: loss {node} has no empirical Fisher; use a GGN kind (KFAC, KFLR)")
+        (c,) = torch.autograd.grad([root], [out], [g_root], retain_graph=True)  # the loss's weight
+        hp = {k: v for k, v in node.hp.items() if k != "forward"}
+        y = node.inputs[1] if len(node.inputs) > 1 else None
+        S = node.loss.empirical(node.inputs[0], y, **hp)[0] * c.clamp(min=0).sqrt()
+        (S_z,) = torch.autograd.grad([x], [z], [S], retain_graph=True)
+        return S_z.detach().unsqueeze(0)
+
+    def _factors(self, L: Tensor | None, shape: tuple[int, ...], empirical: Tensor | None) -> dict[str, Tensor]:
+        """Each kind's factor at ``z``, ``[V, N, *z]`` (module docstring)."""
+        out = {} if empirical is None else {"empirical": empirical}
+        if L is None:
+            return out
         n, _, k = L.shape
-        out = {}
-        for kind in sorted(self.engine.kinds):
+        for kind in sorted(filter(_is_ggn_kind, self.engine.kinds)):
             if kind == "exact":
                 out[kind] = L.permute(2, 0, 1).reshape(k, *shape)
             else:
@@ -189,7 +226,9 @@ class AutogradPath:
                 out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
         return out
 
-    def _push(self, run, L: Tensor, g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
+    def _push(
+        self, run, L: Tensor | None, g_z: Tensor, z_node, z: GradientEdge, records: list, empirical: Tensor | None
+    ) -> dict:
         """Every kind's factor from ``z`` to each module's output, one column of ``V``
         per backward; the modules' results staged in ``run``. Returns ``{id(node): the
         image of ∂L/∂z at its output}``, for :meth:`_check`."""
@@ -198,7 +237,7 @@ class AutogradPath:
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
         expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
-        for kind, S in self._factors(L, z_node.out_shape).items():
+        for kind, S in self._factors(L, z_node.out_shape, empirical).items():
             exts = [e for e in self.engine.extensions if kind in e.kinds]
             for s in S:
                 grads = _vjps(z, edges, s)

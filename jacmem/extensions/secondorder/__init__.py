@@ -6,7 +6,7 @@ from jacmem.extensions.secondorder.base import SecondOrderExtension
 from jacmem.extensions.secondorder.curvmatprod import GGNMP, HMP, PCHMP
 from jacmem.extensions.secondorder.diag_ggn import BatchDiagGGNExact, BatchDiagGGNMC, DiagGGNExact, DiagGGNMC
 from jacmem.extensions.secondorder.diag_hessian import BatchDiagHessian, DiagHessian
-from jacmem.extensions.secondorder.kfac import KFAC, KFLR, KFRA
+from jacmem.extensions.secondorder.kfac import KFAC, KFACEF, KFLR, KFRA
 from jacmem.extensions.secondorder.sqrt_ggn import SqrtGGNExact, SqrtGGNMC
 
 __all__ = [
@@ -18,6 +18,7 @@ __all__ = [
     "DiagHessian",
     "BatchDiagHessian",
     "KFAC",
+    "KFACEF",
     "KFLR",
     "KFRA",
     "SqrtGGNExact",

@@ -1,8 +1,8 @@
-"""KFAC, KFLR and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
+"""KFAC, KFLR, KFACEF and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
 
 A weight gets ``[G, A]``, ``G ⊗ A`` approximating its GGN block (row-major ``vec``); a
 bias ``[G]``. ``G [O, O]`` is from the output side: ``Σ_{v,n} s sᵀ`` over the roots
-``S [V, N, *out]`` (KFAC: Monte-Carlo, KFLR: exact), or read off KFRA's batch-averaged
+``S [V, N, *out]`` (KFAC: Monte-Carlo, KFLR: exact, KFACEF: the loss's gradient), or read off KFRA's batch-averaged
 ``Ḡ [D, D]``, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``. ``A`` is from the input, by the layer's
 :class:`jacmem.derivatives.Kronecker` rule: ``[I, I]``; ``[g, m, m]`` for ``g`` groups
 (the block is then ``block_diag(G[j] ⊗ A[j])``); the diagonal ``[V]`` for Embedding.
@@ -227,6 +227,22 @@ class KFLR(_KF):
 
     def __repr__(self) -> str:
         return f"KFLR({_approx_repr(self.kfac_approx)})"
+
+
+class KFACEF(_KF):
+    """Kronecker-factored empirical Fisher, ``param.kfac_ef``: :class:`KFAC`'s factors with
+    ``G`` from the gradient of the loss at the true targets instead of sampled ones, the
+    one root ``s`` per sample that autograd's own backward carries (curvlinops'
+    ``fisher_type="empirical"``: for ``reduction="mean"`` over ``K`` terms,
+    ``G = K Σ g gᵀ`` of the output gradients ``g``); ``kfac_approx`` as for :class:`KFAC`."""
+
+    savefield, kinds = "kfac_ef", ("empirical",)
+
+    def __init__(self, kfac_approx: str | None = None):
+        self.kfac_approx = _check_approx(kfac_approx)
+
+    def __repr__(self) -> str:
+        return f"KFACEF({_approx_repr(self.kfac_approx)})"
 
 
 class KFRA(_KF):
