@@ -7,6 +7,7 @@ from jacmem.engine.secondorder.graph import ChainError
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from jacmem.extensions.secondorder import (
+    EKFAC,
     GGNMP,
     HMP,
     KFAC,
@@ -44,6 +45,7 @@ __all__ = [
     "BatchDiagHessian",
     "KFAC",
     "KFACEF",
+    "EKFAC",
     "KFLR",
     "KFRA",
     "SqrtGGNExact",

@@ -100,6 +100,8 @@ class Kronecker:
     diagonal: the layer's parameters are scaled elementwise (LayerNorm, RMSNorm):
         no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal from the
         same factors instead, ``[d]`` with ``d.shape == param.shape``.
+    transposed: ``G ⊗ A`` approximates the block of ``weight.T`` (HF's Conv1D
+        ``[I, O]``, Embedding ``[V, D]``), not of ``weight``.
     """
 
     input_factor: Callable[..., Tensor] | None = None
@@ -107,6 +109,7 @@ class Kronecker:
     refuse: Callable[..., str | None] = _no_reason
     why_not: str = ""
     diagonal: bool = False
+    transposed: bool = False
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:

@@ -266,14 +266,17 @@ class AutogradPath:
         ``acc`` (``{param: {ext: result}}``)."""
         parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
         for ext in exts:
-            if shared:
-                got = [part[ext] for part in parts if ext in part]
-                out = _across_samples(ext, got) if got else None
-            else:
-                out = self._results(node, [ext], kind, G).get(ext)
-            for pname, value in (out or {}).items():
-                have = acc.setdefault(pname, {}).get(ext)
-                acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
+            try:
+                if shared:
+                    got = [part[ext] for part in parts if ext in part]
+                    out = _across_samples(ext, got) if got else None
+                else:
+                    out = self._results(node, [ext], kind, G).get(ext)
+                for pname, value in (out or {}).items():
+                    have = acc.setdefault(pname, {}).get(ext)
+                    acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
+            except NotImplementedError as err:  # a merge the extension cannot make: name the module
+                raise NotImplementedError(f"{err} (module {node})") from err
 
     def _results(self, node, exts: list, kind: str, G: Tensor) -> dict:
         """``{ext: {param: result}}`` from the factor ``G [v, N, *out]``."""
