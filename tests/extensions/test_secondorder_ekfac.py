@@ -7,7 +7,7 @@ in test_secondorder_kfac_transformers.py); the corrected eigenvalues, in float64
   sequences and Embedding (the module chain);
 * ``fisher="empirical"``: a per-sample autograd loop's gradients, rotated into the
   basis, for every Linear, HF Conv1D and Embedding of untied GPT-2, BERT and LLaMA (the
-  autograd path);
+  autograd path), and curvlinops' EKFACLinearOperator on the BERT classifier;
 * ``fisher="mc"``: the trace that the rotation keeps, ``Σ Λ`` = the sum of DiagGGNMC's
   diagonal from the same sampled roots.
 """
@@ -175,3 +175,29 @@ def test_refusals():
         EKFAC("type-2")
     assert repr(EKFAC()) == "EKFAC(fisher='mc', mc_samples=1)"
     assert repr(EKFAC("empirical", kfac_approx="reduce")) == "EKFAC(fisher='empirical', kfac_approx='reduce')"
+
+
+def test_empirical_on_bert_equals_curvlinops():
+    """``fisher="empirical"`` on the BERT classifier (one loss term per sample: curvlinops'
+    EKFAC takes 2d outputs only): every Linear's ``Λ`` equals curvlinops'
+    ``EKFACLinearOperator(fisher_type="empirical")``'s, whose two passes over one batch
+    are jacmem's one (the embeddings frozen: curvlinops has no Embedding)."""
+    from curvlinops import EKFACLinearOperator
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
+    model, X, y = _lm("bert")
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            m.weight.requires_grad_(False)
+    params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    op = EKFACLinearOperator(
+        model, nn.CrossEntropyLoss(), params, [(X, y)], fisher_type="empirical", check_deterministic=False
+    )
+    op.compute_eigenvalue_correction()
+    run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"))
+    assert len(op._corrected_eigenvalues) == 14
+    for name, ref in op._corrected_eigenvalues.items():
+        weight, bias = sorted(ref.values(), key=lambda t: -t.dim())
+        module = model.get_submodule(name)
+        torch.testing.assert_close(module.weight.ekfac[2], weight, msg=name)
+        torch.testing.assert_close(module.bias.ekfac[1], bias, atol=1e-12 * float(weight.abs().max()), rtol=1e-10)
