@@ -78,7 +78,7 @@ class AutogradPath:
         """A call the engine kept (``x``: a loss's input): a loss, or a module whose
         parameters the path serves."""
         if node.loss is not None:
-            edge = get_gradient_edge(x) if "empirical" in self.engine.kinds else None
+            edge = get_gradient_edge(x) if x is not None and "empirical" in self.engine.kinds else None
             self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
             return
@@ -202,8 +202,11 @@ class AutogradPath:
                 f"{len(losses)}: compute the loss once, over the whole batch"
             )
         node, out, x = losses[0]
-        if node.loss.empirical is None:
-            raise NotImplementedError(f"jacmem: loss {node} has no empirical Fisher; use a GGN kind (KFAC, KFLR)")
+        if node.loss.empirical is None or x is None:
+            raise NotImplementedError(
+                f"jacmem: loss {node} gives no empirical Fisher (a loss of its own without one, or called with its "
+                "input by keyword): call it as loss(input, target), or use a GGN kind (KFAC, KFLR)"
+            )
         (c,) = torch.autograd.grad([root], [out], [g_root], retain_graph=True)  # the loss's weight
         hp = {k: v for k, v in node.hp.items() if k != "forward"}
         y = node.inputs[1] if len(node.inputs) > 1 else None

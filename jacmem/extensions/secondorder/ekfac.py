@@ -72,8 +72,9 @@ class EKFAC(KroneckerExtension):
     def merge_chunks(self, a, b):
         raise NotImplementedError(
             f"jacmem: {self!r} needs all of a layer's roots at once (to take G's eigenbasis before the correction), "
-            "and the autograd path hands this one over in pieces: use fisher='empirical' or mc_samples=1, and "
-            "freeze calls that the batch shares (position embeddings of [1, T] ids)"
+            "and the autograd path hands this one over in pieces: one root at a time (fisher='exact', "
+            "mc_samples > 1: use fisher='empirical' or mc_samples=1), or one sample at a time (a call the batch "
+            "shares, such as position embeddings of [1, T] ids: freeze it)"
         )
 
     def compute(self, call: Call) -> dict[str, list]:
