@@ -7,9 +7,11 @@ from jacmem.engine.secondorder.graph import ChainError
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from jacmem.extensions.secondorder import (
+    EKFAC,
     GGNMP,
     HMP,
     KFAC,
+    KFACEF,
     KFLR,
     KFRA,
     PCHMP,
@@ -42,6 +44,8 @@ __all__ = [
     "DiagHessian",
     "BatchDiagHessian",
     "KFAC",
+    "KFACEF",
+    "EKFAC",
     "KFLR",
     "KFRA",
     "SqrtGGNExact",

@@ -304,7 +304,7 @@ layer(
     nn.Embedding,
     hyperparams=embedding_hyperparams,
     keep=keep_embedding,
-    kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse),
+    kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse, transposed=True),
     ghost_factors={"weight": positions},  # one-hot rows: the row indices [N, T], what each sends [N, T, D]
 )
 layer(

@@ -160,6 +160,12 @@ def _stand_in_sampled(x: Tensor, y: Tensor, mc: int, *, entry, inner: dict, k: i
     return S.movedim(2, k + 1) if classes else S
 
 
+def _stand_in_empirical(x: Tensor, y: Tensor, *, entry, inner: dict, k: int, classes: bool, scale: float):
+    """[N, *T, C, *D] -> [1, N, *T, C, *D]"""
+    S = entry.empirical(*_unmerge(x, y, k, classes), **inner) * sqrt(scale)
+    return S.movedim(2, k + 1) if classes else S
+
+
 class Cast(nn.Module):
     """A change of floating-point dtype (``logits.float()``; a stand-in)."""
 
@@ -169,7 +175,10 @@ def _cast_jac_t(xs, out, S: Tensor):
     return (S.to(xs[0].dtype),)
 
 
-loss(StandInLoss, LossHessian(lambda m: None, _stand_in_sqrt_hessian, _stand_in_sampled, _stand_in_hp))
+loss(
+    StandInLoss,
+    LossHessian(lambda m: None, _stand_in_sqrt_hessian, _stand_in_sampled, _stand_in_hp, _stand_in_empirical),
+)
 passthrough(Reshape, jac_t=flatten_jac_t, sample_independent=True)
 passthrough(GetItem, sample_independent=True)
 passthrough(Cast, jac_t=_cast_jac_t, sample_independent=True, keep_input=False)

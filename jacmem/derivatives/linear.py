@@ -235,7 +235,7 @@ layer(
     CONV1D,
     input_free=("bias",),
     compute_once=True,
-    kronecker=Kronecker(kronecker_input, channels_last=True),
+    kronecker=Kronecker(kronecker_input, channels_last=True, transposed=True),
     ghost_factors={"weight": conv1d_weight_ghost_factors},
 )
 # RNNLinear is nn.Linear, one time step at a time: its entry, but for the batch axis

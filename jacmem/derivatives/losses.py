@@ -13,6 +13,8 @@ is block-diagonal over ``n``):
   drawn from the model's predictive distribution (Gaussian with variance 1/2, the
   softmax categorical, the Bernoulli), whose outer products equal the Hessian in
   expectation.
+* empirical: ``V = 1``, ``∇ₓ loss(x, y)`` at the true targets: the root of the
+  empirical Fisher (the uncentred gradient covariance; curvlinops' ``"empirical"``).
 
 ``reduction="mean"`` divides the loss by the number of terms torch averages over,
 so the factors carry its square root.
@@ -61,7 +63,12 @@ def mse_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Ten
     return _scale(sqrt(2) * z / sqrt(mc_samples), reduction, x.numel())
 
 
-loss(nn.MSELoss, LossHessian(_mse_check, mse_sqrt_hessian, mse_sampled, _reduction))
+def mse_empirical(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
+    """2 (x - y): [N, *F] -> [1, N, *F]"""
+    return _scale(2 * (x - y), reduction, x.numel()).unsqueeze(0)
+
+
+loss(nn.MSELoss, LossHessian(_mse_check, mse_sqrt_hessian, mse_sampled, _reduction, mse_empirical))
 
 
 # -- CrossEntropyLoss ---------------------------------------------------------------
@@ -129,7 +136,21 @@ def ce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str, ignore_
     return _scale(S / sqrt(mc_samples), reduction, terms)
 
 
-loss(nn.CrossEntropyLoss, LossHessian(_ce_check, ce_sqrt_hessian, ce_sampled, _ce_hyperparams))
+def ce_empirical(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int) -> Tensor:
+    """p - onehot(y) at each position (0 where ignored; ``p Σ_c y_c - y`` for probability
+    targets): [N, C, *D] -> [1, N, C, *D]"""
+    _, terms = _ce_weights(x, y, reduction, ignore_index)
+    p = torch.softmax(x, dim=1)
+    if y.is_floating_point():
+        S = p * y.sum(1, keepdim=True) - y
+    else:
+        keep = y != ignore_index
+        onehot = torch.nn.functional.one_hot(torch.where(keep, y, 0), x.shape[1]).movedim(-1, 1).to(x.dtype)
+        S = (p - onehot) * keep.unsqueeze(1).to(x.dtype)
+    return _scale(S, reduction, terms).unsqueeze(0)
+
+
+loss(nn.CrossEntropyLoss, LossHessian(_ce_check, ce_sqrt_hessian, ce_sampled, _ce_hyperparams, ce_empirical))
 
 
 # -- BCEWithLogitsLoss --------------------------------------------------------------
@@ -158,4 +179,9 @@ def bce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str) -> Ten
     return _scale((s - draws) / sqrt(mc_samples), reduction, x.numel())
 
 
-loss(nn.BCEWithLogitsLoss, LossHessian(_bce_check, bce_sqrt_hessian, bce_sampled, _reduction))
+def bce_empirical(x: Tensor, y: Tensor, *, reduction: str) -> Tensor:
+    """σ - y: [N, *F] -> [1, N, *F]"""
+    return _scale(torch.sigmoid(x) - y, reduction, x.numel()).unsqueeze(0)
+
+
+loss(nn.BCEWithLogitsLoss, LossHessian(_bce_check, bce_sqrt_hessian, bce_sampled, _reduction, bce_empirical))

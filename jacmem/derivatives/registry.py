@@ -100,6 +100,8 @@ class Kronecker:
     diagonal: the layer's parameters are scaled elementwise (LayerNorm, RMSNorm):
         no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal from the
         same factors instead, ``[d]`` with ``d.shape == param.shape``.
+    transposed: ``G ⊗ A`` approximates the block of ``weight.T`` (HF's Conv1D
+        ``[I, O]``, Embedding ``[V, D]``), not of ``weight``.
     """
 
     input_factor: Callable[..., Tensor] | None = None
@@ -107,6 +109,7 @@ class Kronecker:
     refuse: Callable[..., str | None] = _no_reason
     why_not: str = ""
     diagonal: bool = False
+    transposed: bool = False
 
 
 def _first_input(args: tuple, kwargs: dict) -> Any:
@@ -566,12 +569,15 @@ class LossHessian:
     sampled: ``(x, y, mc_samples, **hp) -> [M, N, *x.shape[1:]]``,
         whose outer products equal the Hessian in expectation (gradients of the loss at
         targets drawn from the model's predictive distribution, over ``√M``).
+    empirical: ``(x, y, **hp) -> [1, N, *x.shape[1:]]``, the gradient of the loss at the
+        true targets, scaled as ``sampled``: the empirical Fisher's root.
     """
 
     check: Callable[[nn.Module], None]
     sqrt_hessian: Callable[..., Tensor]
     sampled: Callable[..., Tensor]
     hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    empirical: Callable[..., Tensor] | None = None
 
     def params(self, module: nn.Module) -> dict[str, Any]:
         self.check(module)

@@ -7,12 +7,14 @@ variants."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from tests.support.secondorder_ref import blocks, dense, diagonals, run
 from torch import nn
 
-from jacmem import KFAC, KFLR, DiagGGNMC
+from jacmem import KFAC, KFACEF, KFLR, DiagGGNMC
 
 DT = torch.float64
 APPROX = [None, "expand", "reduce"]
@@ -389,3 +391,260 @@ def test_hf_conv1d_has_the_linears_factors(approx):
     torch.testing.assert_close(conv1d.weight.kflr[0], G)
     torch.testing.assert_close(conv1d.weight.kflr[1], A)
     torch.testing.assert_close(conv1d.bias.kflr[0], G)
+
+
+class _OneHot(nn.Module):
+    """An HF model whose token embedding is a bias-free Linear on one-hot ids (fed as
+    ``inputs_embeds``): the Embedding as curvlinops sees it, whose ``A`` is the dense
+    ``[V, V]`` of which jacmem keeps the diagonal."""
+
+    def __init__(self, logits: nn.Module, embedding: nn.Embedding):
+        super().__init__()
+        self.logits = logits
+        self.emb = nn.Linear(*embedding.weight.shape, bias=False).to(DT)
+        with torch.no_grad():
+            self.emb.weight.copy_(embedding.weight.T)
+        self.emb.weight.requires_grad_(embedding.weight.requires_grad)
+
+    def forward(self, ids):
+        embeds = self.emb(nn.functional.one_hot(ids, self.emb.in_features).to(DT))
+        logits = self.logits.model(inputs_embeds=embeds).logits
+        return logits.transpose(1, 2) if self.logits.per_token else logits
+
+
+def _twin(model: nn.Module, embedding: str) -> nn.Module:
+    """``model`` for curvlinops: each HF ``Conv1D`` a Linear with its weight transposed,
+    the token embedding a Linear on one-hot ids (:class:`_OneHot`)."""
+    import copy
+
+    from transformers.pytorch_utils import Conv1D
+
+    twin = copy.deepcopy(model)
+    for module in list(twin.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, Conv1D):
+                lin = nn.Linear(*child.weight.shape).to(DT)
+                with torch.no_grad():
+                    lin.weight.copy_(child.weight.T)
+                    lin.bias.copy_(child.bias)
+                setattr(module, name, lin)
+    return _OneHot(twin, twin.get_submodule(embedding))
+
+
+def _lm(name: str):
+    """Untied one- or two-layer HF models (tests/support/hf_models.py), float64, and a
+    batch: GPT-2 and LLaMA with a loss per token, BERT a sequence classifier."""
+    import transformers
+    from tests.support import hf_models
+
+    torch.manual_seed(13)
+    if name == "gpt2":
+        config = transformers.GPT2Config(
+            n_layer=1, n_embd=8, n_head=2, vocab_size=hf_models.V, n_positions=8, tie_word_embeddings=False,
+            bos_token_id=0, eos_token_id=0,
+        )  # fmt: skip
+        model = hf_models.Logits(transformers.GPT2LMHeadModel(config), per_token=True)
+    else:
+        model = getattr(hf_models, name)()
+    model = model.to(DT).eval()
+    X, y = hf_models.tokens(3 if name == "bert" else None)
+    return model, X, y
+
+
+#: each model's token embedding, and the layers whose output at a position reaches the loss
+#: only at that position (with a loss per token), or all (BERT: one loss term per sample)
+LM_CASES = {
+    "gpt2": ("model.transformer.wte", ("attn.c_proj", "mlp.", "lm_head")),
+    "bert": ("model.bert.embeddings.word_embeddings", ("",)),
+    "llama": ("model.model.embed_tokens", ("o_proj", "mlp.", "lm_head")),
+}
+
+
+@pytest.mark.parametrize(("name", "approx"), [(n, "expand") for n in sorted(LM_CASES)] + [("bert", "reduce")])
+def test_kflr_on_language_models_equals_curvlinops(name, approx):
+    """KFLR on untied GPT-2 (HF Conv1D), BERT and LLaMA: every Linear's and Conv1D's
+    ``A`` equals curvlinops' type-2 ``A``, and the token Embedding's ``a`` the diagonal of
+    curvlinops' ``A`` for the one-hot Linear it is (:class:`_OneHot`; the rest of that
+    ``A`` is zero; 0 at ``padding_idx``, whose row has no gradient). ``G``: equal at every
+    layer whose output at a position reaches the loss only at that position (all of
+    BERT's: one loss term per sample, also with ``"reduce"``, the embeddings frozen).
+    Before the attention, with a loss per token, they part by convention: curvlinops'
+    type-2 pushes each class's Hessian column through all positions at once (its roots'
+    outer products have position cross terms that the loss Hessian has not, as in
+    :func:`test_reduce_with_a_loss_per_position`); jacmem's roots are each position's own."""
+    from curvlinops import KFACLinearOperator
+
+    embedding, positionwise = LM_CASES[name]
+    model, X, y = _lm(name)
+    if approx == "reduce":  # an Embedding has no reduce factors
+        for m in model.modules():
+            if isinstance(m, nn.Embedding):
+                m.weight.requires_grad_(False)
+    lossf = nn.CrossEntropyLoss()
+    twin = _twin(model, embedding)
+    params = [p for m in twin.modules() if isinstance(m, nn.Linear) for p in m.parameters() if p.requires_grad]
+    op = KFACLinearOperator(
+        twin, lossf, params, [(X, y)], fisher_type="type-2", kfac_approx=approx, check_deterministic=False
+    )
+    op.compute_kronecker_factors()
+    run(model, lossf, X, y, KFLR(approx))
+    scale = max(float(G.abs().max()) for G in op._gradient_covariances.values())
+    compared = 0
+    for twin_name in op._mapping:
+        G_ref, A_ref = op._gradient_covariances[twin_name], op._input_covariances[twin_name]
+        ours = embedding if twin_name == "emb" else twin_name[len("logits.") :]
+        G, A = model.get_submodule(ours).weight.kflr
+        if A.dim() == 1:
+            pad = model.get_submodule(ours).padding_idx  # BERT's: its row gets no gradient, and 0 in a
+            if pad is not None:
+                A_ref[pad, pad] = 0
+            torch.testing.assert_close(torch.diag(A), A_ref, msg=ours)
+        else:
+            torch.testing.assert_close(A, A_ref, msg=ours)
+        if twin_name != "emb" and any(key in ours for key in positionwise):
+            # up to rounding relative to the largest G (BERT's key projections' reduce G is
+            # zero but for rounding: the softmax's gradient sums to zero over the keys);
+            # LLaMA's RMSNorm computes in float32
+            rtol = 1e-6 if name == "llama" else 1e-10
+            torch.testing.assert_close(G, G_ref, atol=rtol * scale, rtol=rtol, msg=ours)
+            compared += 1
+    assert compared >= 4
+
+
+def _curvlinops_ef(twin, lossf, X, y, approx):
+    """curvlinops' empirical-Fisher KFAC factors of ``twin``'s Linears: {name: (G, A)}."""
+    from curvlinops import KFACLinearOperator
+
+    params = [p for m in twin.modules() if isinstance(m, nn.Linear) for p in m.parameters() if p.requires_grad]
+    op = KFACLinearOperator(
+        twin, lossf, params, [(X, y)], fisher_type="empirical", kfac_approx=approx, check_deterministic=False
+    )
+    op.compute_kronecker_factors()
+    return {name: (op._gradient_covariances[name], op._input_covariances[name]) for name in op._mapping}
+
+
+def _close(got, want, msg):
+    """Equal, up to rounding relative to the factor's scale (a key projection's reduce
+    ``G`` is zero but for rounding: the softmax's gradient sums to zero over the keys)."""
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-10 * float(want.abs().max()), msg=msg)
+
+
+@pytest.mark.parametrize(("case", "approx"), [(c, a) for c in sorted(CURVLINOPS) for a in ("expand", "reduce")])
+def test_kfacef_equals_curvlinops(case, approx):
+    """KFACEF(kfac_approx=a) and curvlinops' KFACLinearOperator(fisher_type="empirical",
+    kfac_approx=a): G and A equal for Linear on sequences and Conv2d (the module chain),
+    MSE and cross-entropy, reduce with a loss per position included (one root per sample
+    at every position, the gradient, in both)."""
+    make, data, lossf = CURVLINOPS[case]
+    torch.manual_seed(5)
+    model, (X, y) = make().to(DT), data()
+    ref = _curvlinops_ef(model, lossf(), X, y, approx)
+    run(model, lossf(), X, y, KFACEF(approx))
+    for name, (G, A) in ref.items():
+        m = model.get_submodule(name)
+        _close(m.weight.kfac_ef[0], G, f"G {name}")
+        _close(m.weight.kfac_ef[1], A, f"A {name}")
+        _close(m.bias.kfac_ef[0], G, f"bias G {name}")
+
+
+@pytest.mark.parametrize("approx", ["expand", "reduce"])
+@pytest.mark.parametrize("name", sorted(LM_CASES))
+def test_kfacef_on_language_models_equals_curvlinops(name, approx):
+    """KFACEF on untied GPT-2 (HF Conv1D), BERT and LLaMA (the autograd path): G and A
+    of every Linear and Conv1D equal curvlinops' empirical KFAC, and with ``"expand"`` the
+    token Embedding's (as in :func:`test_kflr_on_language_models_equals_curvlinops`; its
+    reduce is refused, so the embeddings are frozen there). LLaMA's RMSNorm computes in
+    float32: equal to its rounding."""
+    embedding, _ = LM_CASES[name]
+    model, X, y = _lm(name)
+    if approx == "reduce":
+        for m in model.modules():
+            if isinstance(m, nn.Embedding):
+                m.weight.requires_grad_(False)
+    lossf = nn.CrossEntropyLoss()
+    ref = _curvlinops_ef(_twin(model, embedding), lossf, X, y, approx)
+    with pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext():
+        run(model, lossf, X, y, KFACEF(approx))  # LlamaRMSNorm has no factors (a warning)
+    assert len(ref) >= 5
+    rtol = 1e-6 if name == "llama" else 1e-10
+    # up to rounding relative to the largest G: BERT's key projections' reduce G is zero but
+    # for rounding (the softmax's gradient sums to zero over the keys)
+    scale = max(float(G.abs().max()) for G, _ in ref.values())
+    for twin_name, (G_ref, A_ref) in ref.items():
+        ours = embedding if twin_name == "emb" else twin_name[len("logits.") :]
+        m = model.get_submodule(ours)
+        G, A = m.weight.kfac_ef
+        if A.dim() == 1:
+            if m.padding_idx is not None:
+                A_ref[m.padding_idx, m.padding_idx] = 0
+            A = torch.diag(A)
+        torch.testing.assert_close(G, G_ref, rtol=rtol, atol=rtol * scale, msg=ours)
+        torch.testing.assert_close(A, A_ref, msg=ours)
+
+
+def _ef_reference(model, lossf, X, y, names, terms):
+    """``G = K Σ_{n,t} g_t g_tᵀ`` of each named module (expand), from autograd's own
+    gradient ``g`` at its output, ``K`` the loss's number of terms."""
+    grads = {}
+
+    def keep(name):
+        def hook(module, inputs, out):
+            out.register_hook(lambda g: grads.__setitem__(name, g))
+
+        return hook
+
+    handles = [model.get_submodule(n).register_forward_hook(keep(n)) for n in names]
+    model.zero_grad()
+    lossf(model(X), y).backward()
+    for h in handles:
+        h.remove()
+    return {n: terms * grads[n].flatten(0, -2).T @ grads[n].flatten(0, -2) for n in names}
+
+
+def test_kfacef_with_ignore_index_on_merged_tokens():
+    """A per-token model whose loss reads ``logits.flatten(0, 1)`` with ``ignore_index``
+    (the module chain, through the merged-batch stand-in loss): ``G = K Σ g gᵀ`` with
+    ``K`` the tokens not ignored, the ignored ones adding nothing; the Embedding's ``a`` the
+    token counts ``/ (N·T)``."""
+    torch.manual_seed(14)
+    model = nn.Sequential(nn.Embedding(6, 4), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 6)).to(DT)
+    X, y = torch.randint(0, 6, (3, 4)), torch.randint(0, 6, (3, 4))
+    y[0, 1] = y[2, 3] = -100
+    ce = nn.CrossEntropyLoss()
+
+    def lossf(out, y):
+        return ce(out.flatten(0, 1), y.flatten())
+
+    ref = _ef_reference(model, lossf, X, y, ["0", "1", "3"], terms=10)
+    run(model, lossf, X, y, KFACEF())
+    for name, G in ref.items():
+        torch.testing.assert_close(model.get_submodule(name).weight.kfac_ef[0], G, msg=name)
+    counts = torch.bincount(X.flatten(), minlength=6).to(DT)
+    torch.testing.assert_close(model[0].weight.kfac_ef[1], counts / 12)
+
+
+def test_kfacef_at_gpt2s_real_vocabulary():
+    """Untied GPT-2 at its real vocabulary (50257; d = 16, N = 2, T = 4), its LM head frozen
+    (its ``G`` would be ``[V, V]``): every Conv1D's and the token Embedding's ``G`` equal
+    ``K Σ g gᵀ`` from autograd's output gradients, the Embedding's ``a`` the token counts;
+    no loss Hessian over the ``T·V`` outputs is formed (it would not fit)."""
+    import transformers
+    from tests.support import hf_models
+    from transformers.pytorch_utils import Conv1D
+
+    torch.manual_seed(15)
+    v = hf_models.VOCAB["gpt2"]
+    config = transformers.GPT2Config(
+        n_layer=1, n_embd=16, n_head=2, vocab_size=v, n_positions=4, tie_word_embeddings=False,
+        bos_token_id=0, eos_token_id=0,
+    )  # fmt: skip
+    model = hf_models.Logits(transformers.GPT2LMHeadModel(config), per_token=True).to(DT).eval()
+    model.model.lm_head.weight.requires_grad_(False)
+    X, y = torch.randint(0, v, (2, 4)), torch.randint(0, v, (2, 4))
+    names = ["model.transformer.wte"] + [n for n, m in model.named_modules() if isinstance(m, Conv1D)]
+    ref = _ef_reference(model, nn.CrossEntropyLoss(), X, y, names, terms=8)
+    run(model, nn.CrossEntropyLoss(), X, y, KFACEF())
+    for name, G in ref.items():
+        torch.testing.assert_close(model.get_submodule(name).weight.kfac_ef[0], G, msg=name)
+    a = model.model.transformer.wte.weight.kfac_ef[1]
+    torch.testing.assert_close(a, torch.bincount(X.flatten(), minlength=v).to(DT) / 8)

@@ -16,6 +16,9 @@ module's input made by an untracked op, or no loss module), for the GGN kinds
   loss, batched over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh``
   (``S_n ε / √M``, ``ε [K, M]`` standard normal, for ``mc<M>``), refused before any
   work where ``N·D²`` is out of reach;
+* ``empirical`` (the empirical Fisher's root, no Hessian): the loss's own root at its
+  input (:class:`jacmem.derivatives.LossHessian`), times the square root of the loss's
+  weight in the backward, brought to ``z`` by one VJP; one loss call only;
 * the factor's ``V`` columns reach each module's output by VJPs
   (``is_grads_batched``, in slices under ``chunk_bytes``);
 * checked, else ``ChainError`` naming the fix: the loss depends on ``z``, reaches the
@@ -47,6 +50,10 @@ def _is_ggn_kind(kind: str) -> bool:
     return kind == "exact" or kind.startswith("mc")
 
 
+def _serves(kind: str) -> bool:
+    return _is_ggn_kind(kind) or kind == "empirical"
+
+
 class AutogradPath:
     """The autograd path of one second-order engine (see the module docstring)."""
 
@@ -56,10 +63,9 @@ class AutogradPath:
         self.records: list[tuple[Node, GradientEdge]] = []
         #: an untracked operation fed a tracked module since the last backward
         self.untracked = False
-        #: a loss module was called since the last backward
-        self.loss = False
-        #: (node, its output's autograd edge) of each loss called since the last backward
-        self.losses: list[tuple[Node, GradientEdge]] = []
+        #: each loss called since the last backward: (node, its output's autograd edge, its
+        #: input's where the empirical kind needs it)
+        self.losses: list[tuple[Node, GradientEdge, GradientEdge | None]] = []
         #: the path serves this backward (from its start, before the loss's hooks, which
         #: would otherwise build the loss's factors for nothing, to its products' end):
         #: every hook of the engine stands by
@@ -74,15 +80,16 @@ class AutogradPath:
 
     def serves(self) -> bool:
         """Whether the block's extensions are all GGN-type (else the chain runs)."""
-        return all(_is_ggn_kind(k) for k in self.engine.kinds)
+        return all(_serves(k) for k in self.engine.kinds)
 
     # -- forward -------------------------------------------------------------------
 
-    def record(self, node: Node, output: Tensor) -> None:
-        """A call the engine kept: a loss, or a module whose parameters the path serves."""
+    def record(self, node: Node, output: Tensor, x: Tensor | None = None) -> None:
+        """A call the engine kept (``x``: a loss's input): a loss, or a module whose
+        parameters the path serves."""
         if node.loss is not None:
-            self.loss = True
-            self.losses.append((node, get_gradient_edge(output)))
+            edge = get_gradient_edge(x) if x is not None and "empirical" in self.engine.kinds else None
+            self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
             return
         self.records.append((node, get_gradient_edge(output)))
@@ -97,7 +104,7 @@ class AutogradPath:
         self.busy = False
         records, self.records = self.records, []
         losses, self.losses = self.losses, []
-        needed, self.untracked, self.loss = self.untracked or not self.loss, False, False
+        needed, self.untracked = self.untracked or not losses, False
         if not records or not needed or not self.serves():
             return
         if not alone:
@@ -132,12 +139,14 @@ class AutogradPath:
         try:
             with torch.enable_grad(), precision.computing(g_root.device):
                 z_node, z = records[-1]
+                kinds = self.engine.kinds
                 sampler = self._sampler(root, z_node, losses)
-                if sampler is None or "exact" in self.engine.kinds:
+                if "exact" in kinds or (sampler is None and any(k.startswith("mc") for k in kinds)):
                     L, g_z = self._loss_factor(root, g_root, z_node, z)
                 else:
                     L, g_z = None, self._gradient(root, g_root, z_node, z, create_graph=False)
-                factors = self._factors(L, z_node.out_shape, sampler, root, g_root)
+                empirical = self._empirical(root, g_root, z, losses) if "empirical" in kinds else None
+                factors = self._factors(L, z_node.out_shape, sampler, root, g_root, empirical)
                 run.autograd = self._push(run, factors, g_z, z_node, z, records)
         finally:
             self.busy = self.running = False
@@ -166,7 +175,7 @@ class AutogradPath:
         ``None`` otherwise: the Monte-Carlo kinds then sample the Hessian's factor."""
         if len(losses) != 1 or not any(k.startswith("mc") for k in self.engine.kinds):
             return None
-        loss, edge = losses[0]
+        loss, edge, _ = losses[0]
         if not _multiple_of(root, edge):
             return None
         links, node = [], loss.producers[0] if loss.producers else None
@@ -227,12 +236,34 @@ class AutogradPath:
                 "as a sum or mean of per-sample terms"
             )
 
-    def _factors(self, L: Tensor | None, shape: tuple[int, ...], sampler, root: GradientEdge, g_root: Tensor):
-        """Each GGN kind's factor at ``z``, ``[V, N, *z]`` (module docstring): the
+    def _empirical(self, root: GradientEdge, g_root: Tensor, z: GradientEdge, losses: list) -> Tensor:
+        """The empirical Fisher's root at ``z``, ``[1, N, *z]`` (module docstring)."""
+        if len(losses) != 1:
+            raise ChainError(
+                f"jacmem: the empirical Fisher on the autograd path needs one loss call per backward; this one has "
+                f"{len(losses)}: compute the loss once, over the whole batch"
+            )
+        node, out, x = losses[0]
+        if node.loss.empirical is None or x is None:
+            raise NotImplementedError(
+                f"jacmem: loss {node} gives no empirical Fisher (a loss of its own without one, or called with its "
+                "input by keyword): call it as loss(input, target), or use a GGN kind (KFAC, KFLR)"
+            )
+        (c,) = torch.autograd.grad([root], [out], [g_root], retain_graph=True)  # the loss's weight
+        hp = {k: v for k, v in node.hp.items() if k != "forward"}
+        y = node.inputs[1] if len(node.inputs) > 1 else None
+        S = node.loss.empirical(node.inputs[0], y, **hp)[0] * c.clamp(min=0).sqrt()
+        (S_z,) = torch.autograd.grad([x], [z], [S], retain_graph=True)
+        return S_z.detach().unsqueeze(0)
+
+    def _factors(
+        self, L: Tensor | None, shape: tuple[int, ...], sampler, root: GradientEdge, g_root: Tensor, empirical
+    ) -> dict[str, Tensor]:
+        """Each kind's factor at ``z``, ``[V, N, *z]`` (module docstring): the
         Monte-Carlo kinds' from the loss's own sampled labels where ``sampler`` (see
-        :meth:`_sampler`), else from ``L``."""
-        out = {}
-        for kind in sorted(self.engine.kinds):
+        :meth:`_sampler`), else from ``L``; ``empirical`` (:meth:`_empirical`) as it is."""
+        out = {} if empirical is None else {"empirical": empirical}
+        for kind in sorted(filter(_is_ggn_kind, self.engine.kinds)):
             if kind == "exact":
                 out[kind] = L.permute(2, 0, 1).reshape(L.shape[2], *shape)
             elif sampler is not None:
@@ -289,14 +320,17 @@ class AutogradPath:
             self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
         parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
         for ext in exts:
-            if shared:
-                got = [part[ext] for part in parts if ext in part]
-                out = {pname: ext.merge_samples([part[pname] for part in got]) for pname in got[0]} if got else None
-            else:
-                out = self._results(node, [ext], kind, G).get(ext)
-            for pname, value in (out or {}).items():
-                have = acc.setdefault(pname, {}).get(ext)
-                acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
+            try:
+                if shared:
+                    got = [part[ext] for part in parts if ext in part]
+                    out = {p: ext.merge_samples([part[p] for part in got]) for p in got[0]} if got else None
+                else:
+                    out = self._results(node, [ext], kind, G).get(ext)
+                for pname, value in (out or {}).items():
+                    have = acc.setdefault(pname, {}).get(ext)
+                    acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
+            except NotImplementedError as err:  # a merge the extension cannot make: name the module
+                raise NotImplementedError(f"{err} (module {node})") from err
 
     def _results(self, node, exts: list, kind: str, G: Tensor) -> dict:
         """``{ext: {param: result}}`` from the factor ``G [v, N, *out]``."""

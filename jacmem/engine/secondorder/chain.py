@@ -22,7 +22,8 @@ A hook on the node's output runs when autograd has the gradient of that output, 
 is after every consumer of the output has run its own hook:
 
 1. A loss node makes the factors of its Hessian (exact, sampled, or KFRA's
-   batch-summed dense Hessian) and hands them to its input's producer.
+   batch-summed dense Hessian; or the empirical Fisher's, its gradient at the true
+   targets) and hands them to its input's producer.
 2. Any other node sums what its consumers handed it, lets the extensions compute its
    parameters' quantities, and hands ``Jᵀ S`` (and, for DiagHessian, its own
    residual factors) to its inputs' producers. Each factor is freed as soon as it has
@@ -107,6 +108,8 @@ class Chain:
         for kind in sorted(k for k in self.engine.kinds if k.startswith("mc")):
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
+        if "empirical" in self.engine.kinds:
+            factors[("empirical", id(node), 1)] = Factor("empirical", 1.0, _empirical(node, x, y, hp) * sqrt(c))
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.grad_by_jacobian else None
         run.handover(node, 0, factors, g, dense, {})
 
@@ -193,6 +196,14 @@ class Chain:
             for pname, value in (out or {}).items():
                 results[pname][ext.savefield] = precision.result(value, node.params[pname])
         self.engine.stage(run, node, results)
+
+
+def _empirical(node: Node, x: Tensor, y: Tensor | None, hp: dict) -> Tensor:
+    """The empirical Fisher's root at the loss's input, ``[1, N, *x]``; raises for a loss
+    that has none."""
+    if node.loss.empirical is None:
+        raise NotImplementedError(f"jacmem: loss {node} has no empirical Fisher; use a GGN kind (KFAC, KFLR)")
+    return node.loss.empirical(x, y, **hp)
 
 
 def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:

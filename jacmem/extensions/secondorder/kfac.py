@@ -1,8 +1,8 @@
-"""KFAC, KFLR and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
+"""KFAC, KFLR, KFACEF and KFRA: Kronecker factors of the GGN, as BackPACK 1.7.1 lays them out.
 
 A weight gets ``[G, A]``, ``G ⊗ A`` approximating its GGN block (row-major ``vec``); a
 bias ``[G]``. ``G [O, O]`` is from the output side: ``Σ_{v,n} s sᵀ`` over the roots
-``S [V, N, *out]`` (KFAC: Monte-Carlo, KFLR: exact), or read off KFRA's batch-averaged
+``S [V, N, *out]`` (KFAC: Monte-Carlo, KFLR: exact, KFACEF: the loss's gradient), or read off KFRA's batch-averaged
 ``Ḡ [D, D]``, ``Ḡ_in = 1/N Σ_n J_nᵀ Ḡ_out J_n``. ``A`` is from the input, by the layer's
 :class:`jacmem.derivatives.Kronecker` rule: ``[I, I]``; ``[g, m, m]`` for ``g`` groups
 (the block is then ``block_diag(G[j] ⊗ A[j])``); the diagonal ``[V]`` for Embedding.
@@ -37,7 +37,7 @@ def _has_rules(rule: Kronecker | None, diagonal: bool) -> bool:
     return rule is not None and (rule.input_factor is not None or (diagonal and rule.diagonal))
 
 
-def _rule(call: Call, ext: _KF) -> Kronecker:
+def _rule(call: Call, ext: KroneckerExtension) -> Kronecker:
     """The layer's Kronecker rules (registered with its derivatives); raises
     :class:`UnsupportedModule` where it has none, or none with these settings."""
     rule = getattr(call.entry, "kronecker", None)
@@ -153,13 +153,16 @@ def _contiguous_symmetric(M: Tensor) -> Tensor:
 KFAC_APPROX = (None, "expand", "reduce")
 
 
-def _check_approx(kfac_approx: str | None) -> str | None:
+def check_approx(kfac_approx: str | None) -> str | None:
     if kfac_approx not in KFAC_APPROX:
         raise ValueError(f"kfac_approx must be one of {KFAC_APPROX}, got {kfac_approx!r}")
     return kfac_approx
 
 
-class _KF(SecondOrderExtension):
+class KroneckerExtension(SecondOrderExtension):
+    """The base of KFAC, KFLR, KFACEF, KFRA and EKFAC: ``compute`` gives each weight
+    ``[G, A]`` and each bias ``[G]`` from the roots of ``kinds`` (the module docstring)."""
+
     #: how positions that share a weight count (module docstring); ``None``: each
     #: layer's default
     kfac_approx: str | None = None
@@ -194,11 +197,11 @@ class _KF(SecondOrderExtension):
         return out
 
 
-def _approx_repr(kfac_approx: str | None) -> str:
+def approx_repr(kfac_approx: str | None) -> str:
     return "" if kfac_approx is None else f"kfac_approx={kfac_approx!r}"
 
 
-class KFAC(_KF):
+class KFAC(KroneckerExtension):
     """Kronecker-factored GGN from ``mc_samples`` Monte-Carlo samples of the loss
     Hessian (Martens & Grosse 2015; Grosse & Martens 2016), ``param.kfac``;
     ``kfac_approx``: ``"expand"``, ``"reduce"`` (Eschenhagen et al. 2023) or ``None``
@@ -209,27 +212,43 @@ class KFAC(_KF):
     def __init__(self, mc_samples: int = 1, kfac_approx: str | None = None):
         self.mc_samples = mc_samples
         self.kinds = (mc_kind(mc_samples),)
-        self.kfac_approx = _check_approx(kfac_approx)
+        self.kfac_approx = check_approx(kfac_approx)
 
     def __repr__(self) -> str:
-        approx = _approx_repr(self.kfac_approx)
+        approx = approx_repr(self.kfac_approx)
         return f"KFAC(mc_samples={self.mc_samples}{', ' + approx if approx else ''})"
 
 
-class KFLR(_KF):
+class KFLR(KroneckerExtension):
     """Kronecker-factored GGN from the exact loss Hessian (Botev et al. 2017),
     ``param.kflr``; ``kfac_approx`` as for :class:`KFAC`."""
 
     savefield, kinds = "kflr", ("exact",)
 
     def __init__(self, kfac_approx: str | None = None):
-        self.kfac_approx = _check_approx(kfac_approx)
+        self.kfac_approx = check_approx(kfac_approx)
 
     def __repr__(self) -> str:
-        return f"KFLR({_approx_repr(self.kfac_approx)})"
+        return f"KFLR({approx_repr(self.kfac_approx)})"
 
 
-class KFRA(_KF):
+class KFACEF(KroneckerExtension):
+    """Kronecker-factored empirical Fisher, ``param.kfac_ef``: :class:`KFAC`'s factors with
+    ``G`` from the gradient of the loss at the true targets instead of sampled ones, the
+    one root ``s`` per sample that autograd's own backward carries (curvlinops'
+    ``fisher_type="empirical"``: for ``reduction="mean"`` over ``K`` terms,
+    ``G = K Σ g gᵀ`` of the output gradients ``g``); ``kfac_approx`` as for :class:`KFAC`."""
+
+    savefield, kinds = "kfac_ef", ("empirical",)
+
+    def __init__(self, kfac_approx: str | None = None):
+        self.kfac_approx = check_approx(kfac_approx)
+
+    def __repr__(self) -> str:
+        return f"KFACEF({approx_repr(self.kfac_approx)})"
+
+
+class KFRA(KroneckerExtension):
     """Kronecker-factored GGN with the batch average taken at every step of the
     backward (Botev et al. 2017), ``param.kfra``; through branches as the module
     docstring says."""

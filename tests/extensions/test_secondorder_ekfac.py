@@ -1,0 +1,208 @@
+"""EKFAC (eigenvalue-corrected KFAC, George et al. 2018): the bases are eigenbases of
+the Kronecker factors from the same block (KFAC, KFLR, KFACEF: tested against curvlinops
+in test_secondorder_kfac_transformers.py); the corrected eigenvalues, in float64, against
+
+* ``fisher="exact"``: the diagonal of the exact GGN block (torch.func,
+  tests/support/secondorder_ref.py) in the Kronecker eigenbasis, for Linear on
+  sequences and Embedding (the module chain);
+* ``fisher="empirical"``: a per-sample autograd loop's gradients, rotated into the
+  basis, for every Linear, HF Conv1D and Embedding of untied GPT-2, BERT and LLaMA (the
+  autograd path), and curvlinops' EKFACLinearOperator on the BERT classifier;
+* ``fisher="mc"``: the trace that the rotation keeps, ``Σ Λ`` = the sum of DiagGGNMC's
+  diagonal from the same sampled roots.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from math import sqrt
+
+import pytest
+import torch
+from tests.support.secondorder_ref import blocks, dense, run
+from torch import nn
+
+from jacmem import EKFAC, KFAC, KFACEF, KFLR, DiagGGNMC
+
+DT = torch.float64
+
+
+def _check_basis(U, M):
+    """``U`` is orthonormal and diagonalises the factor ``M``."""
+    torch.testing.assert_close(U.T @ U, torch.eye(len(U), dtype=DT))
+    D = U.T @ M @ U
+    torch.testing.assert_close(
+        D - torch.diag(torch.diagonal(D)), torch.zeros_like(D), atol=1e-12 * float(M.abs().max()), rtol=0
+    )
+
+
+def _seq_model():
+    """Embedding -> Linear on [N, T, ·] -> Tanh -> Linear, a loss per position."""
+    return nn.Sequential(nn.Embedding(7, 4), nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+
+
+@pytest.mark.parametrize("approx", [None, "expand"])
+def test_exact_is_the_ggn_diagonal_in_the_kronecker_eigenbasis(approx):
+    """``fisher="exact"``: ``Λ[i, j] = (u_i ⊗ u_j)ᵀ B (u_i ⊗ u_j)`` with ``B`` the exact GGN
+    block of the weight (of ``weight.T`` for the Embedding, whose ``U_A`` is the identity,
+    ``None``) and ``U_G``, ``U_A`` eigenbases of KFLR's factors; a bias's ``Λ`` likewise."""
+    torch.manual_seed(0)
+    model = _seq_model()
+    X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
+    run(model, nn.MSELoss(), X, y, EKFAC("exact", kfac_approx=approx), KFLR(approx))
+    ref = blocks(model, dense(model, nn.MSELoss(), X, y)[0])
+    for name, p in model.named_parameters():
+        got, factors = p.ekfac, p.kflr
+        U_G = got[0]
+        _check_basis(U_G, factors[0])
+        if name.endswith("bias"):
+            torch.testing.assert_close(got[1], torch.diagonal(U_G.T @ ref[name] @ U_G), msg=name)
+            continue
+        U_G, U_A, lam = got
+        B = ref[name]
+        if name == "0.weight":  # the Embedding: the block of weight.T, A diagonal
+            assert U_A is None
+            idx = torch.arange(28).reshape(7, 4).T.flatten()
+            B, U_A = B[idx][:, idx], torch.eye(7, dtype=DT)
+        else:
+            _check_basis(U_A, factors[1])
+        U = torch.kron(U_G, U_A)
+        torch.testing.assert_close(lam, torch.diagonal(U.T @ B @ U).reshape(lam.shape), msg=name)
+
+
+def test_mc_keeps_the_trace_of_its_roots():
+    """``fisher="mc"``, with KFAC and DiagGGNMC in the block (one set of sampled roots):
+    the bases diagonalise KFAC's factors, and ``Σ Λ`` (the rotation keeps the Frobenius
+    norm of every per-sample gradient) is the sum of DiagGGNMC's diagonal, per parameter."""
+    torch.manual_seed(1)
+    model = _seq_model()
+    X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
+    run(model, nn.MSELoss(), X, y, EKFAC(mc_samples=3), KFAC(3), DiagGGNMC(3))
+    for name, p in model.named_parameters():
+        _check_basis(p.ekfac[0], p.kfac[0])
+        torch.testing.assert_close(p.ekfac[-1].sum(), p.diag_ggn_mc.sum(), msg=name)
+
+
+def _per_sample_grads(model, X, y, per_token: bool) -> dict[str, torch.Tensor]:
+    """Each sample's gradient of its summed loss terms, by a loop: name -> [N, *shape]."""
+    lossf = nn.CrossEntropyLoss(reduction="sum")
+    out = {n: [] for n, p in model.named_parameters() if p.requires_grad}
+    for n in range(X.shape[0]):
+        model.zero_grad()
+        lossf(model(X[n : n + 1]), y[n : n + 1]).backward()
+        for name, p in model.named_parameters():
+            if p.requires_grad:
+                out[name].append(p.grad.clone())
+    return {name: torch.stack(g) for name, g in out.items()}
+
+
+LMS = {
+    "gpt2": "model.transformer.wpe",
+    "bert": ("model.bert.embeddings.position_embeddings", "model.bert.embeddings.token_type_embeddings"),
+    "llama": (),
+}
+
+
+@pytest.mark.parametrize("name", sorted(LMS))
+def test_empirical_on_language_models_equals_a_per_sample_loop(name):
+    """``fisher="empirical"`` on untied GPT-2 (HF Conv1D), BERT and LLaMA: the bases
+    diagonalise KFACEF's factors, and ``Λ = Σ_n (U_Gᵀ Ĝ_n U_A)²`` with ``Ĝ_n`` sample
+    ``n``'s gradient (of ``weight.T`` for Conv1D and Embedding) ``/ √K``, ``K`` the loss's
+    terms, from a per-sample autograd loop; every Linear, Conv1D and token Embedding and
+    their biases. The position embeddings, which the batch shares, are frozen (EKFAC
+    refuses them: test_refusals)."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+    from transformers.pytorch_utils import Conv1D
+
+    model, X, y = _lm(name)
+    for frozen in (LMS[name],) if isinstance(LMS[name], str) else LMS[name]:
+        model.get_submodule(frozen).weight.requires_grad_(False)
+    per_token = name != "bert"
+    K = X.numel() if per_token else X.shape[0]
+    warns = pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext()
+    with warns:  # LlamaRMSNorm: no factors
+        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"), KFACEF())
+    grads = _per_sample_grads(model, X, y, per_token)
+    rtol = 1e-6 if name == "llama" else 1e-10  # LlamaRMSNorm computes in float32
+    checked = 0
+    for module_name, module in model.named_modules():
+        if not isinstance(module, (nn.Linear, Conv1D, nn.Embedding)) or not module.weight.requires_grad:
+            continue
+        W = module.weight
+        U_G, U_A, lam = W.ekfac
+        G, A = W.kfac_ef
+        _check_basis(U_G, G)
+        g = grads[f"{module_name}.weight"] / sqrt(K)
+        if isinstance(module, (Conv1D, nn.Embedding)):
+            g = g.transpose(1, 2)
+        if U_A is None:
+            assert A.dim() == 1
+        else:
+            _check_basis(U_A, A)
+            g = g @ U_A
+        ref = (U_G.T @ g).square().sum(0)
+        torch.testing.assert_close(lam, ref, rtol=rtol, atol=rtol * float(ref.abs().max()), msg=module_name)
+        if module_name.endswith("lm_head") or getattr(module, "bias", None) is None:
+            checked += 1
+            continue
+        g_b = grads[f"{module_name}.bias"] / sqrt(K)
+        ref_b = (g_b @ U_G).square().sum(0)
+        # up to rounding relative to the weight's: a key projection's bias has no gradient
+        torch.testing.assert_close(module.bias.ekfac[1], ref_b, rtol=rtol, atol=rtol * float(ref.abs().max()))
+        checked += 1
+    assert checked >= 5
+
+
+def test_refusals():
+    """A convolution: a warning naming it and the fix, the other layers' results as usual;
+    on the autograd path, roots in pieces (``fisher="exact"``; a call the batch shares,
+    GPT-2's position embedding): an error naming the module and the fix; a bad
+    ``fisher``: ValueError."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
+    torch.manual_seed(2)
+    cnn = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    X, y = torch.randn(2, 2, 3, 3, dtype=DT), torch.tensor([0, 2])
+    with pytest.warns(UserWarning, match=r"no eigenvalue correction for Conv2d \(module '0'\).*use KFAC"):
+        run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
+    assert not hasattr(cnn[0].weight, "ekfac") and cnn[2].weight.ekfac[2].shape == (3, 12)
+    model, X, y = _lm("gpt2")
+    with pytest.raises(
+        NotImplementedError, match=r"all of a layer's roots at once.*use fisher='empirical'.*\(module '"
+    ):
+        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
+    with pytest.raises(
+        NotImplementedError,
+        match=r"position embeddings of \[1, T\] ids: freeze it\) \(module 'model\.transformer\.wpe'",
+    ):
+        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"))
+    with pytest.raises(ValueError, match="fisher must be one of"):
+        EKFAC("type-2")
+    assert repr(EKFAC()) == "EKFAC(fisher='mc', mc_samples=1)"
+    assert repr(EKFAC("empirical", kfac_approx="reduce")) == "EKFAC(fisher='empirical', kfac_approx='reduce')"
+
+
+def test_empirical_on_bert_equals_curvlinops():
+    """``fisher="empirical"`` on the BERT classifier (one loss term per sample: curvlinops'
+    EKFAC takes 2d outputs only): every Linear's ``Λ`` equals curvlinops'
+    ``EKFACLinearOperator(fisher_type="empirical")``'s, whose two passes over one batch
+    are jacmem's one (the embeddings frozen: curvlinops has no Embedding)."""
+    from curvlinops import EKFACLinearOperator
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
+    model, X, y = _lm("bert")
+    for m in model.modules():
+        if isinstance(m, nn.Embedding):
+            m.weight.requires_grad_(False)
+    params = [p for m in model.modules() if isinstance(m, nn.Linear) for p in m.parameters()]
+    op = EKFACLinearOperator(
+        model, nn.CrossEntropyLoss(), params, [(X, y)], fisher_type="empirical", check_deterministic=False
+    )
+    op.compute_eigenvalue_correction()
+    run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"))
+    assert len(op._corrected_eigenvalues) == 14
+    for name, ref in op._corrected_eigenvalues.items():
+        weight, bias = sorted(ref.values(), key=lambda t: -t.dim())
+        module = model.get_submodule(name)
+        torch.testing.assert_close(module.weight.ekfac[2], weight, msg=name)
+        torch.testing.assert_close(module.bias.ekfac[1], bias, atol=1e-12 * float(weight.abs().max()), rtol=1e-10)
