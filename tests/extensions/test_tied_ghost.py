@@ -183,3 +183,23 @@ def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
         cross_entropy(model(X), y, "mean").backward()
     assert chosen(ctx, tied) == "tied per-sample gradients"
     assert_grads(model, expected(grads, C), "materialised")
+
+
+@pytest.mark.parametrize("rows", ["dense", "indices"])
+def test_projections_of_a_summed_gradient_from_its_ghost_factors(rows):
+    """``uₖᵀ (Σ_n G_n) vₖ`` from one call's factors, and of a tensor of any shape seen as
+    ``[R, C]``, against the summed gradient formed whole (the clipping check's probes)."""
+    torch.manual_seed(0)
+    n, t, r_, c_ = 3, 5, 7, 4
+    r = torch.randn(n, t, r_, dtype=DT) if rows == "dense" else torch.randint(0, r_, (n, t))
+    c = torch.randn(n, t, c_, dtype=DT)
+    dense = r if rows == "dense" else nn.functional.one_hot(r, r_).to(DT)
+    whole = torch.einsum("ntr,ntc->rc", dense, c)
+    u, v = torch.randn(r_, 6, dtype=DT), torch.randn(c_, 6, dtype=DT)
+    want = torch.einsum("rk,rc,ck->k", u, whole, v)
+    torch.testing.assert_close(jacmem.derivatives.tied.factor_projections((r, c), u, v), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jacmem.derivatives.tied.projections(whole, u, v), want, rtol=1e-12, atol=1e-12)
+    conv = torch.randn(r_, 2, 2, dtype=DT)  # [R, C] = [7, 2·2]
+    torch.testing.assert_close(
+        jacmem.derivatives.tied.projections(conv, u, v), torch.einsum("rk,rc,ck->k", u, conv.flatten(1), v)
+    )
