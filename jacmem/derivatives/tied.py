@@ -122,7 +122,9 @@ def _rows(factors: list[tuple[Tensor, Tensor]], samples: slice, first: int, coun
 
 def add_clipped_sum(total: Tensor | None, f: tuple[Tensor, Tensor], c: Tensor, shape: tuple[int, int]) -> Tensor:
     """``total += Σ_n c_n G_n`` in place, from one call's ghost factors ``(r, c)`` and the
-    samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions with
+    samples' coefficients ``c [N]``: one product ``rᵀ c`` over the ``N·T`` positions (one
+    per sample where the positions of ``r`` or ``c`` do not flatten to a view: an LM
+    head's column-major output gradient ``[N, T, V]``, 1 s to copy at V=50257, N·T=1024) with
     the narrower factor scaled (:func:`~jacmem.derivatives.embedding.add_rows` where ``r`` holds row indices), so that
     nothing of the wider factor's size (an LM head's ``[N, T, V]`` output gradient) is
     copied. ``total`` ``[R, C]`` (``shape``), or None: the product is the new total (no
@@ -136,8 +138,10 @@ def add_clipped_sum(total: Tensor | None, f: tuple[Tensor, Tensor], c: Tensor, s
         r = r * coef
     else:
         cols = cols * coef
-    rows, cols = r.flatten(0, 1).T, cols.flatten(0, 1)
-    return torch.mm(rows, cols) if total is None else total.addmm_(rows, cols)
+    flat = all(t.shape[0] <= 1 or t.shape[1] <= 1 or t.stride(0) == t.shape[1] * t.stride(1) for t in (r, cols))
+    for rows, right in [(r.flatten(0, 1), cols.flatten(0, 1))] if flat else zip(r, cols):
+        total = torch.mm(rows.T, right) if total is None else total.addmm_(rows.T, right)
+    return total
 
 
 def projections(t: Tensor, u: Tensor, v: Tensor) -> Tensor:

@@ -203,3 +203,22 @@ def test_projections_of_a_summed_gradient_from_its_ghost_factors(rows):
     torch.testing.assert_close(
         jacmem.derivatives.tied.projections(conv, u, v), torch.einsum("rk,rc,ck->k", u, conv.flatten(1), v)
     )
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_clipped_sum_from_factors_whose_positions_do_not_flatten(layout):
+    """``Σ_n c_n G_n`` from one call's factors, where the wide factor is an LM head's
+    output gradient seen through a transpose (``[N, T, V]`` with ``T`` innermost: summed
+    one sample at a time, never copied), and added to a total, against the einsum."""
+    torch.manual_seed(0)
+    n, t, v, d = 3, 5, 9, 4
+    wide = torch.randn(n, t, v, dtype=DT) if layout == "row-major" else torch.randn(n, v, t, dtype=DT).transpose(1, 2)
+    narrow, c = torch.randn(n, t, d, dtype=DT), torch.rand(n, dtype=DT)
+    want = torch.einsum("n,ntv,ntd->vd", c, wide, narrow)
+    got = jacmem.derivatives.tied.add_clipped_sum(None, (wide, narrow), c, (v, d))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    start = torch.randn(v, d, dtype=DT)
+    got = jacmem.derivatives.tied.add_clipped_sum(start.clone(), (wide, narrow), c, (v, d))
+    torch.testing.assert_close(got, start + want, rtol=1e-12, atol=1e-12)
+    got = jacmem.derivatives.tied.add_clipped_sum(None, (narrow, wide), c, (d, v))
+    torch.testing.assert_close(got, want.T, rtol=1e-12, atol=1e-12)
