@@ -26,9 +26,9 @@ dropped once its term is added, and autograd's gradients once checked.
 
 autograd's own gradient never reaches ``.grad``: a call through
 :class:`jacmem.engine.hooks.ComputeOnce` returns none for its parameters, and every trainable
-parameter the block sees carries a hook that turns the gradient autograd would
-accumulate into zeros (so ``.grad`` keeps what it held; inside the block,
-``torch.autograd.grad`` w.r.t. a parameter gives zeros too). That hook also checks
+parameter the block sees carries hooks that keep autograd from accumulating its gradient
+(so ``.grad`` keeps what it held, and nothing of the parameter's size is written; inside
+the block, ``torch.autograd.grad`` w.r.t. a parameter gives zeros). That hook also checks
 autograd's gradient against the sum of the recorded calls' (those not through
 ComputeOnce): a parameter the loss reaches outside them raises, as its clipped gradient
 is unknown.
@@ -53,7 +53,7 @@ from torch import Tensor, nn
 from jacmem import compat
 from jacmem.derivatives import Cost, entries
 from jacmem.derivatives.quantities import squared_norms
-from jacmem.derivatives.tied import add_clipped_sum
+from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
 from jacmem.engine.cost_model import keep_budget
@@ -62,21 +62,22 @@ from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
 from jacmem.extensions.clipping import ClipGrad
 
+#: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
+#: tolerance passes unnoticed with probability below 1e-4, one of 100 times below 1e-15
+#: (bounds for a difference of rank one, the worst case; each of 16 products of two
+#: standard normals ``(ab)²`` must fall below ``16/10²``, probability 0.53, or ``16/100²``, 0.11)
+PROBES = 16
 
-def _distance(a: Tensor, b: Tensor, chunk_bytes: float) -> Tensor:
-    """``‖a - b‖`` (``b`` in ``a``'s dtype) over flat pieces of ``a``: no temporary of
-    ``a``'s size (a tied 50k-token embedding's ``[V, d]``, 154 MB in float32), only pieces
-    of ``chunk_bytes``, but of ``2**20`` entries at least (a tiny ``chunk_bytes`` would
-    make a Python loop over single entries) -> a scalar"""
-    step = max(int(chunk_bytes // a.element_size()), 2**20)
-    pieces = zip(a.reshape(-1).split(step), b.reshape(-1).split(step))
-    return torch.linalg.vector_norm(torch.stack([(x - y.to(x.dtype)).norm() for x, y in pieces]))
+
+def _nothing(grads: tuple) -> tuple:
+    """A gradient accumulator's pre-hook: no gradient, so it accumulates none."""
+    return (None,) * len(grads)
 
 
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
-    __slots__ = ("calls", "reached", "autograd", "recorded", "narrowest", "kept")
+    __slots__ = ("calls", "reached", "autograd", "recorded", "probes", "narrowest", "kept")
 
     def __init__(self):
         super().__init__()
@@ -86,9 +87,13 @@ class ClipStaging(Staging):
         self.reached: dict[int, str] = {}
         #: id(parameter) -> the gradient autograd computed for it (and did not accumulate)
         self.autograd: dict[int, Tensor] = {}
-        #: id(parameter) -> the unclipped sum of the recorded calls that autograd also
-        #: computed (not those through ComputeOnce): it must equal ``autograd``
+        #: id(parameter) -> the projections ``[PROBES]`` on its ``probes`` of the unclipped
+        #: sum of the recorded calls that autograd also computed (not those through
+        #: ComputeOnce): they must equal those of ``autograd``
         self.recorded: dict[int, Tensor] = {}
+        #: id(parameter) -> its random probes ``(u [R, PROBES], v [C, PROBES])``, see
+        #: :meth:`ClippingEngine._probes`
+        self.probes: dict[int, tuple[Tensor, Tensor]] = {}
         #: id(parameter) -> the narrowest dtype of its calls' output gradients
         self.narrowest: dict[int, torch.dtype] = {}
         #: bytes of the per-sample gradients staged so far beyond the ``x`` and ``g`` they let go
@@ -106,8 +111,13 @@ class ClippingEngine(FirstOrderEngine):
             raise ValueError(f"jacmem: one ClipGrad per block, not {len(extensions)}")
         super().__init__(extensions, setup)
         self.clip = extensions[0]
-        #: id(parameter) -> the handle of its hook (see :meth:`_intercept`)
-        self.guarded: dict[int, torch.utils.hooks.RemovableHandle] = {}
+        #: id(parameter) -> the handles of its two hooks (see :meth:`_guard`)
+        self.guarded: dict[int, tuple[torch.utils.hooks.RemovableHandle, ...]] = {}
+        #: the gradient accumulators (autograd's nodes) of the guarded parameters: a
+        #: parameter holds its own weakly, and a new one would come without the hook
+        self.accumulators: list = []
+        #: device -> the generator of :meth:`_probes`
+        self.generators: dict[torch.device, torch.Generator] = {}
         #: DDP modules whose gradient synchronisation the block turned off
         self.unsynced: list[nn.Module] = []
         #: the models called at depth 0 in the block, in order (per-layer thresholds)
@@ -133,8 +143,9 @@ class ClippingEngine(FirstOrderEngine):
         super().on_leave(module, outermost)
 
     def close(self) -> None:
-        hooks.remove(list(self.guarded.values()))
+        hooks.remove([handle for pair in self.guarded.values() for handle in pair])
         self.guarded.clear()
+        self.accumulators.clear()
         for module in self.unsynced:
             module.require_backward_grad_sync = True
         self.unsynced = []
@@ -147,21 +158,32 @@ class ClippingEngine(FirstOrderEngine):
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def _guard(self, named) -> None:
-        """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once."""
+        """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its
+        gradient hook (:meth:`_intercept`), and a pre-hook on its gradient accumulator
+        that hands it no gradient, so that autograd accumulates nothing into ``.grad``
+        (not even zeros: a tied 50k-token embedding's ``[V, d]`` would be filled, then
+        added to, in every step)."""
         for name, p in named:
             if p.requires_grad and id(p) not in self.guarded:
-                self.guarded[id(p)] = p.register_hook(functools.partial(self._intercept, id(p), name))
+                accumulator = torch.autograd.graph.get_gradient_edge(p).node
+                self.accumulators.append(accumulator)
+                self.guarded[id(p)] = (
+                    p.register_hook(functools.partial(self._intercept, id(p), name)),
+                    accumulator.register_prehook(_nothing),
+                )
 
     def _intercept(self, key: int, name: str, grad: Tensor | None) -> Tensor | None:
-        """autograd's gradient for a parameter, about to be accumulated into ``.grad``:
-        zeros instead (the clipped sum comes at the end of the pass), and a note that
-        the loss reached the parameter. None (a call through ComputeOnce) stays None, and
-        so does the gradient of a derivative's own recomputation (inside torch.func)."""
+        """autograd's gradient for a parameter, about to be accumulated into ``.grad``
+        (which the accumulator's pre-hook prevents: the clipped sum comes at the end of
+        the pass): a note that the loss reached the parameter, and zeros instead, for
+        ``torch.autograd.grad`` (a zero expanded to the gradient's shape, no memory of
+        it). None (a call through ComputeOnce) stays None, and so does the gradient of
+        a derivative's own recomputation (inside torch.func)."""
         if grad is None or compat.functorch_transforms_active():
             return None
         run = self.passes.state(self)
         run.reached[key], run.autograd[key] = name, grad
-        return torch.zeros_like(grad)
+        return grad.new_zeros(()).expand_as(grad)
 
     # -- backward ------------------------------------------------------------------
 
@@ -185,19 +207,44 @@ class ClippingEngine(FirstOrderEngine):
             staged = self._stage(run, rec, pname, param, n)
             kept = self._keep(staged, rec, pname, x, g, dtype)
             per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
+            factored = pname in rec.entry.ghost_factors
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
-                set() if rec.once else {"grad"}
+                set() if rec.once or factored else {"grad"}
             )
             values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
             if not rec.once:
-                grad, key = values.pop("grad"), id(param)
+                key, probes = id(param), self._probes(run, param)
                 dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype)
                 run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)
-                run.recorded[key] = grad + run.recorded[key] if key in run.recorded else grad
+                seen = (
+                    factor_projections(rec.entry.ghost_factors[pname](x, g, **rec.hp), *probes)
+                    if factored
+                    else projections(values.pop("grad"), *probes)
+                )
+                run.recorded[key] = seen + run.recorded[key] if key in run.recorded else seen
             staged.add(values)
             if not per_sample:
                 run.calls.setdefault(id(param), []).append((rec, pname, x, g))
         return {}
+
+    def _probes(self, run: ClipStaging, param: nn.Parameter) -> tuple[Tensor, Tensor]:
+        """The pass's random probes of a parameter, seen as a matrix ``[R, C]`` (its first
+        axis by the rest), for :meth:`_check_recorded`: ``u [R, PROBES]`` and
+        ``v [C, PROBES]``, standard normal, float64 for a float64 parameter and float32
+        otherwise, from the engine's own generator on the parameter's device (the user's
+        random state is left alone)."""
+        key = id(param)
+        if key not in run.probes:
+            rows = max(param.shape[0], 1) if param.dim() else 1
+            if param.device not in self.generators:
+                self.generators[param.device] = torch.Generator(param.device).manual_seed(0)
+            dtype = torch.float64 if param.dtype == torch.float64 else torch.float32
+            gen = self.generators[param.device]
+            run.probes[key] = tuple(
+                torch.randn(m, PROBES, dtype=dtype, device=param.device, generator=gen)
+                for m in (rows, param.numel() // rows)
+            )
+        return run.probes[key]
 
     def _per_sample(self, run: ClipStaging, rec: hooks.Record, pname: str, param: nn.Parameter, n: int, x, g) -> bool:
         """Whether the call stages its per-sample gradients ``[n, *param.shape]`` rather
@@ -244,8 +291,9 @@ class ClippingEngine(FirstOrderEngine):
         for s in staged.values():
             self._resolve_tied(s)
         self._check_recorded(run)
-        run.autograd.clear()  # checked: two gradients per parameter that the clipped sums need no more
+        run.autograd.clear()  # checked: autograd's gradients, which the clipped sums need no more
         run.recorded.clear()
+        run.probes.clear()
         self._check_unsynced(staged)
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
         scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
@@ -295,14 +343,24 @@ class ClippingEngine(FirstOrderEngine):
     def _check_recorded(self, run: ClipStaging) -> None:
         """Raise where autograd's gradient of a parameter is not the sum of its recorded
         calls' (of those that autograd computed): a use outside them reached the loss,
-        and its per-sample gradients are unknown. Tolerance: ``sqrt(eps)`` of the norm,
+        and its per-sample gradients are unknown. Neither sum is formed: the norm of their
+        difference ``D`` is estimated from ``PROBES`` random projections ``uₖᵀ D vₖ``
+        (``E (uᵀ D v)² = ‖D‖²`` for standard normal ``u``, ``v``), the recorded calls'
+        taken from their ghost factors where their layers give them
+        (:func:`~jacmem.derivatives.tied.factor_projections`: a tied 50k-token embedding's
+        ``[V, d]`` is read once, in autograd's gradient, and never written). Tolerance:
+        ``sqrt(eps)`` of the norm,
         ``eps`` that of the narrowest dtype the calls ran in (the sums add in different
         orders; under autocast, autograd's in bfloat16): 1.5e-8 for float64, 3.5e-4 for
         float32, 0.09 for bfloat16. Checked on the device (the host reads nothing): on
         CUDA, a failure is a device-side assertion."""
         for key, grad in run.autograd.items():
             recorded = run.recorded.get(key)
-            diff = grad.norm() if recorded is None else _distance(grad, recorded, self.chunk_bytes)
+            diff = (
+                grad.norm()
+                if recorded is None
+                else (projections(grad, *run.probes[key]) - recorded).square().mean().sqrt()
+            )
             eps = max(torch.finfo(dtype).eps for dtype in (grad.dtype, run.narrowest.get(key, grad.dtype)))
             tol = eps**0.5 * grad.norm().clamp(min=1e-30)
             compat.assert_on_device(
@@ -358,9 +416,8 @@ class ClippingEngine(FirstOrderEngine):
             rec, pname, x, g = calls.pop(0)
             with precision.computing(precision.device_of(g)):
                 if pname in rec.entry.ghost_factors:
-                    if total is None:
-                        total = staged.param.new_zeros(staged.param.shape, dtype=dtype)
-                    add_clipped_sum(total, rec.entry.ghost_factors[pname](x, g, **rec.hp), c)
+                    factors = rec.entry.ghost_factors[pname](x, g, **rec.hp)
+                    total = add_clipped_sum(total, factors, c, staged.param.shape)
                     continue
                 scaled = compat.tree_map(
                     lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g

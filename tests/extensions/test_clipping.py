@@ -324,15 +324,41 @@ def test_a_parameter_used_outside_every_recorded_call_is_refused():
     assert no_hooks(model)
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
-def test_the_check_of_recorded_sums_compares_piece_by_piece(dtype):
-    """autograd's gradient against the recorded sum (in another dtype, too), over 3 pieces
-    of 2**20 entries (the least a piece holds) without a temporary of the whole: the norm
-    of the difference."""
-    a = torch.randn(1500, 1500, dtype=DT)
-    b = (a + 1e-3 * torch.randn_like(a)).to(dtype)
-    got = jacmem.engine.clipping._distance(a, b, chunk_bytes=1)
-    torch.testing.assert_close(got, (a - b.to(DT)).norm(), rtol=1e-12, atol=0)
+def tied_embedding():
+    """An embedding tied to its Linear head, token ids [N, 3] -> logits [N, 11, 3]."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(11, 4), nn.Linear(4, 11)).to(DT)
+    model[1].weight = model[0].weight
+    return model, torch.randint(0, 11, (N, 3)), torch.randint(0, 11, (N, 3))
+
+
+def test_a_use_of_one_embedding_row_outside_every_recorded_call_is_refused():
+    """A difference of rank one (the worst case for the check's random projections):
+    one row of a tied embedding read by the loss, 1e-2 of the gradient's size."""
+    model, X, y = tied_embedding()
+    for row in range(11):
+        with pytest.raises(RuntimeError, match=r"reaches parameter .* outside every module call"):
+            with jacmem.extend(jacmem.ClipGrad(1.0)):
+                (F.cross_entropy(model(X).transpose(1, 2), y) + 1e-2 * model[0].weight[row].sum()).backward()
+    assert model[0].weight.grad is None
+    assert no_hooks(model)
+
+
+def test_autograd_grad_gives_zeros_and_accumulates_again_after_the_block():
+    """Inside the block, ``torch.autograd.grad`` w.r.t. a parameter that a call autograd
+    differentiates reads (the embedding's) gives zeros; after the block, the hook on the
+    gradient accumulator is gone and autograd accumulates again."""
+    model, X, y = tied_embedding()
+    weight = model[0].weight
+    with jacmem.extend(jacmem.ClipGrad(1.0)):
+        loss = F.cross_entropy(model(X).transpose(1, 2), y)
+        (got,) = torch.autograd.grad(loss, weight)
+    assert not got.any()
+    assert no_hooks(model)
+    model.zero_grad(set_to_none=True)
+    F.cross_entropy(model(X).transpose(1, 2), y).backward()
+    (want,) = torch.autograd.grad(F.cross_entropy(model(X).transpose(1, 2), y), weight)
+    torch.testing.assert_close(weight.grad, want, rtol=0, atol=0)
 
 
 def test_clipgrad_runs_alone_in_its_block():

@@ -183,3 +183,42 @@ def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
         cross_entropy(model(X), y, "mean").backward()
     assert chosen(ctx, tied) == "tied per-sample gradients"
     assert_grads(model, expected(grads, C), "materialised")
+
+
+@pytest.mark.parametrize("rows", ["dense", "indices"])
+def test_projections_of_a_summed_gradient_from_its_ghost_factors(rows):
+    """``uₖᵀ (Σ_n G_n) vₖ`` from one call's factors, and of a tensor of any shape seen as
+    ``[R, C]``, against the summed gradient formed whole (the clipping check's probes)."""
+    torch.manual_seed(0)
+    n, t, r_, c_ = 3, 5, 7, 4
+    r = torch.randn(n, t, r_, dtype=DT) if rows == "dense" else torch.randint(0, r_, (n, t))
+    c = torch.randn(n, t, c_, dtype=DT)
+    dense = r if rows == "dense" else nn.functional.one_hot(r, r_).to(DT)
+    whole = torch.einsum("ntr,ntc->rc", dense, c)
+    u, v = torch.randn(r_, 6, dtype=DT), torch.randn(c_, 6, dtype=DT)
+    want = torch.einsum("rk,rc,ck->k", u, whole, v)
+    torch.testing.assert_close(jacmem.derivatives.tied.factor_projections((r, c), u, v), want, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(jacmem.derivatives.tied.projections(whole, u, v), want, rtol=1e-12, atol=1e-12)
+    conv = torch.randn(r_, 2, 2, dtype=DT)  # [R, C] = [7, 2·2]
+    torch.testing.assert_close(
+        jacmem.derivatives.tied.projections(conv, u, v), torch.einsum("rk,rc,ck->k", u, conv.flatten(1), v)
+    )
+
+
+@pytest.mark.parametrize("layout", ["row-major", "column-major"])
+def test_clipped_sum_from_factors_whose_positions_do_not_flatten(layout):
+    """``Σ_n c_n G_n`` from one call's factors, where the wide factor is an LM head's
+    output gradient seen through a transpose (``[N, T, V]`` with ``T`` innermost: summed
+    one sample at a time, never copied), and added to a total, against the einsum."""
+    torch.manual_seed(0)
+    n, t, v, d = 3, 5, 9, 4
+    wide = torch.randn(n, t, v, dtype=DT) if layout == "row-major" else torch.randn(n, v, t, dtype=DT).transpose(1, 2)
+    narrow, c = torch.randn(n, t, d, dtype=DT), torch.rand(n, dtype=DT)
+    want = torch.einsum("n,ntv,ntd->vd", c, wide, narrow)
+    got = jacmem.derivatives.tied.add_clipped_sum(None, (wide, narrow), c, (v, d))
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    start = torch.randn(v, d, dtype=DT)
+    got = jacmem.derivatives.tied.add_clipped_sum(start.clone(), (wide, narrow), c, (v, d))
+    torch.testing.assert_close(got, start + want, rtol=1e-12, atol=1e-12)
+    got = jacmem.derivatives.tied.add_clipped_sum(None, (narrow, wide), c, (d, v))
+    torch.testing.assert_close(got, want.T, rtol=1e-12, atol=1e-12)
