@@ -233,3 +233,21 @@ def test_second_order_is_exact_on_a_compiled_model():
         for name, ref in diagonals(model, M).items():
             got = getattr(model.get_parameter(name), field)
             torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-7, msg=f"{field} of {name}")
+
+
+def test_code_compiled_before_the_hooks_raises_naming_the_fix():
+    """A compiled model's first forward outside any block: torch.compile built its code
+    without jacmem's hooks and reuses it inside the block, where nothing would be
+    recorded; the block raises at the end of that forward, and the fix works."""
+    model, X, y = cnn()
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    compiled = torch.compile(model, backend="aot_eager")
+    cross_entropy(compiled(X), y, "mean").backward()
+    with pytest.raises(RuntimeError, match=r"\(Sequential\).*torch\.compile.*torch\.compiler\.reset\(\)"):
+        with jacmem.extend(jacmem.BatchGrad()):
+            compiled(X)
+    torch.compiler.reset()
+    clear(model)
+    with jacmem.extend(jacmem.BatchGrad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    check_against(model, reference, ["grad_batch"], "[after reset]")
