@@ -10,8 +10,7 @@ step after one warm-up, the ``aot_eager`` backend (no C++ build), written to
 ``out/compile-quick.md`` only; it checks the harness.
 
 Models: the seed CNN (an ``nn.Sequential``, [N, 1, 28, 28]) and a small HF GPT-2 LM
-(random init, tied embeddings), given ``position_ids`` with the batch axis (jacmem
-follows the broadcast of default ``[1, T]`` position ids in eager forwards only).
+(random init, tied embeddings), with default ``[1, T]`` position ids.
 """
 
 from __future__ import annotations
@@ -64,8 +63,7 @@ def build(model: str, quick: bool):
             self.lm = lm
 
         def forward(self, ids):
-            positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
-            return self.lm(ids, position_ids=positions).logits.transpose(1, 2)
+            return self.lm(ids).logits.transpose(1, 2)
 
     return Logits(), torch.randint(0, vocab, (n, tokens)), torch.randint(0, vocab, (n, tokens))
 

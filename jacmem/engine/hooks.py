@@ -13,6 +13,7 @@ take them off (and so free the records) when it is done.
 from __future__ import annotations
 
 import functools
+import itertools
 import threading
 import weakref
 from collections import Counter, OrderedDict
@@ -71,6 +72,8 @@ def eager(hook: Callable) -> Callable:
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
+            if args and compat.is_compiled_module(args[0]):
+                _TRACED_BATCH["n"] = 1  # a compiled model's wrapper begins or ends a forward
             return _run(hook, False, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
@@ -79,11 +82,37 @@ def eager(hook: Callable) -> Callable:
             return _run(hook, True, args, kwargs)
         if not output.requires_grad:
             return None
+        margs, output = _spread(margs, output)
         token = torch.ops.jacmem.tap(_slot(hook, module), list(margs), output)
         return Tap.apply(output, token)
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
     return functools.wraps(hook)(traced)
+
+
+#: while torch.compile traces a frame: the batch size of the latest call recorded in it on
+#: more than one sample (a trace-time value: torch.compile keeps it as a constant)
+_TRACED_BATCH: dict[str, Any] = {"n": 1}
+
+
+def _spread(args: tuple, output: Tensor) -> tuple[tuple, Tensor]:
+    """As torch.compile traces a recorded call: ``(args, output)``, where the call is an
+    embedding of ``[1, T]`` ids (default position ids) after a call on a batch of ``N > 1``
+    in the same frame, with the ids and the output expanded to ``N``. The output, which
+    the model broadcasts over the batch, then meets it with the same numbers; its
+    gradient arrives per sample, and the call is recorded as one on ``N`` samples. (An
+    eager forward follows the broadcast op by op: :mod:`jacmem.engine.broadcast`; a
+    compiled graph takes plain tensors only.) Other calls are left as they are."""
+    if output.dim() and output.shape[0] > 1:
+        _TRACED_BATCH["n"] = output.shape[0]
+        return args, output
+    n = _TRACED_BATCH["n"]
+    ids = args[0] if len(args) == 1 else None
+    if n == 1 or output.dim() < 2 or output.shape[0] != 1 or ids is None or ids.dim() < 1 or ids.shape[0] != 1:
+        return args, output
+    if ids.is_floating_point() or ids.is_complex():
+        return args, output
+    return (ids.expand(n, *ids.shape[1:]),), output.expand(n, *output.shape[1:])
 
 
 def _has_trainable(module: nn.Module) -> bool:
@@ -99,8 +128,11 @@ def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
         _COMPILED.pop()
 
 
-#: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`)
+#: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`),
+#: until the module is freed
 _SLOTS: dict[int, tuple[Callable, weakref.ref]] = {}
+#: the slots' numbers, never reused (a graph keeps its slots as constants)
+_NUMBERS = itertools.count()
 #: module -> forward hook -> its slot
 _SLOT_OF: weakref.WeakKeyDictionary[nn.Module, dict[Callable, int]] = weakref.WeakKeyDictionary()
 #: id -> the output-gradient hook of a record made in a compiled graph, until its graph
@@ -116,8 +148,9 @@ def _slot(hook: Callable, module: nn.Module) -> int:
     traces the call, and a constant of the graph."""
     slots = _SLOT_OF.setdefault(module, {})
     if hook not in slots:
-        slots[hook] = len(_SLOTS)
+        slots[hook] = next(_NUMBERS)
         _SLOTS[slots[hook]] = (hook, weakref.ref(module))
+        weakref.finalize(module, _SLOTS.pop, slots[hook], None)  # (its entry in _SLOT_OF goes by itself)
     return slots[hook]
 
 

@@ -79,6 +79,10 @@ class Recorder:
         #: the module a compiled model's wrapper runs: its own hooks run eagerly, around
         #: its compiled forward
         self.compiled_root: nn.Module | None = None
+        #: the number of calls recorded so far; where a compiled model's forward began
+        #: (:meth:`leave` checks that its compiled code recorded any)
+        self.made = 0
+        self.compiled_start: int | None = None
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
@@ -88,7 +92,7 @@ class Recorder:
         BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled()
         if compat.is_compiled_module(module):
-            self.compiled_root = module._orig_mod
+            self.compiled_root, self.compiled_start = module._orig_mod, self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
@@ -116,6 +120,10 @@ class Recorder:
         state = self.direct.get(module)
         if state is not None:
             state[0]()
+        if compat.is_compiled_module(module) and self.compiled_start is not None:
+            start, self.compiled_start = self.compiled_start, None
+            if self.made == start and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
+                raise RuntimeError(_STALE_COMPILED.format(type=type(module._orig_mod).__name__))
         if outermost:
             self.batch, self.first, self.compiled = 1, None, False
 
@@ -145,6 +153,7 @@ class Recorder:
         )
         if rec is None:
             return None
+        self.made += 1
         if self.compiled and not hooks.compiled() and module is not self.compiled_root:
             self.eager[name] = type(module).__name__
         self.records.add(rec)
@@ -205,6 +214,14 @@ _COMPILED_BROADCAST = (
     "may be broadcast over the batch, which jacmem follows in eager forwards only (a watched view, which a "
     "compiled graph cannot take). Give its input the batch axis (e.g. position_ids=torch.arange(T).expand(N, -1)), "
     "freeze its parameters, or run the model without torch.compile."
+)
+
+
+_STALE_COMPILED = (
+    "jacmem: the compiled model ({type}) ran code that torch.compile built before jacmem's hooks were set (its "
+    "first forward ran outside jacmem.extend and jacmem.track): none of its calls was recorded, so no extension "
+    "would get anything. Run its first compiled forward inside the block (or after jacmem.track(model)), or call "
+    "torch.compiler.reset() before the block."
 )
 
 
