@@ -71,11 +71,13 @@ def _lora(name: str, attention: str, n: int | None = None, t: int | None = None)
     return hf, ids, y
 
 
-def _run(hf, ids, y, head: str, *exts) -> None:
+def _run(hf, ids, y, head: str, *exts) -> str:
+    """One backward with ``exts``; what ``explain()`` says after it."""
     hf.zero_grad()
-    with jacmem.extend(*exts):
+    with jacmem.extend(*exts) as ctx:
         loss = F.cross_entropy(Answer(hf)(ids), y) if head == "answer" else hf(input_ids=ids, labels=ids).loss
         loss.backward()
+    return ctx.explain()
 
 
 def _exact(hf, ids, y, head: str) -> Tensor:
@@ -181,3 +183,26 @@ def test_kflr_on_the_adapters_equals_curvlinops(name):
         G, A = module.weight.kflr
         torch.testing.assert_close(G, op._gradient_covariances[name], rtol=rtol, atol=rtol * 1e-3, msg=name)
         torch.testing.assert_close(A, op._input_covariances[name], rtol=rtol, atol=rtol * 1e-3, msg=name)
+
+
+def test_explain_names_the_split_and_the_exact_kinds_refuse_out_of_reach(monkeypatch):
+    """``explain()`` says where the GGN split (the loss's input) and whether the exact
+    kinds' loss Hessian there is in reach; where it is not (the limit lowered here in
+    place of a real vocabulary: tests/integration/test_lm_curvature.py has GPT-2's), the
+    exact kinds refuse before any work, naming the Monte-Carlo kinds, and explain() says
+    so after a Monte-Carlo backward."""
+    from jacmem.engine.secondorder import autograd_path
+
+    hf, ids, y = _lora("llama", "sdpa")
+    said = _run(hf, ids, y, "lm", DiagGGNExact())
+    assert "the GGN splits at the input of loss" in said and f"{ids.shape[1] * 23} outputs per sample" in said, said
+    assert "is in reach" in said and "Monte-Carlo kinds sample" not in said, said
+    for p in hf.parameters():
+        if p.requires_grad:
+            del p.diag_ggn_exact
+    monkeypatch.setattr(autograd_path, "_EXACT_BYTES", 1000)
+    with pytest.raises(RuntimeError, match=r"out of reach: use the Monte-Carlo kinds \(DiagGGNMC, KFAC"):
+        _run(hf, ids, y, "lm", DiagGGNExact())
+    assert all(not hasattr(p, "diag_ggn_exact") for p in hf.parameters())
+    said = _run(hf, ids, y, "lm", DiagGGNMC(mc_samples=2))
+    assert "out of reach: the exact kinds" in said and "sample the loss's labels" in said, said

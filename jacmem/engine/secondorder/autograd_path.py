@@ -83,6 +83,8 @@ class AutogradPath:
         self.busy = False
         #: the path's own products are running
         self.running = False
+        #: :meth:`jacmem.engine.block.Block.explain`'s line on the last split (:func:`_note`)
+        self.notes: list[str] = []
         self.handles = hooks.Handles()
 
     def close(self) -> None:
@@ -152,6 +154,7 @@ class AutogradPath:
                 split = _split(root, records, losses)
                 kinds = self.engine.kinds
                 sampler = self._sampler(root, split, losses)
+                self.notes = [_note(split, sampler, any(k.startswith("mc") for k in kinds))]
                 if "exact" in kinds or (sampler is None and any(k.startswith("mc") for k in kinds)):
                     L, g_z = self._loss_factor(root, g_root, split)
                 else:
@@ -454,7 +457,7 @@ _EXACT_BYTES = 2**32
 def _check_cost(where: str, n: int, d: int, kinds) -> None:
     """Raise, before any work, where the loss Hessian at ``z`` (``where``: ``D``
     backward columns per sample, ``N·D²`` entries) is out of reach."""
-    size = n * d * d * 4  # float32 at least
+    size = _hessian_bytes(n, d)
     if size <= _EXACT_BYTES:
         return
     fix = (
@@ -468,6 +471,35 @@ def _check_cost(where: str, n: int, d: int, kinds) -> None:
     raise RuntimeError(
         f"jacmem: the curvature at {where}, where the GGN splits, needs the loss Hessian there whole: {d} backward "
         f"columns per sample and {n}x{d}x{d} entries (at least {size / 2**30:.0f} GiB), out of reach: {fix}"
+    )
+
+
+def _hessian_bytes(n: int, d: int) -> int:
+    """The bytes of the loss Hessian ``[N, D, D]`` at ``z``, in float32 at least."""
+    return n * d * d * 4
+
+
+def _note(split: Split, sampler, mc: bool) -> str:
+    """What the path chose for :meth:`jacmem.engine.block.Block.explain`: where the GGN
+    splits, whether the exact kinds' loss Hessian there is in reach, and (``mc``: the
+    block has Monte-Carlo kinds) what they sample (``sampler``: :meth:`AutogradPath._sampler`)."""
+    n, d = split.shape[0], prod(split.shape[1:])
+    size = _hessian_bytes(n, d)
+    reach = (
+        "in reach"
+        if size <= _EXACT_BYTES
+        else "out of reach: the exact kinds (DiagGGNExact, KFLR, SqrtGGNExact, BatchDiagGGNExact) refuse, use "
+        "the Monte-Carlo kinds (DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC)"
+    )
+    drawn = (
+        "the loss's labels, one backward column per Monte-Carlo sample"
+        if sampler is not None
+        else "the loss Hessian's factor"
+    )
+    return (
+        f"curvature by the autograd path: the GGN splits at {split.where}, {d} outputs per sample; the exact "
+        f"kinds' loss Hessian there ({n}x{d}x{d}, {d} backward columns) is {reach}"
+        + (f"; the Monte-Carlo kinds sample {drawn}" if mc else "")
     )
 
 
