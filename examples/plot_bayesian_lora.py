@@ -11,23 +11,22 @@ layers, d=64, vocabulary 32000, random weights: nothing is downloaded) with PEFT
 adapters on ``q_proj`` and ``v_proj``. The task is multiple choice: each prompt holds one
 of ``K`` marker tokens among random filler tokens, and the answer is the next token,
 one of ``K`` answer tokens, that names the marker. The model's answer is its last
-position's logits over the answer tokens, ``[N, K]``. laplace-torch fits the Laplace
-with ``backend=jacmem.laplace.JacmemGGN`` (jacmem's ``KFLR``), tunes the prior precision
-by the marginal likelihood, and predicts (GLM, probit) on held-out prompts in
-distribution, and out of distribution: prompts with no marker at all, where no answer
-is right and a calibrated model says so.
+position's logits over the answer tokens, ``[N, K]`` (the frozen LM head's output at the
+answer tokens). Only the adapters train: the base model and its head stay frozen, as in
+the paper. laplace-torch fits the Laplace over the adapters with
+``backend=jacmem.laplace.JacmemGGN`` (jacmem's ``KFLR``), tunes the prior precision by
+the marginal likelihood, and predicts (GLM, probit) on held-out prompts in distribution,
+and out of distribution: prompts with no marker at all, where no answer is right and a
+calibrated model says so.
 
-As in the paper, the output layer is adapted too: jacmem's curvature of an LLaMA runs
-through autograd (rotary embeddings and attention are functions, not modules), and
-splits the GGN at the output of the last module with trainable parameters, so the
-head must be that module. With a frozen head jacmem takes the last adapter's output
-for the model's and refuses: a ``ChainError`` (the loss is not convex there) under
-eager attention, torch's own error under the default SDPA attention (no double
-backward of its CPU kernel). The head here is the LM head's rows of the answer tokens (the same logits as
-slicing the full head's output, without its 32000 columns), trained whole
-(PEFT's ``modules_to_save``). The script checks jacmem's Kronecker factors against
-laplace's curvlinops backend on one batch, and that the Laplace is less confident than
-MAP where no answer is right.
+jacmem's curvature of an LLaMA runs through autograd (rotary embeddings and attention
+are functions, not modules). It splits the GGN at the loss's input, the ``[N, K]``
+answer logits: the frozen attention, MLP, norms and head between the last adapter and
+the loss are part of the Jacobian, which jacmem crosses by vector-Jacobian products only
+(SDPA, HF's default attention, has no double backward on the CPU, and needs none), and
+the loss Hessian is the cross-entropy's over ``K`` classes. The script checks jacmem's
+Kronecker factors against laplace's curvlinops backend on one batch, and that the
+Laplace is less confident than MAP where no answer is right.
 
 Run: ``python examples/plot_bayesian_lora.py``; ``JACMEM_QUICK=1`` (as the docs build
 runs it) for fewer prompts and training steps. It prints a table and saves
@@ -81,24 +80,18 @@ class AnswerLogits(nn.Module):
         self.model = model
 
     def forward(self, ids: Tensor) -> Tensor:
-        return self.model(input_ids=ids, logits_to_keep=1).logits[:, -1]
+        return self.model(input_ids=ids, logits_to_keep=1).logits[:, -1, ANSWERS]
 
 
 def lora_llama() -> AnswerLogits:
-    """A random tiny LLaMA whose head is the answer tokens' rows of its LM head, with
-    LoRA (rank 4) on ``q_proj``, ``v_proj`` and the head trainable; the rest frozen."""
+    """A random tiny LLaMA with LoRA (rank 4) on ``q_proj`` and ``v_proj``, the only
+    trainable parameters: the base and its LM head frozen."""
     config = transformers.LlamaConfig(
         num_hidden_layers=2, hidden_size=64, num_attention_heads=4, num_key_value_heads=4, intermediate_size=128,
         vocab_size=VOCAB, max_position_embeddings=T, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
-    llama = transformers.LlamaForCausalLM(config)
-    head = nn.Linear(64, K, bias=False)
-    head.weight.data = llama.lm_head.weight.data[ANSWERS].clone()
-    llama.lm_head = head
-    lora = peft.LoraConfig(
-        r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], modules_to_save=["lm_head"]
-    )
-    return AnswerLogits(peft.get_peft_model(llama, lora))
+    lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+    return AnswerLogits(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora))
 
 
 def train(model: AnswerLogits, X: Tensor, y: Tensor, generator: torch.Generator) -> AnswerLogits:
@@ -139,7 +132,7 @@ def scores(probs: Tensor, y: Tensor | None) -> dict[str, float]:
 
 
 # %%
-# MAP: fine-tune the adapters and the head. The marker's token reaches the last position
+# MAP: fine-tune the adapters. The marker's token reaches the last position
 # only through attention, whose queries and values the adapters change.
 
 torch.manual_seed(0)
@@ -154,8 +147,8 @@ train(model, X, y, data)
 # %%
 # The curvature. jacmem's Kronecker factors of the adapters first, against laplace's
 # curvlinops backend on one batch; then laplace fits the Laplace over all trainable
-# parameters (the adapters and the head) with jacmem's backend, and tunes the prior
-# precision by the marginal likelihood.
+# parameters (the adapters alone) with jacmem's backend, and tunes the prior precision
+# by the marginal likelihood.
 
 worst = check_factors(model, X[:16], y[:16])
 print(f"Kronecker factors on one batch: jacmem's equal curvlinops' within {worst:.1e} (relative)")

@@ -45,10 +45,12 @@ class Engine:
     - ``close()``: the block ends; drop every hook and everything kept.
 
     ``handles``: the hooks it holds on tensors and autograd nodes (those of freed graphs
-    are dropped now and then, see :class:`jacmem.engine.hooks.Handles`).
+    are dropped now and then, see :class:`jacmem.engine.hooks.Handles`). ``notes``: lines
+    for :meth:`jacmem.engine.block.Block.explain`, on choices no strategy decision holds.
     """
 
     handles: list = []
+    notes: list[str] = []
 
     def on_enter(self, module) -> None:
         pass

@@ -93,6 +93,8 @@ class Block:
         #: name -> type of the modules of a compiled model that ran eagerly, from the
         #: engines' recorders (:mod:`jacmem.engine.recorder`), kept past close for explain()
         self.eager: dict[str, str] = {}
+        #: the engines' notes (:attr:`jacmem.engine.base.Engine.notes`), kept past close for explain()
+        self.notes: list[str] = []
         #: the thread that opened the block (None while closed)
         self.owner: int | None = None
         self.ended = 0
@@ -124,7 +126,7 @@ class Block:
             self.batch_first,
             self.shardings,
         )
-        self.eager = {}
+        self.eager, self.notes = {}, []
         try:
             self.engines = [cls(exts, setup) for cls, exts in self.kinds]
         except BaseException:
@@ -140,6 +142,7 @@ class Block:
                 if recorder.owner(model) is self:
                     recorder.untrack(model, owner=self)
             self._eager()
+            self.notes = self._notes()
             for engine in self.engines:
                 engine.close()
             self.passes.close()
@@ -169,10 +172,15 @@ class Block:
 
     def explain(self) -> str:
         """What each layer's quantities were computed with, and why; first, the modules of a
-        compiled model that ran eagerly (:mod:`jacmem.engine.recorder`)."""
+        compiled model that ran eagerly (:mod:`jacmem.engine.recorder`), then the engines'
+        notes (where the autograd path splits the GGN)."""
         eager = self._eager().items()
         lines = [f"{n} ({t}) ran eagerly in a compiled forward: torch.compile traced no call of it" for n, t in eager]
-        return "\n".join([*lines, self.plan.explain()])
+        return "\n".join([*lines, *self._notes(), self.plan.explain()])
+
+    def _notes(self) -> list[str]:
+        """:attr:`notes`, from the engines while the block is open."""
+        return [line for engine in self.engines for line in engine.notes] if self.engines else self.notes
 
     def _eager(self) -> dict[str, str]:
         """:attr:`eager`, with what the engines' recorders saw so far."""

@@ -3,19 +3,29 @@ Jacobian (functional ops, attention, residual streams written any way).
 
 It runs instead of the module chain for a backward whose chain is broken (a tracked
 module's input made by an untracked op, or no loss module), for the GGN kinds
-(``exact``, ``mc<M>``), first in that backward, from a hook on the root's node. With
-``z [N, *]`` the output of the last tracked module with parameters, the GGN is
-``Σ_n J_nᵀ H_n J_n``:
+(``exact``, ``mc<M>``), first in that backward, from a hook on the root's node. The GGN
+is ``Σ_n J_nᵀ H_n J_n``, split at ``z [N, *]``:
 
-* ``mc<M>``, where the root is one registered loss (cross-entropy, also HF's shifted LM
-  loss with ``ignore_index``; MSE; BCE) times a factor, on ``z`` through linear links
-  (casts, reshapes, slices): the loss's own sampled factor ``[M, N, *x]`` (gradients at
-  labels drawn from the model's predictive, as BackPACK and curvlinops' MC Fisher),
-  carried back to ``z``: ``M`` columns at any ``D``, nothing of size ``D × D``;
-* otherwise ``H_n [D, D]`` (``D = |z_n|``) from ``D`` Hessian-vector products of the
-  loss, batched over probes; its factor ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh``
-  (``S_n ε / √M``, ``ε [K, M]`` standard normal, for ``mc<M>``), refused before any
-  work where ``N·D²`` is out of reach;
+* where the root is one registered loss (cross-entropy, also HF's shifted LM loss with
+  ``ignore_index``; MSE; BCE) times a factor, ``z`` is that loss's input (the logits),
+  batch axis first: ``J`` runs from the parameters to the logits through everything in
+  between, frozen modules and curved operations included (a frozen head and the frozen
+  attention above a LoRA adapter), which the columns cross by VJPs only (no double
+  backward through attention: only the loss's own Hessian needs one, at the logits);
+* otherwise ``z`` is the output of the last tracked module with parameters.
+
+Each kind's factor at ``z``:
+
+* ``mc<M>``, where the root is one registered loss times a factor, on ``z`` (or on ``z``
+  through linear links: casts, reshapes, slices): the loss's own sampled factor
+  ``[M, N, *x]`` (gradients at labels drawn from the model's predictive, as BackPACK and
+  curvlinops' MC Fisher), carried back to ``z``: ``M`` columns at any ``D``, nothing of
+  size ``D × D``;
+* otherwise ``H_n [D, D]`` (``D = |z_n|``, ``T·V`` for a language model's logits) from
+  ``D`` Hessian-vector products of the loss, batched over probes; its factor
+  ``S_n = U_n Λ_n^½ [D, K]`` by ``eigh`` (``S_n ε / √M``, ``ε [K, M]`` standard normal,
+  for ``mc<M>``), refused before any work where ``N·D²`` is out of reach, naming the
+  Monte-Carlo kinds;
 * ``empirical`` (the empirical Fisher's root, no Hessian): the loss's own root at its
   input (:class:`jacmem.derivatives.LossHessian`), times the square root of the loss's
   weight in the backward, brought to ``z`` by one VJP; one loss call only;
@@ -32,6 +42,7 @@ The whole account is in the guide's "Second order: the math" (docs/guide/curvatu
 from __future__ import annotations
 
 from math import prod, sqrt
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -72,6 +83,8 @@ class AutogradPath:
         self.busy = False
         #: the path's own products are running
         self.running = False
+        #: :meth:`jacmem.engine.block.Block.explain`'s line on the last split (:func:`_note`)
+        self.notes: list[str] = []
         self.handles = hooks.Handles()
 
     def close(self) -> None:
@@ -88,7 +101,7 @@ class AutogradPath:
         """A call the engine kept (``x``: a loss's input): a loss, or a module whose
         parameters the path serves."""
         if node.loss is not None:
-            edge = get_gradient_edge(x) if x is not None and "empirical" in self.engine.kinds else None
+            edge = get_gradient_edge(x) if x is not None and x.requires_grad else None
             self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
             return
@@ -138,46 +151,51 @@ class AutogradPath:
         self.busy = self.running = True
         try:
             with torch.enable_grad(), precision.computing(g_root.device):
-                z_node, z = records[-1]
+                split = _split(root, records, losses)
                 kinds = self.engine.kinds
-                sampler = self._sampler(root, z_node, losses)
+                sampler = self._sampler(root, split, losses)
+                self.notes = [_note(split, sampler, any(k.startswith("mc") for k in kinds))]
                 if "exact" in kinds or (sampler is None and any(k.startswith("mc") for k in kinds)):
-                    L, g_z = self._loss_factor(root, g_root, z_node, z)
+                    L, g_z = self._loss_factor(root, g_root, split)
                 else:
-                    L, g_z = None, self._gradient(root, g_root, z_node, z, create_graph=False)
-                empirical = self._empirical(root, g_root, z, losses) if "empirical" in kinds else None
-                factors = self._factors(L, z_node.out_shape, sampler, root, g_root, empirical)
-                run.autograd = self._push(run, factors, g_z, z_node, z, records)
+                    L, g_z = None, self._gradient(root, g_root, split, create_graph=False)
+                empirical = self._empirical(root, g_root, split, losses) if "empirical" in kinds else None
+                factors = self._factors(L, split.shape, sampler, root, g_root, empirical)
+                run.autograd = self._push(run, factors, g_z, split, records)
         finally:
             self.busy = self.running = False
 
-    def _gradient(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge, create_graph: bool) -> Tensor:
+    def _gradient(self, root: GradientEdge, g_root: Tensor, split: Split, create_graph: bool) -> Tensor:
         """``∂L/∂z`` (with its graph where ``create_graph``, for the Hessian)."""
         (g_z,) = torch.autograd.grad(
-            [root], [z], [g_root], create_graph=create_graph, retain_graph=True, allow_unused=True
+            [root], [split.edge], [g_root], create_graph=create_graph, retain_graph=True, allow_unused=True
         )
         if g_z is None:
             raise ChainError(
-                f"jacmem: the loss does not depend on the output of module {z_node}, the last module with trainable "
-                "parameters called before this backward, where the GGN splits (the autograd path takes it for the "
-                "model's output): call the loss's backward after each model's forward, with no module with "
-                "parameters called after the model"
+                f"jacmem: the loss does not depend on {split.where}, where the GGN splits (with no single loss at "
+                "the root, the autograd path takes the output of the last module with trainable parameters called "
+                "before this backward for the model's output): call the loss's backward after each model's "
+                "forward, with no module with parameters called after the model"
             )
         return g_z
 
-    def _sampler(self, root: GradientEdge, z_node, losses: list) -> tuple[Node, GradientEdge, list[Node]] | None:
+    def _sampler(self, root: GradientEdge, split: Split, losses: list) -> tuple[Node, GradientEdge, list[Node]] | None:
         """Where the Monte-Carlo kinds can sample the loss's own labels (the loss
         module's ``sampled``: ``O(M)`` columns, whatever ``|z|``): ``(the loss's node,
         its output's edge, the nodes from the loss back to z)``. That needs one loss,
-        which the root is a multiple of (``loss``, ``loss / count``), on an input that
-        ``z`` reaches through linear links only (casts, reshapes, slices: no curvature
+        which the root is a multiple of (``loss``, ``loss / count``): at its input
+        where the GGN splits there (:func:`_split`), else on an input that ``z``
+        reaches through linear links only (casts, reshapes, slices: no curvature
         between ``z`` and the loss, so ``z``'s loss Hessian is the loss's, carried back).
         ``None`` otherwise: the Monte-Carlo kinds then sample the Hessian's factor."""
         if len(losses) != 1 or not any(k.startswith("mc") for k in self.engine.kinds):
             return None
         loss, edge, _ = losses[0]
+        if split.node is None:
+            return loss, edge, []
         if not _multiple_of(root, edge):
             return None
+        z_node = split.node
         links, node = [], loss.producers[0] if loss.producers else None
         while node is not None and node is not z_node:
             entry = node.entry
@@ -187,13 +205,14 @@ class AutogradPath:
             node = node.producers[0]
         return (loss, edge, links) if node is z_node else None
 
-    def _loss_factor(self, root: GradientEdge, g_root: Tensor, z_node, z: GradientEdge) -> tuple[Tensor, Tensor]:
+    def _loss_factor(self, root: GradientEdge, g_root: Tensor, split: Split) -> tuple[Tensor, Tensor]:
         """``(L [N, D, K], ∂L/∂z)``: ``L_n L_nᵀ = H_n``, the loss Hessian of sample ``n``
-        w.r.t. the model output ``z`` (double backward; checked block-diagonal and PSD)."""
-        n, shape = z_node.out_shape[0], z_node.out_shape[1:]
+        w.r.t. ``z``, where the GGN splits (double backward, from the root to ``z``
+        only; checked block-diagonal and PSD)."""
+        n, shape, z = split.shape[0], split.shape[1:], split.edge
         d = prod(shape)
-        _check_cost(z_node, n, d, self.engine.kinds)
-        g_z = self._gradient(root, g_root, z_node, z, create_graph=True)
+        _check_cost(split.where, n, d, self.engine.kinds)
+        g_z = self._gradient(root, g_root, split, create_graph=True)
         H = g_z.new_zeros(d, n, d)
         if g_z.requires_grad:  # else the loss is linear in z: H = 0
             step = max(1, int(self.engine.budget // max(n * d * g_z.element_size() * 4, 1)))
@@ -205,23 +224,24 @@ class AutogradPath:
                     [g_z], [z], [E.reshape(k, n, *shape)], is_grads_batched=True, retain_graph=True
                 )
                 H[start : start + k] = Hk.reshape(k, n, d)
-            self._check_separable(g_z, z, H, z_node)
+            self._check_separable(g_z, z, H, split.where)
         H = H.permute(1, 2, 0)  # [N, D (row), D (probe)]
         lam, U = torch.linalg.eigh((H + H.transpose(1, 2)) / 2)
         top = float(lam.abs().max())
         tol = top * d * torch.finfo(lam.dtype).eps * 10
         if bool((lam < -max(tol, _LOOSE * top)).any()):
             raise ChainError(
-                f"jacmem: the loss is not convex in the output of module {z_node}, where the GGN splits (its Hessian "
-                f"there has the eigenvalue {float(lam.min()):.3g}): some operation with curvature lies between that "
-                "module and the loss. Compute the loss from the model's output directly"
+                f"jacmem: the loss is not convex in {split.where}, where the GGN splits (its Hessian there has the "
+                f"eigenvalue {float(lam.min()):.3g}): some operation with curvature lies between there and the loss. "
+                "Compute the loss from the model's output directly, with one loss module or function "
+                "(CrossEntropyLoss, MSELoss, BCEWithLogitsLoss), where the GGN then splits"
             )
         keep = (lam > tol).any(0)
         keep[-1] = True  # one column at least: a loss linear in z has a GGN of zeros, not none
         L = U[:, :, keep] * lam[:, keep].clamp(min=0).sqrt().unsqueeze(1)
         return L, g_z.detach()
 
-    def _check_separable(self, g_z: Tensor, z: GradientEdge, H: Tensor, z_node) -> None:
+    def _check_separable(self, g_z: Tensor, z: GradientEdge, H: Tensor, where: str) -> None:
         """``H [D, N, D]`` holds every sample's Hessian block only if the loss has no
         cross-sample terms: checked on one random vector against the whole Hessian."""
         n = H.shape[1]
@@ -231,12 +251,12 @@ class AutogradPath:
         diff, scale = float((Hw.reshape(n, -1) - blocks).norm()), float(Hw.norm() + blocks.norm())
         if diff > max(tolerance(g_z.dtype), _LOOSE) * max(scale, torch.finfo(g_z.dtype).tiny):
             raise ChainError(
-                f"jacmem: the loss couples the samples at the output of module {z_node}, where the GGN splits (its "
+                f"jacmem: the loss couples the samples at {where}, where the GGN splits (its "
                 "Hessian there is not block-diagonal over the batch), so it has no per-sample GGN: compute the loss "
                 "as a sum or mean of per-sample terms"
             )
 
-    def _empirical(self, root: GradientEdge, g_root: Tensor, z: GradientEdge, losses: list) -> Tensor:
+    def _empirical(self, root: GradientEdge, g_root: Tensor, split: Split, losses: list) -> Tensor:
         """The empirical Fisher's root at ``z``, ``[1, N, *z]`` (module docstring)."""
         if len(losses) != 1:
             raise ChainError(
@@ -253,8 +273,9 @@ class AutogradPath:
         hp = {k: v for k, v in node.hp.items() if k != "forward"}
         y = node.inputs[1] if len(node.inputs) > 1 else None
         S = node.loss.empirical(node.inputs[0], y, **hp)[0] * c.clamp(min=0).sqrt()
-        (S_z,) = torch.autograd.grad([x], [z], [S], retain_graph=True)
-        return S_z.detach().unsqueeze(0)
+        if split.node is not None:
+            (S,) = torch.autograd.grad([x], [split.edge], [S], retain_graph=True)
+        return S.detach().unsqueeze(0)
 
     def _factors(
         self, L: Tensor | None, shape: tuple[int, ...], sampler, root: GradientEdge, g_root: Tensor, empirical
@@ -275,16 +296,16 @@ class AutogradPath:
                 out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
         return out
 
-    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, z_node, z: GradientEdge, records: list) -> dict:
+    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> dict:
         """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
         columns under ``chunk_bytes`` (one batched backward each); the modules' results
         staged in ``run``. Returns ``{id(node): the image of ∂L/∂z at its output}``, for
         :meth:`_check`."""
-        nodes, edges = [r[0] for r in records], [r[1] for r in records]
-        n = z_node.out_shape[0]
+        nodes, edges, z = [r[0] for r in records], [r[1] for r in records], split.edge
+        n = split.shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
         expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
-        column = (prod(z_node.out_shape) + sum(prod(node.out_shape) for node in nodes)) * g_z.element_size()
+        column = (prod(split.shape) + sum(prod(node.out_shape) for node in nodes)) * g_z.element_size()
         step = max(1, int(self.engine.budget // max(column, 1)))
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
         for kind, S in factors.items():
@@ -360,10 +381,11 @@ class AutogradPath:
             off = abs(have[0] - want[0]) > tol or abs(have[1] - want[1]) > tol * sqrt(grad.numel())
         if off:
             raise ChainError(
-                f"jacmem: the output of module {node} reaches the loss other than through the model's output, where "
-                "the GGN splits (the autograd path takes it to be the output of the last module with trainable "
-                "parameters called before the backward): compute the loss from the model's output alone (no "
-                "auxiliary losses on hidden states or parameters), or freeze that module's parameters"
+                f"jacmem: the output of module {node} reaches the loss other than through where the GGN splits (the "
+                "autograd path takes that to be the input of the loss at the backward's root, or, with no single "
+                "loss there, the output of the last module with trainable parameters called before the backward): "
+                "compute the loss from the model's output alone (no auxiliary losses on hidden states or "
+                "parameters), or freeze that module's parameters"
             )
 
 
@@ -381,6 +403,33 @@ def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tens
     for node in links:
         (S,) = node.entry.backprop(node.inputs, node.out, S, node.hp)
     return S
+
+
+class Split(NamedTuple):
+    """Where the GGN splits, ``z`` in ``Σ_n J_nᵀ H_n J_n``."""
+
+    #: the words that name it in errors
+    where: str
+    #: ``[N, *z]``
+    shape: tuple[int, ...]
+    edge: GradientEdge
+    #: the module whose output it is; ``None`` at the loss's input
+    node: Node | None
+
+
+def _split(root: GradientEdge, records: list, losses: list) -> Split:
+    """Where the GGN splits: at the input of the loss where the root is one registered
+    loss times a factor, on an input with the batch axis first (everything between the
+    parameters and the loss, frozen modules and curved operations included, is then
+    in ``J``: the GGN of the parameters w.r.t. the loss's input, as in a frozen-head
+    LoRA); else at the output of the last module with trainable parameters."""
+    z_node, z = records[-1]
+    if len(losses) == 1:
+        loss, edge, x = losses[0]
+        shape = tuple(loss.inputs[0].shape)
+        if x is not None and shape and shape[0] == z_node.out_shape[0] and _multiple_of(root, edge):
+            return Split(f"the input of loss {loss}", shape, x, None)
+    return Split(f"the output of module {z_node}", tuple(z_node.out_shape), z, z_node)
 
 
 #: autograd nodes that take one tensor to a multiple of it (by a number, or by a tensor
@@ -405,10 +454,10 @@ def _multiple_of(root: GradientEdge, edge: GradientEdge) -> bool:
 _EXACT_BYTES = 2**32
 
 
-def _check_cost(z_node, n: int, d: int, kinds) -> None:
-    """Raise, before any work, where the loss Hessian at ``z`` (``D`` backward columns
-    per sample, ``N·D²`` entries) is out of reach."""
-    size = n * d * d * 4  # float32 at least
+def _check_cost(where: str, n: int, d: int, kinds) -> None:
+    """Raise, before any work, where the loss Hessian at ``z`` (``where``: ``D``
+    backward columns per sample, ``N·D²`` entries) is out of reach."""
+    size = _hessian_bytes(n, d)
     if size <= _EXACT_BYTES:
         return
     fix = (
@@ -420,8 +469,37 @@ def _check_cost(z_node, n: int, d: int, kinds) -> None:
         "reshapes and slices: compute the loss that way"
     )
     raise RuntimeError(
-        f"jacmem: the curvature at the output of module {z_node} needs the loss Hessian there whole: {d} backward "
+        f"jacmem: the curvature at {where}, where the GGN splits, needs the loss Hessian there whole: {d} backward "
         f"columns per sample and {n}x{d}x{d} entries (at least {size / 2**30:.0f} GiB), out of reach: {fix}"
+    )
+
+
+def _hessian_bytes(n: int, d: int) -> int:
+    """The bytes of the loss Hessian ``[N, D, D]`` at ``z``, in float32 at least."""
+    return n * d * d * 4
+
+
+def _note(split: Split, sampler, mc: bool) -> str:
+    """What the path chose for :meth:`jacmem.engine.block.Block.explain`: where the GGN
+    splits, whether the exact kinds' loss Hessian there is in reach, and (``mc``: the
+    block has Monte-Carlo kinds) what they sample (``sampler``: :meth:`AutogradPath._sampler`)."""
+    n, d = split.shape[0], prod(split.shape[1:])
+    size = _hessian_bytes(n, d)
+    reach = (
+        "in reach"
+        if size <= _EXACT_BYTES
+        else "out of reach: the exact kinds (DiagGGNExact, KFLR, SqrtGGNExact, BatchDiagGGNExact) refuse, use "
+        "the Monte-Carlo kinds (DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC)"
+    )
+    drawn = (
+        "the loss's labels, one backward column per Monte-Carlo sample"
+        if sampler is not None
+        else "the loss Hessian's factor"
+    )
+    return (
+        f"curvature by the autograd path: the GGN splits at {split.where}, {d} outputs per sample; the exact "
+        f"kinds' loss Hessian there ({n}x{d}x{d}, {d} backward columns) is {reach}"
+        + (f"; the Monte-Carlo kinds sample {drawn}" if mc else "")
     )
 
 

@@ -93,6 +93,11 @@ class SecondOrderEngine(Engine):
         self.merged = compat.WeakTensorKeyDictionary()
         self.unreduced = compat.WeakTensorKeyDictionary()
 
+    @property
+    def notes(self) -> list[str]:
+        """Where the autograd path split the GGN in the last backward, and what that costs."""
+        return self.autograd.notes
+
     def new_state(self) -> PassState:
         return PassState()
 
