@@ -81,7 +81,15 @@ def close(actual, expected):
 def no_leftovers(model: nn.Module):
     for name, p in model.named_parameters():
         assert p.grad is None, name
-        assert not set(vars(p)) & {"grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr"}
+        assert not set(vars(p)) & {
+            "grad_batch",
+            "sum_grad_squared",
+            "diag_ggn_exact",
+            "diag_ggn_mc",
+            "kfac",
+            "kflr",
+            "kfac_ef",
+        }
 
 
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
@@ -150,6 +158,22 @@ def test_kfac_approx_of_a_call_equals_curvlinops(likelihood):
     assert not torch.allclose(reduced[1].kfacs[0][1], ours.kron(X, y, N=N)[1].kfacs[0][1])
 
 
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_kron_ef_equals_curvlinops(name, likelihood, kfac_approx):
+    """JacmemEF's ``kron`` (KFACEF) is CurvlinopsEF's (curvlinops' KFAC with
+    ``fisher_type="empirical"``), with laplace's ``kfac_approx`` and M/N scaling; on a
+    convolution "reduce" is not "expand"."""
+    model, twin, X, y = case(name, likelihood)
+    ours = JacmemEF(model, likelihood).kron(X, y, N=4 * N, kfac_approx=kfac_approx)
+    same_kron(ours, CurvlinopsEF(twin, likelihood).kron(X, y, N=4 * N, kfac_approx=kfac_approx))
+    if name == "cnn" and kfac_approx == "reduce":
+        expanded = JacmemEF(model, likelihood).kron(X, y, N=4 * N)[1].kfacs[0][1]
+        assert not torch.allclose(ours[1].kfacs[0][1], expanded)
+    no_leftovers(model)
+
+
 def test_default_kron_convention_is_the_closer_to_the_exact_diagonal():
     """On a convolution (weight shared over positions), the Kronecker diagonal of the
     default ``kfac_approx="expand"`` is closer to the exact GGN diagonal (torch.func) than
@@ -211,13 +235,16 @@ def test_full_stochastic_converges_with_mc_samples():
     torch.testing.assert_close(H, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
-def test_kron_without_factors_takes_the_ggn_diagonal():
-    """BatchNorm's weight and bias have no Kronecker factors: their blocks are the exact
-    GGN diagonal. The last Linear's factors are KFLR's (BackPACK's, on the Linear alone
-    fed the features)."""
+@pytest.mark.parametrize("backends", [(JacmemGGN, CurvlinopsGGN), (JacmemEF, CurvlinopsEF)], ids=["GGN", "EF"])
+def test_kron_without_factors_takes_the_diagonal(backends):
+    """BatchNorm's weight and bias have no Kronecker factors: their blocks are the
+    diagonal (the exact GGN's, the empirical Fisher's), of the whole model, which
+    curvlinops' KFAC refuses. The last Linear's factors are curvlinops' (on the Linear
+    alone fed the features)."""
+    ours, Ref = backends
     model, twin, X, y = case("resnet", "classification")
-    _, kron = JacmemGGN(model, "classification").kron(X, y, N=N)
-    _, diag = CurvlinopsGGN(twin, "classification").diag(X, y)
+    _, kron = ours(model, "classification").kron(X, y, N=N)
+    _, diag = Ref(twin, "classification").diag(X, y)
     norms = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()}
     offset = 0
     for p, factors in zip(model.parameters(), kron.kfacs):
@@ -227,7 +254,7 @@ def test_kron_without_factors_takes_the_ggn_diagonal():
         offset += p.numel()
     assert offset == diag.numel() and len(norms) == 4
     head = copy.deepcopy(twin[-1])
-    _, ref_kron = BackPackGGN(head, "classification").kron(twin[:-1](X).detach(), y, N=N)
+    _, ref_kron = Ref(head, "classification").kron(twin[:-1](X).detach(), y, N=N)
     for got, want in zip(kron.kfacs[-2:], ref_kron.kfacs):
         for g, w in zip(got, want, strict=True):
             close(g, w)
@@ -294,13 +321,14 @@ def loader(X, y) -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=N // 2)
 
 
+@pytest.mark.parametrize("backends", [(JacmemGGN, CurvlinopsGGN), (JacmemEF, CurvlinopsEF)], ids=["GGN", "EF"])
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
-def test_laplace_end_to_end_matches_curvlinops(structure, likelihood):
+def test_laplace_end_to_end_matches_curvlinops(structure, likelihood, backends):
     model, twin, X, y = case("mlp", likelihood)
     kwargs = dict(subset_of_weights="all", hessian_structure=structure)
-    la = Laplace(model, likelihood, backend=JacmemGGN, **kwargs)
-    ref = Laplace(twin, likelihood, backend=CurvlinopsGGN, **kwargs)
+    la = Laplace(model, likelihood, backend=backends[0], **kwargs)
+    ref = Laplace(twin, likelihood, backend=backends[1], **kwargs)
     for lap in (la, ref):
         lap.fit(loader(X, y))
     close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
@@ -465,12 +493,10 @@ def test_subnetwork_laplace_matches_curvlinops(structure):
 
 
 def test_refusals_name_the_fix():
-    model = mlp()
-    with pytest.raises(NotImplementedError, match="hessian_structure='diag'"):
-        JacmemEF(model, "classification").kron(torch.randn(2, 4), torch.tensor([0, 1]), N=2)
     grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(2 * 4 * 4, C))
-    with pytest.raises(ValueError, match="0.weight is a grouped convolution"):
-        JacmemGGN(grouped, "classification").kron(torch.randn(2, 2, 6, 6), torch.tensor([0, 1]), N=2)
+    for backend in (JacmemGGN, JacmemEF):
+        with pytest.raises(ValueError, match="0.weight is a grouped convolution"):
+            backend(grouped, "classification").kron(torch.randn(2, 2, 6, 6), torch.tensor([0, 1]), N=2)
     no_leftovers(grouped)
 
 
