@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -503,3 +504,58 @@ def test_refusals_name_the_fix():
 def test_import_jacmem_does_not_import_laplace():
     code = "import sys, jacmem; assert 'laplace' not in sys.modules; import jacmem.laplace; assert 'laplace' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+#: a stand-in for laplace-torch's own tests (which ship in neither its wheel nor its sdist)
+TINY_LAPLACE_TESTS = """
+import pytest
+import torch
+from laplace import Laplace
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@pytest.mark.parametrize("backend", [CurvlinopsGGN, CurvlinopsEF])
+def test_kron_fit(backend):
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    la = Laplace(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), "classification",
+                 hessian_structure="kron", backend=backend)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
+    assert torch.isfinite(la.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("backend", [CurvlinopsGGN])
+def test_backend_is_curvlinops(backend):
+    assert backend.__name__ == "CurvlinopsGGN"
+
+
+def test_default_backend_is_curvlinops():
+    la = Laplace(nn.Linear(3, 2), "classification", subset_of_weights="all", hessian_structure="diag")
+    assert type(la.backend).__name__ == "CurvlinopsGGN"
+"""
+
+
+def test_laplace_suite_swaps_the_backends(tmp_path):
+    """tools/laplace_suite.py and its plugin (tests/support/laplace_swap.py) on a tiny
+    clone: the swapped run fits with jacmem's backends, and a test that passes with
+    curvlinops and fails with jacmem is reported, a parametrized one under its
+    swapped id (laplace's default backend included)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").touch()
+    (tmp_path / "tests" / "test_tiny.py").write_text(TINY_LAPLACE_TESTS)
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "tools" / "laplace_suite.py"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert run.stdout.splitlines() == [
+        "curvlinops: 4 passed, 0 failed, 0 skipped",
+        "jacmem: 2 passed, 2 failed, 0 skipped",
+        "pass with curvlinops, fail with jacmem (2):",
+        "  tests/test_tiny.py::test_backend_is_curvlinops[JacmemGGN]",
+        "  tests/test_tiny.py::test_default_backend_is_curvlinops",
+    ]
