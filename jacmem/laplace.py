@@ -22,12 +22,13 @@ with jacmem in place of BackPACK, and keep its conventions:
   ``G ⊗ A`` is the block of the weight flattened row-major), ``[G]`` for a bias. A is
   multiplied by ``M / N`` (the batch over the data set size), so that the factors of
   the batches add up to the data set's. A parameter that has no Kronecker factors in
-  jacmem (a norm's weight and bias) gets its exact GGN diagonal as a diagonal block;
+  jacmem (BatchNorm's weight and bias) gets its diagonal (the exact GGN's, or the
+  empirical Fisher's ``Σ_n g_n²``) as a diagonal block;
   an Embedding gets ``[diag(A), G]`` (its weight is ``weight.T`` of a Linear on one-hot
   inputs); a grouped convolution (block-diagonal factors) is refused.
 * A layer that shares its weight over positions (a convolution) follows curvlinops'
   ``kfac_approx="expand"`` convention by default, whose Kronecker diagonal is closer to
-  the exact GGN diagonal than BackPACK's (``kfac_approx=None``); see :class:`JacmemGGN`.
+  the exact GGN diagonal than BackPACK's (``kfac_approx=None``); see :class:`JacmemInterface`.
 * ``last_layer=True`` (laplace's ``subset_of_weights="last_layer"``, whose model is a
   ``FeatureExtractor``): the features come from a forward without a graph and jacmem
   extends the last layer alone, fed them; ``subnetwork_indices`` (laplace's
@@ -65,12 +66,64 @@ import jacmem
 __all__ = ["JacmemInterface", "JacmemGGN", "JacmemEF"]
 
 #: every attribute that the extensions used here write on a parameter
-_FIELDS = ("grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr")
+_FIELDS = ("grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr", "kfac_ef")
 
 
 class JacmemInterface(CurvatureInterface):
     """What :class:`JacmemGGN` and :class:`JacmemEF` share: the parameters, the
-    extension runs, ``jacobians`` and ``gradients`` by :class:`jacmem.BatchGrad`."""
+    extension runs, ``diag`` and ``kron`` by the extensions each names, ``jacobians`` and
+    ``gradients`` by :class:`jacmem.BatchGrad`.
+
+    ``kfac_approx`` is ``kron``'s convention for weight sharing (a convolution's positions,
+    a sequence's tokens), overridden per call by laplace's ``kfac_approx`` keyword:
+    ``"expand"`` (the default, curvlinops' convention and laplace's default backend's),
+    ``"reduce"``, or ``None`` (jacmem's per-layer default: BackPACK's convention for a
+    convolution, whose Kronecker diagonal is farther from the exact GGN diagonal)."""
+
+    def __init__(self, *args: Any, kfac_approx: str | None = "expand", **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.kfac_approx = kfac_approx
+
+    def _diag_extension(self, mc_samples: int | None) -> tuple[Any, str]:
+        """``diag``'s extension and the attribute it writes; ``mc_samples``: laplace's keyword, if given."""
+        raise NotImplementedError
+
+    def _kron_extension(self, mc_samples: int | None, kfac_approx: str | None) -> tuple[Any, str]:
+        """``kron``'s extension and the attribute it writes."""
+        raise NotImplementedError
+
+    def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
+        """``factor · loss`` and the curvature's diagonal, ``factor ·`` the sum over samples: ``[P]``."""
+        extension, field = self._diag_extension(kwargs.get("mc_samples"))
+        with jacmem.extend(extension):
+            _, loss = self._loss(x, y)
+            got = self._run(loss, field, torch.zeros_like)
+        diag = self._flat(self._every(got, f"{extension!r} diagonal"), batched=False)
+        return self.factor * loss.detach(), self.factor * diag
+
+    def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
+        """``factor · loss`` and the Kronecker-factored curvature as laplace's :class:`Kron`
+        (see the module docstring for the factors and their scaling); laplace's keywords
+        ``mc_samples`` and ``kfac_approx`` override the backend's."""
+        if self.subnetwork_indices is not None:
+            raise ValueError("jacmem.laplace: kron has no subnetwork; use hessian_structure='full' with a subnetwork")
+        mc_samples = kwargs.get("mc_samples")
+        extension, field = self._kron_extension(mc_samples, kwargs.get("kfac_approx", self.kfac_approx))
+        with jacmem.extend(extension), warnings.catch_warnings():
+            # those parameters get their diagonal below
+            warnings.filterwarnings("ignore", message=r"jacmem: KF(AC|LR|ACEF)\(.*\) has no Kronecker factors")
+            _, loss = self._loss(x, y)
+            got = self._run(loss, field, _zero_factors)
+        missing = [p for p, g in zip(self.params, got) if g is None]
+        if missing:  # no Kronecker factors in jacmem (a norm's weight): the diagonal
+            diag_extension, diag_field = self._diag_extension(mc_samples)
+            with jacmem.extend(diag_extension):
+                _, loss = self._loss(x, y)
+                diags = iter(self._run(loss, diag_field, torch.zeros_like, params=missing))
+            got = self._every([_diagonal_block(next(diags)) if g is None else g for g in got], "diagonal")
+        names = {p: n for n, p in self._model.named_parameters()}
+        kfacs = [_laplace_factors(names[p], factors, len(y), N) for p, factors in zip(self.params, got)]
+        return self.factor * loss.detach(), Kron(kfacs) * self.factor
 
     def _run(self, out: Tensor, field: str, zero, params: list | None = None, grad_outputs: Tensor | None = None):
         """One backward of ``out`` (inside the caller's jacmem block): the attribute
@@ -165,12 +218,8 @@ class JacmemGGN(JacmemInterface, GGNInterface):
     (laplace's own, for small models).
 
     ``num_samples`` is the Monte-Carlo samples of ``stochastic=True``, overridden per call
-    by laplace's ``mc_samples`` keyword of ``diag``, ``kron`` and ``full``.
-    ``kfac_approx`` is ``kron``'s convention for weight sharing (a convolution's positions,
-    a sequence's tokens), overridden per call by laplace's ``kfac_approx`` keyword:
-    ``"expand"`` (the default, curvlinops' convention and laplace's default backend's),
-    ``"reduce"``, or ``None`` (jacmem's per-layer default: BackPACK's convention for a
-    convolution, whose Kronecker diagonal is farther from the exact GGN diagonal)."""
+    by laplace's ``mc_samples`` keyword of ``diag``, ``kron`` and ``full``;
+    ``kfac_approx`` as for :class:`JacmemInterface`."""
 
     def __init__(
         self,
@@ -185,49 +234,26 @@ class JacmemGGN(JacmemInterface, GGNInterface):
         kfac_approx: str | None = "expand",
     ) -> None:
         super().__init__(
-            model, likelihood, last_layer, subnetwork_indices, dict_key_x, dict_key_y, stochastic, num_samples
+            model,
+            likelihood,
+            last_layer,
+            subnetwork_indices,
+            dict_key_x,
+            dict_key_y,
+            stochastic,
+            num_samples,
+            kfac_approx=kfac_approx,
         )
-        self.kfac_approx = kfac_approx
 
-    def _diag_extension(self, mc_samples: int):
-        return jacmem.DiagGGNMC(mc_samples=mc_samples) if self.stochastic else jacmem.DiagGGNExact()
+    def _diag_extension(self, mc_samples: int | None) -> tuple[Any, str]:
+        if self.stochastic:
+            return jacmem.DiagGGNMC(mc_samples=mc_samples or self.num_samples), "diag_ggn_mc"
+        return jacmem.DiagGGNExact(), "diag_ggn_exact"
 
-    def _diag_field(self) -> str:
-        return "diag_ggn_mc" if self.stochastic else "diag_ggn_exact"
-
-    def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """``factor · loss`` and the GGN diagonal ``factor · Σ_n diag(J_nᵀ Λ_n J_n)``: ``[P]``
-        (``Λ_n`` from ``mc_samples`` samples where ``stochastic``)."""
-        with jacmem.extend(self._diag_extension(kwargs.get("mc_samples", self.num_samples))):
-            _, loss = self._loss(x, y)
-            got = self._run(loss, self._diag_field(), torch.zeros_like)
-        diag = self._flat(self._every(got, "GGN diagonal"), batched=False)
-        return self.factor * loss.detach(), self.factor * diag
-
-    def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        """``factor · loss`` and the Kronecker-factored GGN as laplace's :class:`Kron`
-        (see the module docstring for the factors and their scaling); laplace's keywords
-        ``mc_samples`` and ``kfac_approx`` override the backend's."""
-        if self.subnetwork_indices is not None:
-            raise ValueError("jacmem.laplace: kron has no subnetwork; use hessian_structure='full' with a subnetwork")
-        mc_samples = kwargs.get("mc_samples", self.num_samples)
-        approx = kwargs.get("kfac_approx", self.kfac_approx)
-        kron_ext = jacmem.KFAC(mc_samples, kfac_approx=approx) if self.stochastic else jacmem.KFLR(kfac_approx=approx)
-        field = "kfac" if self.stochastic else "kflr"
-        with jacmem.extend(kron_ext), warnings.catch_warnings():
-            # those parameters get their GGN diagonal below
-            warnings.filterwarnings("ignore", message=r"jacmem: KF(AC|LR)\(.*\) has no Kronecker factors")
-            _, loss = self._loss(x, y)
-            got = self._run(loss, field, _zero_factors)
-        missing = [p for p, g in zip(self.params, got) if g is None]
-        if missing:  # no Kronecker factors in jacmem (a norm's weight): the GGN diagonal
-            with jacmem.extend(self._diag_extension(mc_samples)):
-                _, loss = self._loss(x, y)
-                diags = iter(self._run(loss, self._diag_field(), torch.zeros_like, params=missing))
-            got = self._every([_diagonal_block(next(diags)) if g is None else g for g in got], "GGN diagonal")
-        names = {p: n for n, p in self._model.named_parameters()}
-        kfacs = [_laplace_factors(names[p], factors, len(y), N) for p, factors in zip(self.params, got)]
-        return self.factor * loss.detach(), Kron(kfacs) * self.factor
+    def _kron_extension(self, mc_samples: int | None, kfac_approx: str | None) -> tuple[Any, str]:
+        if self.stochastic:
+            return jacmem.KFAC(mc_samples or self.num_samples, kfac_approx=kfac_approx), "kfac"
+        return jacmem.KFLR(kfac_approx=kfac_approx), "kflr"
 
     def full(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
         """laplace's GGN ``[P, P]`` from the Jacobians, with laplace's ``mc_samples``
@@ -241,21 +267,15 @@ class JacmemGGN(JacmemInterface, GGNInterface):
 
 class JacmemEF(JacmemInterface, EFInterface):
     """laplace-torch's empirical Fisher by jacmem: ``diag`` by
-    :class:`jacmem.SumGradSquared`; ``full`` from :meth:`gradients`."""
+    :class:`jacmem.SumGradSquared` (``Σ_n g_n²``), ``kron`` by :class:`jacmem.KFACEF`
+    (curvlinops' ``fisher_type="empirical"``, as laplace's ``CurvlinopsEF``), ``full``
+    from :meth:`gradients`; ``kfac_approx`` as for :class:`JacmemInterface`."""
 
-    def diag(self, x: Tensor, y: Tensor, **kwargs: Any) -> tuple[Tensor, Tensor]:
-        """``factor · loss`` and ``factor · Σ_n g_n²``: ``[P]``."""
-        with jacmem.extend(jacmem.SumGradSquared()):
-            _, loss = self._loss(x, y)
-            got = self._run(loss, "sum_grad_squared", torch.zeros_like)
-        diag = self._flat(self._every(got, "sum of squared gradients"), batched=False)
-        return self.factor * loss.detach(), self.factor * diag
+    def _diag_extension(self, mc_samples: int | None) -> tuple[Any, str]:
+        return jacmem.SumGradSquared(), "sum_grad_squared"
 
-    def kron(self, x: Tensor, y: Tensor, N: int, **kwargs: Any) -> tuple[Tensor, Kron]:
-        raise NotImplementedError(
-            "jacmem.laplace.JacmemEF: no Kronecker-factored empirical Fisher; use hessian_structure='diag', "
-            "or JacmemGGN (stochastic=True for the Monte-Carlo Fisher)"
-        )
+    def _kron_extension(self, mc_samples: int | None, kfac_approx: str | None) -> tuple[Any, str]:
+        return jacmem.KFACEF(kfac_approx=kfac_approx), "kfac_ef"
 
 
 def _zero_batch(n: int):

@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -81,7 +82,15 @@ def close(actual, expected):
 def no_leftovers(model: nn.Module):
     for name, p in model.named_parameters():
         assert p.grad is None, name
-        assert not set(vars(p)) & {"grad_batch", "sum_grad_squared", "diag_ggn_exact", "diag_ggn_mc", "kfac", "kflr"}
+        assert not set(vars(p)) & {
+            "grad_batch",
+            "sum_grad_squared",
+            "diag_ggn_exact",
+            "diag_ggn_mc",
+            "kfac",
+            "kflr",
+            "kfac_ef",
+        }
 
 
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
@@ -150,6 +159,22 @@ def test_kfac_approx_of_a_call_equals_curvlinops(likelihood):
     assert not torch.allclose(reduced[1].kfacs[0][1], ours.kron(X, y, N=N)[1].kfacs[0][1])
 
 
+@pytest.mark.parametrize("kfac_approx", ["expand", "reduce"])
+@pytest.mark.parametrize("likelihood", ["classification", "regression"])
+@pytest.mark.parametrize("name", ["mlp", "cnn"])
+def test_kron_ef_equals_curvlinops(name, likelihood, kfac_approx):
+    """JacmemEF's ``kron`` (KFACEF) is CurvlinopsEF's (curvlinops' KFAC with
+    ``fisher_type="empirical"``), with laplace's ``kfac_approx`` and M/N scaling; on a
+    convolution "reduce" is not "expand"."""
+    model, twin, X, y = case(name, likelihood)
+    ours = JacmemEF(model, likelihood).kron(X, y, N=4 * N, kfac_approx=kfac_approx)
+    same_kron(ours, CurvlinopsEF(twin, likelihood).kron(X, y, N=4 * N, kfac_approx=kfac_approx))
+    if name == "cnn" and kfac_approx == "reduce":
+        expanded = JacmemEF(model, likelihood).kron(X, y, N=4 * N)[1].kfacs[0][1]
+        assert not torch.allclose(ours[1].kfacs[0][1], expanded)
+    no_leftovers(model)
+
+
 def test_default_kron_convention_is_the_closer_to_the_exact_diagonal():
     """On a convolution (weight shared over positions), the Kronecker diagonal of the
     default ``kfac_approx="expand"`` is closer to the exact GGN diagonal (torch.func) than
@@ -211,13 +236,16 @@ def test_full_stochastic_converges_with_mc_samples():
     torch.testing.assert_close(H, exact, rtol=0.05, atol=0.05 * exact.abs().max().item())
 
 
-def test_kron_without_factors_takes_the_ggn_diagonal():
-    """BatchNorm's weight and bias have no Kronecker factors: their blocks are the exact
-    GGN diagonal. The last Linear's factors are KFLR's (BackPACK's, on the Linear alone
-    fed the features)."""
+@pytest.mark.parametrize("backends", [(JacmemGGN, CurvlinopsGGN), (JacmemEF, CurvlinopsEF)], ids=["GGN", "EF"])
+def test_kron_without_factors_takes_the_diagonal(backends):
+    """BatchNorm's weight and bias have no Kronecker factors: their blocks are the
+    diagonal (the exact GGN's, the empirical Fisher's), of the whole model, which
+    curvlinops' KFAC refuses. The last Linear's factors are curvlinops' (on the Linear
+    alone fed the features)."""
+    ours, Ref = backends
     model, twin, X, y = case("resnet", "classification")
-    _, kron = JacmemGGN(model, "classification").kron(X, y, N=N)
-    _, diag = CurvlinopsGGN(twin, "classification").diag(X, y)
+    _, kron = ours(model, "classification").kron(X, y, N=N)
+    _, diag = Ref(twin, "classification").diag(X, y)
     norms = {id(p) for m in model.modules() if isinstance(m, nn.BatchNorm2d) for p in m.parameters()}
     offset = 0
     for p, factors in zip(model.parameters(), kron.kfacs):
@@ -227,7 +255,7 @@ def test_kron_without_factors_takes_the_ggn_diagonal():
         offset += p.numel()
     assert offset == diag.numel() and len(norms) == 4
     head = copy.deepcopy(twin[-1])
-    _, ref_kron = BackPackGGN(head, "classification").kron(twin[:-1](X).detach(), y, N=N)
+    _, ref_kron = Ref(head, "classification").kron(twin[:-1](X).detach(), y, N=N)
     for got, want in zip(kron.kfacs[-2:], ref_kron.kfacs):
         for g, w in zip(got, want, strict=True):
             close(g, w)
@@ -294,13 +322,14 @@ def loader(X, y) -> DataLoader:
     return DataLoader(TensorDataset(X, y), batch_size=N // 2)
 
 
+@pytest.mark.parametrize("backends", [(JacmemGGN, CurvlinopsGGN), (JacmemEF, CurvlinopsEF)], ids=["GGN", "EF"])
 @pytest.mark.parametrize("structure", ["diag", "kron"])
 @pytest.mark.parametrize("likelihood", ["classification", "regression"])
-def test_laplace_end_to_end_matches_curvlinops(structure, likelihood):
+def test_laplace_end_to_end_matches_curvlinops(structure, likelihood, backends):
     model, twin, X, y = case("mlp", likelihood)
     kwargs = dict(subset_of_weights="all", hessian_structure=structure)
-    la = Laplace(model, likelihood, backend=JacmemGGN, **kwargs)
-    ref = Laplace(twin, likelihood, backend=CurvlinopsGGN, **kwargs)
+    la = Laplace(model, likelihood, backend=backends[0], **kwargs)
+    ref = Laplace(twin, likelihood, backend=backends[1], **kwargs)
     for lap in (la, ref):
         lap.fit(loader(X, y))
     close(la.log_marginal_likelihood(), ref.log_marginal_likelihood())
@@ -465,15 +494,68 @@ def test_subnetwork_laplace_matches_curvlinops(structure):
 
 
 def test_refusals_name_the_fix():
-    model = mlp()
-    with pytest.raises(NotImplementedError, match="hessian_structure='diag'"):
-        JacmemEF(model, "classification").kron(torch.randn(2, 4), torch.tensor([0, 1]), N=2)
     grouped = nn.Sequential(nn.Conv2d(2, 2, 3, groups=2), nn.Flatten(), nn.Linear(2 * 4 * 4, C))
-    with pytest.raises(ValueError, match="0.weight is a grouped convolution"):
-        JacmemGGN(grouped, "classification").kron(torch.randn(2, 2, 6, 6), torch.tensor([0, 1]), N=2)
+    for backend in (JacmemGGN, JacmemEF):
+        with pytest.raises(ValueError, match="0.weight is a grouped convolution"):
+            backend(grouped, "classification").kron(torch.randn(2, 2, 6, 6), torch.tensor([0, 1]), N=2)
     no_leftovers(grouped)
 
 
 def test_import_jacmem_does_not_import_laplace():
     code = "import sys, jacmem; assert 'laplace' not in sys.modules; import jacmem.laplace; assert 'laplace' in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+#: a stand-in for laplace-torch's own tests (which ship in neither its wheel nor its sdist)
+TINY_LAPLACE_TESTS = """
+import pytest
+import torch
+from laplace import Laplace
+from laplace.curvature import CurvlinopsEF, CurvlinopsGGN
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+@pytest.mark.parametrize("backend", [CurvlinopsGGN, CurvlinopsEF])
+def test_kron_fit(backend):
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 3), torch.randint(0, 2, (8,))
+    la = Laplace(nn.Sequential(nn.Linear(3, 4), nn.Tanh(), nn.Linear(4, 2)), "classification",
+                 hessian_structure="kron", backend=backend)
+    la.fit(DataLoader(TensorDataset(X, y), batch_size=4))
+    assert torch.isfinite(la.log_marginal_likelihood())
+
+
+@pytest.mark.parametrize("backend", [CurvlinopsGGN])
+def test_backend_is_curvlinops(backend):
+    assert backend.__name__ == "CurvlinopsGGN"
+
+
+def test_default_backend_is_curvlinops():
+    la = Laplace(nn.Linear(3, 2), "classification", subset_of_weights="all", hessian_structure="diag")
+    assert type(la.backend).__name__ == "CurvlinopsGGN"
+"""
+
+
+def test_laplace_suite_swaps_the_backends(tmp_path):
+    """tools/laplace_suite.py and its plugin (tests/support/laplace_swap.py) on a tiny
+    clone: the swapped run fits with jacmem's backends, and a test that passes with
+    curvlinops and fails with jacmem is reported, a parametrized one under its
+    swapped id (laplace's default backend included)."""
+    (tmp_path / "tests").mkdir()
+    (tmp_path / "tests" / "__init__.py").touch()
+    (tmp_path / "tests" / "test_tiny.py").write_text(TINY_LAPLACE_TESTS)
+    root = Path(__file__).resolve().parents[2]
+    run = subprocess.run(
+        [sys.executable, str(root / "tools" / "laplace_suite.py"), str(tmp_path)],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    assert run.stdout.splitlines() == [
+        "curvlinops: 4 passed, 0 failed, 0 skipped",
+        "jacmem: 2 passed, 2 failed, 0 skipped",
+        "pass with curvlinops, fail with jacmem (2):",
+        "  tests/test_tiny.py::test_backend_is_curvlinops[JacmemGGN]",
+        "  tests/test_tiny.py::test_default_backend_is_curvlinops",
+    ]
