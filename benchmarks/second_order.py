@@ -15,6 +15,15 @@ as a laplace-torch fit step, from laplace's curvlinops and ASDL backends (``diag
 ``kron`` with ``stochastic=True``, their KFAC), each library in its own process for time
 and memory. A library that cannot do a case is recorded as "fails: <reason>".
 
+Curvature on language models (issue 23): HF GPT-2 at its vocabulary 50257 on its own
+shifted LM loss (``labels=ids``), tied (the default: ``DiagGGNMC``, ``DiagGGNExact``) and
+untied (``KFAC``, ``KFACEF``, ``EKFAC``: KFAC refuses a tied weight), and a LLaMA at
+vocabulary 32000 with PEFT LoRA adapters, base frozen (all five); the Monte-Carlo kinds
+draw one sample. laplace's backends get the same models as next-token logits
+``[N·(T-1), V]`` against ``ids[:, 1:]`` (their classification likelihood); a case whose
+known cost is out of reach is "not run: <why>", jacmem's own refusals "refused: out of
+reach (...)". Each table gives jacmem's time over a plain step's.
+
 Memory: the peak resident set size during the timed steps above that before them,
 after one warm-up step (so one-time imports and initialisation do not count;
 ``/proc/self/clear_refs`` resets the high-water mark). Each case runs with
@@ -45,6 +54,9 @@ EXTENSIONS: dict[str, list[str]] = {
     "cnn": ["DiagGGNExact", "DiagGGNMC", "BatchDiagGGNExact", "DiagHessian", "KFAC", "KFLR"],
     "resnet18": ["DiagGGNExact", "KFAC"],
     "bert": ["DiagGGNExact", "KFAC"],
+    "gpt2": ["DiagGGNMC", "DiagGGNExact"],
+    "gpt2-untied": ["KFAC", "KFACEF", "EKFAC"],
+    "llama-lora": ["DiagGGNMC", "KFAC", "KFACEF", "EKFAC", "DiagGGNExact"],
 }
 #: model -> (hidden width or None, batch size), full and quick
 SIZES = {
@@ -52,19 +64,49 @@ SIZES = {
     "cnn": ((None, 8), (None, 2)),
     "resnet18": ((None, 8), (None, 2)),  # laplace's curvlinops diag holds Jacobians [N, 10, 11.2M]
     "bert": ((128, 8), (16, 2)),
+    "gpt2": ((64, 4), (16, 2)),
+    "gpt2-untied": ((64, 4), (16, 2)),
+    "llama-lora": ((64, 4), (16, 2)),
 }
 #: model -> libraries, each a process of its own ("pair": jacmem and BackPACK alternating)
 LIBS = {"mlp": ("pair", "jacmem", "backpack"), "cnn": ("pair", "jacmem", "backpack")}
 LIBS |= {m: ("jacmem", "backpack", "curvlinops", "asdl") for m in ("resnet18", "bert")}
-#: laplace-torch's backends: library -> (module, GGN backend class)
+#: the language models, on their own shifted LM loss (``labels=ids``); BackPACK has no HF
+#: model support (see its BERT row), so it is left out of them
+LMS = ("gpt2", "gpt2-untied", "llama-lora")
+LIBS |= {m: ("jacmem", "curvlinops", "asdl") for m in LMS}
+#: laplace-torch's backends: library -> (module, the prefix of its backend classes)
 LAPLACE = {
-    "curvlinops": ("laplace.curvature.curvlinops", "CurvlinopsGGN"),
-    "asdl": ("laplace.curvature.asdl", "AsdlGGN"),
+    "curvlinops": ("laplace.curvature.curvlinops", "Curvlinops"),
+    "asdl": ("laplace.curvature.asdl", "Asdl"),
 }
 #: the column titles of the libraries
 TITLES = {"jacmem": "jacmem", "backpack": "BackPACK", "curvlinops": "laplace curvlinops", "asdl": "laplace ASDL"}
 #: BERT's sequence length and vocabulary, full and quick
 BERT_TOKENS = ((32, 1000), (8, 50))
+#: the language models' sequence length and vocabulary (GPT-2's 50257, LLaMA's 32000),
+#: full and quick
+LM_TOKENS = {"gpt2": ((16, 50257), (8, 500)), "llama-lora": ((16, 32000), (8, 500))}
+LM_TOKENS["gpt2-untied"] = LM_TOKENS["gpt2"]
+#: the extensions laplace's backends give: extension -> (backend: GGN or EF, stochastic,
+#: method: diag or kron); EKFAC is none of them
+LAPLACE_KINDS = {
+    "DiagGGNExact": ("GGN", False, "diag"),
+    "DiagGGNMC": ("GGN", True, "diag"),
+    "KFAC": ("GGN", True, "kron"),
+    "KFACEF": ("EF", False, "kron"),
+}
+#: the most bytes of the Jacobians ``[B, C, P]`` that laplace's curvlinops ``diag`` may hold
+#: (a language model's rows are its tokens, ``C`` its vocabulary)
+LAPLACE_JACOBIAN_BYTES = 4 * 2**30
+
+
+class OutOfReach(Exception):
+    """A peer's case not run: its known cost is beyond this machine."""
+
+
+class Refused(Exception):
+    """jacmem's refusal of a case out of its reach, before any work."""
 
 
 def describe(model: str, quick: bool) -> str:
@@ -73,6 +115,21 @@ def describe(model: str, quick: bool) -> str:
         return f"MLP 784-{width}-{width}-10, ReLU, cross-entropy, batch {batch}"
     if model == "resnet18":
         return f"torchvision resnet18 (num_classes=10, eval), 3×32×32 inputs, cross-entropy, batch {batch}"
+    if model in LMS:
+        tokens, vocab = LM_TOKENS[model][quick]
+        if model == "llama-lora":
+            return (
+                f"HF LlamaForCausalLM (random init, eval) with PEFT LoRA (rank 4 on q_proj and v_proj, base frozen): "
+                f"2 layers, d={width}, 4 heads (2 key-value), vocabulary {vocab}, {tokens} tokens, its own shifted "
+                f"LM loss (`labels=ids`), batch {batch}"
+            )
+        tied = (
+            "tied `lm_head`/`wte` (the default)" if model == "gpt2" else "untied `lm_head` (KFAC refuses a tied weight)"
+        )
+        return (
+            f"HF GPT2LMHeadModel (random init, eval), {tied}: 2 layers, d={width}, 4 heads, vocabulary {vocab}, "
+            f"{tokens} tokens, its own shifted LM loss (`labels=ids`), batch {batch}"
+        )
     if model == "bert":
         (tokens, vocab) = BERT_TOKENS[quick]
         return (
@@ -82,7 +139,10 @@ def describe(model: str, quick: bool) -> str:
     return f"seed CNN (4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), cross-entropy, batch {batch}"
 
 
-def build(model: str, quick: bool):
+def build(model: str, quick: bool, lib: str = "jacmem"):
+    """``(module, inputs, targets, loss function)`` of one case, seeded alike for every
+    library; a language model's module gives its own loss where ``lib`` computes it by
+    the model (``plain``, ``jacmem``), its flattened next-token logits for laplace."""
     import torch
     from torch import nn
 
@@ -90,6 +150,12 @@ def build(model: str, quick: bool):
 
     torch.manual_seed(0)
     width, batch = SIZES[model][quick]
+    if model in LMS:
+        tokens, vocab = LM_TOKENS[model][quick]
+        net, X = language_model(model, width, vocab, tokens, lib in LAPLACE), torch.randint(0, vocab, (batch, tokens))
+        if lib in LAPLACE:
+            return net, X, X[:, 1:].reshape(-1), nn.CrossEntropyLoss()
+        return net, X, X, lambda loss, _: loss
     if model == "mlp":
         net, X = mlp(width), torch.randn(batch, 784)
     elif model == "resnet18":
@@ -131,12 +197,48 @@ def bert(width: int, vocab: int, tokens: int):
     return Logits()
 
 
+def language_model(model: str, width: int, vocab: int, tokens: int, logits: bool):
+    """GPT-2 (tied or untied) or a LLaMA with PEFT LoRA adapters (base frozen), in eval,
+    as a module from token ids ``[N, T]`` to the model's own shifted LM loss (as jacmem's
+    users call it), or with ``logits`` to the next tokens' logits ``[N·(T-1), V]`` (as
+    laplace's backends take it; the targets are ``ids[:, 1:]`` flattened)."""
+    import transformers
+    from torch import nn
+
+    class LanguageModel(nn.Module):
+        def __init__(self, lm: nn.Module):
+            super().__init__()
+            self.lm = lm
+
+        def forward(self, ids):
+            if not logits:
+                return self.lm(input_ids=ids, labels=ids).loss
+            out = self.lm(input_ids=ids).logits
+            return out[:, :-1].reshape(-1, out.shape[-1])
+
+    if model == "llama-lora":
+        import peft
+
+        config = transformers.LlamaConfig(
+            vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=tokens, bos_token_id=0,
+            eos_token_id=0, attn_implementation="eager",
+        )  # fmt: skip
+        lora = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"])
+        return LanguageModel(peft.get_peft_model(transformers.LlamaForCausalLM(config), lora).eval())
+    config = transformers.GPT2Config(
+        vocab_size=vocab, n_embd=width, n_layer=2, n_head=4, n_positions=tokens, bos_token_id=0, eos_token_id=0,
+        tie_word_embeddings=model == "gpt2", attn_implementation="eager",
+    )  # fmt: skip
+    return LanguageModel(transformers.GPT2LMHeadModel(config).eval())
+
+
 def prepare(case: dict):
     """The step function of one case."""
     import torch
 
-    model, X, y, lossf = build(case["model"], case["quick"])
     lib, name = case["lib"], case["ext"]
+    model, X, y, lossf = build(case["model"], case["quick"], lib)
     if lib == "plain":
 
         def step():
@@ -148,21 +250,28 @@ def prepare(case: dict):
         ext = getattr(jacmem, name)()
 
         def step():
-            with jacmem.extend(ext):
-                lossf(model(X), y).backward()
+            try:
+                with jacmem.extend(ext):
+                    lossf(model(X), y).backward()
+            except RuntimeError as err:  # jacmem's designed answer where the exact kinds cost too much
+                if "out of reach" in str(err):
+                    raise Refused(str(err).removeprefix("jacmem: ")) from err
+                raise
 
     elif lib in LAPLACE:  # a laplace-torch fit step: forward, loss and curvature, as Laplace.fit runs it
         import importlib
 
-        module, backend = LAPLACE[lib]
-        curvature = getattr(importlib.import_module(module), backend)(
-            model, "classification", stochastic=name != "DiagGGNExact"
-        )
-        if name not in ("DiagGGNExact", "KFAC"):
-            raise ValueError(f"laplace's backends give DiagGGNExact (diag) and KFAC (stochastic kron), not {name}")
+        module, prefix = LAPLACE[lib]
+        kind, stochastic, method = LAPLACE_KINDS[name]
+        if lib == "curvlinops" and method == "diag" and not stochastic:
+            size = len(y) * int(model(X[:1]).shape[-1]) * sum(p.numel() for p in model.parameters() if p.requires_grad)
+            if size * 4 > LAPLACE_JACOBIAN_BYTES:
+                raise OutOfReach(f"its Jacobians [{len(y)}, C, P] take {size * 4 / 2**30:.0f} GB")
+        options = {"stochastic": stochastic} if kind == "GGN" else {}  # the EF backends sample nothing
+        curvature = getattr(importlib.import_module(module), prefix + kind)(model, "classification", **options)
 
         def step():
-            if name == "DiagGGNExact":
+            if method == "diag":
                 curvature.diag(X, y)
             else:
                 curvature.kron(X, y, N=len(y))
@@ -250,7 +359,12 @@ def _mb(b: float | None) -> str:
 
 def _cell(r: dict, key: str) -> str:
     if "error" in r:
-        return "fails: " + r["error"].replace("|", "/")
+        error = r["error"].replace("|", "/")
+        if error.startswith(("OutOfReach: ", "n/a")):
+            return "not run: " + error.removeprefix("OutOfReach: ")
+        if error.startswith("Refused: "):
+            return "refused: out of reach: " + error.removeprefix("Refused: ")
+        return "fails: " + error
     if r.get(key) is None:
         return "n/a"
     return _mb(r[key]) if key == "extra_bytes" else f"{r[key]:.3f}" if key.endswith("_s") else f"{r[key]:.2f}"
@@ -316,17 +430,19 @@ def table(results: list[dict], args) -> str:
 
 def separate(model: str, by: dict) -> list[str]:
     """The table of a model whose libraries each ran in a process of their own: time and
-    memory per library, and jacmem's time over each other library's."""
-    libs = LIBS[model]
+    memory per library, jacmem's time over a plain step's (the Monte-Carlo kinds draw one
+    sample: per MC sample) and over each other library's."""
+    libs, plain = LIBS[model], by.get((model, "plain", "-"), {})
     head = "| extension | " + " | ".join(f"{TITLES[lib]} s | {TITLES[lib]} MB" for lib in libs)
-    head += "".join(f" | jacmem / {TITLES[lib]} time" for lib in libs[1:]) + " |"
-    lines = [head, "|---|" + "---|" * (3 * len(libs) - 1)]
+    head += " | jacmem × plain" + "".join(f" | jacmem / {TITLES[lib]} time" for lib in libs[1:]) + " |"
+    lines = [head, "|---|" + "---|" * (3 * len(libs))]
     for ext in EXTENSIONS[model]:
         rs = [by.get((model, lib, ext), {}) for lib in libs]
         cells = [f"{_cell(r, 'time_s')} | {_cell(r, 'extra_bytes')}" if "error" not in r else _cell(r, "") for r in rs]
         cells = [c if " | " in c else f"{c} | " for c in cells]  # a failure spans its library's time and memory
         ratios = [
-            f"{rs[0]['time_s'] / r['time_s']:.2f}" if "time_s" in rs[0] and "time_s" in r else "n/a" for r in rs[1:]
+            f"{rs[0]['time_s'] / r['time_s']:.2f}" if "time_s" in rs[0] and "time_s" in r else "n/a"
+            for r in [plain, *rs[1:]]
         ]
         lines.append(f"| {ext} | " + " | ".join(cells + ratios) + " |")
     return lines + [""]
@@ -352,6 +468,9 @@ def main(argv=None) -> None:
     for model in args.models:
         cases.append(dict(model=model, lib="plain", ext="-"))
         cases += [dict(model=model, lib=lib, ext=ext) for ext in EXTENSIONS[model] for lib in LIBS[model]]
+    for case in cases:
+        if case["lib"] in LAPLACE and case["ext"] not in LAPLACE_KINDS:
+            case["skip"] = f"n/a (laplace has no {case['ext']})"
     cases = [c for c in cases if not args.only or re.search(args.only, f"{c['model']} {c['lib']} {c['ext']}")]
     args.load_before = " ".join(harness.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())

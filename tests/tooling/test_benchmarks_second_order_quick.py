@@ -23,3 +23,26 @@ def test_quick_second_order_block(tmp_path, capsys):
     row = r"\| DiagGGNExact \| [\d.]+ \| [\d.]+ \| [\d.]+ \| -?\d+ \| -?\d+ \| (-?[\d.]+|n/a) \|"
     assert re.search(row, text), text
     assert "| KFAC | n/a | n/a | n/a | n/a | n/a | n/a |" in text  # not run: said so
+
+
+def test_quick_language_model_rows(tmp_path, capsys):
+    """GPT-2 on its own shifted LM loss (quick: vocabulary 500): jacmem's row with its time
+    over a plain step's, a peer's failure and a case not run are each said so."""
+    md = tmp_path / "BENCHMARKS.md"
+    md.write_text("<!-- secondorder:start -->\n<!-- secondorder:end -->\n")
+    main(
+        [
+            "--quick",
+            "--models",
+            "gpt2",
+            "--only",
+            r"^gpt2 (plain -|jacmem DiagGGNMC|asdl DiagGGNMC)$",
+            "--markdown",
+            str(md),
+        ]
+    )
+    text = md.read_text()
+    assert "**HF GPT2LMHeadModel (random init, eval), tied `lm_head`/`wte` (the default): " in text, text
+    assert re.search(
+        r"\| DiagGGNMC \| [\d.]+ \| -?\d+ \| n/a \| n/a \| fails: [^|]+ \|  \| [\d.]+ \| n/a \| n/a \|", text
+    ), text

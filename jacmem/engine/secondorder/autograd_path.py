@@ -314,9 +314,11 @@ class AutogradPath:
                 cols = S[start : start + step]
                 grads = _batched_vjps(z, edges, cols)
                 if shared:
-                    per = [_per_sample(z, [edges[i] for i in shared], s) for s in cols]
+                    per = _per_sample(
+                        z, [edges[i] for i in shared], [nodes[i].out_shape for i in shared], cols, max(1, step // n)
+                    )
                     for k, i in enumerate(shared):
-                        grads[i] = None if per[0][k] is None else torch.stack([p[k] for p in per])
+                        grads[i] = per[k]
                 for i, node in enumerate(nodes):
                     G, grads[i] = grads[i], None  # freed once used
                     if G is not None:
@@ -530,15 +532,60 @@ def _batched_vjps(z: GradientEdge, edges: list, cols: Tensor) -> list[Tensor | N
     return list(torch.autograd.grad([z], edges, [cols], retain_graph=True, allow_unused=True, is_grads_batched=True))
 
 
-def _per_sample(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:
-    """One column ``s [N, *z]`` to shared outputs ``[1, *out]``, one sample at a time
-    (the VJP of the whole column would sum the samples): ``[N, 1, *out]``."""
+def _per_sample(z: GradientEdge, edges: list, shapes: list, cols: Tensor, step: int) -> list[Tensor | None]:
+    """Columns ``cols [v, N, *z]`` to shared outputs ``[1, *out]``, one sample at a time
+    (the VJP of a whole column would sum the samples): ``[v, N, 1, *out]`` (``shapes``:
+    each output's, ``[1, *out]``). An output
+    that enters the batch by one broadcast addition (:func:`_broadcast_adds`: BERT's
+    position embeddings) takes the columns at that addition's output ``[v, N, *out]``,
+    which is its gradient sample by sample, in the one batched backward; any other,
+    each column split into its ``N`` samples' parts, ``step`` columns' parts (``step·N``)
+    per batched backward."""
+    v, n = cols.shape[:2]
+    out: list[Tensor | None] = [None] * len(edges)
+    adds = _broadcast_adds(z, edges)
+    direct = [k for k, add in enumerate(adds) if add is not None]
+    for k, G in zip(direct, _batched_vjps(z, [adds[k] for k in direct], cols) if direct else []):
+        if G is not None and G.shape[1:] == (n, *shapes[k][1:]):  # else the addition broadcasts more
+            out[k] = G.unsqueeze(2)
+    rest = [k for k, add in enumerate(adds) if add is None or out[k] is None]
+    if not rest:
+        return out
+    eye = torch.eye(n, dtype=cols.dtype, device=cols.device).reshape(1, n, n, *[1] * (cols.dim() - 2))
     parts = []
-    for m in range(s.shape[0]):
-        one = torch.zeros_like(s)
-        one[m] = s[m]
-        parts.append(_vjps(z, edges, one))
-    return [None if parts[0][k] is None else torch.stack([p[k] for p in parts]) for k in range(len(edges))]
+    for start in range(0, v, step):
+        one = (eye * cols[start : start + step, None]).flatten(0, 1)  # [k·N, N, *z]: sample m's part alone
+        parts.append(_batched_vjps(z, [edges[k] for k in rest], one))
+    for j, k in enumerate(rest):
+        if parts[0][j] is not None:
+            out[k] = torch.cat([p[j] for p in parts]).reshape(v, n, *parts[0][j].shape[1:])
+    return out
+
+
+def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
+    """Per shared output, the output edge of the addition through which alone it reaches
+    ``z`` (an ``AddBackward0`` with ``alpha`` 1, the output its only use there, found by
+    walking autograd's graph back from ``z``), ``None`` where there is no such one. Its
+    other operand carries the batch: its gradient is the shared output's, per sample."""
+    users: list[list] = [[] for _ in edges]
+    seen, stack = {}, [z.node]
+    while stack:
+        fn = stack.pop()
+        if fn is None or id(fn) in seen:
+            continue
+        seen[id(fn)] = fn  # held, so that no id is reused during the walk
+        for nxt, nr in fn.next_functions:
+            hit = [k for k, e in enumerate(edges) if nxt is e.node and nr == e.output_nr]
+            for k in hit:
+                users[k].append(fn)
+            if not hit:
+                stack.append(nxt)
+    return [
+        GradientEdge(u[0], 0)
+        if len(u) == 1 and u[0].name() == "AddBackward0" and getattr(u[0], "_saved_alpha", None) == 1
+        else None
+        for u in users
+    ]
 
 
 def _summary(g: Tensor) -> tuple[float, float]:
