@@ -52,12 +52,13 @@ def synchronize(
     params: list[nn.Parameter],
     wanted: Iterable[str],
     quantities: dict[int, dict[str, Tensor]],
-    sizes: dict[int, int],
+    sizes: dict[int, int | Tensor],
 ) -> None:
     """Scale the quantities of ``params`` (``id(param) -> {quantity: tensor}``, only the
     parameters this rank computed) as DDP scales gradients, sum the global ones over
     ``group`` if the block wants any (``wanted``), and set ``sizes`` (``id(param) ->
-    batch size``) to the global batch size. In place.
+    batch size``) to the global batch size, a 0-d tensor on the parameters' device
+    (reading it on the host would wait for the ``all_reduce``). In place.
 
     ``params`` must be the same list, in the same order, on every rank: a parameter
     that this rank did not compute contributes zeros.
@@ -77,7 +78,7 @@ def synchronize(
         for name in GLOBAL_QUANTITIES:
             value = q.get(name)
             parts.append((torch.zeros(p.shape, dtype=dtype, device=device) if value is None else value).flatten())
-    counts = torch.tensor([sizes.get(id(p), 0) for p in params], dtype=dtype, device=device)
+    counts = host_values([sizes.get(id(p), 0) for p in params], dtype, device)
     buffer = torch.cat([*[t.to(dtype=dtype, device=device) for t in parts], counts])
     torch.distributed.all_reduce(buffer, group=group)
     offset = 0
@@ -88,23 +89,24 @@ def synchronize(
             offset += p.numel()
             if q is not None and name in q:
                 q[name] = value.to(q[name].dtype)
-    for p, count in zip(params, buffer[offset:].tolist()):
+    counts = buffer[offset:].round()
+    for i, p in enumerate(params):
         if id(p) in sizes:
-            sizes[id(p)] = int(round(count))
+            sizes[id(p)] = counts[i]
 
 
 def sum_over_ranks(
     group: Any, params: list[nn.Parameter], values: dict[int, Tensor], count: int
-) -> tuple[dict[int, Tensor], int]:
+) -> tuple[dict[int, Tensor], Tensor]:
     """The sums over the ranks of ``group`` of ``values`` (``id(param) -> tensor`` of the
     parameter's shape, for those of ``params`` this rank has; the others contribute
-    zeros) and of ``count``, with one ``all_reduce``. ``params`` must be the same list,
+    zeros) and of ``count`` (a 0-d tensor on the device: no host read), with one ``all_reduce``. ``params`` must be the same list,
     in the same order, on every rank; values of other parameters stay as they are."""
     own = {id(p) for p in params}
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else torch.device("cpu")
     parts = [values.get(id(p), torch.zeros(p.shape, dtype=dtype, device=device)).to(dtype).flatten() for p in params]
-    buffer = torch.cat([*parts, torch.tensor([float(count)], dtype=dtype, device=device)])
+    buffer = torch.cat([*parts, host_values([count], dtype, device)])
     torch.distributed.all_reduce(buffer, group=group)
     out = {key: v for key, v in values.items() if key not in own}
     offset = 0
@@ -112,4 +114,16 @@ def sum_over_ranks(
         if id(p) in values:
             out[id(p)] = buffer[offset : offset + p.numel()].view(p.shape).to(values[id(p)].dtype)
         offset += p.numel()
-    return out, int(round(buffer[offset].item()))
+    return out, buffer[offset].round()
+
+
+def host_values(values: list[float], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``values`` as a ``[len(values)]`` tensor on ``device`` by fills, not by a copy from
+    host memory (``torch.tensor``), which on an accelerator waits for the device's queue;
+    the values of one backward's counts are mostly equal: one fill each run of them."""
+    runs, start = [], 0
+    for i in range(1, len(values) + 1):
+        if i == len(values) or values[i] != values[start]:
+            runs.append(torch.full((i - start,), float(values[start]), dtype=dtype, device=device))
+            start = i
+    return torch.cat(runs) if len(runs) != 1 else runs[0]

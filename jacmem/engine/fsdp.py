@@ -47,7 +47,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.engine.distributed import GLOBAL_QUANTITIES, SCALE_POWER
+from jacmem.engine.distributed import GLOBAL_QUANTITIES, SCALE_POWER, host_values
 
 if torch.distributed.is_available():
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -147,10 +147,10 @@ class Sharding:
     def _dtype(self) -> torch.dtype:
         return torch.float64 if any(p.dtype == torch.float64 for p in self.params) else torch.float32
 
-    def reduce_scatter(self, values: dict[int, Tensor], count: int) -> tuple[dict[int, Tensor], int]:
+    def reduce_scatter(self, values: dict[int, Tensor], count: int) -> tuple[dict[int, Tensor], Tensor]:
         """Each rank's shard of the sums over the ranks of ``values`` (``id(unsharded)
         -> [*param.shape]``; a parameter this rank lacks contributes zeros), and the sum
-        of ``count``: one ``reduce_scatter``. Returns ``id(unsharded) -> [*local shape]``
+        of ``count`` (a 0-d tensor on the device: no host read): one ``reduce_scatter``. Returns ``id(unsharded) -> [*local shape]``
         for the keys of ``values``."""
         dtype, device = self._dtype(), self.params[0].device
         rows: list[list[Tensor]] = [[] for _ in range(self.world)]
@@ -161,7 +161,7 @@ class Sharding:
                 padded[: p.shape[0]] = values[id(p)]
             for r, part in enumerate(padded.split(chunk)):
                 rows[r].append(part.flatten())
-        counter = torch.tensor([float(count)], dtype=dtype, device=device)
+        counter = host_values([count], dtype, device)
         buffer = torch.cat([t for row in rows for t in (*row, counter)])
         out = buffer.new_empty(buffer.numel() // self.world)
         torch.distributed.reduce_scatter_single(out, buffer, group=self.group)
@@ -172,7 +172,7 @@ class Sharding:
             if id(p) in values:
                 result[id(p)] = out[offset : offset + size].view(chunk, *p.shape[1:])[:n].to(values[id(p)].dtype)
             offset += size
-        return result, int(round(out[-1].item()))
+        return result, out[-1].round()
 
     def _gather_samples(self, batches: dict[int, Tensor], n: int) -> dict[int, Tensor]:
         """``id(unsharded) -> [N, *local shape]``: every rank's per-sample gradients on
@@ -237,9 +237,9 @@ class Sharding:
                 for key, value in shards.items():
                     quantities[key][name] = value
         if total is None:
-            counts = torch.tensor([float(n)], dtype=self._dtype(), device=self.params[0].device)
+            counts = host_values([n], self._dtype(), self.params[0].device)
             torch.distributed.all_reduce(counts, group=self.group)
-            total = int(round(counts.item()))
+            total = counts[0].round()
         for p in self.params:
             if id(p) in sizes:
                 sizes[id(p)] = total

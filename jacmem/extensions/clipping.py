@@ -108,8 +108,9 @@ class ClipGrad:
         self._bound: dict[int, float] | None = None
         #: the latest backward pass's per-sample total norms ``[N]``
         self.norms: Tensor | None = None
-        #: samples clipped since the last :meth:`reset`
-        self.samples = 0
+        #: samples clipped since the last :meth:`reset` (under DDP or FSDP2, the global
+        #: count as a 0-d tensor on the device, which the backward does not wait for)
+        self.samples: Tensor | int = 0
         #: flat clipping: of those, the samples with ``c_i = 1`` (a tensor on the device)
         self.unclipped: Tensor | int = 0
 

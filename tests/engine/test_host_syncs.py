@@ -15,97 +15,24 @@ with every strategy its entry offers called directly.
 
 from __future__ import annotations
 
-import collections
-import traceback
 import warnings
 from collections.abc import Callable
-from unittest import mock
 
 import pytest
 import torch
 import torch.nn.functional as F
 from tests.support.fallback_models import Model as FallbackModel
 from tests.support.hf_models import build
+from tests.support.host_reads import HostReads, backward_reads
 from tests.support.reference import trainable
 from tests.support.registry_cases import CASES, Case, applicable, capture, sample_loss
 from torch import Tensor, nn
-from torch.utils._python_dispatch import TorchDispatchMode
 
 import jacmem
 from jacmem.derivatives import REGISTRY, registered_type
 
 DT = torch.float64
 N = 3
-
-#: ops whose result the host reads (their output's size, or a Python scalar)
-HOST_READS = frozenset(
-    {
-        "_local_scalar_dense",  # .item(), float(t), int(t), bool(t)
-        "is_nonzero",
-        "nonzero",
-        "nonzero_static",
-        "equal",
-        "allclose",
-        "masked_select",
-        "_unique",
-        "_unique2",
-        "unique_dim",
-        "unique_consecutive",
-        "bincount",  # its length is the largest index
-        "histc",
-        "repeat_interleave",  # without output_size, its length is a sum of the data
-        "lift_fresh",  # torch.tensor(host data): on an accelerator, a copy that waits for its queue
-    }
-)
-
-
-class HostReads(TorchDispatchMode):
-    """Counts, by op, what reads the device from the host, and where in jacmem each came from."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts: collections.Counter[str] = collections.Counter()
-        self.origins: collections.Counter[str] = collections.Counter()
-
-    def note(self, name: str) -> None:
-        self.counts[name] += 1
-        frames = [f for f in traceback.extract_stack() if "/jacmem/" in f.filename]
-        self.origins[f"{name} at {frames[-1].filename}:{frames[-1].lineno}" if frames else name] += 1
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func._schema.name.split("::")[-1]
-        if name in HOST_READS and not (name == "repeat_interleave" and (kwargs or {}).get("output_size")):
-            self.note(name)
-        return func(*args, **(kwargs or {}))
-
-    def __enter__(self):
-        self.patches = []
-        for method in ("tolist", "numpy"):
-            original = getattr(Tensor, method)
-
-            def counted(t, *a, _original=original, _method=method, **k):
-                self.note(_method)
-                return _original(t, *a, **k)
-
-            self.patches.append(mock.patch.object(Tensor, method, counted))
-        for patch in self.patches:
-            patch.start()
-        return super().__enter__()
-
-    def __exit__(self, *exc):
-        for patch in self.patches:
-            patch.stop()
-        return super().__exit__(*exc)
-
-    def check(self, what: str) -> None:
-        assert not self.counts, f"{what}: host reads in the backward pass: {dict(self.origins)}"
-
-
-def backward_reads(loss: Tensor) -> HostReads:
-    with HostReads() as reads:
-        loss.backward()
-    return reads
-
 
 FIRST_ORDER = {
     "BatchGrad": jacmem.BatchGrad,

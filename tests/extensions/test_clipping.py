@@ -15,6 +15,7 @@ import pytest
 import torch
 from tests.support.clipping import assert_grads, expected, median_norm, norms, per_sample
 from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.host_reads import backward_reads
 from tests.support.reference import cross_entropy
 from torch import nn
 from torch.nn import functional as F
@@ -392,7 +393,7 @@ def _ddp_worker(rank: int) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     ext = jacmem.ClipGrad(C)
     with jacmem.extend(ext):
-        F.cross_entropy(ddp(X[rows]), y[rows]).backward()
+        backward_reads(F.cross_entropy(ddp(X[rows]), y[rows])).check("ClipGrad under DDP")  # the global count too
     assert_grads(model, expected(grads, C), f"rank {rank}")
     torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
     assert ext.samples == WORLD * PER_RANK

@@ -23,6 +23,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 from tests.support.distributed import needs_gloo, run_ranks
+from tests.support.host_reads import backward_reads
 from tests.support.reference import REFERENCE, assert_close, clear, mse, per_sample_grads
 from torch import nn
 
@@ -68,7 +69,7 @@ def _worker(rank: int) -> None:
     Zr, zr = torch.randn(5, 4, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
     local_reference = per_sample_grads(local, Zr, zr, mse)
     with jacmem.extend(*extensions()):
-        mse(ddp(Xr), yr, "mean").backward()
+        backward_reads(mse(ddp(Xr), yr, "mean")).check("DDP")  # the global batch size stays on the device
         mse(local(Zr), zr, "mean").backward()
     check(rank, model.parameters(), reference, rows, "inside")
     check(rank, local.parameters(), [local_reference[p] for p in local.parameters()], slice(None), "local")
