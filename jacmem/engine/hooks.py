@@ -244,26 +244,30 @@ class Tap(torch.autograd.Function):
 
 
 @torch.library.custom_op("jacmem::fused", mutates_args=())
-def _fused(grad: Tensor, token: Tensor, slot: int, x: Tensor, params: list[Tensor]) -> list[Tensor]:
+def _fused(grad: Tensor, token: Tensor, slot: int, x: Tensor, params: list[Tensor], needs_x: bool) -> list[Tensor]:
     """In a compiled backward: ``grad``, the gradient of the output of a call run through
     :class:`Fused`, to its record (:func:`_tap`); returns the gradients of the call's input
-    and parameters ``[x, *params]``: the record's, as :class:`ComputeOnce` gives them, or,
-    where it gives none (a block that computes no summed gradients, or none open), those
+    (where ``needs_x``) and parameters, ``[x, *params]`` or ``params``: the record's, as
+    :class:`ComputeOnce` gives them, or, where it gives none (no block takes them), those
     of the module's forward run again (:func:`_recomputed`)."""
     with compat.autograd_inside_op():
         for i in token.tolist():
             hook = _TAPPED.get(i)
-            grads = None if hook is None else hook(grad)
+            if hook is None:
+                continue
+            # (a record not run fused, as a block that computes no summed gradients makes: its plain hook)
+            grads = hook(grad, needs_x) if isinstance(hook, FusedHook) else hook(grad)
             if grads is not None:
                 return grads
         module = _SLOTS[slot][1]()
         names = [n for n, p in own_parameters(module) if p.requires_grad]
-        return _recomputed(module, names, x, params, grad, [True] * (1 + len(params)))
+        grads = _recomputed(module, names, x, params, grad, [needs_x] + [True] * len(params))
+        return grads if needs_x else grads[1:]
 
 
 @_fused.register_fake
-def _(grad, token, slot, x, params):
-    return [torch.empty_like(x), *(torch.empty_like(p) for p in params)]
+def _(grad, token, slot, x, params, needs_x):
+    return [torch.empty_like(t) for t in ([x] if needs_x else []) + params]
 
 
 class Fused(torch.autograd.Function):
@@ -282,8 +286,9 @@ class Fused(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         token, x, *params = ctx.saved_tensors
-        gx, *gparams = torch.ops.jacmem.fused(grad, token, ctx.slot, x, params)
-        return (None, None, gx, None, *gparams)
+        needs_x = ctx.needs_input_grad[2]
+        grads = torch.ops.jacmem.fused(grad, token, ctx.slot, x, params, needs_x)
+        return (None, None, grads[0] if needs_x else None, None, *grads[needs_x:])
 
 
 def compiled() -> bool:
@@ -483,7 +488,7 @@ def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles, fused: t
     ``on_grad`` gives none)."""
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in rec.params.items()}
     for i, out in enumerate(outputs):
-        hook = _make_hook(rec, i, on_grad) if fused is None else _fused_hook(rec, on_grad, *fused)
+        hook = _make_hook(rec, i, on_grad) if fused is None else FusedHook(rec, on_grad, *fused)
         if _DEFERRED:  # in a compiled graph (:func:`_tap`): its output has one tensor
             handle = RemovableHandle(_TAPPED)
             _TAPPED[handle.id] = hook
@@ -501,19 +506,25 @@ def _make_hook(rec: Record, index: int, on_grad: OnGrad):
     return hook
 
 
-def _fused_hook(rec: Record, on_grad: OnGrad, jac: Passthrough, kept: Tensor):
-    hp = jac.params(rec.module)
+class FusedHook:
+    """The output-gradient hook of a record whose call a compiled graph runs through
+    :class:`Fused`: ``hook(grad, needs_x)`` hands the record to ``on_grad`` and returns the
+    gradients of the call's input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and
+    parameters, or None where ``on_grad`` gives none."""
 
-    def hook(grad: Tensor) -> list[Tensor] | None:
+    def __init__(self, rec: Record, on_grad: OnGrad, jac: Passthrough, kept: Tensor):
+        self.rec, self.on_grad, self.jac, self.kept = rec, on_grad, jac, kept
+
+    def __call__(self, grad: Tensor, needs_x: bool) -> list[Tensor] | None:
+        rec = self.rec
         rec.receive(0, grad)
-        grads = on_grad(rec)
+        grads = self.on_grad(rec)
         if grads is None:
             return None
-        gx = jac.backprop((kept,), None, grad.unsqueeze(0), hp)[0][0]
+        hp = self.jac.params(rec.module)
+        gx = [self.jac.backprop((self.kept,), None, grad.unsqueeze(0), hp)[0][0]] if needs_x else []
         # zeros where the block gives none (ClipGrad writes its clipped sums at the end)
-        return [gx, *(grads[n] if n in grads else torch.zeros_like(p) for n, p in rec.params.items())]
-
-    return hook
+        return gx + [grads[n] if n in grads else torch.zeros_like(p) for n, p in rec.params.items()]
 
 
 class ComputeOnce(torch.autograd.Function):
