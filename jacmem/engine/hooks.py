@@ -26,7 +26,7 @@ from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
-from jacmem.derivatives.registry import own_parameters
+from jacmem.derivatives.registry import REGISTRY, Passthrough, own_parameters, registered_type
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 
@@ -82,8 +82,13 @@ def eager(hook: Callable) -> Callable:
             return _run(hook, True, args, kwargs)
         if not output.requires_grad:
             return None
-        margs, output = _spread(margs, output)
-        token = torch.ops.jacmem.tap(_slot(hook, module), list(margs), output)
+        margs, output = _spread(margs, output)  # (it spreads integer ids only: never a fused call's input)
+        slot = _slot(hook, module)
+        params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        if len(margs) == 1 and all(t.dtype == output.dtype for t in (*margs, *params)) and _fusable(module):
+            token = torch.ops.jacmem.tap(slot, list(margs), output, True)
+            return Fused.apply(slot, token, margs[0], [output.detach()], *params)
+        token = torch.ops.jacmem.tap(slot, list(margs), output, False)
         return Tap.apply(output, token)
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
@@ -136,10 +141,13 @@ _NUMBERS = itertools.count()
 #: module -> forward hook -> its slot
 _SLOT_OF: weakref.WeakKeyDictionary[nn.Module, dict[Callable, int]] = weakref.WeakKeyDictionary()
 #: id -> the output-gradient hook of a record made in a compiled graph, until its graph
-#: is freed or its recorder closes (:func:`_hook`)
-_TAPPED: OrderedDict[int, Callable[[Tensor], None]] = OrderedDict()  # (weakly referable, for the handles)
+#: is freed or its recorder closes (:func:`_hook`); that of a :class:`Fused` call returns
+#: the gradients of the call's input and parameters
+_TAPPED: OrderedDict[int, Callable[[Tensor], Any]] = OrderedDict()  # (weakly referable, for the handles)
 #: while :func:`_tap` runs a forward hook: the ids in ``_TAPPED`` of the hooks its records set
 _DEFERRED: list[list[int]] = []
+#: while :func:`_tap` runs a forward hook: whether its graph runs the call through :class:`Fused`
+_FUSING: list[bool] = []
 
 
 @torch.compiler.assume_constant_result
@@ -154,27 +162,47 @@ def _slot(hook: Callable, module: nn.Module) -> int:
     return slots[hook]
 
 
+@torch.compiler.assume_constant_result
+def _fusable(module: nn.Module) -> bool:
+    """Whether a compiled graph runs calls of ``module`` through :class:`Fused`: its type
+    is registered, its layer can run through :class:`ComputeOnce`, and that layer covers
+    each of its trainable parameters (run when torch.compile traces the call; a constant
+    of the graph)."""
+    if registered_type(REGISTRY, type(module)) is None:
+        return False
+    entry, jac = lookup(module), lookup_passthrough(module)
+    params = [n for n, p in own_parameters(module) if p.requires_grad]
+    return (
+        entry is not None and entry.compute_once and jac is not None and jac.jac_t is not None
+        and all("." not in n and n in entry.params for n in params)
+    )  # fmt: skip
+
+
 @torch.library.custom_op("jacmem::tap", mutates_args=())
-def _tap(slot: int, args: list[Tensor], output: Tensor) -> Tensor:
+def _tap(slot: int, args: list[Tensor], output: Tensor, fused: bool) -> Tensor:
     """At a compiled graph's run time: the forward hook of ``slot`` on the call
     ``module(*args) -> output``, as in an eager forward; returns, as a [K] int64 CPU
     tensor, the ids of the output-gradient hooks its records set (in ``_TAPPED``,
-    dropped when the tensor is freed with the graph that saves it)."""
+    dropped when the tensor is freed with the graph that saves it). ``fused``: the graph
+    runs the call through :class:`Fused`, whose backward takes the parameters'
+    gradients from its record where the block computes them."""
     hook, module = _SLOTS[slot]
     module = module()  # alive: the model whose compiled graph runs holds it
     _DEFERRED.append([])
+    _FUSING.append(fused)
     try:
         with compat.autograd_inside_op(), torch.enable_grad():
             _run(hook, True, (module, tuple(args), {}, output.detach().requires_grad_()), {})
     finally:
         ids = _DEFERRED.pop()
+        _FUSING.pop()
     token = torch.tensor(ids, dtype=torch.int64)
     weakref.finalize(token, _untap, ids)
     return token
 
 
 @_tap.register_fake
-def _(slot, args, output):
+def _(slot, args, output, fused):
     return torch.empty(0, dtype=torch.int64)  # (its length is data-dependent: torch.compile never reads it)
 
 
@@ -213,6 +241,54 @@ class Tap(torch.autograd.Function):
         (token,) = ctx.saved_tensors
         torch.ops.jacmem.tapped(grad, token)
         return grad, None
+
+
+@torch.library.custom_op("jacmem::fused", mutates_args=())
+def _fused(grad: Tensor, token: Tensor, slot: int, x: Tensor, params: list[Tensor], needs_x: bool) -> list[Tensor]:
+    """In a compiled backward: ``grad``, the gradient of the output of a call run through
+    :class:`Fused`, to its record (:func:`_tap`); returns the gradients of the call's input
+    (where ``needs_x``) and parameters, ``[x, *params]`` or ``params``: the record's, as
+    :class:`ComputeOnce` gives them, or, where it gives none (no block takes them), those
+    of the module's forward run again (:func:`_recomputed`)."""
+    with compat.autograd_inside_op():
+        for i in token.tolist():
+            hook = _TAPPED.get(i)
+            if hook is None:
+                continue
+            # (a record not run fused, as a block that computes no summed gradients makes: its plain hook)
+            grads = hook(grad, needs_x) if isinstance(hook, FusedHook) else hook(grad)
+            if grads is not None:
+                return grads
+        module = _SLOTS[slot][1]()
+        names = [n for n, p in own_parameters(module) if p.requires_grad]
+        grads = _recomputed(module, names, x, params, grad, [needs_x] + [True] * len(params))
+        return grads if needs_x else grads[1:]
+
+
+@_fused.register_fake
+def _(grad, token, slot, x, params, needs_x):
+    return [torch.empty_like(t) for t in ([x] if needs_x else []) + params]
+
+
+class Fused(torch.autograd.Function):
+    """A call recorded in a compiled graph whose layer runs through :class:`ComputeOnce`
+    in an eager forward: its output (a copy), cut from the module's own graph, so that
+    the compiled backward computes no weight gradient of its own; the gradients of its
+    input and parameters come from ``jacmem::fused``, from the same pass as the per-sample
+    quantities."""
+
+    @staticmethod
+    def forward(ctx, slot: int, token: Tensor, x: Tensor, out: list, *params: Tensor) -> Tensor:
+        ctx.slot = slot
+        ctx.save_for_backward(token, x, *params)
+        return out[0].clone()
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        token, x, *params = ctx.saved_tensors
+        needs_x = ctx.needs_input_grad[2]
+        grads = torch.ops.jacmem.fused(grad, token, ctx.slot, x, params, needs_x)
+        return (None, None, grads[0] if needs_x else None, None, *grads[needs_x:])
 
 
 def compiled() -> bool:
@@ -371,7 +447,12 @@ def record(
     rec = Record(module, name, entry, params, x, outputs)
     rec.batch_first = batch_first
 
-    fused = _compute_once(rec, args, output, on_grad) if once and not _DEFERRED else None
+    if _DEFERRED:  # in a compiled graph (:func:`_tap`)
+        jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
+        rec.once = jac is not None
+        _hook(rec, outputs, on_grad, handles, None if jac is None else (jac, args[0].detach()))
+        return rec, output
+    fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
         rec.once = True
         rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
@@ -400,11 +481,14 @@ def record_use(
     return rec
 
 
-def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles) -> None:
-    """Hooks on ``outputs`` that hand ``rec`` to ``on_grad`` once all their gradients arrived."""
+def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles, fused: tuple | None = None) -> None:
+    """Hooks on ``outputs`` that hand ``rec`` to ``on_grad`` once all their gradients arrived;
+    ``fused``: ``(layer's passthrough, the call's input)`` of a call run through :class:`Fused`,
+    whose hook returns the gradients of the call's input and parameters (or None where
+    ``on_grad`` gives none)."""
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in rec.params.items()}
     for i, out in enumerate(outputs):
-        hook = _make_hook(rec, i, on_grad)
+        hook = _make_hook(rec, i, on_grad) if fused is None else FusedHook(rec, on_grad, *fused)
         if _DEFERRED:  # in a compiled graph (:func:`_tap`): its output has one tensor
             handle = RemovableHandle(_TAPPED)
             _TAPPED[handle.id] = hook
@@ -420,6 +504,27 @@ def _make_hook(rec: Record, index: int, on_grad: OnGrad):
         on_grad(rec)
 
     return hook
+
+
+class FusedHook:
+    """The output-gradient hook of a record whose call a compiled graph runs through
+    :class:`Fused`: ``hook(grad, needs_x)`` hands the record to ``on_grad`` and returns the
+    gradients of the call's input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and
+    parameters, or None where ``on_grad`` gives none."""
+
+    def __init__(self, rec: Record, on_grad: OnGrad, jac: Passthrough, kept: Tensor):
+        self.rec, self.on_grad, self.jac, self.kept = rec, on_grad, jac, kept
+
+    def __call__(self, grad: Tensor, needs_x: bool) -> list[Tensor] | None:
+        rec = self.rec
+        rec.receive(0, grad)
+        grads = self.on_grad(rec)
+        if grads is None:
+            return None
+        hp = self.jac.params(rec.module)
+        gx = [self.jac.backprop((self.kept,), None, grad.unsqueeze(0), hp)[0][0]] if needs_x else []
+        # zeros where the block gives none (ClipGrad writes its clipped sums at the end)
+        return gx + [grads[n] if n in grads else torch.zeros_like(p) for n, p in rec.params.items()]
 
 
 class ComputeOnce(torch.autograd.Function):
@@ -477,8 +582,9 @@ def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tenso
     return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
-def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
-    """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
+def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
+    """How the input gradient of ``rec``'s call is computed where the layer can run
+    through :class:`ComputeOnce` (or :class:`Fused`), else ``None``."""
     entry = rec.entry
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
@@ -487,8 +593,15 @@ def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
     if any(p not in supported for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
         return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
     jac = lookup_passthrough(rec.module)
-    if jac is None or jac.jac_t is None:
+    return None if jac is None or jac.jac_t is None else jac
+
+
+def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
+    """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
+    jac = _passthrough(rec, args, output)
+    if jac is None:
         return None
+    x, params = args[0], list(rec.params.values())
     hp = jac.params(rec.module)
     kept = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((kept,), None, S, hp), [output.detach()], x, *params)

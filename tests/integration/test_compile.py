@@ -251,3 +251,46 @@ def test_code_compiled_before_the_hooks_raises_naming_the_fix():
     with jacmem.extend(jacmem.BatchGrad()):
         cross_entropy(compiled(X), y, "mean").backward()
     check_against(model, reference, ["grad_batch"], "[after reset]")
+
+
+def test_compiled_layers_compute_their_gradient_once_as_eager_ones_do():
+    """A compiled Conv2d or Linear runs through ``Fused`` (as ``ComputeOnce`` in an eager
+    forward): the block gives its weight gradient from the pass of its per-sample
+    quantities, so it picks the same strategies as in an eager step (explain()), and the
+    compiled backward computes no gradient of its own for it."""
+    model, X, y = cnn()
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    explained = {}
+    for mode in ("eager", "compiled"):
+        run = torch.compile(model, backend="aot_eager") if mode == "compiled" else model
+        clear(model)
+        with jacmem.extend(jacmem.BatchL2Grad()) as block:
+            cross_entropy(run(X), y, "mean").backward()
+        check_against(model, reference, ("grad", "batch_l2"), f"[{mode}]")
+        explained[mode] = block.explain().replace("_orig_mod.", "")
+    assert explained["compiled"] == explained["eager"]
+    assert all("; grad <- " in line for line in explained["compiled"].splitlines())
+
+
+def test_a_fused_graph_backward_after_its_block_gives_autograd_gradients(monkeypatch):
+    """A graph traced inside a first-order block runs its layers through ``Fused``; where
+    its backward comes after the block has closed (its records are gone), the layers'
+    gradients are those of their forward run again: exact."""
+    model, X, y = cnn()
+    plain = copy.deepcopy(model)
+    cross_entropy(plain(X), y, "mean").backward()
+    compiled = torch.compile(model, backend="aot_eager")
+    with jacmem.extend(jacmem.BatchGrad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    clear(model)
+    recomputed, original = [], hooks._recomputed
+    monkeypatch.setattr(
+        hooks, "_recomputed", lambda module, *args: recomputed.append(module) or original(module, *args)
+    )
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss = cross_entropy(compiled(X), y, "mean")
+    with pytest.warns(UserWarning, match="after the block had closed"):
+        loss.backward()
+    assert len(recomputed) == 3  # the two Conv2d and the Linear
+    for (name, p), q in zip(model.named_parameters(), plain.parameters()):
+        torch.testing.assert_close(p.grad, q.grad, atol=1e-12, rtol=1e-10, msg=name)
