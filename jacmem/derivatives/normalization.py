@@ -159,6 +159,22 @@ def bias_batch_grad(x, g: Tensor, *, trailing, batch_statistics, **_) -> Tensor:
     return per_sample(g, trailing)
 
 
+def squared_vjps(x, S: Tensor, params, batch: bool, budget: float, **hp) -> dict[str, Tensor] | None:
+    """The GGN diagonal's ``Σ_v (J_θᵀ S[v])²`` of a norm over the trailing axes
+    (LayerNorm, RMSNorm), with ``x̂`` formed once for the weight: ``x [N, *, *ns]``,
+    ``S [V, N, *, *ns]`` -> ``[(N,) *ns]`` per parameter; ``None`` for the channel
+    layout (the per-sample gradients then)."""
+    trailing = hp["trailing"]
+    if not trailing or not isinstance(x, Tensor):
+        return None
+    out = {}
+    for name in params:
+        g = S * normalized(x, **hp) if name == "weight" else S  # [V, N, *, *ns]
+        g = per_sample(g.flatten(0, 1), trailing).unflatten(0, S.shape[:2]).square().sum(0)  # [N, *ns]
+        out[name] = g if batch else g.sum(0)
+    return out
+
+
 _HYPERPARAMS = {
     nn.BatchNorm1d: batch_norm_hyperparams,
     nn.BatchNorm2d: batch_norm_hyperparams,
@@ -216,9 +232,15 @@ def _recognise(center: bool) -> Callable[[nn.Module, Any, Any], dict | None]:
 
 # LayerNorm and RMSNorm scale each entry by its own parameter: KFAC/KFLR give their GGN diagonal
 _DIAGONAL = Kronecker(diagonal=True)
-layer(nn.LayerNorm, recognise=_recognise(center=True), kronecker=_DIAGONAL)
+layer(nn.LayerNorm, recognise=_recognise(center=True), kronecker=_DIAGONAL, squared_vjps=squared_vjps)
 if _RMS_NORM is not None:  # a weight, and no bias
-    layer(_RMS_NORM, hyperparams=rms_norm_hyperparams, recognise=_recognise(center=False), kronecker=_DIAGONAL)
+    layer(
+        _RMS_NORM,
+        hyperparams=rms_norm_hyperparams,
+        recognise=_recognise(center=False),
+        kronecker=_DIAGONAL,
+        squared_vjps=squared_vjps,
+    )
     register(_RMS_NORM, "weight", "batch_grad", "sum", cost=_weight_cost)(weight_batch_grad)
 
 

@@ -344,8 +344,25 @@ def registered_type(table: Mapping[type | str, Any], module_type: type) -> type 
     :func:`qualified_name`); else the stock type it :func:`stands_for`; else its nearest
     base class in ``table``, where the subclass keeps that class's ``forward`` (so its
     math is the same); else ``None``. Every registry of jacmem (first-order, Jacobians,
-    losses) looks up through this one rule."""
+    losses) looks up through this one rule; the answer is kept per table and type until
+    the table's size, the registrations (:func:`_changed`) or the type's ``forward``
+    change (a forward looks up each module several times)."""
     forward = module_type.forward
+    kept = _FOUND.setdefault(module_type, {})
+    seen = kept.get(id(table))
+    if seen is not None and seen[0] == len(table) and seen[1] == _VERSION[0] and seen[2] is forward:
+        return seen[3]
+    found = _registered_type(table, module_type, forward)
+    kept[id(table)] = (len(table), _VERSION[0], forward, found)
+    return found
+
+
+#: module type -> {id(table): (the table's size, the registration count, the type's
+#: forward, :func:`registered_type`'s answer then)}; the tables are the module's own
+_FOUND: weakref.WeakKeyDictionary[type, dict[int, tuple]] = weakref.WeakKeyDictionary()
+
+
+def _registered_type(table: Mapping[type | str, Any], module_type: type, forward) -> type | str | None:
     for cls in module_type.__mro__:
         stock = cls.__dict__.get("stands_for")
         key = cls if cls in table else qualified_name(cls)
@@ -598,12 +615,14 @@ def passthrough(*module_types: type, **fields) -> Passthrough:
     ``forward`` (it must be deterministic, with tensor inputs and one tensor output).
     """
     entry = Passthrough(**fields)
+    _changed()
     for t in module_types:
         PASSTHROUGH[t] = entry
     return entry
 
 
 def loss(module_type: type, entry: LossHessian) -> LossHessian:
+    _changed()
     LOSSES[module_type] = entry
     return entry
 

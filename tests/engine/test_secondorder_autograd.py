@@ -373,6 +373,35 @@ def test_a_loss_term_on_hidden_states_raises():
     assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
 
 
+@pytest.mark.parametrize("ext", [DiagGGNExact, KFLR])
+def test_a_loss_target_made_by_the_model_raises(ext):
+    """The loss's target needs a gradient (a hidden layer's output): that layer's
+    output reaches the loss other than through the loss's input, where the GGN splits;
+    refused."""
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+    with pytest.raises((ChainError, NotImplementedError), match="comes from tracked modules|reaches the loss"):
+        with jacmem.extend(ext()):
+            h = model.a(X)
+            z = model.b(model.norm(F.gelu(h)))
+            F.mse_loss(z, torch.tanh(h[:, :4])).backward()
+
+
+def test_the_gradient_check_is_skipped_only_where_the_loss_takes_nothing_else():
+    """Where the loss's graph takes only its input ``z`` (and tensors with no gradient),
+    every gradient passes through ``z`` and the check's own backward is skipped; a
+    target with a gradient keeps it."""
+    from jacmem.engine.secondorder.autograd_path import _only_through
+
+    model, X, y = FunctionalMLP(), torch.randn(3, 5), torch.tensor([0, 3, 1])
+    z = model(X)
+    edge = torch.autograd.graph.get_gradient_edge
+    assert _only_through(edge(F.cross_entropy(z, y)), edge(z))
+    assert _only_through(edge(F.cross_entropy(z[:, 1:].float() / 2, y.clamp(max=2))), edge(z))
+    assert not _only_through(edge(F.mse_loss(z, model.a(X)[:, :4])), edge(z))
+    assert not _only_through(edge(F.cross_entropy(z + model.b.bias, y)), edge(z))
+
+
 def test_a_loss_coupling_samples_raises():
     torch.manual_seed(0)
     model, X = FunctionalMLP(), torch.randn(3, 5)

@@ -215,3 +215,17 @@ def test_kfra_block_on_the_input_is_kflr_at_batch_size_one():
     for name, p in model.named_parameters():
         for a, b in zip(p.kfra, p.kflr, strict=True):
             torch.testing.assert_close(a, b, msg=name)
+
+
+@pytest.mark.parametrize("norm", ["LayerNorm", "RMSNorm"])
+def test_norms_ggn_and_hessian_diagonals_over_middle_axes(norm):
+    """The norms over trailing axes take their diagonals directly (x̂ once, no per-sample
+    gradients), with a middle axis and two normalised axes: against the dense float64
+    GGN and Hessian, per sample too."""
+    torch.manual_seed(0)
+    layer = {"LayerNorm": nn.LayerNorm((3, 4)), "RMSNorm": nn.RMSNorm((3, 4))}[norm]
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.add_(torch.randn_like(p) * 0.3)
+    model = nn.Sequential(layer, nn.Flatten(), nn.Linear(24, 3)).to(DT)
+    check_exact(model, nn.CrossEntropyLoss(), torch.randn(5, 2, 3, 4, dtype=DT), torch.randint(0, 3, (5,)))

@@ -161,7 +161,8 @@ class AutogradPath:
                     L, g_z = None, self._gradient(root, g_root, split, create_graph=False)
                 empirical = self._empirical(root, g_root, split, losses) if "empirical" in kinds else None
                 factors = self._factors(L, split.shape, sampler, root, g_root, empirical)
-                run.autograd = self._push(run, factors, g_z, split, records)
+                self._push(run, factors, g_z, split, records)
+                run.autograd = _expected(split, records, g_z, losses)
         finally:
             self.busy = self.running = False
 
@@ -296,27 +297,27 @@ class AutogradPath:
                 out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
         return out
 
-    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> dict:
+    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> None:
         """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
         columns under ``chunk_bytes`` (one batched backward each); the modules' results
-        staged in ``run``. Returns ``{id(node): the image of ∂L/∂z at its output}``, for
-        :meth:`_check`."""
+        staged in ``run``."""
         nodes, edges, z = [r[0] for r in records], [r[1] for r in records], split.edge
         n = split.shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
-        expected = {id(node): _summary(G) for node, G in zip(nodes, _vjps(z, edges, g_z)) if G is not None}
         column = (prod(split.shape) + sum(prod(node.out_shape) for node in nodes)) * g_z.element_size()
         step = max(1, int(self.engine.budget // max(column, 1)))
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
+        adds = _broadcast_adds(z, [edges[i] for i in shared]) if shared else []
+        direct = [add for add in adds if add is not None]  # taken in the same backward as the modules' outputs
         for kind, S in factors.items():
             exts = [e for e in self.engine.extensions if kind in e.kinds]
             for start in range(0, S.shape[0], step):
                 cols = S[start : start + step]
-                grads = _batched_vjps(z, edges, cols)
+                grads = _batched_vjps(z, edges + direct, cols)
+                grads, at_adds = grads[: len(edges)], grads[len(edges) :]
                 if shared:
-                    per = _per_sample(
-                        z, [edges[i] for i in shared], [nodes[i].out_shape for i in shared], cols, max(1, step // n)
-                    )
+                    shapes = [nodes[i].out_shape for i in shared]
+                    per = _per_sample(z, [edges[i] for i in shared], shapes, cols, max(1, step // n), adds, at_adds)
                     for k, i in enumerate(shared):
                         grads[i] = per[k]
                 for i, node in enumerate(nodes):
@@ -332,7 +333,6 @@ class AutogradPath:
                     for p in node.params
                 },
             )
-        return expected
 
     def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
         """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
@@ -371,7 +371,7 @@ class AutogradPath:
         if self.busy:
             return
         run = self.engine.passes.state(self.engine)
-        if run.autograd is None:
+        if run.autograd is None or run.autograd is _THROUGH_Z:
             return
         want = run.autograd.get(id(node))
         have = _summary(grad)
@@ -389,6 +389,46 @@ class AutogradPath:
                 "compute the loss from the model's output alone (no auxiliary losses on hidden states or "
                 "parameters), or freeze that module's parameters"
             )
+
+
+#: :meth:`AutogradPath._check`'s reference where every gradient passes through ``z`` by
+#: the graph's shape (:func:`_expected`): nothing to compare
+_THROUGH_Z: dict = {}
+
+#: how many autograd nodes between a loss's output and its input :func:`_only_through` walks
+_LOSS_NODES = 64
+
+
+def _expected(split: Split, records: list, g_z: Tensor, losses: list) -> dict:
+    """:meth:`AutogradPath._check`'s reference: ``{id(node): the summary of the image of
+    ∂L/∂z at its output}`` (one backward); :data:`_THROUGH_Z` where ``z`` is the input of
+    the loss that the root is a multiple of (:func:`_split`) and the loss's graph takes
+    nothing else that needs a gradient: every gradient then comes through ``z``."""
+    if split.node is None and _only_through(losses[0][1], split.edge):
+        return _THROUGH_Z
+    nodes, edges = [r[0] for r in records], [r[1] for r in records]
+    return {id(node): _summary(G) for node, G in zip(nodes, _vjps(split.edge, edges, g_z)) if G is not None}
+
+
+def _only_through(out: GradientEdge, z: GradientEdge) -> bool:
+    """Whether every path of autograd's graph from ``out`` down ends at ``z`` (or at a
+    tensor that needs no gradient), within :data:`_LOSS_NODES` nodes."""
+    seen, todo = set(), [out.node]
+    while todo:
+        fn = todo.pop()
+        if fn in seen:
+            continue
+        seen.add(fn)
+        if len(seen) > _LOSS_NODES:
+            return False
+        for nxt, nr in fn.next_functions:
+            if nxt is z.node and nr == z.output_nr:
+                continue
+            if nxt is z.node or (nxt is not None and not nxt.next_functions):
+                return False  # another output of z's node, or a leaf (a parameter)
+            if nxt is not None:
+                todo.append(nxt)
+    return True
 
 
 def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tensor:
@@ -532,20 +572,21 @@ def _batched_vjps(z: GradientEdge, edges: list, cols: Tensor) -> list[Tensor | N
     return list(torch.autograd.grad([z], edges, [cols], retain_graph=True, allow_unused=True, is_grads_batched=True))
 
 
-def _per_sample(z: GradientEdge, edges: list, shapes: list, cols: Tensor, step: int) -> list[Tensor | None]:
+def _per_sample(
+    z: GradientEdge, edges: list, shapes: list, cols: Tensor, step: int, adds: list, at_adds: list
+) -> list[Tensor | None]:
     """Columns ``cols [v, N, *z]`` to shared outputs ``[1, *out]``, one sample at a time
     (the VJP of a whole column would sum the samples): ``[v, N, 1, *out]`` (``shapes``:
-    each output's, ``[1, *out]``). An output
-    that enters the batch by one broadcast addition (:func:`_broadcast_adds`: BERT's
-    position embeddings) takes the columns at that addition's output ``[v, N, *out]``,
-    which is its gradient sample by sample, in the one batched backward; any other,
-    each column split into its ``N`` samples' parts, ``step`` columns' parts (``step·N``)
-    per batched backward."""
+    each output's, ``[1, *out]``). An output that enters the batch by one broadcast
+    addition (``adds``, by :func:`_broadcast_adds`: BERT's position embeddings) takes
+    the columns at that addition's output ``[v, N, *out]`` (``at_adds``, one per addition
+    found, from the backward that gave the other modules theirs), which is its gradient
+    sample by sample; any other, each column split into its ``N`` samples' parts,
+    ``step`` columns' parts (``step·N``) per batched backward."""
     v, n = cols.shape[:2]
     out: list[Tensor | None] = [None] * len(edges)
-    adds = _broadcast_adds(z, edges)
     direct = [k for k, add in enumerate(adds) if add is not None]
-    for k, G in zip(direct, _batched_vjps(z, [adds[k] for k in direct], cols) if direct else []):
+    for k, G in zip(direct, at_adds):
         if G is not None and G.shape[1:] == (n, *shapes[k][1:]):  # else the addition broadcasts more
             out[k] = G.unsqueeze(2)
     rest = [k for k, add in enumerate(adds) if add is None or out[k] is None]
