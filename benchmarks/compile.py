@@ -171,7 +171,6 @@ def main(argv=None) -> None:
         )
     block = table(results, args)
     print(block)
-    markdown.parent.mkdir(parents=True, exist_ok=True)
     harness.write_block(markdown, block, START, END)
 
 

@@ -203,7 +203,6 @@ def main(argv=None) -> None:
         print(f"[{i}/{len(SETTINGS)}] {label}: {shown}", file=sys.stderr, flush=True)
     block = "\n".join(table(results, args))
     print(block)
-    markdown.parent.mkdir(parents=True, exist_ok=True)
     harness.write_block(markdown, block, START, END)
 
 

@@ -127,7 +127,8 @@ def machine() -> dict:
 
 def write_block(path: Path, block: str, start: str, end: str) -> None:
     """Replace the block between ``start`` and ``end`` in ``path`` (read right before
-    writing), or append it."""
+    writing), or append it; ``path``'s folder is made if missing."""
+    path.parent.mkdir(parents=True, exist_ok=True)
     text = path.read_text() if path.exists() else ""
     pattern = re.compile(re.escape(start) + ".*?" + re.escape(end), re.S)
     text = pattern.sub(lambda m: block, text) if pattern.search(text) else text.rstrip("\n") + "\n\n" + block + "\n"

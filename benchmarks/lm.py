@@ -388,7 +388,6 @@ def main(argv=None) -> None:
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     todo = cases(args)
     results = []
-    markdown.parent.mkdir(parents=True, exist_ok=True)
     for i, case in enumerate(todo, 1):
         r = run_case(case, args.timeout)
         results.append(r)

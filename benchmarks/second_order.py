@@ -490,7 +490,6 @@ def main(argv=None) -> None:
         print(f"[{i}/{len(cases)}] {case['model']} {case['lib']} {case['ext']}: {shown}", file=sys.stderr, flush=True)
     block = table(results, args)
     print(block)
-    markdown.parent.mkdir(parents=True, exist_ok=True)
     harness.write_block(markdown, block, START, END)
 
 
