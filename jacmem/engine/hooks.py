@@ -211,15 +211,21 @@ def _untap(ids: list[int]) -> None:
         _TAPPED.pop(i, None)
 
 
+def _hooks_of(token: Tensor):
+    """The output-gradient hooks of ``token``'s records (:func:`_tap`) still held."""
+    for i in token.tolist():
+        hook = _TAPPED.get(i)
+        if hook is not None:
+            yield hook
+
+
 @torch.library.custom_op("jacmem::tapped", mutates_args=("grad",))
 def _tapped(grad: Tensor, token: Tensor) -> None:
     """In a compiled backward: ``grad``, the gradient of a call's output, to the hooks of
     ``token`` (:func:`_tap`). Declared as writing ``grad``, so that it runs in order."""
     with compat.autograd_inside_op():
-        for i in token.tolist():
-            hook = _TAPPED.get(i)
-            if hook is not None:
-                hook(grad)
+        for hook in _hooks_of(token):
+            hook(grad)
 
 
 @_tapped.register_fake
@@ -251,10 +257,7 @@ def _fused(grad: Tensor, token: Tensor, slot: int, x: Tensor, params: list[Tenso
     :class:`ComputeOnce` gives them, or, where it gives none (no block takes them), those
     of the module's forward run again (:func:`_recomputed`)."""
     with compat.autograd_inside_op():
-        for i in token.tolist():
-            hook = _TAPPED.get(i)
-            if hook is None:
-                continue
+        for hook in _hooks_of(token):
             # (a record not run fused, as a block that computes no summed gradients makes: its plain hook)
             grads = hook(grad, needs_x) if isinstance(hook, FusedHook) else hook(grad)
             if grads is not None:

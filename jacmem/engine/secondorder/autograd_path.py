@@ -153,9 +153,10 @@ class AutogradPath:
             with torch.enable_grad(), precision.computing(g_root.device):
                 split = _split(root, records, losses)
                 kinds = self.engine.kinds
+                mc = any(k.startswith("mc") for k in kinds)
                 sampler = self._sampler(root, split, losses)
-                self.notes = [_note(split, sampler, any(k.startswith("mc") for k in kinds))]
-                if "exact" in kinds or (sampler is None and any(k.startswith("mc") for k in kinds)):
+                self.notes = [_note(split, sampler, mc)]
+                if "exact" in kinds or (sampler is None and mc):
                     L, g_z = self._loss_factor(root, g_root, split)
                 else:
                     L, g_z = None, self._gradient(root, g_root, split, create_graph=False)
@@ -494,6 +495,8 @@ def _multiple_of(root: GradientEdge, edge: GradientEdge) -> bool:
 
 #: the most bytes the exact loss Hessian at the model's output (``[N, D, D]``) may take
 _EXACT_BYTES = 2**32
+#: the extensions that sample, for the messages that name them where the exact ones cannot run
+_MC_KINDS = "DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC"
 
 
 def _check_cost(where: str, n: int, d: int, kinds) -> None:
@@ -503,8 +506,7 @@ def _check_cost(where: str, n: int, d: int, kinds) -> None:
     if size <= _EXACT_BYTES:
         return
     fix = (
-        "use the Monte-Carlo kinds (DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC), which sample the loss's labels "
-        "and cost one backward per sample"
+        f"use the Monte-Carlo kinds ({_MC_KINDS}), which sample the loss's labels and cost one backward per sample"
         if "exact" in kinds
         else "the Monte-Carlo kinds sample the loss's labels only where the root is one loss (CrossEntropyLoss, "
         "MSELoss, BCEWithLogitsLoss, as a module or function) times a factor, on the model's output through casts, "
@@ -531,7 +533,7 @@ def _note(split: Split, sampler, mc: bool) -> str:
         "in reach"
         if size <= _EXACT_BYTES
         else "out of reach: the exact kinds (DiagGGNExact, KFLR, SqrtGGNExact, BatchDiagGGNExact) refuse, use "
-        "the Monte-Carlo kinds (DiagGGNMC, KFAC, SqrtGGNMC, BatchDiagGGNMC)"
+        f"the Monte-Carlo kinds ({_MC_KINDS})"
     )
     drawn = (
         "the loss's labels, one backward column per Monte-Carlo sample"
