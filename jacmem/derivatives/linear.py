@@ -116,24 +116,30 @@ def _moments_cost(xs, gs) -> Cost:
     return Cost(flops=2 * N * T * I * O + 2 * N * I * O, workspace=0)
 
 
-def _sum_outer_squares(a: Tensor, b: Tensor) -> Tensor:
+def _sum_outer_squares(a: Tensor, b: Tensor, also: tuple[str, ...] = ()) -> Tensor | dict[str, Tensor]:
     """Σ_n (a_nᵀ b_n) ⊙ (a_nᵀ b_n), the products of a block of samples at a time in one
     reused buffer, squared into one result (a weight ``[3072, 768]`` at T > 1 otherwise
-    went one sample per chunk, each with new buffers): [N, T, P], [N, T, Q] -> [P, Q]"""
+    went one sample per chunk, each with new buffers): [N, T, P], [N, T, Q] -> [P, Q];
+    with ``also=("grad",)``, ``{"sum_grad_squared": that, "grad": Σ_n a_nᵀ b_n}``, the sum
+    taken from the same products while they are in cache"""
     n, p, q = a.shape[0], a.shape[-1], b.shape[-1]
     block = max(1, min(n, _MOMENT_BLOCK_BYTES // max(p * q * a.element_size(), 1)))
     buffer, out = a.new_empty((block, p, q)), a.new_zeros((p, q))
+    total = a.new_zeros((p, q)) if "grad" in also else None
     for start in range(0, n, block):
         k = min(block, n - start)
         for product in torch.bmm(a[start : start + k].transpose(1, 2), b[start : start + k], out=buffer[:k]):
             out.addcmul_(product, product)
-    return out
+            if total is not None:
+                total.add_(product)
+    return out if total is None else {"sum_grad_squared": out, "grad": total}
 
 
-@register(nn.Linear, "weight", "sum_grad_squared", "outer", cost=_moments_cost)
-def weight_sum_grad_squared_outer(x: Tensor, g: Tensor) -> Tensor:
-    """Σ_n (Σ_t g_t x_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [O, I]"""
-    return _sum_outer_squares(_flat(g), _flat(x))
+@register(nn.Linear, "weight", "sum_grad_squared", "outer", cost=_moments_cost, also=("grad",))
+def weight_sum_grad_squared_outer(x: Tensor, g: Tensor, also=()) -> Tensor | dict[str, Tensor]:
+    """Σ_n (Σ_t g_t x_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [O, I]
+    (and the summed gradient where ``also`` asks, see :func:`_sum_outer_squares`)"""
+    return _sum_outer_squares(_flat(g), _flat(x), also)
 
 
 @register(nn.Linear, "bias", "batch_grad", "sum")
@@ -168,10 +174,11 @@ def conv1d_weight_sum_grad_squared(x: Tensor, g: Tensor) -> Tensor:
     return torch.einsum("ni,no->io", _flat(x).squeeze(1).square(), _flat(g).squeeze(1).square())
 
 
-@register(CONV1D, "weight", "sum_grad_squared", "outer", cost=_moments_cost)
-def conv1d_weight_sum_grad_squared_outer(x: Tensor, g: Tensor) -> Tensor:
-    """Σ_n (Σ_t x_t g_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [I, O]"""
-    return _sum_outer_squares(_flat(x), _flat(g))
+@register(CONV1D, "weight", "sum_grad_squared", "outer", cost=_moments_cost, also=("grad",))
+def conv1d_weight_sum_grad_squared_outer(x: Tensor, g: Tensor, also=()) -> Tensor | dict[str, Tensor]:
+    """Σ_n (Σ_t x_t g_tᵀ)², blocks of samples at a time: [N, *, I], [N, *, O] -> [I, O]
+    (and the summed gradient where ``also`` asks)"""
+    return _sum_outer_squares(_flat(x), _flat(g), also)
 
 
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------

@@ -65,11 +65,15 @@ class Strategy:
     """One implementation of one quantity. ``fn(x, g, **hp)``; ``cost(xs, gs, **hp)``
     with the shapes of ``x`` and ``g``. ``writes_out``: a ``batch_grad`` strategy that
     also takes ``out=`` (a contiguous ``[N, *param.shape]`` tensor), writes its result
-    there and returns it, so that chunks need no copy into the whole result."""
+    there and returns it, so that chunks need no copy into the whole result. ``also``:
+    other quantities the same work gives (the summed gradient beside the per-sample
+    products' squares); called with ``also=`` a non-empty subset of them, ``fn`` returns
+    ``{quantity: tensor}`` for its own quantity and those."""
 
     fn: Callable[..., Any]
     cost: Callable[..., Cost | None] | None = None
     writes_out: bool = False
+    also: tuple[str, ...] = ()
 
 
 def _no_reason(**hp) -> str | None:
@@ -295,6 +299,7 @@ def register(
     *,
     cost: Callable[..., Cost | None] | None = None,
     writes_out: bool = False,
+    also: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
     """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
     parameter ``param`` of ``module_type``.
@@ -319,7 +324,7 @@ def register(
         new_table = (param, quantity) not in entry.strategies
         table = entry.strategies.setdefault((param, quantity), {})
         entry.unconfirmed.append(_Undo(param, quantity, strategy, table.get(strategy), new_table, new_entry))
-        table[strategy] = Strategy(fn, cost, writes_out)
+        table[strategy] = Strategy(fn, cost, writes_out, tuple(also))
         return fn
 
     return decorate

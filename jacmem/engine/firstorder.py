@@ -21,14 +21,22 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from typing import NamedTuple
 
 import torch
 from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
-from jacmem.derivatives.registry import own_parameters
-from jacmem.derivatives.tied import per_sample_cost, summed_moments, summed_norm_costs, summed_squared_norms
+from jacmem.derivatives.registry import Cost, own_parameters
+from jacmem.derivatives.tied import (
+    add_index_terms,
+    index_terms_cost,
+    per_sample_cost,
+    summed_moments,
+    summed_norm_costs,
+    summed_squared_norms,
+)
 from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
@@ -37,21 +45,40 @@ from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 
+class _Kept(NamedTuple):
+    """A call of a shared parameter, kept for its ghost factors ``(r, c)``."""
+
+    rec: hooks.Record
+    pname: str
+    x: Tensor
+    g: Tensor
+    dtype: torch.dtype
+    factors: tuple[Tensor, Tensor]
+
+    @property
+    def dense(self) -> bool:
+        """Whether ``r`` is dense (a Linear's output gradient), not row indices."""
+        return self.factors[0].is_floating_point()
+
+
 class _Staged:
     """What one backward pass has computed so far for one parameter."""
 
-    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls")
+    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls", "early")
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
         self.quantities: dict[str, Tensor] = {}
-        #: a parameter shared by several calls whose norms may come from ghost factors:
-        #: ``(record, parameter name, x, g, dtype)`` of each call so far; ``None`` once
-        #: its per-sample gradients are staged instead
-        self.calls: list[tuple] | None = []
+        #: a parameter shared by several calls whose quantities may come from ghost
+        #: factors: each call so far; ``None`` once its per-sample gradients are staged instead
+        self.calls: list[_Kept] | None = []
         #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
         #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
         self.grad: Tensor | None = None
+        #: ``sum_grad_squared`` and ``grad`` of the first kept call whose ghost factor
+        #: ``r`` is dense (an LM head's), computed at its call from its own per-sample
+        #: products, which give the summed gradient that call returns too (ComputeOnce)
+        self.early: dict[str, Tensor] | None = None
 
     def add(self, values: dict[str, Tensor]) -> None:
         for q, v in values.items():
@@ -202,6 +229,9 @@ class FirstOrderEngine(Engine):
         for pname, param in params.items():
             staged = self._stage(run, rec, pname, param, n)
             kept = self._keep(staged, rec, pname, x, g, dtype)
+            if kept and self._first_dense(staged):
+                grads.update(self._early(staged, rec, pname))
+                continue
             wanted = set() if kept else {"batch_grad"} if staged.summed else self.quantities
             extra = {"grad"} - wanted if rec.once else set()
             if not wanted | extra:
@@ -243,15 +273,38 @@ class FirstOrderEngine(Engine):
         if not staged.summed or staged.calls is None:
             return False
         if "batch_grad" not in self.quantities and pname in rec.entry.ghost_factors:
-            staged.calls.append((rec, pname, x, g, dtype))
+            staged.calls.append(_Kept(rec, pname, x, g, dtype, rec.entry.ghost_factors[pname](x, g, **rec.hp)))
             return True
         self._materialise(staged)
         return False
 
+    def _first_dense(self, staged: _Staged) -> bool:
+        """Whether the call just kept is the first of the parameter's kept calls whose
+        ghost factor ``r`` is dense, and the pass asks for ``sum_grad_squared`` or
+        ``grad`` without ``batch_l2``: its moments may then come now (:meth:`_early`)."""
+        if not self.quantities or self.quantities - {"grad", "sum_grad_squared"}:
+            return False
+        return staged.calls[-1].dense and sum(call.dense for call in staged.calls) == 1
+
+    def _early(self, staged: _Staged, rec: hooks.Record, pname: str) -> dict[str, Tensor]:
+        """The moments of a parameter's one dense call (:attr:`_Staged.early`), a block of
+        rows of a slice of samples at a time; returns its summed gradient where the call
+        runs through :class:`hooks.ComputeOnce` (from the same per-sample products)."""
+        wanted = self.quantities | ({"grad"} if rec.once else set())
+        staged.early = summed_moments([staged.calls[-1].factors], tuple(staged.param.shape), wanted, self.chunk_bytes)
+        if not rec.once:
+            return {}
+        # The summed gradient, where it stays in ``early``, is only read by autograd: a
+        # gradient it gets while another reference lives is neither stolen into .grad nor
+        # added to in place, so :func:`add_index_terms` may add to it at the end of the pass.
+        grad = staged.early["grad"] if "grad" in self.quantities else staged.early.pop("grad")
+        staged.grad = grad if staged.grad is None else staged.grad + grad
+        return {pname: grad.to(staged.param.dtype)}
+
     def _materialise(self, staged: _Staged) -> None:
         """Stage the per-sample gradients of the calls kept so far, summed."""
         calls, staged.calls = staged.calls, None
-        for rec, pname, x, g, dtype in calls:
+        for rec, pname, x, g, dtype, _ in calls:
             staged.add(self._quantities(rec, pname, staged.param, {"batch_grad"}, x, g, dtype))
 
     def _resolve_tied(self, staged: _Staged) -> None:
@@ -260,14 +313,18 @@ class FirstOrderEngine(Engine):
         cheaper; its ``sum_grad_squared`` and ``grad`` (and ``batch_l2`` where so chosen)
         from the per-sample gradients summed over the calls, a block of rows of a slice of
         samples at a time within ``chunk_bytes`` (:func:`summed_moments`), never one
-        sample's ``p.shape`` whole where that exceeds it. The choices are
-        ``explain()``'s, under the first call's module."""
+        sample's ``p.shape`` whole where that exceeds it; or, where some calls' rows are
+        indices (an embedding tied to a head) and the cost model finds it cheaper, the
+        per-sample gradients of the dense calls alone (the one dense call's are
+        :attr:`_Staged.early`), with the embeddings' terms from gathers
+        (:func:`add_index_terms`). The choices are ``explain()``'s, under the first
+        call's module."""
         calls, staged.calls = staged.calls, []
         if not calls:
             return
-        factors = [rec.entry.ghost_factors[pname](x, g, **rec.hp) for rec, pname, x, g, _ in calls]
+        factors = [call.factors for call in calls]
         shapes_ = [(tuple(r.shape), tuple(c.shape)) for r, c in factors]
-        rec, pname, _, g, _ = calls[0]
+        rec, pname, g = calls[0].rec, calls[0].pname, calls[0].g
 
         def choose(quantity: str, options: dict) -> str:
             return self.strategies.choose(
@@ -283,11 +340,25 @@ class FirstOrderEngine(Engine):
                 rest = self.quantities
         if not rest:
             return
+        shape, dense = tuple(staged.param.shape), [call.factors for call in calls if call.dense]
         entries = min(staged.param.numel() * staged.batch_size, max(1, int(self.chunk_bytes // itemsize(g))))
-        cost = per_sample_cost(shapes_, staged.param.numel(), entries)
-        for quantity in sorted(rest - {"batch_l2"}):  # the one way: for explain()
-            choose(quantity, {"tied per-sample gradients": cost})
-        staged.quantities.update(summed_moments(factors, tuple(staged.param.shape), rest, self.chunk_bytes))
+        options = {"tied per-sample gradients": per_sample_cost(shapes_, staged.param.numel(), entries)}
+        if "batch_l2" not in rest and len(dense) < len(calls):
+            early = staged.early is not None and len(dense) == 1
+            moments = [] if early else [s for s, call in zip(shapes_, calls) if call.dense]
+            options["tied index terms"] = _sum_costs(
+                index_terms_cost(shapes_), per_sample_cost(moments, staged.param.numel(), entries) if moments else None
+            )
+        if {choose(q, options) for q in sorted(rest)} != {"tied index terms"}:  # sorted: explain()'s order
+            staged.quantities.update(summed_moments(factors, shape, rest, self.chunk_bytes))
+            return
+        if staged.early is not None and len(dense) == 1:
+            out = staged.early  # its summed gradient, handed to autograd, is ours alone by now (see _early)
+        elif dense:
+            out = summed_moments(dense, shape, rest, self.chunk_bytes)
+        else:
+            out = {q: factors[0][1].new_zeros(shape) for q in rest}
+        staged.quantities.update(add_index_terms(out, factors))
 
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
@@ -440,6 +511,11 @@ class FirstOrderEngine(Engine):
             )
 
         self.notices.add(("first-order unsupported",), rec.name, say)
+
+
+def _sum_costs(a: Cost, b: Cost | None) -> Cost:
+    """Two steps one after the other: their FLOPs add, the larger workspace counts."""
+    return a if b is None else Cost(a.flops + b.flops, max(a.workspace, b.workspace))
 
 
 def _write(

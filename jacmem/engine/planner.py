@@ -34,7 +34,9 @@ class Option(Cost):
     ``kind``: ``"direct"``, a strategy of the quantity's own (the ghost norm, say);
     ``"pass"``, per-sample gradients by this ``batch_grad`` strategy, reduced, whose
     cost includes writing and reading them; ``"reuse"``, a pass already planned for the
-    quantities ``reuses``, which costs one more read of the per-sample gradients.
+    quantities ``reuses``, which costs one more read of the per-sample gradients;
+    ``"along"``, a direct strategy already planned for ``reuses`` that gives this
+    quantity from the same work (its ``also``).
     """
 
     kind: str = "direct"
@@ -135,13 +137,14 @@ def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Cost | None:
 class Plan:
     """How :func:`execute` gets the quantities of one parameter, as :func:`plan` chose them.
 
-    ``direct``: (quantity, strategy name, temporary bytes per sample) for each quantity
-    that a strategy of its own computes; ``passes``: (``batch_grad`` strategy name, the
+    ``direct``: (quantity, strategy name, temporary bytes per sample, the quantities it
+    gives along) for each quantity that a strategy of its own computes; ``passes``:
+    (``batch_grad`` strategy name, the
     quantities reduced from its per-sample gradients, their strategy's temporary bytes
     per sample) for each chunked pass.
     """
 
-    direct: tuple[tuple[str, str, float], ...]
+    direct: tuple[tuple[str, str, float, tuple[str, ...]], ...]
     passes: tuple[tuple[str, tuple[str, ...], float], ...]
 
 
@@ -199,7 +202,7 @@ def plan(
         grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
         grad_flops = min((c.flops for c in grad_costs if c is not None), default=0)
     passes: dict[str, list[str]] = {}
-    direct_steps: list[tuple[str, str, float]] = []
+    direct_steps: list[list] = []  # [quantity, strategy name, bytes per sample, quantities along]
     for q in order:
         direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
@@ -207,17 +210,27 @@ def plan(
             options = {name: Option(0, result, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
         else:
             options = dict(pass_options)
-        unshared = 0 if passes or q == "grad" else grad_flops
         for name, s in direct.items():
             c = _estimate(s, xs, gs, hp)
+            unshared = 0 if passes or q == "grad" or "grad" in s.also else grad_flops
             options[name] = None if c is None else Option(c.flops + unshared, c.workspace)
+        along = {
+            step[1]: step
+            for step in direct_steps
+            if q in entry.strategies[(param_name, step[0])][step[1]].also
+        }  # fmt: skip
+        for name, step in along.items():  # the same work gives it: nothing more to pay
+            options[name] = Option(0, 0, kind="along", reuses=(step[0],))
         name = choose(q, options)
-        if name in direct:
-            direct_steps.append((q, name, per_sample_bytes(options[name])))
+        if name in along:
+            along[name][3].append(q)
+        elif name in direct:
+            direct_steps.append([q, name, per_sample_bytes(options[name]), []])
         else:
             passes.setdefault(name, []).append(q)
     return Plan(
-        tuple(direct_steps), tuple((name, tuple(qs), per_sample_bytes(bg_costs[name])) for name, qs in passes.items())
+        tuple((q, name, size, tuple(riders)) for q, name, size, riders in direct_steps),
+        tuple((name, tuple(qs), per_sample_bytes(bg_costs[name])) for name, qs in passes.items()),
     )
 
 
@@ -284,15 +297,17 @@ def execute(
     chunked = Chunked(x, g, budget)
     dtype = chunked.dtype
     results: dict[str, Tensor] = {}
-    for q, name, per_sample in plan.direct:
-        fn, reduce = entry.strategies[(param_name, q)][name].fn, "cat" if q in PER_SAMPLE else "sum"
+    for q, name, per_sample, riders in plan.direct:
+        fn = entry.strategies[(param_name, q)][name].fn
+        reduce = {k: "cat" if k in PER_SAMPLE else "sum" for k in (q, *riders)}
         where = (module, param_name, name)
 
-        def direct(xc, gc, _, fn=fn, q=q, where=where):
-            return {q: check_result(fn(xc, gc, **hp), q, batch_size(gc), param, dtype, where)}
+        def direct(xc, gc, _, fn=fn, q=q, riders=riders, where=where):
+            out = fn(xc, gc, also=riders, **hp) if riders else {q: fn(xc, gc, **hp)}
+            return {k: check_result(v, k, batch_size(gc), param, dtype, where) for k, v in out.items()}
 
         try:
-            results.update(chunked.run(direct, per_sample, {q: reduce}))
+            results.update(chunked.run(direct, per_sample, reduce))
         except Exception as err:
             _blame(err, name)
             raise
@@ -378,11 +393,11 @@ def trial(
     def thunk(name: str):
         option = options[name]
         kind = getattr(option, "kind", "direct")
-        if kind == "reuse":
+        if kind in ("reuse", "along"):
             return None
         per_sample = option.workspace * size / max(n, 1)
         one = (
-            Plan(((quantity, name, per_sample),), ())
+            Plan(((quantity, name, per_sample, ()),), ())
             if kind == "direct"
             else Plan((), ((name, (quantity,), per_sample),))
         )

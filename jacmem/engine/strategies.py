@@ -92,7 +92,8 @@ class Decision:
 
     ``kind`` says how the chosen strategy gives the quantity: ``"direct"`` (its own
     strategy), ``"pass"`` (per-sample gradients by the chosen ``batch_grad`` strategy,
-    reduced) or ``"reuse"`` (from the pass already planned for ``reuses``).
+    reduced), ``"reuse"`` (from the pass already planned for ``reuses``) or
+    ``"along"`` (from the strategy already planned for ``reuses``, which gives it too).
 
     ``estimates``: the cost model's seconds per candidate (``None``: does not apply).
     ``measured``: where autotune timed the choice, the median seconds per applicable
@@ -118,8 +119,9 @@ class Decision:
 
     def describe(self) -> str:
         """``quantity <- how (why)``, for :meth:`StrategyChoices.explain`."""
-        if self.kind == "reuse":
-            same = f"{self.quantity} <- the same {self.chosen} pass as {', '.join(self.reuses)}"
+        if self.kind in ("reuse", "along"):
+            what = f"{self.chosen} pass" if self.kind == "reuse" else self.chosen
+            same = f"{self.quantity} <- the same {what} as {', '.join(self.reuses)}"
             return f"{same} ({self._timed_why()})" if self.timed else same
         how = f"per-sample gradients by {self.chosen}, reduced" if self.kind == "pass" else self.chosen
         if self.quantity == "batch_grad":

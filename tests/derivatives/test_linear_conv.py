@@ -247,7 +247,9 @@ def test_sum_of_squares_both_ways():
 def test_second_moments_of_a_sequence_linear_in_blocks_of_samples(block_bytes, monkeypatch):
     """A Linear on sequences: SumGradSquared and Variance by ``outer``, the per-sample
     products of a block of samples at a time in one buffer (one sample, two with a
-    short last block of five, all), against the per-sample loop."""
+    short last block of five, all), against the per-sample loop; the summed gradient
+    (Variance's, and the one the compute-once layer hands autograd) from the same
+    products, so one product per sample gives both."""
     from jacmem.derivatives import linear
 
     monkeypatch.setattr(linear, "_MOMENT_BLOCK_BYTES", block_bytes)
@@ -257,6 +259,9 @@ def test_second_moments_of_a_sequence_linear_in_blocks_of_samples(block_bytes, m
     reference = per_sample_grads(model, X, y, mse)
     ctx = run_jacmem(model, X, y, mse, "mean", [jacmem.SumGradSquared(), jacmem.Variance()])
     assert ctx.plan.decisions[("0", "weight", "sum_grad_squared")].chosen == "outer", ctx.explain()
+    grad = ctx.plan.decisions[("0", "weight", "grad")]
+    assert (grad.kind, grad.chosen, grad.reuses) == ("along", "outer", ("sum_grad_squared",)), ctx.explain()
+    assert "grad <- the same outer as sum_grad_squared" in ctx.explain()
     check_against(model, reference, ["sum_grad_squared", "variance"], f"blocks of {block_bytes} bytes")
 
 

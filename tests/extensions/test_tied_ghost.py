@@ -61,6 +61,14 @@ class TiedHead(nn.Module):
         return self.head(torch.tanh(self.mix(self.emb(ids)))).transpose(1, 2)
 
 
+class HeadTwice(TiedHead):
+    """:class:`TiedHead` with its head called twice, the second time on the positions reversed."""
+
+    def forward(self, ids):
+        h = torch.tanh(self.mix(self.emb(ids)))
+        return (self.head(h) + self.head(h.flip(1))).transpose(1, 2)
+
+
 def case(name: str):
     """(model, X, y, the tied parameter's name as explain() shows it); ids repeat within samples."""
     torch.manual_seed(0)
@@ -70,8 +78,9 @@ def case(name: str):
         return SharedLinears().to(DT), torch.randn(N, 3, 4, dtype=DT), torch.randint(0, 4, (N,)), "b.weight"
     ids = torch.randint(0, 5, (N, 6))
     ids[0, :2] = 0  # the padding row
-    if name == "embedding_head":
-        return TiedHead().to(DT), ids, torch.randint(0, 11, (N, 6)), "head.weight"
+    if name in ("embedding_head", "head_twice"):
+        model = TiedHead() if name == "embedding_head" else HeadTwice()
+        return model.to(DT), ids, torch.randint(0, 11, (N, 6)), "head.weight"
     return tied_lm("gpt2", d=8).to(DT).eval(), ids, torch.randint(0, 50257, (N, 6)), "model.lm_head.weight"
 
 
@@ -148,13 +157,65 @@ def test_second_moments_of_tied_parameters(name, chunk_bytes):
     exts = (jacmem.SumGradSquared(), jacmem.Variance(), jacmem.BatchL2Grad())
     with jacmem.extend(*exts, chunk_bytes=chunk_bytes) as ctx:
         cross_entropy(model(X), y, "mean").backward()
-    assert "sum_grad_squared <- tied per-sample gradients" in next(
+    way = "tied index terms" if name == "gpt2_50257" else "tied per-sample gradients"  # tiny: the fewer steps
+    assert f"sum_grad_squared <- {way}" in next(
         line for line in ctx.explain().splitlines() if line.startswith(f"{tied} ")
     )
     for p in trainable(model):
         for field in ("sum_grad_squared", "variance", "batch_l2"):
             expected = REFERENCE[field](reference[p])
             torch.testing.assert_close(getattr(p, field), expected, rtol=1e-9, atol=1e-15, msg=f"{name} {field}")
+
+
+def _moments(name: str, exts: tuple, monkeypatch, way: str | None = None, chunk_bytes: float = 2**30):
+    """The tied case's moments through ``exts``, with the cost model made to choose
+    ``way`` where given: checks every parameter's results and ``.grad`` against the
+    per-sample loop, and what explain() says -> the chosen way"""
+    if way is not None:
+        cost = Cost(0, 0) if way == "tied index terms" else Cost(float("inf"), 0)
+        monkeypatch.setattr(jacmem.engine.firstorder, "index_terms_cost", lambda shapes: cost)
+    model, X, y, tied = case(name)
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    clear(model)
+    with jacmem.extend(*exts, chunk_bytes=chunk_bytes) as ctx:
+        cross_entropy(model(X), y, "mean").backward()
+    for p in trainable(model):
+        torch.testing.assert_close(p.grad, reference[p].sum(0), rtol=1e-9, atol=1e-15, msg=f"{name} grad")
+        for ext in exts:
+            expected = REFERENCE[ext.savefield](reference[p])
+            got = getattr(p, ext.savefield)
+            torch.testing.assert_close(got, expected, rtol=1e-9, atol=1e-15, msg=f"{name} {ext.savefield}")
+    line = next(line for line in ctx.explain().splitlines() if line.startswith(f"{tied} "))
+    return line.split("sum_grad_squared <- ")[1].split(" (")[0]
+
+
+@pytest.mark.parametrize("way", ["tied per-sample gradients", "tied index terms"])
+@pytest.mark.parametrize("name", ["embedding_head", "gpt2_50257"])
+def test_second_moments_by_either_way(name, way, monkeypatch):
+    """An embedding tied to a head: the moments from the per-sample gradients summed over
+    the calls, or from the head's alone with the embedding's terms from gathers; both
+    exact, with BatchL2Grad beside them (so the head's moments come at the end of the
+    pass), under a chunk_bytes of a few rows."""
+    exts = (jacmem.SumGradSquared(), jacmem.Variance(), jacmem.BatchL2Grad())
+    assert _moments(name, exts, monkeypatch, way, chunk_bytes=288) == way
+
+
+@pytest.mark.parametrize("exts", [(jacmem.Variance(),), (jacmem.SumGradSquared(),)], ids=repr)
+@pytest.mark.parametrize("name", ["embedding_head", "gpt2_50257"])
+def test_second_moments_of_a_tied_head_at_its_call(name, exts):
+    """Variance or SumGradSquared alone: the head's moments come at its call, from the
+    per-sample products that also give the gradient it hands autograd (one product for
+    both), and the embedding's terms at the end of the pass; .grad is autograd's. At
+    the real vocabulary the cost model takes the gathers."""
+    way = _moments(name, exts, None)
+    assert way == "tied index terms" or name == "embedding_head"
+
+
+def test_second_moments_of_two_dense_calls_and_an_embedding(monkeypatch):
+    """A head used twice beside its embedding: the dense calls' moments need their summed
+    per-sample products, computed at the end of the pass (the first call's, taken at its
+    call, are not reused)."""
+    assert _moments("head_twice", (jacmem.Variance(),), monkeypatch, "tied index terms") == "tied index terms"
 
 
 def test_gpt2_real_vocabulary_variance_without_per_sample_gradients():
