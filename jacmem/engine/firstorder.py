@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import warnings
 import weakref
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -117,6 +118,8 @@ class FirstOrderEngine(Engine):
     def __init__(self, extensions: list[FirstOrderExtension], setup: Setup):
         self.extensions = extensions
         self.quantities = {q for ext in extensions for q in ext.quantities}
+        #: quantity -> how many of the extensions read it
+        self.readers = Counter(q for ext in extensions for q in ext.quantities)
         self.strategies, self.chunk_bytes = setup.strategies, setup.chunk_bytes
         self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
         self.owner: int | None = setup.owner
@@ -394,10 +397,16 @@ class FirstOrderEngine(Engine):
             sharding.synchronize(self.quantities, quantities, sizes)
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
-            _write(ext, s.param, key, ext.finalize(quantities[key], sizes[key]), sharded.get(key))
+            _write(ext, s.param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))
             for key, s in staged.items()
             for ext in self.extensions
         ]
+
+    def _handed(self, ext: FirstOrderExtension, quantities: dict[str, Tensor]) -> dict[str, Tensor]:
+        """``quantities`` for ``ext.finalize``, with a copy of each that it overwrites and
+        another extension of the block reads too."""
+        shared = [q for q in ext.overwrites if self.readers[q] > 1]
+        return {**quantities, **{q: quantities[q].clone() for q in shared}} if shared else quantities
 
     def _finish_partial(self, run: Staging) -> None:
         """The records whose outputs got only some gradients: zeros for the others."""
