@@ -41,7 +41,7 @@ from jacmem.derivatives.tied import (
 from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others, listing
-from jacmem.engine.planner import ContractError, batch_size, cached_plan, execute, itemsize, shapes
+from jacmem.engine.planner import ContractError, batch_size, cached_plan, chunk_budget, execute, itemsize, shapes
 from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.extensions.firstorder import FirstOrderExtension
 
@@ -294,7 +294,8 @@ class FirstOrderEngine(Engine):
         rows of a slice of samples at a time; returns its summed gradient where the call
         runs through :class:`hooks.ComputeOnce` (from the same per-sample products)."""
         wanted = self.quantities | ({"grad"} if rec.once else set())
-        staged.early = summed_moments([staged.calls[-1].factors], tuple(staged.param.shape), wanted, self.chunk_bytes)
+        budget = chunk_budget(self.chunk_bytes, staged.param.device)
+        staged.early = summed_moments([staged.calls[-1].factors], tuple(staged.param.shape), wanted, budget)
         if not rec.once:
             return {}
         # The summed gradient, where it stays in ``early``, is only read by autograd: a
@@ -344,7 +345,8 @@ class FirstOrderEngine(Engine):
         if not rest:
             return
         shape, dense = tuple(staged.param.shape), [call.factors for call in calls if call.dense]
-        entries = min(staged.param.numel() * staged.batch_size, max(1, int(self.chunk_bytes // itemsize(g))))
+        budget = chunk_budget(self.chunk_bytes, staged.param.device)
+        entries = min(staged.param.numel() * staged.batch_size, max(1, int(budget // itemsize(g))))
         options = {"tied per-sample gradients": per_sample_cost(shapes_, staged.param.numel(), entries)}
         if "batch_l2" not in rest and len(dense) < len(calls):
             early = staged.early is not None and len(dense) == 1
@@ -353,12 +355,12 @@ class FirstOrderEngine(Engine):
                 index_terms_cost(shapes_), per_sample_cost(moments, staged.param.numel(), entries) if moments else None
             )
         if {choose(q, options) for q in sorted(rest)} != {"tied index terms"}:  # sorted: explain()'s order
-            staged.quantities.update(summed_moments(factors, shape, rest, self.chunk_bytes))
+            staged.quantities.update(summed_moments(factors, shape, rest, budget))
             return
         if staged.early is not None and len(dense) == 1:
             out = staged.early  # its summed gradient, handed to autograd, is ours alone by now (see _early)
         elif dense:
-            out = summed_moments(dense, shape, rest, self.chunk_bytes)
+            out = summed_moments(dense, shape, rest, budget)
         else:
             out = {q: factors[0][1].new_zeros(shape) for q in rest}
         staged.quantities.update(add_index_terms(out, factors))

@@ -86,6 +86,12 @@ def _batch_size_of(gs) -> int:
 CPU_CHUNK_BYTES = 16 * 2**20
 
 
+def chunk_budget(budget: float, device: torch.device) -> float:
+    """The bytes a chunk of temporaries may take: ``budget``, and on CPU at most
+    :data:`CPU_CHUNK_BYTES`."""
+    return min(budget, CPU_CHUNK_BYTES) if device.type == "cpu" else budget
+
+
 class Chunked:
     """Runs strategy functions over slices of the batch and assembles their results.
 
@@ -96,7 +102,7 @@ class Chunked:
     def __init__(self, x, g, budget: float):
         first = _first(g)
         self.x, self.g = x, g
-        self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget
+        self.budget = chunk_budget(budget, first.device)
         self.n = batch_size(g)
         self.itemsize = first.element_size()
         self.dtype, self.device = first.dtype, first.device
