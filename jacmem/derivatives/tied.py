@@ -95,28 +95,35 @@ def summed_moments(
     return out
 
 
-def _rows_at(f: tuple[Tensor, Tensor], index: Tensor) -> Tensor:
-    """Rows ``index[n, t]`` of one call's per-sample gradients, from its ghost factors
-    ``(r, c)``: ``G_n[i_t] = Σ_s ⟨e_{i_t}, r_s⟩ c_s`` (a gather of ``r``, or ``[i_t = j_s]``
-    where ``r`` holds row indices ``j``), ``O(N T S C)``: ``index [N, T]`` -> ``[N, T, C]``"""
-    return torch.bmm(_row_gram(index, f[0]).to(f[1].dtype), f[1])
+def rows_at(factors: list[tuple[Tensor, Tensor]], index: Tensor) -> Tensor:
+    """Rows ``index[n, t]`` of the calls' per-sample gradients summed, from their ghost
+    factors ``(r, c)``: ``G_n[i_t] = Σ_s ⟨e_{i_t}, r_s⟩ c_s`` (a gather of ``r``, or
+    ``[i_t = j_s]`` where ``r`` holds row indices ``j``), ``O(N T S C)`` per call:
+    ``index [N, T]`` -> ``[N, T, C]``"""
+    return sum(torch.bmm(_row_gram(index, r).to(c.dtype), c) for r, c in factors)
 
 
-def add_index_terms(out: dict[str, Tensor], factors: list[tuple[Tensor, Tensor]]) -> dict[str, Tensor]:
+def add_index_terms(
+    out: dict[str, Tensor], index_calls: list[tuple[tuple[Tensor, Tensor], Tensor | None]]
+) -> dict[str, Tensor]:
     """Adds to ``out``'s ``sum_grad_squared`` and ``grad`` (``[R, C]``, those it holds) the
-    terms of ``Σ_n (Σ_k G_k)²`` and ``Σ_n Σ_k G_k`` that involve the calls whose ``r``
-    holds row indices ``i`` (an embedding's): with ``D`` the sum of the calls with dense
-    ``r`` and ``E_l`` the others, ``Σ_n (D + Σ_l E_l)² = Σ_n D² + Σ_l Σ_n (2D + Σ_m E_m) ⊙ E_l``,
-    and ``E_l`` is nonzero only in the rows ``i_l``, so each term is :func:`_rows_at` on
-    them, times ``c_l``, added at ``i_l`` (:func:`~jacmem.derivatives.embedding.add_rows`):
-    ``O(N T S C)`` per pair of calls, never ``[N, R, C]``. ``Σ_n D²`` is the caller's
-    (one per-sample product per dense call, :func:`summed_moments`) -> ``out``"""
-    for index, cols in (f for f in factors if not f[0].is_floating_point()):
+    terms of ``Σ_n (Σ_k G_k)²`` and ``Σ_n Σ_k G_k`` that involve the calls whose ghost
+    factor ``r`` holds row indices ``i`` (an embedding's). With ``D`` the sum of the
+    calls with dense ``r`` and ``E_l`` the others,
+    ``Σ_n (D + Σ_l E_l)² = Σ_n D² + Σ_l Σ_n (2D + Σ_m E_m) ⊙ E_l``, and ``E_l`` is nonzero
+    only in the rows ``i_l``: each term is :func:`rows_at` them, times ``c_l``, added at
+    ``i_l`` (:func:`~jacmem.derivatives.embedding.add_rows`), ``O(N T S C)`` per pair of
+    calls, never ``[N, R, C]``. ``index_calls``: each such call's factors ``(i, c)`` and
+    ``D``'s rows at ``i`` (:func:`rows_at` the dense calls' factors; None where there is
+    none). ``Σ_n D²`` is the caller's (one per-sample product per dense call,
+    :func:`summed_moments`) -> ``out``"""
+    for (index, cols), dense_rows in index_calls:
         if "grad" in out:
             add_rows(out["grad"], index.flatten(), cols.flatten(0, 1))
         if "sum_grad_squared" in out:
-            rows = sum((2 if f[0].is_floating_point() else 1) * _rows_at(f, index) for f in factors)
-            add_rows(out["sum_grad_squared"], index.flatten(), (rows * cols).flatten(0, 1))
+            rows = rows_at([f for f, _ in index_calls], index)
+            rows = rows if dense_rows is None else rows.add_(dense_rows, alpha=2)
+            add_rows(out["sum_grad_squared"], index.flatten(), rows.mul_(cols).flatten(0, 1))
     return out
 
 

@@ -34,6 +34,7 @@ from jacmem.derivatives.tied import (
     add_index_terms,
     index_terms_cost,
     per_sample_cost,
+    rows_at,
     summed_moments,
     summed_norm_costs,
     summed_squared_norms,
@@ -47,25 +48,30 @@ from jacmem.extensions.firstorder import FirstOrderExtension
 
 
 class _Kept(NamedTuple):
-    """A call of a shared parameter, kept for its ghost factors ``(r, c)``."""
+    """A call of a shared parameter, kept for its ghost factors ``(r, c)`` (their
+    ``shapes``); ``dense``: whether ``r`` is dense (a Linear's output gradient), not row
+    indices. A dense call whose moments came at its call may let its ``x``, ``g`` and
+    factors go (None), see :meth:`FirstOrderEngine._early`."""
 
     rec: hooks.Record
     pname: str
-    x: Tensor
-    g: Tensor
+    x: Tensor | None
+    g: Tensor | None
     dtype: torch.dtype
-    factors: tuple[Tensor, Tensor]
+    factors: tuple[Tensor, Tensor] | None
+    shapes: tuple[tuple, tuple]
+    dense: bool
 
-    @property
-    def dense(self) -> bool:
-        """Whether ``r`` is dense (a Linear's output gradient), not row indices."""
-        return self.factors[0].is_floating_point()
+    @classmethod
+    def of(cls, rec: hooks.Record, pname: str, x, g, dtype: torch.dtype) -> _Kept:
+        r, c = rec.entry.ghost_factors[pname](x, g, **rec.hp)
+        return cls(rec, pname, x, g, dtype, (r, c), (tuple(r.shape), tuple(c.shape)), r.is_floating_point())
 
 
 class _Staged:
     """What one backward pass has computed so far for one parameter."""
 
-    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls", "early")
+    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls", "early", "gathered")
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
@@ -80,6 +86,10 @@ class _Staged:
         #: ``r`` is dense (an LM head's), computed at its call from its own per-sample
         #: products, which give the summed gradient that call returns too (ComputeOnce)
         self.early: dict[str, Tensor] | None = None
+        #: id(record) -> that dense call's per-sample gradients at the rows of each other
+        #: call of the parameter whose ``r`` holds row indices, ``[N, T, C]``, taken with
+        #: ``early`` so that its output gradient need not be held to the end of the pass
+        self.gathered: dict[int, Tensor] = {}
 
     def add(self, values: dict[str, Tensor]) -> None:
         for q, v in values.items():
@@ -233,7 +243,7 @@ class FirstOrderEngine(Engine):
             staged = self._stage(run, rec, pname, param, n)
             kept = self._keep(staged, rec, pname, x, g, dtype)
             if kept and self._first_dense(staged):
-                grads.update(self._early(staged, rec, pname))
+                grads.update(self._early(staged, rec, pname, dtype))
                 continue
             wanted = set() if kept else {"batch_grad"} if staged.summed else self.quantities
             extra = {"grad"} - wanted if rec.once else set()
@@ -276,7 +286,7 @@ class FirstOrderEngine(Engine):
         if not staged.summed or staged.calls is None:
             return False
         if "batch_grad" not in self.quantities and pname in rec.entry.ghost_factors:
-            staged.calls.append(_Kept(rec, pname, x, g, dtype, rec.entry.ghost_factors[pname](x, g, **rec.hp)))
+            staged.calls.append(_Kept.of(rec, pname, x, g, dtype))
             return True
         self._materialise(staged)
         return False
@@ -289,13 +299,22 @@ class FirstOrderEngine(Engine):
             return False
         return staged.calls[-1].dense and sum(call.dense for call in staged.calls) == 1
 
-    def _early(self, staged: _Staged, rec: hooks.Record, pname: str) -> dict[str, Tensor]:
+    def _early(self, staged: _Staged, rec: hooks.Record, pname: str, dtype: torch.dtype) -> dict[str, Tensor]:
         """The moments of a parameter's one dense call (:attr:`_Staged.early`), a block of
         rows of a slice of samples at a time; returns its summed gradient where the call
-        runs through :class:`hooks.ComputeOnce` (from the same per-sample products)."""
+        runs through :class:`hooks.ComputeOnce` (from the same per-sample products).
+        Where every other live call of the parameter has row indices (an LM head's
+        embedding), its per-sample gradients at their rows are taken now too
+        (:attr:`_Staged.gathered`), and its ``x``, ``g`` and factors go: an LM head's
+        output gradient ``[N, T, V]`` is not held to the end of the pass."""
+        call = staged.calls[-1]
         wanted = self.quantities | ({"grad"} if rec.once else set())
         budget = chunk_budget(self.chunk_bytes, staged.param.device)
-        staged.early = summed_moments([staged.calls[-1].factors], tuple(staged.param.shape), wanted, budget)
+        staged.early = summed_moments([call.factors], tuple(staged.param.shape), wanted, budget)
+        index = [(other, _index_rows(other, staged.param, dtype)) for other in rec.others(staged.param)]
+        if all(rows is not None for _, rows in index):
+            staged.gathered = {id(other): rows_at([call.factors], rows) for other, rows in index}
+            staged.calls[-1] = call._replace(x=None, g=None, factors=None)
         if not rec.once:
             return {}
         # The summed gradient, where it stays in ``early``, is only read by autograd: a
@@ -308,7 +327,7 @@ class FirstOrderEngine(Engine):
     def _materialise(self, staged: _Staged) -> None:
         """Stage the per-sample gradients of the calls kept so far, summed."""
         calls, staged.calls = staged.calls, None
-        for rec, pname, x, g, dtype, _ in calls:
+        for rec, pname, x, g, dtype, *_ in calls:
             staged.add(self._quantities(rec, pname, staged.param, {"batch_grad"}, x, g, dtype))
 
     def _resolve_tied(self, staged: _Staged) -> None:
@@ -327,12 +346,13 @@ class FirstOrderEngine(Engine):
         if not calls:
             return
         factors = [call.factors for call in calls]
-        shapes_ = [(tuple(r.shape), tuple(c.shape)) for r, c in factors]
-        rec, pname, g = calls[0].rec, calls[0].pname, calls[0].g
+        shapes_ = [call.shapes for call in calls]
+        rec, pname = calls[0].rec, calls[0].pname
+        size = next(f for f in factors if f is not None)[1].element_size()  # (index calls keep theirs)
 
         def choose(quantity: str, options: dict) -> str:
             return self.strategies.choose(
-                rec.module, rec.name, rec.entry.names(), pname, quantity, options, itemsize(g), staged.param.device
+                rec.module, rec.name, rec.entry.names(), pname, quantity, options, size, staged.param.device
             )
 
         rest = self.quantities - {"batch_l2"}
@@ -344,26 +364,38 @@ class FirstOrderEngine(Engine):
                 rest = self.quantities
         if not rest:
             return
-        shape, dense = tuple(staged.param.shape), [call.factors for call in calls if call.dense]
+        shape, dense = tuple(staged.param.shape), [call for call in calls if call.dense]
+        early = staged.early is not None and len(dense) == 1
         budget = chunk_budget(self.chunk_bytes, staged.param.device)
-        entries = min(staged.param.numel() * staged.batch_size, max(1, int(budget // itemsize(g))))
-        options = {"tied per-sample gradients": per_sample_cost(shapes_, staged.param.numel(), entries)}
+        entries = min(staged.param.numel() * staged.batch_size, max(1, int(budget // size)))
+        options = {}
+        if all(f is not None for f in factors):  # (not where the dense call's factors went, see _early)
+            options["tied per-sample gradients"] = per_sample_cost(shapes_, staged.param.numel(), entries)
         if "batch_l2" not in rest and len(dense) < len(calls):
-            early = staged.early is not None and len(dense) == 1
-            moments = [] if early else [s for s, call in zip(shapes_, calls) if call.dense]
+            moments = [] if early else [call.shapes for call in dense]
             options["tied index terms"] = _sum_costs(
                 index_terms_cost(shapes_), per_sample_cost(moments, staged.param.numel(), entries) if moments else None
             )
         if {choose(q, options) for q in sorted(rest)} != {"tied index terms"}:  # sorted: explain()'s order
             staged.quantities.update(summed_moments(factors, shape, rest, budget))
             return
-        if staged.early is not None and len(dense) == 1:
+        if early:
             out = staged.early  # its summed gradient, handed to autograd, is ours alone by now (see _early)
         elif dense:
-            out = summed_moments(dense, shape, rest, budget)
+            out = summed_moments([call.factors for call in dense], shape, rest, budget)
         else:
             out = {q: factors[0][1].new_zeros(shape) for q in rest}
-        staged.quantities.update(add_index_terms(out, factors))
+        index = [(call.factors, self._dense_rows(staged, call, dense)) for call in calls if not call.dense]
+        staged.quantities.update(add_index_terms(out, index))
+
+    @staticmethod
+    def _dense_rows(staged: _Staged, call: _Kept, dense: list[_Kept]) -> Tensor | None:
+        """The dense calls' per-sample gradients summed, at the rows of ``call`` (one
+        whose ``r`` holds row indices): taken at the dense call where its factors went
+        (:meth:`_early`), else from their factors; None where there is no dense call."""
+        if dense and dense[0].factors is None:
+            return staged.gathered[id(call.rec)]  # every live call with indices was gathered
+        return rows_at([d.factors for d in dense], call.factors[0]) if dense else None
 
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
@@ -522,6 +554,20 @@ class FirstOrderEngine(Engine):
             )
 
         self.notices.add(("first-order unsupported",), rec.name, say)
+
+
+def _index_rows(rec: hooks.Record, param: nn.Parameter, dtype: torch.dtype) -> Tensor | None:
+    """The row indices ``[N, T]`` of a call of ``param`` whose ghost factor ``r`` holds
+    them (an embedding's), from its kept input alone (its factors on a zero output
+    gradient that takes no memory); None for a call with a dense ``r`` or none, or one
+    whose batch was moved to axis 0 (its factors then follow its own layout)."""
+    name = next((n for n, p in rec.params.items() if p is param), None)
+    factor = None if rec.entry is None else rec.entry.ghost_factors.get(name)
+    if factor is None or rec.x is None or rec.relaid:
+        return None
+    shape, _, device = rec.outputs[0]
+    r, _ = factor(precision.cast(rec.x, dtype), torch.zeros((), dtype=dtype, device=device).expand(shape), **rec.hp)
+    return None if r.is_floating_point() else r
 
 
 def _sum_costs(a: Cost, b: Cost | None) -> Cost:

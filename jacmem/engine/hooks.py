@@ -34,6 +34,9 @@ from jacmem.engine.broadcast import Origin
 #: with more than one (a module called twice, tied weights) needs its per-sample
 #: gradients summed over calls before any norm or square is taken.
 _LIVE: Counter = Counter()
+#: id(parameter) -> the records alive that will contribute to it (while ``_LIVE`` counts
+#: any; a record taken out of ``_LIVE`` early may still be listed until it is freed)
+_USERS: dict[int, weakref.WeakSet] = {}
 
 
 #: what a record's owner does when the output gradients of a call have arrived; for a
@@ -46,6 +49,7 @@ def _release(keys: list[int]) -> None:
         _LIVE[key] -= 1
         if _LIVE[key] <= 0:
             del _LIVE[key]
+            _USERS.pop(key, None)
 
 
 #: whether the module hook running now was called from a forward that torch.compile
@@ -344,6 +348,8 @@ class Record:
         self.thread = threading.get_ident()
         keys = [id(p) for p in params.values()]
         _LIVE.update(keys)
+        for key in keys:
+            _USERS.setdefault(key, weakref.WeakSet()).add(self)
         #: take this record out of ``_LIVE`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
         self.release = weakref.finalize(self, _release, keys)
@@ -366,6 +372,11 @@ class Record:
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record will also contribute to ``param``."""
         return _LIVE[id(param)] > 1
+
+    def others(self, param: nn.Parameter) -> list[Record]:
+        """The other records alive that contribute to ``param`` (those of this pass's
+        calls among them)."""
+        return [rec for rec in _USERS.get(id(param), ()) if rec is not self]
 
     def complete(self) -> None:
         """Zeros for the gradients that did not arrive."""

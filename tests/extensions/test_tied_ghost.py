@@ -283,3 +283,25 @@ def test_clipped_sum_from_factors_whose_positions_do_not_flatten(layout):
     torch.testing.assert_close(got, start + want, rtol=1e-12, atol=1e-12)
     got = jacmem.derivatives.tied.add_clipped_sum(None, (narrow, wide), c, (d, v))
     torch.testing.assert_close(got, want.T, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("gathered", [True, False], ids=["gathered", "held"])
+def test_a_tied_heads_output_gradient_goes_at_its_call(gathered, monkeypatch):
+    """Variance of GPT-2's tied head: at the head's call its per-sample gradients are
+    gathered at the embedding's token rows, and its output gradient [N, T, V] is let go
+    (not held to the end of the pass); where the embedding's rows cannot be read ahead
+    (forced here), the head's call is held and its factors give the same rows."""
+    engine = jacmem.engine.firstorder
+    held = []
+    early = engine.FirstOrderEngine._early
+
+    def spy(self, staged, rec, pname, dtype):
+        out = early(self, staged, rec, pname, dtype)
+        held.append(staged.calls[-1].g is not None)
+        return out
+
+    monkeypatch.setattr(engine.FirstOrderEngine, "_early", spy)
+    if not gathered:
+        monkeypatch.setattr(engine, "_index_rows", lambda *a: None)
+    assert _moments("gpt2_50257", (jacmem.Variance(),), None) == "tied index terms"
+    assert held == [not gathered]
