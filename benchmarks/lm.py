@@ -75,9 +75,8 @@ LR, C = 0.1, 1.0
 
 
 class TokenModel(nn.Module):
-    """An HF model taking token ids [N, T] to logits [N, V, T] (as ``nn.CrossEntropyLoss``
-    takes them against targets [N, T]), with position ids (and, where the model has
-    them, token type ids) passed expanded to [N, T]."""
+    """An HF model taking token ids [N, T] to its logits [N, T, V], with position ids
+    (and, where the model has them, token type ids) passed expanded to [N, T]."""
 
     def __init__(self, hf: nn.Module, token_types: bool = False):
         super().__init__()
@@ -86,13 +85,14 @@ class TokenModel(nn.Module):
     def forward(self, ids: Tensor) -> Tensor:
         positions = torch.arange(ids.shape[1], device=ids.device).expand(ids.shape[0], -1)
         extra = dict(token_type_ids=torch.zeros_like(ids)) if self.token_types else {}
-        return self.hf(input_ids=ids, position_ids=positions, **extra).logits.transpose(1, 2)
+        return self.hf(input_ids=ids, position_ids=positions, **extra).logits
 
 
 class TokenLoss(nn.Module):
-    """Cross-entropy of logits [N, V, T] (or [N, V]) against targets [N, T] (or [N]):
-    the mean over positions per sample, [N], then ``reduction`` over the batch (the mean
-    over all tokens, as ``nn.CrossEntropyLoss``). Opacus's ghost clipping sets
+    """Cross-entropy of logits [N, T, V] (or [N, V]) against targets [N, T] (or [N]),
+    over the positions flattened as HF's own LM losses take them: the mean over
+    positions per sample, [N], then ``reduction`` over the batch (the mean over all
+    tokens, as ``nn.CrossEntropyLoss``). Opacus's ghost clipping sets
     ``reduction = "none"`` and needs one loss per sample."""
 
     def __init__(self):
@@ -100,7 +100,8 @@ class TokenLoss(nn.Module):
         self.reduction = "mean"
 
     def forward(self, logits: Tensor, targets: Tensor) -> Tensor:
-        per_sample = nn.functional.cross_entropy(logits, targets, reduction="none").reshape(len(targets), -1).mean(1)
+        flat = nn.functional.cross_entropy(logits.flatten(0, -2), targets.flatten(), reduction="none")
+        per_sample = flat.reshape(len(targets), -1).mean(1)
         return per_sample if self.reduction == "none" else getattr(per_sample, self.reduction)()
 
 
