@@ -215,7 +215,9 @@ class _ClippedSum:
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a
-        second step without ``zero_grad`` raises, as Opacus's does).
+        second step without ``zero_grad`` raises, as Opacus's does), and without its
+        copy: the first ``summed_grad`` is the clipped sum itself (``.grad``'s storage;
+        :meth:`zero_grad` gives a skipped step's parameters a fresh ``.grad``).
 
         Raises:
             ValueError: as Opacus's per-sample optimizer, where a ``.grad`` was
@@ -234,7 +236,7 @@ class _ClippedSum:
                 grad = p.grad.detach()
                 setattr(p.grad, _ACCUMULATED, True)
             if p.summed_grad is None:
-                p.summed_grad = grad.clone()
+                p.summed_grad = grad
             else:
                 p.summed_grad.add_(grad)
 
@@ -246,8 +248,8 @@ class _ClippedSum:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):
-                delattr(p.grad, _ACCUMULATED)  # zeroed in place (set_to_none=False): counts afresh
+            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):  # a skipped step's: its storage is summed_grad
+                p.grad = None if set_to_none else torch.zeros_like(p.grad)
         super().zero_grad(set_to_none)
         self._restart()
 
@@ -262,6 +264,24 @@ class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
         super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+
+    def add_noise(self) -> None:
+        """Opacus's noise (the same draws from the same generator, in the same order),
+        without the zero tensor it allocates per parameter before each draw: ``.grad``
+        is the noise with ``summed_grad`` added into it (the same sum, bit for bit).
+        ``secure_mode`` and ``σ = 0`` are Opacus's own."""
+        std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        if self.secure_mode or std == 0:
+            super().add_noise()
+            return
+        for p in self.params:
+            summed = p.summed_grad
+            _check_processed_flag(summed)
+            noise = torch.normal(
+                mean=0, std=std, size=summed.shape, device=summed.device, generator=self.generator, dtype=summed.dtype
+            )
+            p.grad = noise.add_(summed).view_as(p)
+            _mark_as_processed(summed)
 
 
 class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClipping):
