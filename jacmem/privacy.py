@@ -266,22 +266,29 @@ class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
         super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
 
     def add_noise(self) -> None:
-        """Opacus's noise (the same draws from the same generator, in the same order),
-        without the zero tensor it allocates per parameter before each draw: ``.grad``
-        is the noise with ``summed_grad`` added into it (the same sum, bit for bit).
-        ``secure_mode`` and ``σ = 0`` are Opacus's own."""
+        """Opacus's noise and its ``1/(B·k)`` (``loss_reduction="mean"``) in one pass over
+        each parameter: the same draws from the same generator, in the same order, drawn
+        at ``σC/(B·k)``, with ``summed_grad/(B·k)`` added into them (Opacus allocates a
+        zero tensor per parameter before each draw, adds, then divides, in three more
+        passes; the two agree to rounding). ``secure_mode`` and ``σ = 0`` are Opacus's own."""
         std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
         if self.secure_mode or std == 0:
             super().add_noise()
+            super().scale_grad()
             return
+        scale = 1 / (self.expected_batch_size * self.accumulated_iterations) if self.loss_reduction == "mean" else 1.0
         for p in self.params:
             summed = p.summed_grad
             _check_processed_flag(summed)
             noise = torch.normal(
-                mean=0, std=std, size=summed.shape, device=summed.device, generator=self.generator, dtype=summed.dtype
-            )
-            p.grad = noise.add_(summed).view_as(p)
+                mean=0, std=std * scale, size=summed.shape, device=summed.device, generator=self.generator,
+                dtype=summed.dtype,
+            )  # fmt: skip
+            p.grad = noise.add_(summed, alpha=scale).view_as(p)
             _mark_as_processed(summed)
+
+    def scale_grad(self) -> None:
+        """Nothing: :meth:`add_noise` scaled ``.grad`` already (Opacus calls it right after)."""
 
 
 class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClipping):
