@@ -26,7 +26,8 @@ What is jacmem's and what is Opacus's:
   and the noise. Its ghost-clipping optimizers (``DPOptimizerFastGradientClipping`` and
   the distributed one) expect ``.grad`` to hold the clipped sum already, which is what
   ClipGrad writes; :class:`DPOptimizer` and :class:`DistributedDPOptimizer` change only
-  how they count backward passes and what an empty batch gives (see there).
+  how they count backward passes and what an empty batch gives (see there), and
+  :class:`DPOptimizer` adds Opacus's draws and scales them in one pass per parameter.
 
 Not reused, and why: Opacus's ``make_private`` itself (it wraps the module, or hooks
 it for per-sample gradients, and forbids gradient accumulation with Poisson sampling),
