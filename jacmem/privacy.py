@@ -26,7 +26,8 @@ What is jacmem's and what is Opacus's:
   and the noise. Its ghost-clipping optimizers (``DPOptimizerFastGradientClipping`` and
   the distributed one) expect ``.grad`` to hold the clipped sum already, which is what
   ClipGrad writes; :class:`DPOptimizer` and :class:`DistributedDPOptimizer` change only
-  how they count backward passes and what an empty batch gives (see there).
+  how they count backward passes and what an empty batch gives (see there), and
+  :class:`DPOptimizer` adds Opacus's draws and scales them in one pass per parameter.
 
 Not reused, and why: Opacus's ``make_private`` itself (it wraps the module, or hooks
 it for per-sample gradients, and forbids gradient accumulation with Poisson sampling),
@@ -215,7 +216,9 @@ class _ClippedSum:
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a
-        second step without ``zero_grad`` raises, as Opacus's does).
+        second step without ``zero_grad`` raises, as Opacus's does), and without its
+        copy: the first ``summed_grad`` is the clipped sum itself (``.grad``'s storage;
+        :meth:`zero_grad` gives a skipped step's parameters a fresh ``.grad``).
 
         Raises:
             ValueError: as Opacus's per-sample optimizer, where a ``.grad`` was
@@ -234,7 +237,7 @@ class _ClippedSum:
                 grad = p.grad.detach()
                 setattr(p.grad, _ACCUMULATED, True)
             if p.summed_grad is None:
-                p.summed_grad = grad.clone()
+                p.summed_grad = grad
             else:
                 p.summed_grad.add_(grad)
 
@@ -246,8 +249,8 @@ class _ClippedSum:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for p in self.params:
-            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):
-                delattr(p.grad, _ACCUMULATED)  # zeroed in place (set_to_none=False): counts afresh
+            if p.grad is not None and hasattr(p.grad, _ACCUMULATED):  # a skipped step's: its storage is summed_grad
+                p.grad = None if set_to_none else torch.zeros_like(p.grad)
         super().zero_grad(set_to_none)
         self._restart()
 
@@ -262,6 +265,31 @@ class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
         super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+
+    def add_noise(self) -> None:
+        """Opacus's noise and its ``1/(B·k)`` (``loss_reduction="mean"``) in one pass over
+        each parameter: the same draws from the same generator, in the same order, drawn
+        at ``σC/(B·k)``, with ``summed_grad/(B·k)`` added into them (Opacus allocates a
+        zero tensor per parameter before each draw, adds, then divides, in three more
+        passes; the two agree to rounding). ``secure_mode`` and ``σ = 0`` are Opacus's own."""
+        std = getattr(self, "_adjusted_noise_multiplier", self.noise_multiplier) * self.max_grad_norm
+        if self.secure_mode or std == 0:
+            super().add_noise()
+            super().scale_grad()
+            return
+        scale = 1 / (self.expected_batch_size * self.accumulated_iterations) if self.loss_reduction == "mean" else 1.0
+        for p in self.params:
+            summed = p.summed_grad
+            _check_processed_flag(summed)
+            noise = torch.normal(
+                mean=0, std=std * scale, size=summed.shape, device=summed.device, generator=self.generator,
+                dtype=summed.dtype,
+            )  # fmt: skip
+            p.grad = noise.add_(summed, alpha=scale).view_as(p)
+            _mark_as_processed(summed)
+
+    def scale_grad(self) -> None:
+        """Nothing: :meth:`add_noise` scaled ``.grad`` already (Opacus calls it right after)."""
 
 
 class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClipping):

@@ -289,8 +289,10 @@ def test_wrap_model_returns_the_users_module(engines, wrap_model):
     assert sgd_private(engines(), model, N, FLAT, wrap_model=wrap_model)[0] is model
 
 
-def test_noise_generator_gives_opacus_noise(engines):
-    """The same generator seed gives the same noised step as Opacus's engine."""
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_noise_generator_gives_opacus_noise(engines, reduction):
+    """The same generator seed gives the same noised step as Opacus's engine (jacmem
+    draws the noise at ``σC/B`` and adds the scaled sum into it, under "mean")."""
     model = net()
     twin = copy.deepcopy(model)
     X, y = batch()
@@ -298,14 +300,17 @@ def test_noise_generator_gives_opacus_noise(engines):
     def make(eng, m):
         return eng.make_private(
             module=m, optimizer=torch.optim.SGD(m.parameters(), lr=LR), data_loader=loader(X, y),
-            noise_multiplier=1.3, max_grad_norm=FLAT, poisson_sampling=False,
+            noise_multiplier=1.3, max_grad_norm=FLAT, poisson_sampling=False, loss_reduction=reduction,
             noise_generator=torch.Generator().manual_seed(7),
         )  # fmt: skip
 
+    def loss(out, target, _):
+        return cross_entropy(out, target, reduction)
+
     wrapped, opt_o, _ = make(opacus.PrivacyEngine(), twin)
-    train(wrapped, opt_o, [(X, y)])
+    train(wrapped, opt_o, [(X, y)], loss)
     _, opt, _ = make(engines(), model)
-    train(model, opt, [(X, y)])
+    train(model, opt, [(X, y)], loss)
     assert_close(model.parameters(), [p.detach() for p in twin.parameters()], "noised step")
 
 
