@@ -41,7 +41,17 @@ _SAMPLE_LOOP_BYTES = 64 * 2**10
 
 
 def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> tuple[Tensor, Tensor | None]:
-    """Σ_n g_n ⊙ g_n, and Σ_n g_n where ``with_sum`` (else None): [n, *shape] -> shape, shape.
+    """Σ_n g_n ⊙ g_n, and Σ_n g_n where ``with_sum`` (else None): [n, *shape] -> shape,
+    shape (:func:`add_moments` into zeros)."""
+    out = batch_grad.new_zeros(batch_grad.shape[1:])
+    total = batch_grad.new_zeros(out.shape) if with_sum else None
+    add_moments(batch_grad, out, total)
+    return out, total
+
+
+def add_moments(batch_grad: Tensor, squares: Tensor | None, total: Tensor | None) -> None:
+    """``squares += Σ_n g_n ⊙ g_n`` and ``total += Σ_n g_n`` in place (either may be
+    None): [n, *shape] into shape.
 
     A sample of :data:`_SAMPLE_LOOP_BYTES` or more: one fused multiply-add per sample
     into the result (``addcmul_``: each gradient read once, no squared copy), 2.5-3.5×
@@ -52,20 +62,19 @@ def sum_of_squares(batch_grad: Tensor, with_sum: bool = False) -> tuple[Tensor, 
     (or block by block) too, while that is in cache: on the seed CNN's two large convs,
     6-10% less time than a second pass over the whole chunk (2 threads).
     """
-    out = batch_grad.new_zeros(batch_grad.shape[1:])
-    total = batch_grad.new_zeros(out.shape) if with_sum else None
-    per_sample = max(out.numel() * out.element_size(), 1)
+    per_sample = max(batch_grad[0].numel() * batch_grad.element_size(), 1) if len(batch_grad) else 1
     if per_sample >= _SAMPLE_LOOP_BYTES:
         for g in batch_grad:
-            out.addcmul_(g, g)
+            if squares is not None:
+                squares.addcmul_(g, g)
             if total is not None:
                 total.add_(g)
-        return out, total
+        return
     for block in batch_grad.split(max(1, _SQUARE_BLOCK_BYTES // per_sample)):
-        out += block.square().sum(0)
+        if squares is not None:
+            squares += block.square().sum(0)
         if total is not None:
             total += block.sum(0)
-    return out, total
 
 
 def derive(batch_grad: Tensor, quantities: Iterable[str]) -> dict[str, Tensor]:

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from jacmem.derivatives.embedding import add_rows
+from jacmem.derivatives.quantities import add_moments
 from jacmem.derivatives.registry import Cost
 
 
@@ -84,14 +85,10 @@ def summed_moments(
         for first in range(0, rows, block):
             g = _rows(factors, slice(i, i + step), first, min(block, rows - first), buffer)
             part = slice(first, first + g.shape[1])
-            if "grad" in out:
-                out["grad"][part] += g.sum(0)
-            if "sum_grad_squared" in out or "batch_l2" in out:
-                g.square_()
-            if "sum_grad_squared" in out:
-                out["sum_grad_squared"][part] += g.sum(0)
             if "batch_l2" in out:
-                out["batch_l2"][i : i + g.shape[0]] += g.sum((1, 2))
+                out["batch_l2"][i : i + g.shape[0]] += torch.linalg.vecdot(g.flatten(1), g.flatten(1))
+            squares, total = (out[q][part] if q in out else None for q in ("sum_grad_squared", "grad"))
+            add_moments(g, squares, total)
     return out
 
 
