@@ -214,25 +214,71 @@ def test_explain_names_the_modules_that_ran_eagerly():
     assert eager == ["_orig_mod.0 (Conv2d)", "_orig_mod.3 (Conv2d)", "_orig_mod.7.inner (Linear)"]
 
 
+def _compiled_after_first_order(model, X, y) -> tuple[nn.Module, CompileCounterWithBackend]:
+    """The model compiled, and its graph made in a first-order block (checked: one, at least)."""
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model, backend=counter)
+    with jacmem.extend(jacmem.BatchL2Grad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    assert counter.frame_count >= 1, "the model ran eagerly: Dynamo made no graph"
+    return compiled, counter
+
+
 def test_second_order_is_exact_on_a_compiled_model():
-    """DiagGGNExact and DiagHessian (and per sample) of a compiled model equal the dense
-    diagonals of the plain model's GGN and Hessian."""
+    """DiagGGNExact and DiagHessian (and per sample) of a compiled model, after a
+    first-order block made its graph, equal the dense diagonals of the plain model's GGN
+    and Hessian; the block runs the model eagerly (no new graph), and the first-order
+    graph serves the next first-order block (no recompile)."""
     from tests.support.secondorder_ref import dense, diagonals
 
     model, X, y = cnn()
     lossf = nn.CrossEntropyLoss()
-    counter = CompileCounterWithBackend("aot_eager")
-    compiled = torch.compile(model, backend=counter)
+    compiled, counter = _compiled_after_first_order(model, X, y)
+    frames = counter.frame_count
     exts = [jacmem.DiagGGNExact(), jacmem.DiagHessian(), jacmem.BatchDiagGGNExact(), jacmem.BatchDiagHessian()]
     with jacmem.extend(*exts):
         lossf(compiled(X), y).backward()
-    assert counter.frame_count >= 1
     (ggn, hess), (ggn_n, hess_n) = dense(model, lossf, X, y), dense(model, lossf, X, y, per_sample=True)
     refs = {"diag_ggn_exact": ggn, "diag_h": hess, "diag_ggn_exact_batch": ggn_n, "diag_h_batch": hess_n}
     for field, M in refs.items():
         for name, ref in diagonals(model, M).items():
             got = getattr(model.get_parameter(name), field)
             torch.testing.assert_close(got, ref, atol=1e-10, rtol=1e-7, msg=f"{field} of {name}")
+    with jacmem.extend(jacmem.BatchL2Grad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    assert counter.frame_count == frames, f"recompiled: {frames} -> {counter.frame_count}"
+
+
+@pytest.mark.parametrize(
+    "make, extension",
+    [(cnn, jacmem.DiagGGNExact), (cnn, jacmem.KFAC), (gpt2, jacmem.DiagGGNExact), (gpt2, jacmem.BatchDiagGGNExact)],
+    ids=["cnn-DiagGGNExact", "cnn-KFAC", "gpt2-DiagGGNExact", "gpt2-BatchDiagGGNExact"],
+)
+def test_second_order_after_first_order_on_a_compiled_model_equals_eager(make, extension):
+    """A second-order block on a compiled model whose graph a first-order block made (the
+    Dynamo graph the first-order engine traced, without the second-order engine's
+    torch-function mode): its results equal an eager block's, step after step, with no
+    new graph."""
+    model, X, y = make()
+    field = extension.savefield
+
+    def curvature(run) -> dict[str, object]:
+        for p in model.parameters():
+            p.__dict__.pop(field, None)
+        torch.manual_seed(1)  # (KFAC samples its loss's labels)
+        with jacmem.extend(extension()):
+            cross_entropy(run(X), y, "mean").backward()
+        return {n: getattr(p, field) for n, p in model.named_parameters() if hasattr(p, field)}
+
+    eager = curvature(model)
+    compiled, counter = _compiled_after_first_order(model, X, y)
+    frames = counter.frame_count
+    for step in range(2):
+        got = curvature(compiled)
+        assert got.keys() == eager.keys() and got, f"step {step}: {sorted(got)} != {sorted(eager)}"
+        for name, ref in eager.items():
+            torch.testing.assert_close(got[name], ref, atol=1e-12, rtol=1e-10, msg=f"step {step}: {field} of {name}")
+    assert counter.frame_count == frames, f"recompiled: {frames} -> {counter.frame_count}"
 
 
 def test_code_compiled_before_the_hooks_raises_naming_the_fix():

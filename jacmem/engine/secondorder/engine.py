@@ -78,6 +78,9 @@ class SecondOrderEngine(Engine):
         self.users: dict[int, weakref.ref] = {}
         self.mode = _Functional(self)
         self.mode.__enter__()
+        #: compiled models run eagerly while the block is open: the engine follows the
+        #: autograd graph op by op, which a compiled graph does not keep
+        self.stance = torch.compiler.set_stance("force_eager")
         self.chain = Chain(self)
         self.autograd = AutogradPath(self)
 
@@ -85,6 +88,7 @@ class SecondOrderEngine(Engine):
         if self.mode is not None:
             self.mode.__exit__(None, None, None)
             self.mode = None
+            self.stance.__exit__(None, None, None)
         for h in self.handles:
             h.remove()
         self.handles.clear()
