@@ -21,7 +21,9 @@ import pytest
 import torch
 from tests.support.secondorder_ref import blocks, dense, run
 from torch import nn
+from torch.func import functional_call, hessian, jacrev
 
+import jacmem
 from jacmem import EKFAC, KFAC, KFACEF, KFLR, DiagGGNMC
 
 DT = torch.float64
@@ -96,27 +98,26 @@ def _per_sample_grads(model, X, y, per_token: bool) -> dict[str, torch.Tensor]:
     return {name: torch.stack(g) for name, g in out.items()}
 
 
-LMS = {
-    "gpt2": "model.transformer.wpe",
+#: the embeddings of default position (and token type) ids, ``[1, T]``, that the batch shares
+SHARED = {
+    "gpt2": ("model.transformer.wpe",),
     "bert": ("model.bert.embeddings.position_embeddings", "model.bert.embeddings.token_type_embeddings"),
     "llama": (),
 }
 
 
-@pytest.mark.parametrize("name", sorted(LMS))
+@pytest.mark.parametrize("name", sorted(SHARED))
 def test_empirical_on_language_models_equals_a_per_sample_loop(name):
     """``fisher="empirical"`` on untied GPT-2 (HF Conv1D), BERT and LLaMA: the bases
     diagonalise KFACEF's factors, and ``Λ = Σ_n (U_Gᵀ Ĝ_n U_A)²`` with ``Ĝ_n`` sample
     ``n``'s gradient (of ``weight.T`` for Conv1D and Embedding) ``/ √K``, ``K`` the loss's
     terms, from a per-sample autograd loop; every Linear, Conv1D and token Embedding and
-    their biases. The position embeddings, which the batch shares, are frozen (EKFAC
-    refuses them: test_refusals)."""
+    their biases, the position (and BERT's token type) embeddings of default ids, which
+    the batch shares, included: their ``Ĝ_n`` sums over sample ``n``'s uses."""
     from tests.extensions.test_secondorder_kfac_transformers import _lm
     from transformers.pytorch_utils import Conv1D
 
     model, X, y = _lm(name)
-    for frozen in (LMS[name],) if isinstance(LMS[name], str) else LMS[name]:
-        model.get_submodule(frozen).weight.requires_grad_(False)
     per_token = name != "bert"
     K = X.numel() if per_token else X.shape[0]
     warns = pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext()
@@ -150,13 +151,46 @@ def test_empirical_on_language_models_equals_a_per_sample_loop(name):
         # up to rounding relative to the weight's: a key projection's bias has no gradient
         torch.testing.assert_close(module.bias.ekfac[1], ref_b, rtol=rtol, atol=rtol * float(ref.abs().max()))
         checked += 1
-    assert checked >= 5
+    assert checked >= 5 + len(SHARED[name])
+
+
+@pytest.mark.parametrize("name", ["bert", "gpt2"])
+def test_exact_on_shared_position_embeddings_is_the_ggn_diagonal(name):
+    """``fisher="exact"`` on the embeddings that the batch shares (HF's default ``[1, T]``
+    position ids, BERT's token type ids), the others frozen: ``Λ`` is the diagonal of the
+    exact GGN block of ``weight.T`` (``J`` by torch.func's ``jacrev``, the loss Hessian at
+    the logits by its ``hessian``) in the eigenbasis of KFLR's ``G`` (``U_A`` the identity)."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
+    model, X, y = _lm(name)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    for shared in SHARED[name]:
+        model.get_submodule(shared).weight.requires_grad_(True)
+    run(model, nn.CrossEntropyLoss(), X, y, EKFAC("exact"), KFLR())
+    for shared in SHARED[name]:
+        W = model.get_submodule(shared).weight
+        z = model(X)
+        J = jacrev(lambda w: functional_call(model, {f"{shared}.weight": w}, (X,)))(W.detach())
+        J = J.reshape(z.numel(), W.numel())
+        Hz = hessian(lambda z: nn.functional.cross_entropy(z, y))(z.detach()).reshape(z.numel(), z.numel())
+        # the whole batch's GGN block of vec(weight): no double backward through attention
+        ggn = (J.T @ Hz @ J).detach()
+        U_G, U_A, lam = W.ekfac
+        _check_basis(U_G, W.kflr[0])
+        assert U_A is None and lam.shape == W.T.shape
+        rows, d = W.shape
+        idx = torch.arange(rows * d).reshape(rows, d).T.flatten()  # vec(weight) -> vec(weight.T)
+        U = torch.kron(U_G, torch.eye(rows, dtype=DT))
+        want = torch.diagonal(U.T @ ggn[idx][:, idx] @ U).reshape(lam.shape)
+        torch.testing.assert_close(lam, want, atol=1e-10 * float(want.abs().max()), rtol=1e-8, msg=shared)
+        assert float(lam.abs().max()) > 0
 
 
 def test_refusals():
     """A convolution: a warning naming it and the fix, the other layers' results as usual;
-    on the autograd path, roots in pieces (``fisher="exact"``; a call the batch shares,
-    GPT-2's position embedding): an error naming the module and the fix; a bad
+    on the autograd path, roots in slices of their columns (``fisher="exact"`` under a
+    small ``chunk_bytes``): an error naming the module and the fix; a bad
     ``fisher``: ValueError."""
     from tests.extensions.test_secondorder_kfac_transformers import _lm
 
@@ -167,15 +201,11 @@ def test_refusals():
         run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
     assert not hasattr(cnn[0].weight, "ekfac") and cnn[2].weight.ekfac[2].shape == (3, 12)
     model, X, y = _lm("gpt2")
-    with pytest.raises(
-        NotImplementedError, match=r"all of a layer's roots at once.*use fisher='empirical'.*\(module '"
+    with (
+        pytest.raises(NotImplementedError, match=r"all of a layer's roots at once.*raise chunk_bytes.*\(module '"),
+        jacmem.extend(EKFAC("exact"), chunk_bytes=4096),
     ):
-        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
-    with pytest.raises(
-        NotImplementedError,
-        match=r"position embeddings of \[1, T\] ids: freeze it\) \(module 'model\.transformer\.wpe'",
-    ):
-        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"))
+        nn.CrossEntropyLoss()(model(X), y).backward()
     with pytest.raises(ValueError, match="fisher must be one of"):
         EKFAC("type-2")
     assert repr(EKFAC()) == "EKFAC(fisher='mc', mc_samples=1)"

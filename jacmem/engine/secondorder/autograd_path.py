@@ -41,6 +41,7 @@ The whole account is in the guide's "Second order: the math" (docs/guide/curvatu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod, sqrt
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacmem.engine import hooks, precision
 from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, tolerance
-from jacmem.extensions.secondorder.base import Factor
+from jacmem.extensions.secondorder.base import Call, Factor
 
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
 #: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
@@ -336,35 +337,25 @@ class AutogradPath:
             )
 
     def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
-        """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
-        shared call's: ``[v, N, 1, *out]``, one sample's slice at a time), merged into
-        ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
-        (:meth:`SecondOrderEngine.gather_column`)."""
+        """The extensions' results for ``node`` from one slice ``G [v, N, *out]``, merged
+        into ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
+        (:meth:`SecondOrderEngine.gather_column`). A shared call's ``G [v, N, 1, *out]``
+        is taken as the call repeated over the batch (:func:`_repeated`), so that sample
+        ``n``'s gradient of its parameters is the sum over that sample's uses of it, as
+        for a call per sample (EKFAC's correction needs those, all at once)."""
         if node.tied:
             self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
-        parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
+        call = self.engine.call(node, [Factor(kind, 1.0, G.squeeze(2) if shared else G)], None)
+        if shared:
+            call = _repeated(call, G.shape[1])
         for ext in exts:
             try:
-                if shared:
-                    got = [part[ext] for part in parts if ext in part]
-                    out = {p: ext.merge_samples([part[p] for part in got]) for p in got[0]} if got else None
-                else:
-                    out = self._results(node, [ext], kind, G).get(ext)
+                out = self.engine.run_extension(ext, call)
                 for pname, value in (out or {}).items():
                     have = acc.setdefault(pname, {}).get(ext)
                     acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
             except NotImplementedError as err:  # a merge the extension cannot make: name the module
                 raise NotImplementedError(f"{err} (module {node})") from err
-
-    def _results(self, node, exts: list, kind: str, G: Tensor) -> dict:
-        """``{ext: {param: result}}`` from the factor ``G [v, N, *out]``."""
-        call = self.engine.call(node, [Factor(kind, 1.0, G)], None)
-        out = {}
-        for ext in exts:
-            res = self.engine.run_extension(ext, call)
-            if res is not None:
-                out[ext] = res
-        return out
 
     def _check(self, node: Node, grad: Tensor) -> None:
         """autograd's gradient at a module's output, where the path ran: all of it must
@@ -470,7 +461,8 @@ def _split(root: GradientEdge, records: list, losses: list) -> Split:
     if len(losses) == 1:
         loss, edge, x = losses[0]
         shape = tuple(loss.inputs[0].shape)
-        if x is not None and shape and shape[0] == z_node.out_shape[0] and _multiple_of(root, edge):
+        batch = z_node.out_shape[0] in (shape[0], 1) if shape else False  # 1: a call the batch shares
+        if x is not None and batch and _multiple_of(root, edge):
             return Split(f"the input of loss {loss}", shape, x, None)
     return Split(f"the output of module {z_node}", tuple(z_node.out_shape), z, z_node)
 
@@ -560,6 +552,20 @@ def _shared(node, n: int) -> bool:
         "autograd path needs every module with parameters called per sample (batch axis first) or once for "
         "all samples (batch axis 1). Keep the batch axis through the model (no flattening of tokens into it)"
     )
+
+
+def _repeated(call: Call, n: int) -> Call:
+    """A call whose output all ``n`` samples share (batch axis 1), as if each sample made
+    it: its kept input and arguments with 1 row expanded to ``n`` (views), its output
+    shape ``[n, *out]``. Each sample's Jacobian is the shared call's."""
+
+    def expand(x):
+        if isinstance(x, Tensor):
+            return x.expand(n, *x.shape[1:]) if x.dim() and x.shape[0] == 1 else x
+        return type(x)(map(expand, x)) if isinstance(x, (tuple, list)) else x
+
+    inputs = None if call.inputs is None else expand(call.inputs)
+    return replace(call, x=expand(call.x), inputs=inputs, out_shape=(n, *call.out_shape[1:]))
 
 
 def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:

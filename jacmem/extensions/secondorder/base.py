@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 
@@ -98,17 +97,6 @@ class SecondOrderExtension:
         if isinstance(a, (list, tuple)):
             return type(a)(x + y for x, y in zip(a, b))
         return a + b
-
-    def merge_samples(self, parts: list) -> Any:
-        """One parameter's results from a call whose output all samples share (a ``[1, T]``
-        position embedding), computed one sample at a time, merged: a per-sample result
-        (``batch``) stacks them, any other merges them as slices."""
-        if getattr(self, "batch", False):
-            return torch.cat(parts)
-        merged = parts[0]
-        for part in parts[1:]:
-            merged = self.merge_chunks(merged, part)
-        return merged
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -25,9 +25,12 @@ first-order strategy of the layer serves, in chunks under the block's budget.
 Layers: those whose Kronecker rule is channels-last (Linear, HF's Conv1D, Embedding,
 whose ``A`` is diagonal: ``U_A`` is the identity, stored as ``None``); LayerNorm and
 RMSNorm get KFAC's diagonal ``[d]`` (a diagonal is its own eigen-correction);
-convolutions are refused. The basis needs all of a layer's roots at once: where the
-autograd path hands them over in pieces (``fisher="exact"`` or ``mc_samples > 1`` there,
-or a call the batch shares, such as position embeddings of ``[1, T]`` ids), it raises.
+convolutions are refused. A call the batch shares (position embeddings of ``[1, T]``
+ids) is corrected with each sample's own gradient of it, the sum over that sample's uses
+(the autograd path repeats the call over the batch). The basis needs all of a layer's
+roots at once: where the autograd path hands them over in slices of their columns
+(``fisher="exact"`` or ``mc_samples > 1``, with more columns than ``chunk_bytes`` holds),
+it raises.
 """
 
 from __future__ import annotations
@@ -72,9 +75,8 @@ class EKFAC(KroneckerExtension):
     def merge_chunks(self, a, b):
         raise NotImplementedError(
             f"jacmem: {self!r} needs all of a layer's roots at once (to take G's eigenbasis before the correction), "
-            "and the autograd path hands this one over in pieces: one root at a time (fisher='exact', "
-            "mc_samples > 1: use fisher='empirical' or mc_samples=1), or one sample at a time (a call the batch "
-            "shares, such as position embeddings of [1, T] ids: freeze it)"
+            "and the autograd path hands them over in slices of their columns, under the block's chunk_bytes "
+            "(fisher='exact' or mc_samples > 1): raise chunk_bytes, or use fisher='empirical' or mc_samples=1"
         )
 
     def compute(self, call: Call) -> dict[str, list]:
