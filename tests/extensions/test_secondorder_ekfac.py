@@ -72,16 +72,28 @@ def test_exact_is_the_ggn_diagonal_in_the_kronecker_eigenbasis(approx):
         torch.testing.assert_close(lam, torch.diagonal(U.T @ B @ U).reshape(lam.shape), msg=name)
 
 
-def test_mc_keeps_the_trace_of_its_roots():
+@pytest.mark.parametrize("model_name", ["seq", "gpt2"])
+def test_mc_keeps_the_trace_of_its_roots(model_name):
     """``fisher="mc"``, with KFAC and DiagGGNMC in the block (one set of sampled roots):
     the bases diagonalise KFAC's factors, and ``Σ Λ`` (the rotation keeps the Frobenius
-    norm of every per-sample gradient) is the sum of DiagGGNMC's diagonal, per parameter."""
+    norm of every per-sample gradient) is the sum of DiagGGNMC's diagonal, per parameter;
+    on the module chain, and on GPT-2 (the autograd path) with a ``chunk_bytes`` that
+    slices the roots (the bases are then all the slices', the correction summed)."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
     torch.manual_seed(1)
-    model = _seq_model()
-    X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
-    run(model, nn.MSELoss(), X, y, EKFAC(mc_samples=3), KFAC(3), DiagGGNMC(3))
+    if model_name == "seq":
+        model, lossf = _seq_model(), nn.MSELoss()
+        X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
+    else:
+        (model, X, y), lossf = _lm("gpt2"), nn.CrossEntropyLoss()
+    with jacmem.extend(EKFAC(mc_samples=3), KFAC(3), DiagGGNMC(3), chunk_bytes=4096):
+        lossf(model(X), y).backward()
     for name, p in model.named_parameters():
-        _check_basis(p.ekfac[0], p.kfac[0])
+        if len(p.ekfac) == 1:  # LayerNorm: KFAC's diagonal
+            torch.testing.assert_close(p.ekfac[0], p.kfac[0], msg=name)
+        else:
+            _check_basis(p.ekfac[0], p.kfac[0])
         torch.testing.assert_close(p.ekfac[-1].sum(), p.diag_ggn_mc.sum(), msg=name)
 
 
@@ -154,58 +166,74 @@ def test_empirical_on_language_models_equals_a_per_sample_loop(name):
     assert checked >= 5 + len(SHARED[name])
 
 
-@pytest.mark.parametrize("name", ["bert", "gpt2"])
-def test_exact_on_shared_position_embeddings_is_the_ggn_diagonal(name):
-    """``fisher="exact"`` on the embeddings that the batch shares (HF's default ``[1, T]``
-    position ids, BERT's token type ids), the others frozen: ``Λ`` is the diagonal of the
-    exact GGN block of ``weight.T`` (``J`` by torch.func's ``jacrev``, the loss Hessian at
-    the logits by its ``hessian``) in the eigenbasis of KFLR's ``G`` (``U_A`` the identity)."""
+def _weights(model):
+    """(name, module) of every Linear, HF Conv1D and Embedding with a trainable weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)) and m.weight.requires_grad
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "trainable", "chunk_bytes"),
+    [("gpt2", "all", None), ("gpt2", "all", 4096), ("bert", "all", 4096), ("gpt2", "shared", None),
+     ("bert", "shared", 4096)],
+)  # fmt: skip
+def test_exact_on_language_models_is_the_ggn_diagonal(name, trainable, chunk_bytes):
+    """``fisher="exact"`` on untied GPT-2 and BERT, every Linear, Conv1D and Embedding, or
+    only the embeddings that the batch shares (HF's default ``[1, T]`` position ids, BERT's
+    token type ids): ``Λ`` is the diagonal of the exact GGN block of the weight (of
+    ``weight.T`` for Conv1D and Embedding; ``J`` by torch.func's ``jacrev``, the loss
+    Hessian at the logits by its ``hessian``) in the eigenbasis of KFLR's factors; with a
+    small ``chunk_bytes`` the roots come in slices, and the bases are still all of them's."""
     from tests.extensions.test_secondorder_kfac_transformers import _lm
+    from transformers.pytorch_utils import Conv1D
 
     model, X, y = _lm(name)
-    for p in model.parameters():
-        p.requires_grad_(False)
-    for shared in SHARED[name]:
-        model.get_submodule(shared).weight.requires_grad_(True)
-    run(model, nn.CrossEntropyLoss(), X, y, EKFAC("exact"), KFLR())
-    for shared in SHARED[name]:
-        W = model.get_submodule(shared).weight
-        z = model(X)
-        J = jacrev(lambda w: functional_call(model, {f"{shared}.weight": w}, (X,)))(W.detach())
+    if trainable == "shared":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for shared in SHARED[name]:
+            model.get_submodule(shared).weight.requires_grad_(True)
+    with jacmem.extend(EKFAC("exact"), KFLR(), **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes})):
+        nn.CrossEntropyLoss()(model(X), y).backward()
+    z = model(X).detach()
+    Hz = hessian(lambda z: nn.functional.cross_entropy(z, y))(z).reshape(z.numel(), z.numel())
+    checked = 0
+    for module_name, module in _weights(model):
+        W = module.weight
+        J = jacrev(lambda w: functional_call(model, {f"{module_name}.weight": w}, (X,)))(W.detach())
         J = J.reshape(z.numel(), W.numel())
-        Hz = hessian(lambda z: nn.functional.cross_entropy(z, y))(z.detach()).reshape(z.numel(), z.numel())
-        # the whole batch's GGN block of vec(weight): no double backward through attention
-        ggn = (J.T @ Hz @ J).detach()
+        ggn = (J.T @ Hz @ J).detach()  # the GGN block of vec(weight): no double backward through attention
         U_G, U_A, lam = W.ekfac
-        _check_basis(U_G, W.kflr[0])
-        assert U_A is None and lam.shape == W.T.shape
-        rows, d = W.shape
-        idx = torch.arange(rows * d).reshape(rows, d).T.flatten()  # vec(weight) -> vec(weight.T)
-        U = torch.kron(U_G, torch.eye(rows, dtype=DT))
-        want = torch.diagonal(U.T @ ggn[idx][:, idx] @ U).reshape(lam.shape)
-        torch.testing.assert_close(lam, want, atol=1e-10 * float(want.abs().max()), rtol=1e-8, msg=shared)
-        assert float(lam.abs().max()) > 0
+        G, A = W.kflr
+        _check_basis(U_G, G)
+        if isinstance(module, (Conv1D, nn.Embedding)):  # vec(weight) -> vec(weight.T)
+            idx = torch.arange(W.numel()).reshape(W.shape).T.flatten()
+            ggn = ggn[idx][:, idx]
+        if U_A is None:
+            U_A = torch.eye(lam.shape[1], dtype=DT)
+        else:
+            _check_basis(U_A, A)
+        U = torch.kron(U_G, U_A)
+        want = torch.diagonal(U.T @ ggn @ U).reshape(lam.shape)
+        torch.testing.assert_close(lam, want, atol=1e-10 * float(want.abs().max()), rtol=1e-8, msg=module_name)
+        checked += 1
+    assert checked >= (len(SHARED[name]) if trainable == "shared" else 7)
 
 
 def test_refusals():
     """A convolution: a warning naming it and the fix, the other layers' results as usual;
-    on the autograd path, roots in slices of their columns (``fisher="exact"`` under a
-    small ``chunk_bytes``): an error naming the module and the fix; a bad
-    ``fisher``: ValueError."""
-    from tests.extensions.test_secondorder_kfac_transformers import _lm
-
+    a bad ``fisher``: ValueError."""
     torch.manual_seed(2)
     cnn = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Flatten(), nn.Linear(12, 3)).to(DT)
     X, y = torch.randn(2, 2, 3, 3, dtype=DT), torch.tensor([0, 2])
     with pytest.warns(UserWarning, match=r"no eigenvalue correction for Conv2d \(module '0'\).*use KFAC"):
         run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
     assert not hasattr(cnn[0].weight, "ekfac") and cnn[2].weight.ekfac[2].shape == (3, 12)
-    model, X, y = _lm("gpt2")
-    with (
-        pytest.raises(NotImplementedError, match=r"all of a layer's roots at once.*raise chunk_bytes.*\(module '"),
-        jacmem.extend(EKFAC("exact"), chunk_bytes=4096),
-    ):
-        nn.CrossEntropyLoss()(model(X), y).backward()
     with pytest.raises(ValueError, match="fisher must be one of"):
         EKFAC("type-2")
     assert repr(EKFAC()) == "EKFAC(fisher='mc', mc_samples=1)"

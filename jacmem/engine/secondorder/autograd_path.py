@@ -51,7 +51,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacmem.engine import hooks, precision
 from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, tolerance
-from jacmem.extensions.secondorder.base import Call, Factor
+from jacmem.extensions.secondorder.base import Call, Factor, UnsupportedModule
 
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
 #: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
@@ -302,7 +302,9 @@ class AutogradPath:
     def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> None:
         """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
         columns under ``chunk_bytes`` (one batched backward each); the modules' results
-        staged in ``run``."""
+        staged in ``run``. Where the columns come in more than one slice and an extension
+        needs something of all of them first (:attr:`SecondOrderExtension.fits`: EKFAC's
+        eigenbases), the slices are taken twice: that ``fit`` first (:meth:`_fit`)."""
         nodes, edges, z = [r[0] for r in records], [r[1] for r in records], split.edge
         n = split.shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
@@ -311,8 +313,11 @@ class AutogradPath:
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
         adds = _broadcast_adds(z, [edges[i] for i in shared]) if shared else []
         direct = [add for add in adds if add is not None]  # taken in the same backward as the modules' outputs
-        for kind, S in factors.items():
-            exts = [e for e in self.engine.extensions if kind in e.kinds]
+
+        def columns(S: Tensor):
+            """Per slice of ``S``'s columns, each node's ``[v, N, *out]`` (``None`` where
+            unused; a shared call's ``[v, N, 1, *out]``), a list the caller empties as it
+            goes (each freed once used)."""
             for start in range(0, S.shape[0], step):
                 cols = S[start : start + step]
                 grads = _batched_vjps(z, edges + direct, cols)
@@ -322,10 +327,19 @@ class AutogradPath:
                     per = _per_sample(z, [edges[i] for i in shared], shapes, cols, max(1, step // n), adds, at_adds)
                     for k, i in enumerate(shared):
                         grads[i] = per[k]
+                yield grads
+
+        for kind, S in factors.items():
+            exts = [e for e in self.engine.extensions if kind in e.kinds]
+            fitting = [e for e in exts if e.fits] if S.shape[0] > step else []
+            fits = self._fit(nodes, shared, kind, fitting, columns(S)) if fitting else [{} for _ in nodes]
+            for grads in columns(S):
                 for i, node in enumerate(nodes):
-                    G, grads[i] = grads[i], None  # freed once used
+                    G, grads[i] = grads[i], None
                     if G is not None:
-                        self._compute(node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared)
+                        self._compute(
+                            node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared, fits[i]
+                        )
         for node, results in zip(nodes, acc):
             self.engine.stage(
                 run,
@@ -336,21 +350,48 @@ class AutogradPath:
                 },
             )
 
-    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
-        """The extensions' results for ``node`` from one slice ``G [v, N, *out]``, merged
-        into ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
-        (:meth:`SecondOrderEngine.gather_column`). A shared call's ``G [v, N, 1, *out]``
-        is taken as the call repeated over the batch (:func:`_repeated`), so that sample
-        ``n``'s gradient of its parameters is the sum over that sample's uses of it, as
-        for a call per sample (EKFAC's correction needs those, all at once)."""
+    def _call(self, node, kind: str, G: Tensor, shared: bool) -> Call:
+        """What the extensions see of ``node`` with the slice ``G [v, N, *out]`` at its
+        output. A shared call's ``G [v, N, 1, *out]`` is taken as the call repeated over
+        the batch (:func:`_repeated`), so that sample ``n``'s gradient of its parameters
+        is the sum over that sample's uses of it, as for a call per sample (EKFAC's
+        correction needs those, all at once)."""
+        call = self.engine.call(node, [Factor(kind, 1.0, G.squeeze(2) if shared else G)], None)
+        return _repeated(call, G.shape[1]) if shared else call
+
+    def _fit(self, nodes: list, shared: list, kind: str, exts: list, columns) -> list[dict]:
+        """The first of two passes over the slices ``columns`` (:meth:`_push`): per node,
+        ``{ext: its fit over all the slices}`` (:meth:`SecondOrderExtension.fit`, merged
+        by ``merge_fit``); a module an extension has nothing for gets none (``compute``
+        then warns)."""
+        fits: list[dict] = [{} for _ in nodes]
+        for grads in columns:
+            for i, node in enumerate(nodes):
+                G, grads[i] = grads[i], None
+                if G is None:
+                    continue
+                call = self._call(node, kind, in_compute_dtype(node, G.detach()), i in shared)
+                for ext in exts:
+                    try:
+                        part = ext.fit(call)
+                    except UnsupportedModule:
+                        continue
+                    have = fits[i].get(ext)
+                    fits[i][ext] = part if have is None else {p: ext.merge_fit(have[p], v) for p, v in part.items()}
+        return fits
+
+    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool, fits: dict) -> None:
+        """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
+        shared call's ``[v, N, 1, *out]``: :meth:`_call`), merged into ``acc``
+        (``{param: {ext: result}}``), each with its fit over all the slices where it has
+        one (``fits``: :meth:`_fit`); the tied parameters' vectors are gathered
+        (:meth:`SecondOrderEngine.gather_column`)."""
         if node.tied:
             self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
-        call = self.engine.call(node, [Factor(kind, 1.0, G.squeeze(2) if shared else G)], None)
-        if shared:
-            call = _repeated(call, G.shape[1])
+        call = self._call(node, kind, G, shared)
         for ext in exts:
             try:
-                out = self.engine.run_extension(ext, call)
+                out = self.engine.run_extension(ext, replace(call, fitted=fits[ext]) if ext in fits else call)
                 for pname, value in (out or {}).items():
                     have = acc.setdefault(pname, {}).get(ext)
                     acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
