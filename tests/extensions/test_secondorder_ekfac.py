@@ -4,12 +4,16 @@ in test_secondorder_kfac_transformers.py); the corrected eigenvalues, in float64
 
 * ``fisher="exact"``: the diagonal of the exact GGN block (torch.func,
   tests/support/secondorder_ref.py) in the Kronecker eigenbasis, for Linear on
-  sequences and Embedding (the module chain);
+  sequences and Embedding (the module chain), and for every Linear, HF Conv1D and
+  Embedding of untied GPT-2 and BERT (the autograd path), whole and in slices;
 * ``fisher="empirical"``: a per-sample autograd loop's gradients, rotated into the
   basis, for every Linear, HF Conv1D and Embedding of untied GPT-2, BERT and LLaMA (the
   autograd path), and curvlinops' EKFACLinearOperator on the BERT classifier;
 * ``fisher="mc"``: the trace that the rotation keeps, ``Σ Λ`` = the sum of DiagGGNMC's
-  diagonal from the same sampled roots.
+  diagonal from the same sampled roots, whole and in slices.
+
+The position (and BERT's token type) embeddings of default ``[1, T]`` ids, which the
+batch shares, are trained in the language models' tests.
 """
 
 from __future__ import annotations
