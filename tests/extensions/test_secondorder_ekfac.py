@@ -4,12 +4,16 @@ in test_secondorder_kfac_transformers.py); the corrected eigenvalues, in float64
 
 * ``fisher="exact"``: the diagonal of the exact GGN block (torch.func,
   tests/support/secondorder_ref.py) in the Kronecker eigenbasis, for Linear on
-  sequences and Embedding (the module chain);
+  sequences and Embedding (the module chain), and for every Linear, HF Conv1D and
+  Embedding of untied GPT-2 and BERT (the autograd path), whole and in slices;
 * ``fisher="empirical"``: a per-sample autograd loop's gradients, rotated into the
   basis, for every Linear, HF Conv1D and Embedding of untied GPT-2, BERT and LLaMA (the
   autograd path), and curvlinops' EKFACLinearOperator on the BERT classifier;
 * ``fisher="mc"``: the trace that the rotation keeps, ``Σ Λ`` = the sum of DiagGGNMC's
-  diagonal from the same sampled roots.
+  diagonal from the same sampled roots, whole and in slices.
+
+The position (and BERT's token type) embeddings of default ``[1, T]`` ids, which the
+batch shares, are trained in the language models' tests.
 """
 
 from __future__ import annotations
@@ -21,7 +25,9 @@ import pytest
 import torch
 from tests.support.secondorder_ref import blocks, dense, run
 from torch import nn
+from torch.func import functional_call, hessian, jacrev
 
+import jacmem
 from jacmem import EKFAC, KFAC, KFACEF, KFLR, DiagGGNMC
 
 DT = torch.float64
@@ -70,16 +76,28 @@ def test_exact_is_the_ggn_diagonal_in_the_kronecker_eigenbasis(approx):
         torch.testing.assert_close(lam, torch.diagonal(U.T @ B @ U).reshape(lam.shape), msg=name)
 
 
-def test_mc_keeps_the_trace_of_its_roots():
+@pytest.mark.parametrize("model_name", ["seq", "gpt2"])
+def test_mc_keeps_the_trace_of_its_roots(model_name):
     """``fisher="mc"``, with KFAC and DiagGGNMC in the block (one set of sampled roots):
     the bases diagonalise KFAC's factors, and ``Σ Λ`` (the rotation keeps the Frobenius
-    norm of every per-sample gradient) is the sum of DiagGGNMC's diagonal, per parameter."""
+    norm of every per-sample gradient) is the sum of DiagGGNMC's diagonal, per parameter;
+    on the module chain, and on GPT-2 (the autograd path) with a ``chunk_bytes`` that
+    slices the roots (the bases are then all the slices', the correction summed)."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+
     torch.manual_seed(1)
-    model = _seq_model()
-    X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
-    run(model, nn.MSELoss(), X, y, EKFAC(mc_samples=3), KFAC(3), DiagGGNMC(3))
+    if model_name == "seq":
+        model, lossf = _seq_model(), nn.MSELoss()
+        X, y = torch.randint(0, 7, (3, 4)), torch.randn(3, 4, 3, dtype=DT)
+    else:
+        (model, X, y), lossf = _lm("gpt2"), nn.CrossEntropyLoss()
+    with jacmem.extend(EKFAC(mc_samples=3), KFAC(3), DiagGGNMC(3), chunk_bytes=4096):
+        lossf(model(X), y).backward()
     for name, p in model.named_parameters():
-        _check_basis(p.ekfac[0], p.kfac[0])
+        if len(p.ekfac) == 1:  # LayerNorm: KFAC's diagonal
+            torch.testing.assert_close(p.ekfac[0], p.kfac[0], msg=name)
+        else:
+            _check_basis(p.ekfac[0], p.kfac[0])
         torch.testing.assert_close(p.ekfac[-1].sum(), p.diag_ggn_mc.sum(), msg=name)
 
 
@@ -96,27 +114,26 @@ def _per_sample_grads(model, X, y, per_token: bool) -> dict[str, torch.Tensor]:
     return {name: torch.stack(g) for name, g in out.items()}
 
 
-LMS = {
-    "gpt2": "model.transformer.wpe",
+#: the embeddings of default position (and token type) ids, ``[1, T]``, that the batch shares
+SHARED = {
+    "gpt2": ("model.transformer.wpe",),
     "bert": ("model.bert.embeddings.position_embeddings", "model.bert.embeddings.token_type_embeddings"),
     "llama": (),
 }
 
 
-@pytest.mark.parametrize("name", sorted(LMS))
+@pytest.mark.parametrize("name", sorted(SHARED))
 def test_empirical_on_language_models_equals_a_per_sample_loop(name):
     """``fisher="empirical"`` on untied GPT-2 (HF Conv1D), BERT and LLaMA: the bases
     diagonalise KFACEF's factors, and ``Λ = Σ_n (U_Gᵀ Ĝ_n U_A)²`` with ``Ĝ_n`` sample
     ``n``'s gradient (of ``weight.T`` for Conv1D and Embedding) ``/ √K``, ``K`` the loss's
     terms, from a per-sample autograd loop; every Linear, Conv1D and token Embedding and
-    their biases. The position embeddings, which the batch shares, are frozen (EKFAC
-    refuses them: test_refusals)."""
+    their biases, the position (and BERT's token type) embeddings of default ids, which
+    the batch shares, included: their ``Ĝ_n`` sums over sample ``n``'s uses."""
     from tests.extensions.test_secondorder_kfac_transformers import _lm
     from transformers.pytorch_utils import Conv1D
 
     model, X, y = _lm(name)
-    for frozen in (LMS[name],) if isinstance(LMS[name], str) else LMS[name]:
-        model.get_submodule(frozen).weight.requires_grad_(False)
     per_token = name != "bert"
     K = X.numel() if per_token else X.shape[0]
     warns = pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext()
@@ -150,32 +167,77 @@ def test_empirical_on_language_models_equals_a_per_sample_loop(name):
         # up to rounding relative to the weight's: a key projection's bias has no gradient
         torch.testing.assert_close(module.bias.ekfac[1], ref_b, rtol=rtol, atol=rtol * float(ref.abs().max()))
         checked += 1
-    assert checked >= 5
+    assert checked >= 5 + len(SHARED[name])
+
+
+def _weights(model):
+    """(name, module) of every Linear, HF Conv1D and Embedding with a trainable weight."""
+    from transformers.pytorch_utils import Conv1D
+
+    return [
+        (name, m)
+        for name, m in model.named_modules()
+        if isinstance(m, (nn.Linear, Conv1D, nn.Embedding)) and m.weight.requires_grad
+    ]
+
+
+@pytest.mark.parametrize(
+    ("name", "trainable", "chunk_bytes"),
+    [("gpt2", "all", None), ("gpt2", "all", 4096), ("bert", "all", 4096), ("gpt2", "shared", None),
+     ("bert", "shared", 4096)],
+)  # fmt: skip
+def test_exact_on_language_models_is_the_ggn_diagonal(name, trainable, chunk_bytes):
+    """``fisher="exact"`` on untied GPT-2 and BERT, every Linear, Conv1D and Embedding, or
+    only the embeddings that the batch shares (HF's default ``[1, T]`` position ids, BERT's
+    token type ids): ``Λ`` is the diagonal of the exact GGN block of the weight (of
+    ``weight.T`` for Conv1D and Embedding; ``J`` by torch.func's ``jacrev``, the loss
+    Hessian at the logits by its ``hessian``) in the eigenbasis of KFLR's factors; with a
+    small ``chunk_bytes`` the roots come in slices, and the bases are still all of them's."""
+    from tests.extensions.test_secondorder_kfac_transformers import _lm
+    from transformers.pytorch_utils import Conv1D
+
+    model, X, y = _lm(name)
+    if trainable == "shared":
+        for p in model.parameters():
+            p.requires_grad_(False)
+        for shared in SHARED[name]:
+            model.get_submodule(shared).weight.requires_grad_(True)
+    with jacmem.extend(EKFAC("exact"), KFLR(), **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes})):
+        nn.CrossEntropyLoss()(model(X), y).backward()
+    z = model(X).detach()
+    Hz = hessian(lambda z: nn.functional.cross_entropy(z, y))(z).reshape(z.numel(), z.numel())
+    checked = 0
+    for module_name, module in _weights(model):
+        W = module.weight
+        J = jacrev(lambda w: functional_call(model, {f"{module_name}.weight": w}, (X,)))(W.detach())
+        J = J.reshape(z.numel(), W.numel())
+        ggn = (J.T @ Hz @ J).detach()  # the GGN block of vec(weight): no double backward through attention
+        U_G, U_A, lam = W.ekfac
+        G, A = W.kflr
+        _check_basis(U_G, G)
+        if isinstance(module, (Conv1D, nn.Embedding)):  # vec(weight) -> vec(weight.T)
+            idx = torch.arange(W.numel()).reshape(W.shape).T.flatten()
+            ggn = ggn[idx][:, idx]
+        if U_A is None:
+            U_A = torch.eye(lam.shape[1], dtype=DT)
+        else:
+            _check_basis(U_A, A)
+        U = torch.kron(U_G, U_A)
+        want = torch.diagonal(U.T @ ggn @ U).reshape(lam.shape)
+        torch.testing.assert_close(lam, want, atol=1e-10 * float(want.abs().max()), rtol=1e-8, msg=module_name)
+        checked += 1
+    assert checked >= (len(SHARED[name]) if trainable == "shared" else 7)
 
 
 def test_refusals():
     """A convolution: a warning naming it and the fix, the other layers' results as usual;
-    on the autograd path, roots in pieces (``fisher="exact"``; a call the batch shares,
-    GPT-2's position embedding): an error naming the module and the fix; a bad
-    ``fisher``: ValueError."""
-    from tests.extensions.test_secondorder_kfac_transformers import _lm
-
+    a bad ``fisher``: ValueError."""
     torch.manual_seed(2)
     cnn = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Flatten(), nn.Linear(12, 3)).to(DT)
     X, y = torch.randn(2, 2, 3, 3, dtype=DT), torch.tensor([0, 2])
     with pytest.warns(UserWarning, match=r"no eigenvalue correction for Conv2d \(module '0'\).*use KFAC"):
         run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
     assert not hasattr(cnn[0].weight, "ekfac") and cnn[2].weight.ekfac[2].shape == (3, 12)
-    model, X, y = _lm("gpt2")
-    with pytest.raises(
-        NotImplementedError, match=r"all of a layer's roots at once.*use fisher='empirical'.*\(module '"
-    ):
-        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
-    with pytest.raises(
-        NotImplementedError,
-        match=r"position embeddings of \[1, T\] ids: freeze it\) \(module 'model\.transformer\.wpe'",
-    ):
-        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"))
     with pytest.raises(ValueError, match="fisher must be one of"):
         EKFAC("type-2")
     assert repr(EKFAC()) == "EKFAC(fisher='mc', mc_samples=1)"

@@ -41,6 +41,7 @@ The whole account is in the guide's "Second order: the math" (docs/guide/curvatu
 
 from __future__ import annotations
 
+from dataclasses import replace
 from math import prod, sqrt
 from typing import NamedTuple
 
@@ -50,7 +51,7 @@ from torch.autograd.graph import GradientEdge, get_gradient_edge
 
 from jacmem.engine import hooks, precision
 from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, tolerance
-from jacmem.extensions.secondorder.base import Factor
+from jacmem.extensions.secondorder.base import Call, Factor, UnsupportedModule
 
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
 #: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
@@ -301,7 +302,9 @@ class AutogradPath:
     def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> None:
         """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
         columns under ``chunk_bytes`` (one batched backward each); the modules' results
-        staged in ``run``."""
+        staged in ``run``. Where the columns come in more than one slice and an extension
+        needs something of all of them first (:attr:`SecondOrderExtension.fits`: EKFAC's
+        eigenbases), the slices are taken twice: that ``fit`` first (:meth:`_fit`)."""
         nodes, edges, z = [r[0] for r in records], [r[1] for r in records], split.edge
         n = split.shape[0]
         shared = [i for i, node in enumerate(nodes) if _shared(node, n)]
@@ -310,8 +313,11 @@ class AutogradPath:
         acc: list[dict] = [{} for _ in nodes]  # per node: {param: {ext: merged result}}
         adds = _broadcast_adds(z, [edges[i] for i in shared]) if shared else []
         direct = [add for add in adds if add is not None]  # taken in the same backward as the modules' outputs
-        for kind, S in factors.items():
-            exts = [e for e in self.engine.extensions if kind in e.kinds]
+
+        def columns(S: Tensor):
+            """Per slice of ``S``'s columns, each node's ``[v, N, *out]`` (``None`` where
+            unused; a shared call's ``[v, N, 1, *out]``), a list the caller empties as it
+            goes (each freed once used)."""
             for start in range(0, S.shape[0], step):
                 cols = S[start : start + step]
                 grads = _batched_vjps(z, edges + direct, cols)
@@ -321,10 +327,19 @@ class AutogradPath:
                     per = _per_sample(z, [edges[i] for i in shared], shapes, cols, max(1, step // n), adds, at_adds)
                     for k, i in enumerate(shared):
                         grads[i] = per[k]
+                yield grads
+
+        for kind, S in factors.items():
+            exts = [e for e in self.engine.extensions if kind in e.kinds]
+            fitting = [e for e in exts if e.fits] if S.shape[0] > step else []
+            fits = self._fit(nodes, shared, kind, fitting, columns(S)) if fitting else [{} for _ in nodes]
+            for grads in columns(S):
                 for i, node in enumerate(nodes):
-                    G, grads[i] = grads[i], None  # freed once used
+                    G, grads[i] = grads[i], None
                     if G is not None:
-                        self._compute(node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared)
+                        self._compute(
+                            node, acc[i], exts, kind, in_compute_dtype(node, G.detach()), i in shared, fits[i]
+                        )
         for node, results in zip(nodes, acc):
             self.engine.stage(
                 run,
@@ -335,36 +350,53 @@ class AutogradPath:
                 },
             )
 
-    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool) -> None:
+    def _call(self, node, kind: str, G: Tensor, shared: bool) -> Call:
+        """What the extensions see of ``node`` with the slice ``G [v, N, *out]`` at its
+        output. A shared call's ``G [v, N, 1, *out]`` is taken as the call repeated over
+        the batch (:func:`_repeated`), so that sample ``n``'s gradient of its parameters
+        is the sum over that sample's uses of it, as for a call per sample (EKFAC's
+        correction needs those, all at once)."""
+        call = self.engine.call(node, [Factor(kind, 1.0, G.squeeze(2) if shared else G)], None)
+        return _repeated(call, G.shape[1]) if shared else call
+
+    def _fit(self, nodes: list, shared: list, kind: str, exts: list, columns) -> list[dict]:
+        """The first of two passes over the slices ``columns`` (:meth:`_push`): per node,
+        ``{ext: its fit over all the slices}`` (:meth:`SecondOrderExtension.fit`, merged
+        by ``merge_fit``); a module an extension has nothing for gets none (``compute``
+        then warns)."""
+        fits: list[dict] = [{} for _ in nodes]
+        for grads in columns:
+            for i, node in enumerate(nodes):
+                G, grads[i] = grads[i], None
+                if G is None:
+                    continue
+                call = self._call(node, kind, in_compute_dtype(node, G.detach()), i in shared)
+                for ext in exts:
+                    try:
+                        part = ext.fit(call)
+                    except UnsupportedModule:
+                        continue
+                    have = fits[i].get(ext)
+                    fits[i][ext] = part if have is None else {p: ext.merge_fit(have[p], v) for p, v in part.items()}
+        return fits
+
+    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool, fits: dict) -> None:
         """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
-        shared call's: ``[v, N, 1, *out]``, one sample's slice at a time), merged into
-        ``acc`` (``{param: {ext: result}}``); the tied parameters' vectors are gathered
+        shared call's ``[v, N, 1, *out]``: :meth:`_call`), merged into ``acc``
+        (``{param: {ext: result}}``), each with its fit over all the slices where it has
+        one (``fits``: :meth:`_fit`); the tied parameters' vectors are gathered
         (:meth:`SecondOrderEngine.gather_column`)."""
         if node.tied:
             self.engine.gather_column(self.engine.passes.state(self.engine), node, kind, G, shared)
-        parts = [self._results(node, exts, kind, G[:, m]) for m in range(G.shape[1])] if shared else None
+        call = self._call(node, kind, G, shared)
         for ext in exts:
             try:
-                if shared:
-                    got = [part[ext] for part in parts if ext in part]
-                    out = {p: ext.merge_samples([part[p] for part in got]) for p in got[0]} if got else None
-                else:
-                    out = self._results(node, [ext], kind, G).get(ext)
+                out = self.engine.run_extension(ext, replace(call, fitted=fits[ext]) if ext in fits else call)
                 for pname, value in (out or {}).items():
                     have = acc.setdefault(pname, {}).get(ext)
                     acc[pname][ext] = value if have is None else ext.merge_chunks(have, value)
             except NotImplementedError as err:  # a merge the extension cannot make: name the module
                 raise NotImplementedError(f"{err} (module {node})") from err
-
-    def _results(self, node, exts: list, kind: str, G: Tensor) -> dict:
-        """``{ext: {param: result}}`` from the factor ``G [v, N, *out]``."""
-        call = self.engine.call(node, [Factor(kind, 1.0, G)], None)
-        out = {}
-        for ext in exts:
-            res = self.engine.run_extension(ext, call)
-            if res is not None:
-                out[ext] = res
-        return out
 
     def _check(self, node: Node, grad: Tensor) -> None:
         """autograd's gradient at a module's output, where the path ran: all of it must
@@ -470,7 +502,8 @@ def _split(root: GradientEdge, records: list, losses: list) -> Split:
     if len(losses) == 1:
         loss, edge, x = losses[0]
         shape = tuple(loss.inputs[0].shape)
-        if x is not None and shape and shape[0] == z_node.out_shape[0] and _multiple_of(root, edge):
+        batch = z_node.out_shape[0] in (shape[0], 1) if shape else False  # 1: a call the batch shares
+        if x is not None and batch and _multiple_of(root, edge):
             return Split(f"the input of loss {loss}", shape, x, None)
     return Split(f"the output of module {z_node}", tuple(z_node.out_shape), z, z_node)
 
@@ -560,6 +593,20 @@ def _shared(node, n: int) -> bool:
         "autograd path needs every module with parameters called per sample (batch axis first) or once for "
         "all samples (batch axis 1). Keep the batch axis through the model (no flattening of tokens into it)"
     )
+
+
+def _repeated(call: Call, n: int) -> Call:
+    """A call whose output all ``n`` samples share (batch axis 1), as if each sample made
+    it: its kept input and arguments with 1 row expanded to ``n`` (views), its output
+    shape ``[n, *out]``. Each sample's Jacobian is the shared call's."""
+
+    def expand(x):
+        if isinstance(x, Tensor):
+            return x.expand(n, *x.shape[1:]) if x.dim() and x.shape[0] == 1 else x
+        return type(x)(map(expand, x)) if isinstance(x, (tuple, list)) else x
+
+    inputs = None if call.inputs is None else expand(call.inputs)
+    return replace(call, x=expand(call.x), inputs=inputs, out_shape=(n, *call.out_shape[1:]))
 
 
 def _vjps(z: GradientEdge, edges: list, s: Tensor) -> list[Tensor | None]:

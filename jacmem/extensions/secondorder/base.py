@@ -25,7 +25,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
 from torch import Tensor, nn
 
 
@@ -64,6 +63,9 @@ class Call:
     #: the strategies the block chooses for this module, chunked under ``budget``
     first_order: Callable[..., dict[str, Tensor]] | None = None
     budget: float = 64 * 2**20
+    #: the extension's fit over all of the factors' ``V`` columns, where they come in
+    #: slices (:attr:`SecondOrderExtension.fits`); ``None`` where they come whole
+    fitted: Any = None
 
     def of_kind(self, *kinds: str) -> list[Factor]:
         return [f for f in self.factors if f.kind in kinds]
@@ -86,9 +88,23 @@ class SecondOrderExtension:
     #: that several calls use (tied weights), the engine sums those over the calls and
     #: computes it once, as for a parameter used directly (the cross terms counted)
     sums_calls: bool = False
+    #: its result needs something of all of the factors' ``V`` columns before any (EKFAC:
+    #: the Kronecker factors whose eigenbases it takes): where the autograd path hands the
+    #: columns over in slices, it goes over them twice, ``fit`` on each (merged by
+    #: ``merge_fit``), then ``compute`` on each with the whole fit in ``call.fitted``
+    fits: bool = False
 
     def compute(self, call: Call) -> dict[str, Any]:
         """``{param name: result}`` for one call."""
+        raise NotImplementedError
+
+    def fit(self, call: Call) -> dict[str, Any]:
+        """``{param name: what compute needs of all the columns}`` from this call's slice
+        of them (where :attr:`fits`)."""
+        raise NotImplementedError
+
+    def merge_fit(self, a: Any, b: Any) -> Any:
+        """One parameter's fits from two slices, merged (where :attr:`fits`)."""
         raise NotImplementedError
 
     def merge_chunks(self, a: Any, b: Any) -> Any:
@@ -98,17 +114,6 @@ class SecondOrderExtension:
         if isinstance(a, (list, tuple)):
             return type(a)(x + y for x, y in zip(a, b))
         return a + b
-
-    def merge_samples(self, parts: list) -> Any:
-        """One parameter's results from a call whose output all samples share (a ``[1, T]``
-        position embedding), computed one sample at a time, merged: a per-sample result
-        (``batch``) stacks them, any other merges them as slices."""
-        if getattr(self, "batch", False):
-            return torch.cat(parts)
-        merged = parts[0]
-        for part in parts[1:]:
-            merged = self.merge_chunks(merged, part)
-        return merged
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"

@@ -25,9 +25,13 @@ first-order strategy of the layer serves, in chunks under the block's budget.
 Layers: those whose Kronecker rule is channels-last (Linear, HF's Conv1D, Embedding,
 whose ``A`` is diagonal: ``U_A`` is the identity, stored as ``None``); LayerNorm and
 RMSNorm get KFAC's diagonal ``[d]`` (a diagonal is its own eigen-correction);
-convolutions are refused. The basis needs all of a layer's roots at once: where the
-autograd path hands them over in pieces (``fisher="exact"`` or ``mc_samples > 1`` there,
-or a call the batch shares, such as position embeddings of ``[1, T]`` ids), it raises.
+convolutions are refused. A call the batch shares (position embeddings of ``[1, T]``
+ids) is corrected with each sample's own gradient of it, the sum over that sample's uses
+(the autograd path repeats the call over the batch). The bases need all of a layer's
+roots at once: where the autograd path hands them over in slices of their columns
+(``fisher="exact"`` or ``mc_samples > 1``, with more columns than ``chunk_bytes`` holds),
+it goes over the slices twice, the factors from all of them first (``fit``), then ``Λ``
+in their bases, summed over the slices.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ class EKFAC(KroneckerExtension):
     chooses the factors whose eigenbases are taken)."""
 
     savefield = "ekfac"
+    fits = True  # the bases, from all the roots, before the correction
 
     def __init__(self, fisher: str = "mc", mc_samples: int = 1, kfac_approx: str | None = None):
         if fisher not in FISHERS:
@@ -69,16 +74,20 @@ class EKFAC(KroneckerExtension):
         approx = approx_repr(self.kfac_approx)
         return f"EKFAC({', '.join(args + ([approx] if approx else []))})"
 
-    def merge_chunks(self, a, b):
-        raise NotImplementedError(
-            f"jacmem: {self!r} needs all of a layer's roots at once (to take G's eigenbasis before the correction), "
-            "and the autograd path hands this one over in pieces: one root at a time (fisher='exact', "
-            "mc_samples > 1: use fisher='empirical' or mc_samples=1), or one sample at a time (a call the batch "
-            "shares, such as position embeddings of [1, T] ids: freeze it)"
-        )
+    def fit(self, call: Call) -> dict[str, list]:
+        """KFAC's factors from one slice of the roots (``G`` sums over the slices)."""
+        return super().compute(call)
+
+    def merge_fit(self, a: list, b: list) -> list:
+        return super().merge_chunks(a, b)
+
+    def merge_chunks(self, a: list, b: list) -> list:
+        """Two slices' results, in the bases of all the roots (``call.fitted``): ``Λ`` sums."""
+        return [*a[:-1], a[-1] + b[-1]]
 
     def compute(self, call: Call) -> dict[str, list]:
-        factors = super().compute(call)
+        sliced = call.fitted is not None and call.entry.kronecker.input_factor is not None
+        factors = call.fitted if sliced else super().compute(call)  # sliced: all the roots' factors
         rule = call.entry.kronecker
         if rule.input_factor is None:  # LayerNorm, RMSNorm: the diagonal
             return factors

@@ -75,10 +75,6 @@ class _SqrtGGN(SecondOrderExtension):
         """Slices of ``V`` stack along ``V``."""
         return torch.cat((a, b))
 
-    def merge_samples(self, parts: list[Tensor]) -> Tensor:
-        """Samples stack along ``N`` (axis 1)."""
-        return torch.cat(parts, 1)
-
     def compute(self, call: Call) -> dict[str, Tensor]:
         """Several factors of the kind (a sum of losses) stack along ``V``."""
         out = {}
