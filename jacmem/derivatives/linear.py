@@ -23,6 +23,7 @@ import torch
 from einops import rearrange
 from torch import Tensor, nn
 
+from jacmem.derivatives.quantities import add_moments
 from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, passthrough, register
 
 #: HF transformers' ``Conv1D``, by qualified name (see :func:`jacmem.derivatives.qualified_name`)
@@ -128,10 +129,7 @@ def _sum_outer_squares(a: Tensor, b: Tensor, also: tuple[str, ...] = ()) -> Tens
     total = a.new_zeros((p, q)) if "grad" in also else None
     for start in range(0, n, block):
         k = min(block, n - start)
-        for product in torch.bmm(a[start : start + k].transpose(1, 2), b[start : start + k], out=buffer[:k]):
-            out.addcmul_(product, product)
-            if total is not None:
-                total.add_(product)
+        add_moments(torch.bmm(a[start : start + k].transpose(1, 2), b[start : start + k], out=buffer[:k]), out, total)
     return out if total is None else {"sum_grad_squared": out, "grad": total}
 
 
