@@ -100,7 +100,7 @@ def steps(case: dict) -> dict:
 
     model, X, y = build(case["model"], case["quick"])
     plain = Plain(copy.deepcopy(model))
-    compiled = {id(m): torch.compile(m, backend=case["backend"]) for m in (plain, model)}
+    compiled = {m: torch.compile(m, backend=case["backend"]) for m in (plain, model)}
     extensions = {"plain": None, "BatchL2Grad": jacmem.BatchL2Grad, "ClipGrad": lambda: jacmem.ClipGrad(1.0)}
 
     def make(owner: nn.Module, run, extension):
@@ -119,7 +119,7 @@ def steps(case: dict) -> dict:
     for method, extension in extensions.items():
         owner = plain if extension is None else model
         out[f"eager {method}"] = make(owner, owner, extension)
-        out[f"compiled {method}"] = make(owner, compiled[id(owner)], extension)
+        out[f"compiled {method}"] = make(owner, compiled[owner], extension)
     return out
 
 
@@ -200,8 +200,9 @@ def table(results: list[dict], args) -> str:
         f"({m['cpu']}, {m['cores']} cores, {args.threads} threads, torch {m['torch']}, backend {args.backend}, "
         f"load {args.load_before} before, {args.load_after} after). Per model one process alternates the six "
         f"steps for {args.repeats} rounds after {args.warmup} warm-up steps each: times are medians, ratios "
-        f"medians of the per-round ratios. Graphs and graph breaks: what Dynamo made for the step during its "
-        f"warm-up (0 graphs: it ran on the graphs of the step above, the same compiled model); recompiles: frames compiled again during the timed rounds. {args.note}".rstrip(),
+        "medians of the per-round ratios. Graphs and graph breaks: what Dynamo made for the step during its "
+        "warm-up (0 graphs: it ran on the graphs of the step above, the same compiled model); recompiles: "
+        f"frames compiled again during the timed rounds. {args.note}".rstrip(),
         "",
     ]
     for r in results:
@@ -231,7 +232,9 @@ def table(results: list[dict], args) -> str:
         if breaks:
             lines += ["Graph breaks (reason: step and count):", ""]
             lines += [f"- {headline(reason)}: {', '.join(where)}" for reason, where in breaks.items()]
-            lines.append("")
+        else:
+            lines.append("No graph breaks in the compiled steps.")
+        lines.append("")
     lines.append(END)
     return "\n".join(lines)
 

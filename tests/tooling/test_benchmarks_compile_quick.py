@@ -17,7 +17,7 @@ def test_quick_compile_block(tmp_path, capsys):
     assert re.search(r"\[1/1\] cnn: eager plain [\d.]+ s, compiled plain .*compiled ClipGrad [\d.]+ s", err), err
     text = md.read_text()
     assert text.startswith("# report\n") and text.rstrip().endswith("kept") and "stale" not in text
-    assert "fails" not in text and "2 rounds" in text
+    assert "fails" not in text and "2 rounds" in text and "No graph breaks in the compiled steps." in text
     for method, graphs in (("plain", 1), ("BatchL2Grad", 1), ("ClipGrad", 0)):
         row = rf"\| {method} \|( [\d.]+ \|){{5}} {graphs} \| 0 \| 0 \|"
         assert re.search(row, text), text
