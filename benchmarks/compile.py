@@ -1,12 +1,20 @@
 """torch.compile: plain and jacmem steps, eager and compiled (issue 27).
 
-``python -m benchmarks.compile`` runs, per model, one process per (mode, method): mode
-``eager`` or ``compiled`` (``torch.compile(model)``, the default inductor backend),
+``python -m benchmarks.compile`` runs, per model, one process that builds six steps:
+mode ``eager`` or ``compiled`` (``torch.compile``, the default inductor backend) times
 method ``plain`` (forward and backward), ``BatchL2Grad`` or ``ClipGrad`` (inside
-``jacmem.extend``). Each process runs warm-up steps (the compilation happens there),
-then times ``--repeats`` steps (median). It writes the table to BENCHMARKS.md between
+``jacmem.extend``). The plain steps run on a deep copy of the model, wrapped in a module
+class of its own so that its compiled code has a cache entry of its own; the jacmem
+steps share one compiled model, as a user's would. The process runs ``--warmup`` steps
+of each (the compilation happens there), then alternates the six steps for
+``--repeats`` rounds, so that a change of the machine's load falls on all of them
+alike. It reports each step's median time and the medians of the per-round ratios:
+compiled / eager (same method), eager jacmem / eager plain and compiled jacmem /
+compiled plain; and for each compiled step the graphs Dynamo made, its graph breaks
+(with their reasons, listed under the table) and the frames it compiled again during the
+timed rounds (recompiles). It writes the table to BENCHMARKS.md between
 ``<!-- compile:start -->`` and ``<!-- compile:end -->``. ``--quick``: tiny sizes, one
-step after one warm-up, the ``aot_eager`` backend (no C++ build), written to
+round after one warm-up step, the ``aot_eager`` backend (no C++ build), written to
 ``out/compile-quick.md`` only; it checks the harness.
 
 Models: the seed CNN (an ``nn.Sequential``, [N, 1, 28, 28]) and a small HF GPT-2 LM
@@ -19,6 +27,9 @@ import statistics
 import sys
 import time
 import warnings
+
+import torch
+from torch import nn
 
 from benchmarks import harness
 
@@ -42,9 +53,6 @@ def describe(model: str, quick: bool) -> str:
 
 def build(model: str, quick: bool):
     """The module, its input and targets (logits ``[N, C, ...]`` against ``[N, ...]``)."""
-    import torch
-    from torch import nn
-
     torch.manual_seed(0)
     n = BATCH[model][quick]
     if model == "cnn":
@@ -68,47 +76,121 @@ def build(model: str, quick: bool):
     return Logits(), torch.randint(0, vocab, (n, tokens)), torch.randint(0, vocab, (n, tokens))
 
 
-def prepare(case: dict):
-    """The step function of one case."""
-    import torch
+class Plain(nn.Module):
+    """The plain steps' copy of the model: a class of its own, so that torch.compile
+    keeps its code apart from the jacmem steps' (no shared cache entry, no recompile
+    when the two alternate)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.model(x)
+
+
+def steps(case: dict) -> dict:
+    """The six steps of one model, by ``"<mode> <method>"``: each a function that runs
+    one training step (forward, loss, backward) and sets ``.grad``."""
+    import copy
+
     from torch.nn import functional as F
 
     import jacmem
 
     model, X, y = build(case["model"], case["quick"])
-    run = torch.compile(model, backend=case["backend"]) if case["mode"] == "compiled" else model
-    extension = {"BatchL2Grad": jacmem.BatchL2Grad, "ClipGrad": lambda: jacmem.ClipGrad(1.0)}.get(case["method"])
+    plain = Plain(copy.deepcopy(model))
+    compiled = {m: torch.compile(m, backend=case["backend"]) for m in (plain, model)}
+    extensions = {"plain": None, "BatchL2Grad": jacmem.BatchL2Grad, "ClipGrad": lambda: jacmem.ClipGrad(1.0)}
 
-    def step():
-        for p in model.parameters():
-            p.grad = None
-        if extension is None:
-            F.cross_entropy(run(X), y).backward()
-            return
-        with jacmem.extend(extension()):
-            F.cross_entropy(run(X), y).backward()
+    def make(owner: nn.Module, run, extension):
+        def step():
+            for p in owner.parameters():
+                p.grad = None
+            if extension is None:
+                F.cross_entropy(run(X), y).backward()
+                return
+            with jacmem.extend(extension()):
+                F.cross_entropy(run(X), y).backward()
 
-    return step
+        return step
+
+    out = {}
+    for method, extension in extensions.items():
+        owner = plain if extension is None else model
+        out[f"eager {method}"] = make(owner, owner, extension)
+        out[f"compiled {method}"] = make(owner, compiled[owner], extension)
+    return out
+
+
+def dynamo_counts() -> dict:
+    """What Dynamo has done in this process so far: frames compiled, graphs made and
+    graph breaks by reason."""
+    from torch._dynamo.utils import counters
+
+    return dict(
+        frames=counters["frames"]["total"],
+        graphs=counters["stats"]["unique_graphs"],
+        breaks=dict(counters["graph_break"]),
+    )
+
+
+def counted(step, counts: dict, key: str) -> float:
+    """Run ``step``, add what Dynamo did meanwhile to ``counts`` under ``key``
+    (``frames``, ``graphs``, ``breaks``), and return the step's time in seconds."""
+    before = dynamo_counts()
+    start = time.perf_counter()
+    step()
+    seconds = time.perf_counter() - start
+    after = dynamo_counts()
+    entry = counts.setdefault(key, dict(frames=0, graphs=0, breaks={}))
+    entry["frames"] += after["frames"] - before["frames"]
+    entry["graphs"] += after["graphs"] - before["graphs"]
+    for reason, n in after["breaks"].items():
+        if n > before["breaks"].get(reason, 0):
+            entry["breaks"][reason] = entry["breaks"].get(reason, 0) + n - before["breaks"].get(reason, 0)
+    return seconds
 
 
 def child(case: dict) -> dict:
-    import torch
-
-    warnings.simplefilter("ignore")
+    """One model's six steps, warmed up, then alternated for ``case["repeats"]`` rounds:
+    ``time_s`` (each step's median), ``ratio`` (the medians of the per-round ratios, by
+    ``"<step> / <step>"``), ``warmup`` and ``timed`` (what Dynamo did in each, by step)."""
     torch.set_num_threads(case["threads"])
-    step = prepare(case)
-    for _ in range(case["warmup"]):
-        step()
-    times = []
+    warnings.simplefilter("ignore")
+    runs = steps(case)
+    warmup, timed = {}, {}
+    for name, step in runs.items():
+        for _ in range(case["warmup"]):
+            counted(step, warmup, name)
+    times = {name: [] for name in runs}
     for _ in range(case["repeats"]):
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-    return dict(case, time_s=statistics.median(times))
+        for name, step in runs.items():
+            times[name].append(counted(step, timed, name))
+
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(times[a], times[b]))
+
+    pairs = [(f"compiled {m}", f"eager {m}") for m in METHODS]
+    for mode in MODES:
+        pairs += [(f"{mode} {m}", f"{mode} plain") for m in METHODS[1:]]
+    return dict(
+        case,
+        time_s={name: statistics.median(t) for name, t in times.items()},
+        ratio={f"{a} / {b}": ratio(a, b) for a, b in pairs},
+        warmup=warmup,
+        timed=timed,
+    )
+
+
+def headline(reason: str) -> str:
+    """A graph break's reason on one line: Dynamo's first line and its explanation."""
+    lines = [line.strip() for line in reason.strip().splitlines()]
+    why = [line for line in lines[1:] if line.startswith("Explanation:")]
+    return " ".join(lines[:1] + why).replace("|", "/")
 
 
 def table(results: list[dict], args) -> str:
-    by = {(r["model"], r["mode"], r["method"]): r for r in results}
     m = harness.machine()
     lines = [
         START,
@@ -116,26 +198,42 @@ def table(results: list[dict], args) -> str:
         "",
         f"Measured {args.started} with `python -m benchmarks.compile{' --quick' if args.quick else ''}` "
         f"({m['cpu']}, {m['cores']} cores, {args.threads} threads, torch {m['torch']}, backend {args.backend}, "
-        f"load {args.load_before}; "
-        f"median of {args.repeats} steps after {args.warmup} warm-up). {args.note}".rstrip(),
+        f"load {args.load_before} before, {args.load_after} after). Per model one process alternates the six "
+        f"steps for {args.repeats} rounds after {args.warmup} warm-up steps each: times are medians, ratios "
+        "medians of the per-round ratios. Graphs and graph breaks: what Dynamo made for the step during its "
+        "warm-up (0 graphs: it ran on the graphs of the step above, the same compiled model); recompiles: "
+        f"frames compiled again during the timed rounds. {args.note}".rstrip(),
         "",
     ]
-    for model in args.models:
-        lines += [f"**{describe(model, args.quick)}**", ""]
+    for r in results:
+        lines += [f"**{describe(r['model'], args.quick)}**", ""]
+        if "error" in r:
+            lines += ["fails: " + r["error"].replace("|", "/"), ""]
+            continue
+        t, q = r["time_s"], r["ratio"]
         lines += [
-            "| step | eager s | compiled s | compiled / eager | eager / eager plain | compiled / compiled plain |"
+            "| step | eager s | compiled s | compiled / eager | eager / eager plain | compiled / compiled plain "
+            "| graphs | graph breaks | recompiles |",
+            "|---|---|---|---|---|---|---|---|---|",
         ]
-        lines += ["|---|---|---|---|---|---|"]
-        plain = [by.get((model, mode, "plain"), {}).get("time_s") for mode in MODES]
+        breaks = {}
         for method in METHODS:
-            rs = [by.get((model, mode, method), {}) for mode in MODES]
-            t = [r.get("time_s") for r in rs]
-            if any("error" in r for r in rs):
-                cells = ["fails: " + r["error"].replace("|", "/") if "error" in r else f"{r['time_s']:.3f}" for r in rs]
-                lines.append(f"| {method} | {cells[0]} | {cells[1]} | n/a | n/a | n/a |")
-                continue
-            ratios = [t[1] / t[0]] + [t[k] / plain[k] if plain[k] else float("nan") for k in (0, 1)]
-            lines.append(f"| {method} | {t[0]:.3f} | {t[1]:.3f} | " + " | ".join(f"{x:.2f}" for x in ratios) + " |")
+            same = [q.get(f"{mode} {method} / {mode} plain", 1.0) for mode in MODES]
+            w, c = r["warmup"][f"compiled {method}"], r["timed"][f"compiled {method}"]
+            n = sum(w["breaks"].values())
+            lines.append(
+                f"| {method} | {t[f'eager {method}']:.3f} | {t[f'compiled {method}']:.3f} "
+                f"| {q[f'compiled {method} / eager {method}']:.2f} | {same[0]:.2f} | {same[1]:.2f} "
+                f"| {w['graphs']} | {n} | {c['frames']} |"
+            )
+            for reason, k in w["breaks"].items():
+                breaks.setdefault(reason, []).append(f"{method} {k}")
+        lines.append("")
+        if breaks:
+            lines += ["Graph breaks (reason: step and count):", ""]
+            lines += [f"- {headline(reason)}: {', '.join(where)}" for reason, where in breaks.items()]
+        else:
+            lines.append("No graph breaks in the compiled steps.")
         lines.append("")
     lines.append(END)
     return "\n".join(lines)
@@ -143,32 +241,32 @@ def table(results: list[dict], args) -> str:
 
 def main(argv=None) -> None:
     p = harness.parser(
-        "compile", __doc__, timeout=600.0,
+        "compile", __doc__, timeout=1800.0,
         models=dict(nargs="+", default=list(BATCH), choices=list(BATCH)),
         threads=dict(type=int, default=2),
+        warmup=dict(type=int, help="warm-up steps of each step before the timed rounds (3; quick: 1)"),
     )  # fmt: skip
     args = p.parse_args(argv)
     if args.child:
         harness.answer(args.child, child)
         return
     args.repeats = args.repeats or (1 if args.quick else 10)
-    args.warmup = 1 if args.quick else 3
+    args.warmup = args.warmup or (1 if args.quick else 3)
     args.backend = "aot_eager" if args.quick else "inductor"
     markdown = args.markdown or (ROOT / "out" / "compile-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
-    cases = [dict(model=m, mode=mode, method=k) for m in args.models for k in METHODS for mode in MODES]
     args.load_before = " ".join(harness.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []
-    for i, case in enumerate(cases, 1):
-        case.update(
-            quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup, backend=args.backend
-        )
-        r = harness.run_case(case, args.timeout, child=("-m", "benchmarks.compile", "--child"))
+    for i, model in enumerate(args.models, 1):
+        case = dict(
+            model=model, quick=args.quick, threads=args.threads, repeats=args.repeats, warmup=args.warmup,
+            backend=args.backend,
+        )  # fmt: skip
+        r = harness.run_case(case, args.timeout, child=("-m", "benchmarks.compile", "--child"), env=harness.TIME_MALLOC)
         results.append(r)
-        shown = r["error"] if "error" in r else f"{r['time_s']:.3f} s"
-        print(
-            f"[{i}/{len(cases)}] {case['model']} {case['mode']} {case['method']}: {shown}", file=sys.stderr, flush=True
-        )
+        shown = r["error"] if "error" in r else ", ".join(f"{k} {v:.3f} s" for k, v in r["time_s"].items())
+        print(f"[{i}/{len(args.models)}] {model}: {shown}", file=sys.stderr, flush=True)
+    args.load_after = " ".join(harness.load())
     block = table(results, args)
     print(block)
     harness.write_block(markdown, block, START, END)
