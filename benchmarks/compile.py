@@ -17,8 +17,10 @@ timed rounds (recompiles). It writes the table to BENCHMARKS.md between
 round after one warm-up step, the ``aot_eager`` backend (no C++ build), written to
 ``out/compile-quick.md`` only; it checks the harness.
 
-Models: the seed CNN (an ``nn.Sequential``, [N, 1, 28, 28]) and a small HF GPT-2 LM
-(random init, tied embeddings), with default ``[1, T]`` position ids.
+Models: the main tables' ``seed-cnn-64`` (an ``nn.Sequential``) and ``gpt2`` (HF GPT-2,
+4 layers, d=256, tied, default ``[1, T]`` position ids), from :mod:`benchmarks.models`;
+and ``gpt2-tiny`` (2 layers, d=128, 64 tokens, batch 8: 25 ms steps), where jacmem's
+work per layer call, not the arithmetic, sets the ratios.
 """
 
 from __future__ import annotations
@@ -37,43 +39,31 @@ ROOT = harness.ROOT
 START, END = "<!-- compile:start -->", "<!-- compile:end -->"
 MODES = ("eager", "compiled")
 METHODS = ("plain", "BatchL2Grad", "ClipGrad")
-#: model -> batch size, full and quick
-BATCH = {"cnn": (32, 2), "gpt2": (8, 2)}
-#: GPT-2's (layers, width, vocabulary, tokens), full and quick
-GPT2 = ((2, 128, 2000, 64), (1, 16, 50, 8))
+#: the models, by name: those of :mod:`benchmarks.models`, and ``gpt2-tiny``
+MODELS = ("seed-cnn-64", "gpt2", "gpt2-tiny")
+#: ``gpt2-tiny``'s (layers, width, vocabulary, tokens, batch), full and quick
+TINY = ((2, 128, 2000, 64, 8), (1, 16, 50, 8, 2))
 
 
 def describe(model: str, quick: bool) -> str:
-    n = BATCH[model][quick]
-    if model == "cnn":
-        return f"seed CNN (nn.Sequential: 4 convs 1-128-256-64-32, ReLU, MaxPool, Linear 32-10), batch {n}"
-    layers, width, vocab, tokens = GPT2[quick]
-    return f"HF GPT-2 LM (tied): {layers} layers, d={width}, vocabulary {vocab}, {tokens} tokens, batch {n}"
+    if model != "gpt2-tiny":
+        from benchmarks.models import MODELS as BENCHES
+
+        return f"{model}: {BENCHES[model].description}" + (" (quick sizes)" if quick else "")
+    layers, width, vocab, tokens, n = TINY[quick]
+    return f"gpt2-tiny: HF GPT-2 LM (tied): {layers} layers, d={width}, vocabulary {vocab}, {tokens} tokens, batch {n}"
 
 
 def build(model: str, quick: bool):
     """The module, its input and targets (logits ``[N, C, ...]`` against ``[N, ...]``)."""
+    from benchmarks.models import MODELS as BENCHES
+    from benchmarks.models import CausalLM, token_batch
+
     torch.manual_seed(0)
-    n = BATCH[model][quick]
-    if model == "cnn":
-        from benchmarks.models import seed_cnn
-
-        return seed_cnn(), torch.randn(n, 1, 28, 28), torch.randint(0, 10, (n,))
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    layers, width, vocab, tokens = GPT2[quick]
-    config = GPT2Config(vocab_size=vocab, n_positions=tokens, n_embd=width, n_layer=layers, n_head=2)
-    lm = GPT2LMHeadModel(config)
-
-    class Logits(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.lm = lm
-
-        def forward(self, ids):
-            return self.lm(ids).logits.transpose(1, 2)
-
-    return Logits(), torch.randint(0, vocab, (n, tokens)), torch.randint(0, vocab, (n, tokens))
+    if model != "gpt2-tiny":
+        return BENCHES[model].build(quick)
+    layers, width, vocab, tokens, n = TINY[quick]
+    return (CausalLM(layers, width, 2, vocab, tokens), *token_batch((n, tokens), vocab))
 
 
 class Plain(nn.Module):
@@ -242,7 +232,7 @@ def table(results: list[dict], args) -> str:
 def main(argv=None) -> None:
     p = harness.parser(
         "compile", __doc__, timeout=1800.0,
-        models=dict(nargs="+", default=list(BATCH), choices=list(BATCH)),
+        models=dict(nargs="+", default=list(MODELS), choices=list(MODELS)),
         threads=dict(type=int, default=2),
         warmup=dict(type=int, help="warm-up steps of each step before the timed rounds (3; quick: 1)"),
     )  # fmt: skip
@@ -250,7 +240,7 @@ def main(argv=None) -> None:
     if args.child:
         harness.answer(args.child, child)
         return
-    args.repeats = args.repeats or (1 if args.quick else 10)
+    args.repeats = args.repeats or (1 if args.quick else 30)
     args.warmup = args.warmup or (1 if args.quick else 3)
     args.backend = "aot_eager" if args.quick else "inductor"
     markdown = args.markdown or (ROOT / "out" / "compile-quick.md" if args.quick else ROOT / "BENCHMARKS.md")

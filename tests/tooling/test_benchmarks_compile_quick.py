@@ -1,5 +1,5 @@
 """The torch.compile benchmark runs end to end in its smallest setting (the seed CNN at
-batch 2, the aot_eager backend: plain, BatchL2Grad and ClipGrad steps, eager and
+batch 8, the aot_eager backend: plain, BatchL2Grad and ClipGrad steps, eager and
 compiled, alternated in one process), writes its block of BENCHMARKS.md and only it,
 and counts what Dynamo made: one graph for the plain copy, one for the jacmem steps
 (ClipGrad reuses BatchL2Grad's), no graph break and no recompile."""
@@ -12,9 +12,11 @@ from benchmarks.compile import main
 def test_quick_compile_block(tmp_path, capsys):
     md = tmp_path / "BENCHMARKS.md"
     md.write_text("# report\n\n<!-- compile:start -->\nstale\n<!-- compile:end -->\n\nkept\n")
-    main(["--quick", "--models", "cnn", "--markdown", str(md), "--repeats", "2"])
+    main(["--quick", "--models", "seed-cnn-64", "--markdown", str(md), "--repeats", "2"])
     err = capsys.readouterr().err
-    assert re.search(r"\[1/1\] cnn: eager plain [\d.]+ s, compiled plain .*compiled ClipGrad [\d.]+ s", err), err
+    assert re.search(r"\[1/1\] seed-cnn-64: eager plain [\d.]+ s, compiled plain .*compiled ClipGrad [\d.]+ s", err), (
+        err
+    )
     text = md.read_text()
     assert text.startswith("# report\n") and text.rstrip().endswith("kept") and "stale" not in text
     assert "fails" not in text and "2 rounds" in text and "No graph breaks in the compiled steps." in text
