@@ -431,6 +431,12 @@ def recognised(module: nn.Module, x: Any, output: Any) -> LayerDerivatives | Non
     return _RECOGNISED[module]
 
 
+def recognised_before(module: nn.Module) -> bool:
+    """Whether an earlier call of ``module`` was :func:`recognised` as a registered
+    layer's function (its parameters then serve that function alone)."""
+    return _RECOGNISED.get(module) is not None
+
+
 #: registrations so far; a lookup checks names again after any
 _VERSION = [0]
 #: (module type, id(entry)) -> the registration count when its names were checked

@@ -25,7 +25,7 @@ from jacmem import compat
 from jacmem.derivatives import REGISTRY, registered_type
 from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
-from jacmem.derivatives.registry import own_parameters
+from jacmem.derivatives.registry import own_parameters, recognised_before
 from jacmem.engine import fsdp, hooks
 from jacmem.engine.broadcast import Origin, watch
 
@@ -87,16 +87,18 @@ class Recorder:
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
     def enter(self, module: nn.Module, name: str) -> None:
-        """Before ``module``'s forward: where its type is registered nowhere, its own
-        trainable parameters become watched views until :meth:`leave` (not where a
-        BatchNorm inside it mixes the samples)."""
+        """Before ``module``'s forward: where its type is registered nowhere and no
+        earlier call of it was recognised as a registered layer's (timm's LayerNorm,
+        LLaMA's RMSNorm), its own trainable parameters become watched views until
+        :meth:`leave` (not where a BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled()
         if compat.is_compiled_module(module):
             self.compiled_root, self.compiled_start = module._orig_mod, self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
-        if registered_type(REGISTRY, type(module)) is not None or normalises_over_batch(module):
+        known = registered_type(REGISTRY, type(module)) is not None or recognised_before(module)
+        if known or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active() or self.compiled:

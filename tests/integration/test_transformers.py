@@ -93,6 +93,20 @@ def test_norm_subclasses_are_recognised_by_what_they_compute(make, native):
     assert ("vmap" not in _norm_chosen(ctx)) == native, ctx.explain()
 
 
+def test_a_recognised_norm_runs_on_its_own_parameters_after_its_first_call():
+    """timm's LayerNorm, recognised as LayerNorm's function on its first call, runs its
+    later calls on its own parameters, not on watched views (whose every op jacmem would
+    read), and its per-sample gradients stay exact in the steps after."""
+    model, X, y = _norm_model(timm.layers.LayerNorm(4), DT)
+    norm, seen = model[1], []
+    model[1].register_forward_pre_hook(lambda module, args: seen.append(type(module.weight)))
+    reference = per_sample_grads(model, X, y, mse, "mean")
+    for _ in range(2):
+        run_jacmem(model, X, y, mse, "mean", EXTENSIONS)
+        check_against(model, reference, SAVEFIELDS, "[timm LayerNorm]")
+    assert seen[-1] is nn.Parameter and norm.weight.__class__ is nn.Parameter, seen
+
+
 @pytest.mark.parametrize(
     "make",
     [
