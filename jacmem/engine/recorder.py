@@ -297,13 +297,20 @@ class Tracker(Recorder):
         block = self.block
         return None if block is None else block.record(rec)
 
+    # A module missing from ``names`` carries these hooks as a copy: ``copy.deepcopy`` of a
+    # tracked model copies its modules' hooks, not its tracking. Its calls are left alone.
+
     def _on_enter(self, module, args):
-        self.enter(module, self.names[module])
+        if module in self.names:
+            self.enter(module, self.names[module])
 
     def _on_leave(self, module, args, output):
-        self.leave(module, module is self.model())
+        if module in self.names:
+            self.leave(module, module is self.model())
 
     def _on_forward(self, module, args, kwargs, output):
+        if module not in self.names:
+            return None
         # where a block takes the calls, a layer may run through ComputeOnce as the block's
         # own calls do (its backward recomputes the forward where the block has ended by then)
         block = self.block

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 import torch
-from tests.support.reference import check_against, per_sample_grads
+from tests.support.reference import check_against, mse, per_sample_grads
 from torch import nn
 
 import jacmem
@@ -180,6 +180,31 @@ def test_no_warning_where_the_block_saw_the_forward_or_the_model_is_tracked():
         with jacmem.extend(jacmem.BatchGrad()):  # no parameter in the graph: nothing to say
             (torch.randn(3, dtype=DT, requires_grad=True) * 2).sum().backward()
     assert model[0].weight.grad_batch.shape == (2, 3, 4)
+
+
+def test_a_deep_copy_of_a_tracked_model_runs_as_an_untracked_one():
+    """``copy.deepcopy`` of a tracked model (an EMA or evaluation copy; ``PrivacyEngine``
+    tracks its model) copies its modules' hooks, not its tracking: the copy runs as a
+    model jacmem never saw (its forward raised a KeyError before), and inside a block its
+    calls are recorded like any model's, exactly."""
+    import copy
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
+    X = torch.randn(3, 4, dtype=DT)
+    jacmem.track(model)
+    try:
+        twin = copy.deepcopy(model)
+        twin(X).sum().backward()
+        assert all(p.grad is not None and not hasattr(p, "grad_batch") for p in twin.parameters())
+        y = torch.randn(3, 3, dtype=DT)
+        reference = per_sample_grads(twin, X, y, mse, "sum")
+        twin.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            mse(twin(X), y, "sum").backward()
+        check_against(twin, reference, ["grad_batch"])
+    finally:
+        jacmem.untrack(model)
 
 
 # -- aggregated warnings --------------------------------------------------------------
