@@ -60,6 +60,7 @@ from jacmem.engine.cost_model import keep_budget
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
+from jacmem.engine.recorder import reached_parameters
 from jacmem.extensions.clipping import ClipGrad
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
@@ -72,6 +73,10 @@ PROBES = 16
 def _nothing(grads: tuple) -> tuple:
     """A gradient accumulator's pre-hook: no gradient, so it accumulates none."""
     return (None,) * len(grads)
+
+
+#: the name :meth:`ClippingEngine._check_recorded` gives a parameter in no model the block ran or tracks
+_UNHELD = "of shape {shape}, in no model the block ran or tracks"
 
 
 class ClipStaging(Staging):
@@ -156,6 +161,14 @@ class ClippingEngine(FirstOrderEngine):
         """Guard every parameter of a model the block tracks from now on, so that a
         backward the block cannot clip (another thread's) raises, even the first one."""
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
+
+    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+        """Before a backward begins: guard every trainable parameter its graph reaches
+        that no model of the block holds (a free ``nn.Parameter`` read in a functional op,
+        or one of a model whose forward ran before the block, untracked). autograd would
+        otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
+        meets :meth:`_check_recorded`, which raises."""
+        self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached_parameters(tensors))
 
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its
@@ -367,8 +380,9 @@ class ClippingEngine(FirstOrderEngine):
                 (diff > tol).logical_not(),  # a NaN gradient is no use outside the calls: it passes
                 f"jacmem: ClipGrad: the loss reaches parameter {run.reached[key]!r} outside every module call "
                 "jacmem recorded (e.g. a parameter read in a loss term or in a functional op of a parent "
-                "module), so its per-sample gradients, and its clipped gradient, are unknown. Use it only "
-                "inside the forward of modules (as their own parameter), or freeze it.",
+                "module, or a model whose forward ran before the block untracked), so its per-sample gradients, "
+                "and its clipped gradient, are unknown. Use it only inside the forward of modules (as their own "
+                "parameter), run that forward inside the block (or jacmem.track(model) before it), or freeze it.",
             )
 
     def _check_unsynced(self, staged: dict) -> None:

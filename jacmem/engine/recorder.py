@@ -15,7 +15,7 @@ import functools
 import threading
 import warnings
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -458,7 +458,10 @@ class BackwardWatch:
                 return original(tensors, *args, **kwargs)
             started = self.passes.started
             out = original(tensors, *args, **kwargs)
-            if self.passes.started == started and _reaches_parameter(tensors, self._SEARCH_NODES):
+            if (
+                self.passes.started == started
+                and next(reached_parameters(tensors, self._SEARCH_NODES), None) is not None
+            ):
                 self.warned = True
                 warnings.warn(
                     "jacmem: a backward pass inside jacmem.extend(...) computed parameter gradients, but none of "
@@ -473,9 +476,9 @@ class BackwardWatch:
         return watched
 
 
-def _reaches_parameter(tensors, limit: int) -> bool:
-    """Whether the graph of ``tensors`` (a tensor or a sequence of them) reaches the
-    AccumulateGrad node of an ``nn.Parameter``, within ``limit`` nodes."""
+def reached_parameters(tensors, limit: float = float("inf")) -> Iterator[nn.Parameter]:
+    """The ``nn.Parameter`` leaves whose AccumulateGrad nodes the graph of ``tensors`` (a
+    tensor or a sequence of them) reaches, as the walk finds them, within ``limit`` nodes."""
     roots = (
         [tensors] if isinstance(tensors, torch.Tensor) else list(tensors) if isinstance(tensors, (tuple, list)) else []
     )
@@ -486,7 +489,7 @@ def _reaches_parameter(tensors, limit: int) -> bool:
         if fn in seen:
             continue
         seen.add(fn)
-        if isinstance(getattr(fn, "variable", None), nn.Parameter):
-            return True
+        variable = getattr(fn, "variable", None)
+        if isinstance(variable, nn.Parameter):
+            yield variable
         todo.extend(f for f, _ in fn.next_functions if f is not None)
-    return False

@@ -325,6 +325,30 @@ def test_a_parameter_used_outside_every_recorded_call_is_refused():
     assert no_hooks(model)
 
 
+@pytest.mark.parametrize("where", ["free parameter", "model run before the block", "only a model run before"])
+def test_a_parameter_in_no_model_the_block_saw_is_refused_not_leaked(where):
+    """Parameters that no model of the block holds: a free ``nn.Parameter`` in a
+    functional op, or a model whose forward ran before the block, untracked (beside a
+    model run inside it, or alone). autograd would put their unclipped gradients in
+    ``.grad``; the block guards them before the backward, so it raises, naming their
+    shape, and ``.grad`` gets nothing."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 3)).to(DT)
+    free, other = nn.Parameter(torch.randn(4, 3, dtype=DT)), nn.Linear(4, 3).to(DT)
+    X, y = torch.randn(N, 4, dtype=DT), torch.randint(0, 3, (N,))
+    outer = other(X)  # its forward, before the block
+    with pytest.raises(
+        RuntimeError, match=r"reaches parameter 'of shape \[[\d, ]+\], in no model the block ran or tracks'"
+    ):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            if where == "only a model run before":
+                F.cross_entropy(outer, y).backward()
+            else:
+                F.cross_entropy(model(X) + (X @ free if where == "free parameter" else outer), y).backward()
+    assert all(p.grad is None for p in (free, *other.parameters()))
+    assert no_hooks(model) and no_hooks(other) and not free._backward_hooks
+
+
 def tied_embedding():
     """An embedding tied to its Linear head, token ids [N, 3] -> logits [N, 11, 3]."""
     torch.manual_seed(0)
