@@ -12,6 +12,7 @@ never commits, and its state goes with it: nothing is written.
 
 from __future__ import annotations
 
+import threading
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -81,15 +82,19 @@ class Engine:
 
 
 class Pass:
-    """One backward pass (one autograd graph task) through a block: each engine's state,
-    committed when the pass ends."""
+    """One backward pass (one autograd graph task, with the tasks nested in it) through a
+    block: each engine's state, committed when the pass ends."""
 
-    __slots__ = ("states", "on_end", "__weakref__")
+    __slots__ = ("states", "on_end", "thread", "ended", "__weakref__")
 
     def __init__(self, on_end: Callable[[], None] | None):
         #: engine -> its state for this pass
         self.states: dict[Engine, Any] = {}
         self.on_end = on_end
+        #: the thread that runs it (autograd's, on an accelerator)
+        self.thread = threading.get_ident()
+        #: whether it has begun to commit
+        self.ended = False
 
     def state(self, engine: Engine):
         """``engine``'s state for this pass, made on first use."""
@@ -101,6 +106,7 @@ class Pass:
     def __call__(self) -> None:
         """The pass ended: every engine finishes, then every result is written, all at
         once (a failure before writes nothing)."""
+        self.ended = True
         states, self.states = self.states, {}
         writes = [w for engine, st in states.items() for w in engine.finish(st)]
         for obj, field, value in writes:
@@ -127,14 +133,29 @@ class Passes:
 
     def current(self) -> Pass:
         """The running backward pass, begun (and queued to commit at its end) on its
-        first hook. Call only from inside a backward."""
+        first hook. Call only from inside a backward.
+
+        A graph task that begins while a pass of this thread runs is nested in it: a
+        reentrant checkpoint (``torch.utils.checkpoint`` with ``use_reentrant=True``)
+        recomputes its segment and backpropagates through it with a backward of its own,
+        from inside the outer one. Its calls join the outer pass, so that the pass's
+        results (ClipGrad's norms over every parameter) cover both."""
         task = compat.current_graph_task_id()
         run = self._live.get(task)
         if run is None:
-            run = self._live[task] = Pass(self.on_end)
-            compat.queue_callback(run)
-            self.started += 1
+            run = self._enclosing()
+            if run is None:
+                run = Pass(self.on_end)
+                compat.queue_callback(run)
+                self.started += 1
+            self._live[task] = run
         return run
+
+    def _enclosing(self) -> Pass | None:
+        """A pass of this thread that has not begun to commit: autograd holds a pass
+        until its task ends, and drops it where the task fails."""
+        here = threading.get_ident()
+        return next((run for run in self._live.values() if run.thread == here and not run.ended), None)
 
     def state(self, engine: Engine):
         """``engine``'s state in the running backward pass (:meth:`current`)."""

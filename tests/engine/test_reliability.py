@@ -479,6 +479,25 @@ def test_exception_in_a_tracked_backward_leaves_nothing():
     assert_clean(model, outputs, records, before)
 
 
+def test_a_backward_that_failed_midway_leaves_the_next_one_in_the_block_whole():
+    """A backward that raises after the block's pass began (the Linear's hook ran, then a
+    hook below it raised): autograd drops the pass, so the next backward in the same
+    block begins its own (a backward beginning inside a running pass joins it, see
+    :class:`jacmem.engine.base.Passes`) and gets every result."""
+    model = small_net()
+    X, y = data()
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    with jacmem.extend(jacmem.BatchGrad()):
+        h = model[1](model[0](X))
+        handle = h.register_hook(lambda g: (_ for _ in ()).throw(Boom("below the Linear")))
+        with pytest.raises(Boom):
+            cross_entropy(model[3](model[2](h)), y, "mean").backward()
+        handle.remove()
+        clear(model)
+        cross_entropy(model(X), y, "mean").backward()
+    check_against(model, reference, ["grad_batch"])
+
+
 def test_nested_blocks_fail_clearly_and_the_outer_block_still_works():
     model = mlp()
     X, y = x64(5, 3), x64(5, 2)
