@@ -88,9 +88,9 @@ class Recorder:
 
     def enter(self, module: nn.Module, name: str) -> None:
         """Before ``module``'s forward: where its type is registered nowhere and no
-        earlier call of it was recognised as a registered layer's (timm's LayerNorm,
-        LLaMA's RMSNorm), its own trainable parameters become watched views until
-        :meth:`leave` (not where a BatchNorm inside it mixes the samples)."""
+        earlier call of it was recognised as a registered layer's (timm's LayerNorm),
+        its own trainable parameters become watched views until :meth:`leave` (not
+        where a BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled()
         if compat.is_compiled_module(module):
             self.compiled_root, self.compiled_start = module._orig_mod, self.made
