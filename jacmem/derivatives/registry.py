@@ -43,9 +43,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from torch import Tensor, nn
+from torch.nn.utils import parametrize
 
 from jacmem.derivatives.jacobians import vjp_generic
 from jacmem.derivatives.quantities import QUANTITIES
+from jacmem.errors import unsupported_module_error
 
 
 @dataclass(frozen=True)
@@ -401,6 +403,9 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
     entry = REGISTRY[cls]
     if entry.for_module is not None:
         entry = entry.for_module(module)
+    parametrized = sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
+    if parametrized:  # before the names' check, which would take the layer's registrations back
+        raise unsupported_module_error()(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
     key = (type(module), id(entry))
     if _CHECKED.get(key) != _VERSION[0]:
         bad = missing_names(module, entry)
@@ -436,6 +441,13 @@ def recognised_before(module: nn.Module) -> bool:
     layer's function (its parameters then serve that function alone)."""
     return _RECOGNISED.get(module) is not None
 
+
+_PARAMETRIZED = (
+    "jacmem: {type} has parameter(s) {names} under a parametrization (torch.nn.utils.parametrize: weight_norm, "
+    "spectral_norm, orthogonal, ...): its forward reads a tensor computed from other parameters, and jacmem has no "
+    "per-sample derivatives through a parametrization. Remove it before the block or make_private "
+    "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or freeze what it parametrizes."
+)
 
 #: registrations so far; a lookup checks names again after any
 _VERSION = [0]

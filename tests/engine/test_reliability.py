@@ -498,6 +498,26 @@ def test_a_backward_that_failed_midway_leaves_the_next_one_in_the_block_whole():
     check_against(model, reference, ["grad_batch"])
 
 
+@pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal"])
+def test_a_parametrized_layer_is_refused_and_leaves_the_layers_registrations_whole(parametrization):
+    """A Linear under ``torch.nn.utils.parametrize`` (its ``weight`` a tensor computed from
+    other parameters) is refused with jacmem's UnsupportedModuleError, naming the
+    parametrization and the fix. It was matched to Linear's derivatives, whose name
+    check, finding no parameter ``weight``, took Linear's registrations back for the
+    whole process: every plain Linear after it had no per-sample gradients."""
+    wrap = getattr(torch.nn.utils.parametrizations, parametrization)
+    model = nn.Sequential(wrap(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    for ext in (jacmem.BatchGrad(), jacmem.ClipGrad(1.0)):
+        with pytest.raises(jacmem.UnsupportedModuleError, match=r"\['weight'\] under a parametrization.*remove_para"):
+            with jacmem.extend(ext):
+                cross_entropy(model(X), y, "mean").backward()
+    plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
+    reference = per_sample_grads(plain, X, y, cross_entropy, "mean")
+    run_jacmem(plain, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
+    check_against(plain, reference, ["grad_batch"])
+
+
 def test_nested_blocks_fail_clearly_and_the_outer_block_still_works():
     model = mlp()
     X, y = x64(5, 3), x64(5, 2)
