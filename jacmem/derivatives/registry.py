@@ -47,7 +47,6 @@ from torch.nn.utils import parametrize
 
 from jacmem.derivatives.jacobians import vjp_generic
 from jacmem.derivatives.quantities import QUANTITIES
-from jacmem.errors import unsupported_module_error
 
 
 @dataclass(frozen=True)
@@ -405,7 +404,7 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
         entry = entry.for_module(module)
     parametrized = sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
     if parametrized:  # before the names' check, which would take the layer's registrations back
-        raise unsupported_module_error()(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
+        raise ParametrizedError(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
     key = (type(module), id(entry))
     if _CHECKED.get(key) != _VERSION[0]:
         bad = missing_names(module, entry)
@@ -440,6 +439,12 @@ def recognised_before(module: nn.Module) -> bool:
     """Whether an earlier call of ``module`` was :func:`recognised` as a registered
     layer's function (its parameters then serve that function alone)."""
     return _RECOGNISED.get(module) is not None
+
+
+class ParametrizedError(ValueError):
+    """A layer whose registered parameters are under a parametrization: no exact
+    per-sample derivatives (``jacmem.extensions.clipping.check`` raises it as an
+    ``UnsupportedModuleError``)."""
 
 
 _PARAMETRIZED = (

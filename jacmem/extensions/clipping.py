@@ -54,7 +54,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
-from jacmem.derivatives.registry import own_parameters
+from jacmem.derivatives.registry import ParametrizedError, own_parameters
 from jacmem.errors import unsupported_module_error
 
 CLIPPINGS = ("flat", "per_layer", "automatic")
@@ -208,7 +208,10 @@ def check(model: nn.Module) -> None:
                 "ModuleValidator.fix does), or put it in eval mode with running statistics."
             )
         own = [n for n, p in own_parameters(module) if p.requires_grad]
-        entry = lookup(module) if own else None
+        try:
+            entry = lookup(module) if own else None
+        except ParametrizedError as err:
+            raise unsupported_module_error()(f"{err} (module {label})") from None
         uncovered = [n for n in own if entry is not None and n not in entry.params]
         if uncovered:
             raise unsupported_module_error()(

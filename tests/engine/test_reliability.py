@@ -62,6 +62,7 @@ import jacmem
 import jacmem.context
 from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy, all_strategy_names, lookup
 from jacmem.engine import hooks
+from jacmem.extensions.clipping import check
 
 FIRST_ORDER = (jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance)
 ALL_FIELDS = [e.savefield for e in FIRST_ORDER]
@@ -501,17 +502,20 @@ def test_a_backward_that_failed_midway_leaves_the_next_one_in_the_block_whole():
 @pytest.mark.parametrize("parametrization", ["weight_norm", "orthogonal"])
 def test_a_parametrized_layer_is_refused_and_leaves_the_layers_registrations_whole(parametrization):
     """A Linear under ``torch.nn.utils.parametrize`` (its ``weight`` a tensor computed from
-    other parameters) is refused with jacmem's UnsupportedModuleError, naming the
-    parametrization and the fix. It was matched to Linear's derivatives, whose name
+    other parameters) is refused, in the forward and by ``check`` (UnsupportedModuleError),
+    naming the parametrization and the fix. It was matched to Linear's derivatives, whose name
     check, finding no parameter ``weight``, took Linear's registrations back for the
     whole process: every plain Linear after it had no per-sample gradients."""
     wrap = getattr(torch.nn.utils.parametrizations, parametrization)
     model = nn.Sequential(wrap(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3)).double()
     X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    match = r"\['weight'\] under a parametrization.*remove_para"
     for ext in (jacmem.BatchGrad(), jacmem.ClipGrad(1.0)):
-        with pytest.raises(jacmem.UnsupportedModuleError, match=r"\['weight'\] under a parametrization.*remove_para"):
+        with pytest.raises(ValueError, match=match):
             with jacmem.extend(ext):
                 cross_entropy(model(X), y, "mean").backward()
+    with pytest.raises(jacmem.UnsupportedModuleError, match=match + r".*module '0'"):
+        check(model)  # as make_private does, before any step
     plain = nn.Sequential(nn.Linear(4, 4), nn.Tanh(), nn.Linear(4, 3)).double()
     reference = per_sample_grads(plain, X, y, cross_entropy, "mean")
     run_jacmem(plain, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
