@@ -79,6 +79,12 @@ def _nothing(grads: tuple) -> tuple:
 _UNHELD = "of shape {shape}, in no model the block ran or tracks"
 
 
+_SPARSE = (
+    "jacmem: ClipGrad: parameter {name!r} got a sparse gradient (an nn.Embedding or nn.EmbeddingBag with "
+    "sparse=True); the clipped sum of its per-sample gradients is dense. Build the layer with sparse=False."
+)
+
+
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
@@ -194,6 +200,8 @@ class ClippingEngine(FirstOrderEngine):
         a derivative's own recomputation (inside torch.func)."""
         if grad is None or compat.functorch_transforms_active():
             return None
+        if grad.is_sparse:
+            raise RuntimeError(_SPARSE.format(name=name))
         run = self.passes.state(self)
         run.reached[key], run.autograd[key] = name, grad
         return grad.new_zeros(()).expand_as(grad)

@@ -208,6 +208,11 @@ def check(model: nn.Module) -> None:
                 "ModuleValidator.fix does), or put it in eval mode with running statistics."
             )
         own = [n for n, p in own_parameters(module) if p.requires_grad]
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and "weight" in own:
+            raise unsupported_module_error()(
+                f"jacmem: module {label} has sparse=True: its gradient is a sparse tensor, and the clipped sum of "
+                "its per-sample gradients is dense. Build it with sparse=False."
+            )
         try:
             entry = lookup(module) if own else None
         except ParametrizedError as err:

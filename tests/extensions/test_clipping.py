@@ -389,6 +389,25 @@ def test_a_checkpointed_segment_is_clipped_with_the_whole_norm(reentrant):
     torch.testing.assert_close(ext.norms, norms(grads), rtol=1e-9, atol=0)
 
 
+@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
+def test_a_sparse_embedding_is_refused_naming_the_fix(layer):
+    """An embedding with ``sparse=True`` gets a sparse gradient from autograd, which the
+    block's guard could not even take in (it crashed with "expand is unsupported for
+    Sparse tensors"); the clipped sum is dense. Refused before any step and in the
+    backward, naming the parameter and ``sparse=False``; nothing is left behind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(11, 4, sparse=True), nn.Flatten(), nn.LazyLinear(3)).to(DT)
+    X, y = torch.randint(0, 11, (N, 2)), torch.randint(0, 3, (N,))
+    model(X)  # the lazy layer's shape
+    with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*sparse=True.*sparse=False"):
+        check(model)
+    with pytest.raises(RuntimeError, match=r"parameter '.*0.weight' got a sparse gradient.*sparse=False"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            cross_entropy(model(X), y, "mean").backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert no_hooks(model)
+
+
 def tied_embedding():
     """An embedding tied to its Linear head, token ids [N, 3] -> logits [N, 11, 3]."""
     torch.manual_seed(0)
