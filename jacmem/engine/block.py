@@ -26,6 +26,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from jacmem import compat
 from jacmem.engine import distributed, fsdp, hooks, recorder
 from jacmem.engine.base import Engine, Passes, Setup
 from jacmem.engine.clipping import ClippingEngine
@@ -278,6 +279,7 @@ class Block:
         replace the output (ComputeOnce), and the engines after it see the replacement."""
         if threading.get_ident() != self.owner:
             return None  # another thread's forward
+        self.recomputing()
         replaced = None
         for engine in self.engines:
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
@@ -286,6 +288,15 @@ class Block:
         if self._depth == 0:
             self._late.watch(output if replaced is None else replaced)
         return replaced
+
+    def recomputing(self) -> None:
+        """Where a module's forward runs inside a backward (a reentrant checkpoint
+        recomputes its segment in the outer backward, then backpropagates through it with
+        a backward of its own): the outer backward's pass begins now, so that the nested
+        backward's calls join it (:meth:`Passes.current`) rather than begin a pass that
+        commits at the nested backward's end, before the outer one's calls are in."""
+        if compat.current_graph_task_id() != -1:
+            self.passes.current()
 
     # -- backward --------------------------------------------------------------------
 

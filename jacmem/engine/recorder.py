@@ -315,6 +315,8 @@ class Tracker(Recorder):
         # own calls do (its backward recomputes the forward where the block has ended by then)
         block = self.block
         self.once = block is not None and block.once
+        if block is not None:
+            block.recomputing()
         return self.record(module, args, kwargs, output, self.names[module])
 
     def close(self) -> None:

@@ -16,7 +16,7 @@ import torch
 from tests.support.clipping import assert_grads, expected, median_norm, norms, per_sample
 from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.host_reads import backward_reads
-from tests.support.reference import cross_entropy
+from tests.support.reference import cross_entropy, trainable
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
@@ -351,41 +351,47 @@ def test_a_parameter_in_no_model_the_block_saw_is_refused_not_leaked(where):
 
 
 class Checkpointed(nn.Module):
-    """Two Linears under ``torch.utils.checkpoint``, then a head: [N, 4] -> [N, 3]."""
+    """Two segments under ``torch.utils.checkpoint``, then a head: [N, 4] -> [N, 3]."""
 
     def __init__(self, reentrant: bool):
         super().__init__()
-        self.segment = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.first = nn.Sequential(nn.Linear(4, 6), nn.Tanh(), nn.Linear(6, 6))
+        self.second = nn.Sequential(nn.Tanh(), nn.Linear(6, 6), nn.Tanh())
         self.head = nn.Linear(6, 3)
         self.reentrant = reentrant
 
     def forward(self, x):
-        return self.head(torch.tanh(checkpoint(self.segment, x, use_reentrant=self.reentrant)))
+        h = checkpoint(self.first, x, use_reentrant=self.reentrant)
+        return self.head(checkpoint(self.second, h, use_reentrant=self.reentrant))
 
 
+@pytest.mark.parametrize("head", ["trained", "frozen"])
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_a_checkpointed_segment_is_clipped_with_the_whole_norm(reentrant):
-    """A reentrant checkpoint backpropagates through its segment with a backward of its
-    own, inside the outer one; the segment's norms join the outer pass's, so every
+def test_a_checkpointed_segment_is_clipped_with_the_whole_norm(reentrant, head):
+    """A reentrant checkpoint backpropagates through each segment with a backward of its
+    own, inside the outer one; the segments' norms join the outer pass's, so every
     parameter is clipped by the whole per-sample norm (clipped by the norm of its own
     part, the sum's sensitivity exceeded the threshold). The per-sample gradients of the
     reference come from ``.backward()`` one sample at a time (a reentrant checkpoint gives
-    ``torch.autograd.grad`` nothing)."""
+    ``torch.autograd.grad`` nothing). With the head frozen (LoRA's case: nothing of the
+    outer backward is recorded before the nested one begins), the outer pass begins at
+    the segment's recomputation."""
     torch.manual_seed(0)
     model = Checkpointed(reentrant).to(DT)
+    model.head.requires_grad_(head == "trained")
     X, y = torch.randn(N, 4, dtype=DT, requires_grad=True), torch.randint(0, 3, (N,))
     rows = []
     for n in range(N):
         model.zero_grad(set_to_none=True)
         cross_entropy(model(X[n : n + 1]), y[n : n + 1], "sum").backward()
-        rows.append([p.grad.clone() for p in model.parameters()])
-    grads = {p: torch.stack([row[i] for row in rows]) for i, p in enumerate(model.parameters())}
+        rows.append([p.grad.clone() for p in trainable(model)])
+    grads = {p: torch.stack([row[i] for row in rows]) for i, p in enumerate(trainable(model))}
     C = median_norm(grads)
     ext = jacmem.ClipGrad(C)
     model.zero_grad(set_to_none=True)
     with jacmem.extend(ext):
         cross_entropy(model(X), y, "mean").backward()
-    assert_grads(model, expected(grads, C), f"reentrant={reentrant}")
+    assert_grads(model, expected(grads, C), f"reentrant={reentrant}, head {head}")
     torch.testing.assert_close(ext.norms, norms(grads), rtol=1e-9, atol=0)
 
 
