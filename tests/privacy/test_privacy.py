@@ -248,34 +248,54 @@ def test_batchnorm_in_training_is_refused_before_any_step():
     assert len(eng.accountant) == 0
 
 
-def test_the_model_is_the_users_own_hf_gpt2(engine):
-    """No wrapper: the object itself, with its HF methods; a private step on it equals
-    the loop (tied embeddings, default position ids)."""
+def tiny_gpt2(n_layer: int) -> nn.Module:
+    """HF GPT-2 in float64, tied embeddings, no dropout: [N, 6] token ids -> logits."""
     from transformers import GPT2Config, GPT2LMHeadModel
 
     config = GPT2Config(
-        n_layer=1, n_embd=8, n_head=2, vocab_size=11, n_positions=6, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
+        n_layer=n_layer, n_embd=8, n_head=2, vocab_size=11, n_positions=6, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
     )
-    model = GPT2LMHeadModel(config).double()
+    return GPT2LMHeadModel(config).double()
+
+
+def lm_loss(model, ids):
+    """[N, T] ids -> [N]: each sample's mean cross-entropy over its tokens."""
+    return nn.functional.cross_entropy(model(ids).logits.transpose(1, 2), ids, reduction="none").mean(1)
+
+
+def private_lm_step_is_the_loop(engine, model, ids, max_norm=0.5) -> nn.Module:
+    """One private step of ``model`` on ``ids`` [N, T] equals the loop on a copy taken before it:
+    one ``.backward()`` per sample (a reentrant checkpoint gives ``torch.autograd.grad`` nothing).
+    Returns what ``make_private`` returned as the module."""
     twin = copy.deepcopy(model)
-    ids = torch.randint(0, 11, (3, 6))
-    returned, opt, _ = private(engine, model, 0.5, data_loader=loader(ids, ids, batch_size=3))
-    assert returned is model and model.config is config and callable(model.generate)
-
-    def lm_loss(m, x):
-        return nn.functional.cross_entropy(m(x).logits.transpose(1, 2), x, reduction="none").mean(1)
-
+    returned, opt, _ = private(engine, model, max_norm, data_loader=loader(ids, ids, batch_size=len(ids)))
     opt.zero_grad()
     lm_loss(model, ids).mean().backward()
     opt.step()
     params = [p for p in twin.parameters() if p.requires_grad]
-    rows = [torch.autograd.grad(lm_loss(twin, ids[i : i + 1]).sum(), params) for i in range(3)]
+    rows = []
+    for i in range(len(ids)):
+        twin.zero_grad(set_to_none=True)
+        lm_loss(twin, ids[i : i + 1]).sum().backward()
+        rows.append([p.grad.clone() for p in params])
     norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in row)) for row in rows])
-    c = (0.5 / (norms + 1e-6)).clamp(max=1.0)
+    c = (max_norm / (norms + 1e-6)).clamp(max=1.0)
     assert (c < 1).any()
-    for p, q, k in zip(model.parameters(), params, range(len(params))):
-        expected = q - LR / 3 * sum(c[i] * rows[i][k] for i in range(3))
+    trained = [p for p in model.parameters() if p.requires_grad]
+    assert len(trained) == len(params)
+    for k, (p, q) in enumerate(zip(trained, params)):
+        expected = q - LR / len(ids) * sum(c[i] * rows[i][k] for i in range(len(ids)))
         torch.testing.assert_close(p.detach(), expected.detach(), rtol=1e-9, atol=1e-12)
+    return returned
+
+
+def test_the_model_is_the_users_own_hf_gpt2(engine):
+    """No wrapper: the object itself, with its HF methods; a private step on it equals
+    the loop (tied embeddings, default position ids)."""
+    model = tiny_gpt2(1)
+    config = model.config
+    returned = private_lm_step_is_the_loop(engine, model, torch.randint(0, 11, (3, 6)))
+    assert returned is model and model.config is config and callable(model.generate)
 
 
 @pytest.mark.parametrize("top", ["trained", "frozen"])
@@ -287,39 +307,12 @@ def test_hf_gpt2_with_activation_checkpointing_steps_as_the_loop(engine, reentra
     clipped each checkpointed block by its own norms before (every parameter wrong).
     With the embeddings, head and final norm frozen (LoRA's case), no call of the outer
     backward is recorded before the first nested one."""
-    from transformers import GPT2Config, GPT2LMHeadModel
-
-    config = GPT2Config(
-        n_layer=2, n_embd=8, n_head=2, vocab_size=11, n_positions=6, resid_pdrop=0, embd_pdrop=0, attn_pdrop=0
-    )
-    model = GPT2LMHeadModel(config).double()
+    model = tiny_gpt2(2)
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if top == "frozen":
         for module in (model.transformer.wte, model.transformer.wpe, model.transformer.ln_f):
             module.requires_grad_(False)
-    twin = copy.deepcopy(model)
-    ids = torch.randint(0, 11, (3, 6))
-    _, opt, _ = private(engine, model, 0.5, data_loader=loader(ids, ids, batch_size=3))
-
-    def lm_loss(m, x):
-        return nn.functional.cross_entropy(m(x).logits.transpose(1, 2), x, reduction="none").mean(1)
-
-    opt.zero_grad()
-    lm_loss(model, ids).mean().backward()
-    opt.step()
-    params = [p for p in twin.parameters() if p.requires_grad]
-    rows = []
-    for i in range(3):  # .backward(): a reentrant checkpoint gives torch.autograd.grad nothing
-        twin.zero_grad(set_to_none=True)
-        lm_loss(twin, ids[i : i + 1]).sum().backward()
-        rows.append([p.grad.clone() for p in params])
-    norms = torch.stack([torch.sqrt(sum(g.square().sum() for g in row)) for row in rows])
-    c = (0.5 / (norms + 1e-6)).clamp(max=1.0)
-    assert (c < 1).any()
-    trained = [p for p in model.parameters() if p.requires_grad]
-    for p, q, k in zip(trained, params, range(len(params))):
-        expected = q - LR / 3 * sum(c[i] * rows[i][k] for i in range(3))
-        torch.testing.assert_close(p.detach(), expected.detach(), rtol=1e-9, atol=1e-12)
+    private_lm_step_is_the_loop(engine, model, torch.randint(0, 11, (3, 6)))
 
 
 def test_autocast_bfloat16_steps(engine):
