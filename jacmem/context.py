@@ -99,7 +99,9 @@ class extend:
         )
         self.plan = self.block.plan
         self._module_handles: list = []
-        self._watch = recorder.BackwardWatch(self.block.passes)
+        self._watch = recorder.BackwardWatch(
+            self.block.passes, describe=self.block.parameter_name, shards=self.block.shards
+        )
 
     # -- block -------------------------------------------------------------------
 

@@ -85,12 +85,14 @@ class Pass:
     """One backward pass (one autograd graph task, with the tasks nested in it) through a
     block: each engine's state, committed when the pass ends."""
 
-    __slots__ = ("states", "on_end", "thread", "ended", "__weakref__")
+    __slots__ = ("states", "on_end", "written", "thread", "ended", "__weakref__")
 
-    def __init__(self, on_end: Callable[[], None] | None):
+    def __init__(self, on_end: Callable[[], None] | None, written: set[int]):
         #: engine -> its state for this pass
         self.states: dict[Engine, Any] = {}
         self.on_end = on_end
+        #: where the ids of the objects it writes to go (:attr:`Passes.written`)
+        self.written = written
         #: the thread that runs it (autograd's, on an accelerator)
         self.thread = threading.get_ident()
         #: whether it has begun to commit
@@ -111,6 +113,7 @@ class Pass:
         writes = [w for engine, st in states.items() for w in engine.finish(st)]
         for obj, field, value in writes:
             setattr(obj, field, value)
+        self.written.update(id(obj) for obj, _, _ in writes)
         if self.on_end is not None:
             self.on_end()
 
@@ -123,13 +126,18 @@ class Passes:
     (autograd holds each pass until it ends).
 
     ``on_end``: called after each pass has written its results (the block's warnings).
-    ``started`` counts the passes begun, so that the block can tell whether a backward
-    reached any of its hooks."""
+    ``started`` counts the passes begun, ``written`` holds the ids of the objects
+    (parameters) the passes wrote results to, and ``warned`` those of the parameters an
+    engine has warned it cannot give results to (a module it does not support), so that
+    the block can tell whether a backward reached any of its hooks, and which parameters
+    it reached got nothing unsaid."""
 
     def __init__(self, on_end: Callable[[], None] | None = None):
         self._live: weakref.WeakValueDictionary[int, Pass] = weakref.WeakValueDictionary()
         self.on_end = on_end
         self.started = 0
+        self.written: set[int] = set()
+        self.warned: set[int] = set()
 
     def current(self) -> Pass:
         """The running backward pass, begun (and queued to commit at its end) on its
@@ -145,7 +153,7 @@ class Passes:
         if run is None:
             run = self._enclosing()
             if run is None:
-                run = Pass(self.on_end)
+                run = Pass(self.on_end, self.written)
                 compat.queue_callback(run)
                 self.started += 1
             self._live[task] = run

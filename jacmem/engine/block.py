@@ -215,6 +215,18 @@ class Block:
     def name(self, module: nn.Module) -> str:
         return self._names.get(module) or recorder.tracked_name(module) or type(module).__name__
 
+    def parameter_name(self, param: nn.Parameter) -> str:
+        """``param``'s qualified name in a model called in the block or tracked, or its shape."""
+        for model in self._roots_and_models():
+            for n, p in model.named_parameters():
+                if p is param:
+                    return repr(f"{self.name(model)}.{n}")
+        return f"a parameter of shape {list(param.shape)}"
+
+    def shards(self) -> dict[int, nn.Parameter]:
+        """``id(unsharded) -> sharded`` for the FSDP2 parameters of :meth:`shardings`."""
+        return {key: p for sharding in self.shardings() for key, p in sharding.sharded.items()}
+
     def _roots_and_models(self) -> list[nn.Module]:
         return [m for m in (ref() for ref in self._roots) if m is not None] + self.models()
 

@@ -542,6 +542,7 @@ class FirstOrderEngine(Engine):
         if rec.module in self.warned:
             return
         self.warned.add(rec.module)
+        self.passes.warned.update(id(p) for n, p in rec.params.items() if n in params)
         exts = ", ".join(map(repr, self.extensions))
         fields = ", ".join(e.savefield for e in self.extensions)
         label = f"{rec.name!r} ({type(rec.module).__name__})"

@@ -405,38 +405,55 @@ def _taken(model: nn.Module, by: Any) -> str:
 
 
 class BackwardWatch:
-    """Watches each backward of the block's thread, for two jobs: it tells the block a
+    """Watches each backward of the block's thread, for three jobs: it tells the block a
     backward is about to begin (``on_backward``: the second-order engine's autograd path
-    starts there), and it warns where that backward reached no record of the block.
+    starts there), it warns where that backward reached no record of the block, and it
+    warns where it reached a parameter that got none of the block's results.
 
     The second is BackPACK's habit: the forward ran before the block on a model nobody
     tracked, then ``loss.backward()`` inside it. No hook of the block runs in that
-    backward, and the parameters silently get nothing.
+    backward, and the parameters silently get nothing. The third is a parameter read
+    outside every module call (a free ``nn.Parameter``, or ``logits * model.logit_scale``
+    in the loss): it gets ``.grad`` and nothing else.
 
     While the block is open, ``torch.autograd.backward`` and ``torch.autograd.grad``
     (which ``Tensor.backward`` calls) are wrapped: after a backward of the block's
-    thread that began outside any other backward and in which no pass of the block
-    began, the graph is searched (at most :data:`_SEARCH_NODES` nodes) for a parameter's
-    AccumulateGrad; if one is there, the block warns, once, naming ``jacmem.track``. A
-    backward the block took part in costs one comparison; the wrappers go at exit.
-    Before such a backward begins, ``on_backward(tensors, grad_tensors)`` runs."""
+    thread that began outside any other, the graph is searched (at most
+    :data:`_SEARCH_NODES` nodes) for the parameters whose AccumulateGrad it reaches
+    (those of its ``inputs``, where it has them). Where no pass of the block began, the
+    block warns, once, naming ``jacmem.track``; otherwise it warns, once per parameter,
+    naming each that the passes wrote nothing to (``describe(param)``: its name). Before
+    such a backward begins, ``on_backward(tensors, grad_tensors)`` runs."""
 
     _SEARCH_NODES = 10_000
 
-    def __init__(self, passes, on_backward: Callable | None = None):
+    def __init__(
+        self,
+        passes,
+        on_backward: Callable | None = None,
+        describe: Callable | None = None,
+        shards: Callable[[], dict[int, Any]] = dict,
+    ):
         self.passes = passes
         #: ``(tensors, grad_tensors)``: a backward of the block's thread is about to
         #: begin (the second-order engine's autograd path starts there)
         self.on_backward = on_backward
+        #: ``describe(param)``: the parameter's name, for the warnings
+        self.describe = describe or (lambda p: f"a parameter of shape {list(p.shape)}")
+        #: ``shards()``: ``id(unsharded) -> sharded`` of the FSDP2 parameters, whose
+        #: results go to the shard
+        self.shards = shards
         self.owner: int | None = None
         self.warned = False
+        #: ids of the parameters already named in a warning
+        self.missed: set[int] = set()
         self.originals: tuple | None = None
 
     def open(self, owner: int) -> None:
         self.owner = owner
         self.originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors")
-        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs")
+        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors", 4)
+        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs", 0)
 
     def close(self) -> None:
         if self.originals is None:
@@ -446,9 +463,9 @@ class BackwardWatch:
                 setattr(torch.autograd, attr, original)
         self.originals, self.owner = None, None
 
-    def _wrap(self, original, at: int, keyword: str):
+    def _wrap(self, original, at: int, keyword: str, inputs_at: int):
         """``original``, watched; its output gradients are argument ``at`` (after the
-        tensors) or ``keyword``."""
+        tensors) or ``keyword``, and its ``inputs`` argument ``inputs_at`` or ``inputs``."""
 
         @functools.wraps(original)
         def watched(tensors, *args, **kwargs):
@@ -459,23 +476,50 @@ class BackwardWatch:
             if self.warned:
                 return original(tensors, *args, **kwargs)
             started = self.passes.started
+            self.passes.written.clear()
             out = original(tensors, *args, **kwargs)
-            if (
-                self.passes.started == started
-                and next(reached_parameters(tensors, self._SEARCH_NODES), None) is not None
-            ):
-                self.warned = True
-                warnings.warn(
-                    "jacmem: a backward pass inside jacmem.extend(...) computed parameter gradients, but none of "
-                    "the module calls it went through was recorded: their forward ran before the block, on a "
-                    "model jacmem does not track, so no extension gets anything. Call jacmem.track(model) before "
-                    "that forward (BackPACK's extend(model)), or run the forward inside the block.",
-                    UserWarning,
-                    stacklevel=3,
-                )
+            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
+            reached = list(reached_parameters(tensors, self._SEARCH_NODES))
+            if inputs is not None:
+                wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
+                reached = [p for p in reached if id(p) in wanted]
+            if self.passes.started == started:
+                if reached:
+                    self._untracked()
+            else:
+                said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
+                self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
             return out
 
         return watched
+
+    def _untracked(self) -> None:
+        self.warned = True
+        warnings.warn(
+            "jacmem: a backward pass inside jacmem.extend(...) computed parameter gradients, but none of "
+            "the module calls it went through was recorded: their forward ran before the block, on a "
+            "model jacmem does not track, so no extension gets anything. Call jacmem.track(model) before "
+            "that forward (BackPACK's extend(model)), or run the forward inside the block.",
+            UserWarning,
+            stacklevel=4,
+        )
+
+    def _missed(self, params: list[nn.Parameter]) -> None:
+        if not params:
+            return
+        self.missed.update(map(id, params))
+        names = ", ".join(self.describe(p) for p in params[:5]) + (
+            f" and {len(params) - 5} more" if len(params) > 5 else ""
+        )
+        warnings.warn(
+            f"jacmem: the backward pass reached {names}, which got .grad but none of the block's results: "
+            "jacmem computes them from the module calls it records, and no recorded call read the parameter. "
+            "It was read outside every module's forward (a free nn.Parameter, or e.g. `logits * "
+            "model.logit_scale` in the loss). Read it inside a module's forward: move the op into the "
+            "model's forward, or wrap it in a small nn.Module.",
+            UserWarning,
+            stacklevel=4,
+        )
 
 
 def reached_parameters(tensors, limit: float = float("inf")) -> Iterator[nn.Parameter]:

@@ -182,6 +182,41 @@ def test_no_warning_where_the_block_saw_the_forward_or_the_model_is_tracked():
     assert model[0].weight.grad_batch.shape == (2, 3, 4)
 
 
+@pytest.mark.parametrize(
+    "extension", [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance(), jacmem.DiagGGNExact()], ids=type
+)
+def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
+    """A parameter the loss reads outside every module's forward (CLIP's ``logit_scale``
+    applied in the loss; a free ``nn.Parameter``) gets ``.grad`` and none of the block's
+    results: the block says so, naming it, once, instead of leaving it silently without
+    (the model's other parameters get theirs)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    model.logit_scale = nn.Parameter(torch.tensor(0.5, dtype=DT))
+    free = nn.Parameter(torch.randn(3, dtype=DT))
+    X, y = torch.randn(5, 4, dtype=DT), torch.tensor([0, 1, 2, 0, 1])
+
+    def loss():
+        return nn.functional.cross_entropy(model(X) * model.logit_scale.exp() + free, y)
+
+    with pytest.warns(UserWarning, match=r"reached .*got \.grad but none of the block's results.*nn\.Module") as said:
+        with jacmem.extend(extension):
+            loss().backward()
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                loss().backward()  # said once per parameter and block
+    (message,) = [str(w.message) for w in said if "got .grad" in str(w.message)]
+    assert "'Sequential.logit_scale'" in message and "a parameter of shape [3]" in message
+    field = extension.savefield
+    assert all(hasattr(p, field) for p in model[0].parameters())
+    assert not hasattr(model.logit_scale, field) and not hasattr(free, field)
+    with warnings.catch_warnings():  # gradients asked of the recorded parameters only: nothing to say
+        warnings.simplefilter("error")
+        with jacmem.extend(extension):
+            torch.autograd.grad(loss(), [model[0].weight])
+            loss().backward(inputs=[model[0].bias])
+
+
 def test_a_deep_copy_of_a_tracked_model_runs_as_an_untracked_one():
     """``copy.deepcopy`` of a tracked model (an EMA or evaluation copy; ``PrivacyEngine``
     tracks its model) copies its modules' hooks, not its tracking: the copy runs as a

@@ -11,6 +11,8 @@ its columns laid on sample ``n`` alone.
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -69,9 +71,14 @@ def ggn_reference(model: nn.Module, forward, loss_of_z) -> tuple[dict, dict]:
 
 def check_diagonals(model, loss_fn, logits_fn, loss_of_z, missing=(), rtol=1e-7):
     """DiagGGNExact and BatchDiagGGNExact through the autograd path equal the reference;
-    ``missing``: the parameters that get nothing (and no others)."""
-    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
-        loss_fn().backward()
+    ``missing``: the parameters that get nothing (and no others), which the block names
+    in a warning."""
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+            loss_fn().backward()
+    unsaid = [name for name in missing if not any(f".{name}'" in str(w.message) for w in said)]
+    assert not unsaid, f"no warning named {unsaid}"
     diag, batch = ggn_reference(model, logits_fn, loss_of_z)
     got = {n for n, p in model.named_parameters() if hasattr(p, "diag_ggn_exact")}
     assert got == set(diag) - set(missing)
@@ -270,7 +277,8 @@ def test_bert_classifier(labels):
 
 def test_vit():
     """The ViT's own cls_token and pos_embed (parameters of a module with submodules)
-    get nothing, as on the chain; every layer's parameters get their diagonals."""
+    get nothing, as on the chain, and a warning names them; every layer's parameters get
+    their diagonals."""
     torch.manual_seed(0)
     model, X, y = vit(), torch.randn(2, 3, 16, 16), torch.tensor([0, 2])
     check_diagonals(

@@ -328,6 +328,7 @@ class SecondOrderEngine(Engine):
                 self.autograd.record(node, output)
             return
         self.warned.add(module)
+        self.passes.warned.update(id(p) for _, p in own_parameters(module))
         exts = ", ".join(map(repr, self.extensions))
         first = f"{self.name(module)!r} ({type(module).__name__})"
 
@@ -343,6 +344,7 @@ class SecondOrderEngine(Engine):
         if node.module in self.warned:
             return
         self.warned.add(node.module)
+        self.passes.warned.update(map(id, node.params.values()))
         exts = ", ".join(map(repr, self.extensions))
         first = str(node)
 
@@ -500,6 +502,7 @@ class SecondOrderEngine(Engine):
         except UnsupportedModule as err:
             if (call.module, type(ext)) not in self.warned:
                 self.warned.add((call.module, type(ext)))
+                self.passes.warned.update(map(id, call.params.values()))
                 self.notices.add(("second-order unsupported", ext), call.name, _unsupported_by(ext, err))
             return None
         except NotImplementedError:
