@@ -220,6 +220,9 @@ class ClippingEngine(FirstOrderEngine):
         params = self._params(rec)
         if not params:
             return {}
+        shared = rec.entry.shared(**rec.hp) if rec.entry is not None else None
+        if shared:  # clipping a share that the other samples change bounds nothing
+            raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)

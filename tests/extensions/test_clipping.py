@@ -414,6 +414,28 @@ def test_a_sparse_embedding_is_refused_naming_the_fix(layer):
     assert no_hooks(model)
 
 
+@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
+def test_scale_grad_by_freq_is_refused_naming_the_fix(layer):
+    """With ``scale_grad_by_freq=True`` autograd divides row ``v``'s gradient by ``v``'s
+    count in the whole batch, so a sample's share of ``.grad`` depends on the others: no
+    sample has a gradient of its own, clipping that share does not bound what one sample
+    changes, and it differs from the per-sample loop (each sample with its own counts).
+    ClipGrad clipped the shares silently; refused now before any step and in the
+    backward, naming the module and the fix; nothing is left behind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(11, 4, scale_grad_by_freq=True), nn.Flatten(), nn.LazyLinear(3)).to(DT)
+    X, y = torch.randint(0, 11, (N, 2)), torch.randint(0, 3, (N,))
+    X[:, 0] = 3  # a row every sample reads
+    model(X)  # the lazy layer's shape
+    with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*scale_grad_by_freq=True.*=False"):
+        check(model)
+    with pytest.raises(RuntimeError, match=r"'0' .*scale_grad_by_freq=True.*=False"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            cross_entropy(model(X), y, "mean").backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert no_hooks(model)
+
+
 def tied_embedding():
     """An embedding tied to its Linear head, token ids [N, 3] -> logits [N, 11, 3]."""
     torch.manual_seed(0)
