@@ -302,15 +302,21 @@ def no_hooks(model: nn.Module) -> bool:
     return all(not p._backward_hooks for p in model.parameters() if p._backward_hooks is not None)
 
 
-def test_batchnorm_in_training_mode_is_refused_before_any_step():
-    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 3)).to(DT)
+@pytest.mark.parametrize("affine", [True, False])
+def test_batchnorm_in_training_mode_is_refused_before_any_step(affine):
+    """Refused by check and inside a block; without affine parameters the BatchNorm has no
+    call of its own to refuse in, and the Conv below it was clipped silently, by norms of
+    gradients that mix the samples: the block refuses it when its model's forward begins
+    (or, for a tracked model, when the backward does)."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, affine=affine), nn.Flatten(), nn.Linear(36, 3)).to(DT)
     with pytest.raises(ValueError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
         check(model)
     check(model.eval())  # running statistics: exact
     model.train()
     X, y = torch.randn(N, 2, 5, 5, dtype=DT), torch.randint(0, 3, (N,))
-    with pytest.raises(RuntimeError, match="BatchNorm"):
-        run(model, X, y, cross_entropy, jacmem.ClipGrad(1.0))
+    for flow in ("inside", "track"):
+        with pytest.raises(jacmem.UnsupportedModuleError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
+            run(model, X, y, cross_entropy, jacmem.ClipGrad(1.0), flow=flow)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     assert no_hooks(model)
 
