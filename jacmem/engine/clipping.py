@@ -225,6 +225,14 @@ class ClippingEngine(FirstOrderEngine):
             self.on_track(model)
         return ClipStaging()
 
+    def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
+        """Refuse, as it is (no other strategy helps), a call whose per-sample gradients are
+        shares that the other samples change: clipping them bounds nothing."""
+        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self._params(rec) else None
+        if shared:
+            raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
+        return super()._process(run, rec)
+
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's squared per-sample norms (per-sample gradients, for a
         parameter that several calls share) and keep its ``x`` and ``g``; returns no
@@ -232,9 +240,6 @@ class ClippingEngine(FirstOrderEngine):
         params = self._params(rec)
         if not params:
             return {}
-        shared = rec.entry.shared(**rec.hp) if rec.entry is not None else None
-        if shared:  # clipping a share that the other samples change bounds nothing
-            raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
