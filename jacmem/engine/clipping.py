@@ -176,7 +176,8 @@ class ClippingEngine(FirstOrderEngine):
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
-        backward the block cannot clip (another thread's) raises, even the first one."""
+        backward the block cannot clip (another thread's) raises, even the first one;
+        refuse a model with a BatchNorm that normalises with the batch's statistics."""
         _refuse_batch_statistics(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 

@@ -197,7 +197,7 @@ def check(model: nn.Module) -> None:
     statistics), anywhere in the model (its output mixes the samples, so every layer
     before it would get wrong per-sample gradients); a registered layer whose per-sample
     gradients are shares that depend on the other samples (``LayerDerivatives.shared``);
-    a registered layer with a trainable parameter its derivatives do not cover. Both raise
+    a registered layer with a trainable parameter its derivatives do not cover. Each raises
     :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
         label = f"{name or type(module).__name__!r} ({type(module).__name__})"
