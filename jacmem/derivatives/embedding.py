@@ -28,7 +28,8 @@ Semantics, as autograd has them:
   same batch-level counts, ``grad[n][v] = Σ_{t: i[n,t]=v} G[n, t] / count_batch(v)``, so
   that ``grad_batch.sum(0) == grad``; they are *not* the gradient sample ``n`` would get
   alone (with its own counts). The counts come from :class:`Batch`, which chunking over
-  the batch does not slice.
+  the batch does not slice. Clipping refuses such a layer (:func:`shared`): a sample's
+  share changes with the other samples, so clipping it bounds nothing.
 * ``per_sample_weights``: an input, not a parameter: autograd gives it its gradient if it
   requires one; here it is kept, detached, as the coefficients ``c``.
 
@@ -300,15 +301,31 @@ def kronecker_refuse(approx=None, *, scale_grad_by_freq, **_) -> str | None:
     return None
 
 
+def shared(*, scale_grad_by_freq, **_) -> str | None:
+    if scale_grad_by_freq:
+        return (
+            "has scale_grad_by_freq=True: autograd divides each row's gradient by its count in the whole batch, "
+            "so a sample's share of it depends on the other samples and no sample has a gradient of its own. "
+            "Construct it with scale_grad_by_freq=False"
+        )
+    return None
+
+
 layer(
     nn.Embedding,
     hyperparams=embedding_hyperparams,
+    shared=shared,
     keep=keep_embedding,
     kronecker=Kronecker(kronecker_input, channels_last=True, refuse=kronecker_refuse, transposed=True),
     ghost_factors={"weight": positions},  # one-hot rows: the row indices [N, T], what each sends [N, T, D]
 )
 layer(
-    nn.EmbeddingBag, hyperparams=bag_hyperparams, keep=keep_bag, own_layout=True, ghost_factors={"weight": positions}
+    nn.EmbeddingBag,
+    hyperparams=bag_hyperparams,
+    keep=keep_bag,
+    own_layout=True,
+    ghost_factors={"weight": positions},
+    shared=shared,
 )  # one bag per row of axis 0
 for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_grad", "scatter", cost=_scatter_cost)(weight_batch_grad)

@@ -185,6 +185,11 @@ class LayerDerivatives:
         ``r [N, T, R]`` (or ``[N, T]`` row indices: one-hot rows), ``c [N, T, C]``. With
         it, the norm of a sum over several calls (tied weights) comes from cross terms
         (:mod:`jacmem.derivatives.tied`) instead of per-sample gradients.
+    shared: ``(**hyperparams) -> str | None``: why a call's per-sample gradients are
+        shares of the batch's gradient that depend on the other samples (an embedding
+        with ``scale_grad_by_freq=True``), so that no sample has a gradient of its own
+        and clipping cannot bound one sample's effect; ``None`` where each sample's is
+        its own (the default). ``BatchGrad`` returns the shares; ``ClipGrad`` refuses.
     recognise: ``(module, x, output) -> hyperparams or None``, for a module of no
         registered type that may compute this layer's function (a subclass that
         overrides ``forward``, as timm's ``LayerNorm``; HF's ``LlamaRMSNorm``): the
@@ -211,6 +216,7 @@ class LayerDerivatives:
     kronecker: Kronecker | None = None
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None
     ghost_factors: dict[str, Callable[..., tuple[Tensor, Tensor]]] = field(default_factory=dict)
+    shared: Callable[..., str | None] = _no_reason
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
     unconfirmed: list[_Undo] = field(default_factory=list, compare=False, repr=False)
@@ -266,6 +272,7 @@ def layer(
     squared_vjps: Callable[..., dict[str, Tensor] | None] | None = None,
     ghost_factors: dict[str, Callable[..., tuple[Tensor, Tensor]]] | None = None,
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None,
+    shared: Callable[..., str | None] | None = None,
 ) -> LayerDerivatives:
     """Declare (or update) how jacmem reads a module type, and its optional
     capabilities (``kronecker``, ``squared_vjps``, ``ghost_factors``); returns its entry."""
@@ -281,6 +288,7 @@ def layer(
         kronecker=kronecker,
         squared_vjps=squared_vjps,
         recognise=recognise,
+        shared=shared,
     )
     for field_name, value in given.items():
         if value is not None:

@@ -52,6 +52,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives import Cost, entries
+from jacmem.derivatives.generic import normalises_over_batch
 from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
@@ -61,7 +62,7 @@ from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
 from jacmem.engine.recorder import reached_parameters
-from jacmem.extensions.clipping import ClipGrad
+from jacmem.extensions.clipping import ClipGrad, check
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
 #: tolerance passes unnoticed with probability below 1e-4, one of 100 times below 1e-15
@@ -83,6 +84,14 @@ _SPARSE = (
     "jacmem: ClipGrad: parameter {name!r} got a sparse gradient (an nn.Embedding or nn.EmbeddingBag with "
     "sparse=True); the clipped sum of its per-sample gradients is dense. Build the layer with sparse=False."
 )
+
+
+def _refuse_batch_statistics(model: nn.Module) -> None:
+    """Raise where a BatchNorm of ``model`` normalises with the batch's statistics, as
+    :func:`check` does: one without affine parameters has no call of its own in which to
+    refuse, and every layer below it would be clipped by norms that mix the samples."""
+    if normalises_over_batch(model):
+        check(model)
 
 
 class ClipStaging(Staging):
@@ -141,6 +150,8 @@ class ClippingEngine(FirstOrderEngine):
 
     def on_enter(self, module):
         if self.depth == 0 and module not in self.roots:
+            if torch.is_grad_enabled():
+                _refuse_batch_statistics(module)
             self.roots[module] = None  # every parameter of a model, used in a call or not
             self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
         self.depth += 1
@@ -165,7 +176,9 @@ class ClippingEngine(FirstOrderEngine):
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
-        backward the block cannot clip (another thread's) raises, even the first one."""
+        backward the block cannot clip (another thread's) raises, even the first one;
+        refuse a model with a BatchNorm that normalises with the batch's statistics."""
+        _refuse_batch_statistics(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
@@ -212,6 +225,14 @@ class ClippingEngine(FirstOrderEngine):
         for model in self.models():  # their forwards ran outside the block
             self.on_track(model)
         return ClipStaging()
+
+    def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
+        """Refuse, as it is (no other strategy helps), a call whose per-sample gradients are
+        shares that the other samples change: clipping them bounds nothing."""
+        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self._params(rec) else None
+        if shared:
+            raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
+        return super()._process(run, rec)
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's squared per-sample norms (per-sample gradients, for a

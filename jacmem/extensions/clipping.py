@@ -195,8 +195,9 @@ def check(model: nn.Module) -> None:
 
     Checked here: a BatchNorm that uses batch statistics (training mode, or no running
     statistics), anywhere in the model (its output mixes the samples, so every layer
-    before it would get wrong per-sample gradients); a registered layer with a trainable
-    parameter its derivatives do not cover. Both raise
+    before it would get wrong per-sample gradients); a registered layer whose per-sample
+    gradients are shares that depend on the other samples (``LayerDerivatives.shared``);
+    a registered layer with a trainable parameter its derivatives do not cover. Each raises
     :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
         label = f"{name or type(module).__name__!r} ({type(module).__name__})"
@@ -217,6 +218,9 @@ def check(model: nn.Module) -> None:
             entry = lookup(module) if own else None
         except ParametrizedError as err:
             raise unsupported_module_error()(f"{err} (module {label})") from None
+        shared = entry.shared(**entry.hyperparams(module)) if entry is not None else None
+        if shared:
+            raise unsupported_module_error()(f"jacmem: module {label} {shared}.")
         uncovered = [n for n in own if entry is not None and n not in entry.params]
         if uncovered:
             raise unsupported_module_error()(

@@ -153,6 +153,9 @@ def test_every_registered_layer_backward_without_host_reads(case, ext):
     torch.manual_seed(0)
     module, args = LAYERS[case].make().to(DT), LAYERS[case].inputs()
     extension = extensions("sum")[ext](module)
+    entry = REGISTRY[registered_type(REGISTRY, type(module))]
+    if isinstance(extension, jacmem.ClipGrad) and entry.shared(**entry.hyperparams(module)):
+        pytest.skip("ClipGrad refuses the layer (tests/extensions/test_clipping.py)")
     for _ in range(2):
         with jacmem.extend(extension):
             reads = backward_reads(sample_loss(module(*args, **LAYERS[case].kwargs)))

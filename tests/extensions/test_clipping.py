@@ -302,15 +302,21 @@ def no_hooks(model: nn.Module) -> bool:
     return all(not p._backward_hooks for p in model.parameters() if p._backward_hooks is not None)
 
 
-def test_batchnorm_in_training_mode_is_refused_before_any_step():
-    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4), nn.Flatten(), nn.Linear(36, 3)).to(DT)
+@pytest.mark.parametrize("affine", [True, False])
+def test_batchnorm_in_training_mode_is_refused_before_any_step(affine):
+    """Refused by check and inside a block; without affine parameters the BatchNorm has no
+    call of its own to refuse in, and the Conv below it was clipped silently, by norms of
+    gradients that mix the samples: the block refuses it when its model's forward begins
+    (or, for a tracked model, when the backward does)."""
+    model = nn.Sequential(nn.Conv2d(2, 4, 3), nn.BatchNorm2d(4, affine=affine), nn.Flatten(), nn.Linear(36, 3)).to(DT)
     with pytest.raises(ValueError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
         check(model)
     check(model.eval())  # running statistics: exact
     model.train()
     X, y = torch.randn(N, 2, 5, 5, dtype=DT), torch.randint(0, 3, (N,))
-    with pytest.raises(RuntimeError, match="BatchNorm"):
-        run(model, X, y, cross_entropy, jacmem.ClipGrad(1.0))
+    for flow in ("inside", "track"):
+        with pytest.raises(jacmem.UnsupportedModuleError, match=r"'1' \(BatchNorm2d\).*GroupNorm"):
+            run(model, X, y, cross_entropy, jacmem.ClipGrad(1.0), flow=flow)
     assert all(p.grad is None or not p.grad.any() for p in model.parameters())
     assert no_hooks(model)
 
@@ -408,6 +414,28 @@ def test_a_sparse_embedding_is_refused_naming_the_fix(layer):
     with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*sparse=True.*sparse=False"):
         check(model)
     with pytest.raises(RuntimeError, match=r"parameter '.*0.weight' got a sparse gradient.*sparse=False"):
+        with jacmem.extend(jacmem.ClipGrad(1.0)):
+            cross_entropy(model(X), y, "mean").backward()
+    assert all(p.grad is None for p in model.parameters())
+    assert no_hooks(model)
+
+
+@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
+def test_scale_grad_by_freq_is_refused_naming_the_fix(layer):
+    """With ``scale_grad_by_freq=True`` autograd divides row ``v``'s gradient by ``v``'s
+    count in the whole batch, so a sample's share of ``.grad`` depends on the others: no
+    sample has a gradient of its own, clipping that share does not bound what one sample
+    changes, and it differs from the per-sample loop (each sample with its own counts).
+    ClipGrad clipped the shares silently; refused now before any step and in the
+    backward, naming the module and the fix; nothing is left behind."""
+    torch.manual_seed(0)
+    model = nn.Sequential(layer(11, 4, scale_grad_by_freq=True), nn.Flatten(), nn.LazyLinear(3)).to(DT)
+    X, y = torch.randint(0, 11, (N, 2)), torch.randint(0, 3, (N,))
+    X[:, 0] = 3  # a row every sample reads
+    model(X)  # the lazy layer's shape
+    with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*scale_grad_by_freq=True.*=False"):
+        check(model)
+    with pytest.raises(RuntimeError, match=r"ClipGrad: module '0' \(\w+\) has scale_grad_by_freq=True.*=False\.$"):
         with jacmem.extend(jacmem.ClipGrad(1.0)):
             cross_entropy(model(X), y, "mean").backward()
     assert all(p.grad is None for p in model.parameters())
