@@ -299,7 +299,16 @@ class Block:
                 replaced = new
         if self._depth == 0:
             self._late.watch(output if replaced is None else replaced)
+            self.called(module, args, kwargs)
         return replaced
+
+    def called(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+        """A model's outermost forward returned (called in the block, or tracked): its
+        inputs, to every engine."""
+        if threading.get_ident() != self.owner:
+            return
+        for engine in self.engines:
+            engine.on_call(model, args, kwargs)
 
     def recomputing(self) -> None:
         """Where a module's forward runs inside a backward (a reentrant checkpoint

@@ -94,6 +94,15 @@ def _refuse_batch_statistics(model: nn.Module) -> None:
         check(model)
 
 
+def _offered(model: nn.Module, args: tuple, kwargs: dict, batch_first: bool) -> set[int]:
+    """The batch sizes ``model``'s inputs may hold: axis 0 of each tensor among ``args``
+    and ``kwargs``' values, and axis 1 under ``batch_first=False`` or where a module of
+    the model places its batch there itself (an RNN's or attention's ``batch_first=False``)."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
+    second = not batch_first or any(getattr(m, "batch_first", True) is False for m in model.modules())
+    return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
+
+
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
@@ -145,6 +154,9 @@ class ClippingEngine(FirstOrderEngine):
         self.depth = 0
         #: ``models()``: the tracked models whose calls reach the block
         self.models = setup.models
+        #: batch size -> a model whose outermost call since the last pass had an input
+        #: that offers it (:func:`_offered`)
+        self.offered: dict[int, str] = {}
 
     # -- forward -------------------------------------------------------------------
 
@@ -173,6 +185,13 @@ class ClippingEngine(FirstOrderEngine):
         self.unsynced = []
         self.roots = weakref.WeakKeyDictionary()
         super().close()
+
+    def on_call(self, model, args, kwargs):
+        """Note the batch sizes a model's inputs offer, for a forward that builds a graph
+        (not one that recomputes a call inside a backward)."""
+        if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
+            for n in _offered(model, args, kwargs, self.batch_first):
+                self.offered.setdefault(n, self.name(model))
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
@@ -338,6 +357,7 @@ class ClippingEngine(FirstOrderEngine):
         run.probes.clear()
         self._check_unsynced(staged)
         n = self._batch_size(run.names, {key: s.batch_size for key, s in staged.items()})
+        self._check_rows_are_samples(n)
         scale = float(n) if self.clip.loss_reduction == "mean" else 1.0
         squared = {
             key: (s.quantities["batch_l2"] if "batch_l2" in s.quantities else squared_norms(s.quantities["batch_grad"]))
@@ -442,6 +462,25 @@ class ClippingEngine(FirstOrderEngine):
                 "backward pass."
             )
         return next(iter(sizes.values()), 0)
+
+    def _check_rows_are_samples(self, n: int) -> None:
+        """Raise where the pass's batch size ``n`` is none that the inputs of the models'
+        outermost calls offer: the model moved rows of its samples onto the batch axis
+        (HF's ``*ForMultipleChoice`` flattens ``[N, K, T]`` into ``[N·K, T]``) or runs its
+        layers sequence-first, so every layer sees the same wrong batch and would be
+        clipped per row, not per sample."""
+        offered, self.offered = self.offered, {}
+        if not offered or not n or n in offered:
+            return
+        inputs = "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
+        raise RuntimeError(
+            f"jacmem: ClipGrad: the layers of this backward pass take {n} rows on their batch axis, but no input "
+            f"of the model's call has that many (it offers {inputs}): the model moves parts of its samples onto "
+            "the batch axis (HF's *ForMultipleChoice flattens [N, K, T] into [N*K, T]; a time-distributed layer "
+            "flattens [N, T, ...]) or runs its layers sequence-first, and each row would be clipped on its own, "
+            "not each sample. For layers that run on [T, N, ...], pass batch_first=False; a sample spread over "
+            "several rows cannot be clipped per sample: give each sample one row of its layers' inputs."
+        )
 
     def _clipped_sum(self, run: ClipStaging, staged, c: Tensor) -> Tensor:
         """``Σ_i c_i g_i`` for one parameter: from its staged per-sample gradients, or

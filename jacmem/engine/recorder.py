@@ -317,7 +317,10 @@ class Tracker(Recorder):
         self.once = block is not None and block.once
         if block is not None:
             block.recomputing()
-        return self.record(module, args, kwargs, output, self.names[module])
+        replaced = self.record(module, args, kwargs, output, self.names[module])
+        if block is not None and module is self.model():
+            block.called(module, args, kwargs)
+        return replaced
 
     def close(self) -> None:
         hooks.remove(self.module_handles)

@@ -16,6 +16,7 @@ import torch
 from tests.support.clipping import assert_grads, expected, median_norm, norms, per_sample
 from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.host_reads import backward_reads
+from tests.support.privacy import loader, private
 from tests.support.reference import cross_entropy, trainable
 from torch import nn
 from torch.nn import functional as F
@@ -24,6 +25,7 @@ from torch.utils.checkpoint import checkpoint
 import jacmem
 import jacmem.engine.clipping
 from jacmem.extensions.clipping import check
+from jacmem.privacy import PrivacyEngine
 
 DT = torch.float64
 N = 5
@@ -440,6 +442,77 @@ def test_scale_grad_by_freq_is_refused_naming_the_fix(layer):
             cross_entropy(model(X), y, "mean").backward()
     assert all(p.grad is None for p in model.parameters())
     assert no_hooks(model)
+
+
+class SequenceFirstInside(nn.Module):
+    """[N, T, 4] -> [N, 2]: its layers run on [T, N, ...] (a model written sequence-first
+    inside, fed batch-first)."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1, self.l2 = nn.Linear(4, 5), nn.Linear(5, 2)
+
+    def forward(self, x):
+        return self.l2(torch.tanh(self.l1(x.transpose(0, 1)))).mean(0)
+
+
+def multiple_choice():
+    """HF BertForMultipleChoice: [N, K, T] token ids -> [N, K] logits, through [N*K, T] inside."""
+    from transformers import BertConfig, BertForMultipleChoice
+
+    torch.manual_seed(0)
+    config = BertConfig(
+        vocab_size=50, hidden_size=8, num_hidden_layers=1, num_attention_heads=2, intermediate_size=16,
+        max_position_embeddings=8, hidden_dropout_prob=0, attention_probs_dropout_prob=0,
+    )  # fmt: skip
+    return BertForMultipleChoice(config).to(DT)
+
+
+@pytest.mark.parametrize("model", ["multiple choice", "sequence-first inside"])
+@pytest.mark.parametrize("flow", ["inside", "private"])
+def test_a_model_that_moves_its_samples_off_the_batch_axis_is_refused(model, flow):
+    """Every layer sees the same batch, which is not the samples': HF's multiple-choice
+    head flattens [N, K, T] into [N*K, T] (each choice clipped on its own: a sample's
+    sensitivity grows to sqrt(K) C), and a model whose layers run on [T, N, ...] clipped
+    each position on its own. No layer disagrees with another, so this passed silently
+    (Opacus clips the same rows); now the pass raises naming the fix, and .grad gets nothing."""
+    if model == "multiple choice":
+        net, X, y = multiple_choice(), torch.randint(0, 50, (3, 2, 6)), torch.tensor([0, 1, 1])
+        rows, fix = 6, r"ForMultipleChoice"
+    else:
+        torch.manual_seed(0)
+        net, X, y = SequenceFirstInside().to(DT), torch.randn(3, 7, 4, dtype=DT), torch.tensor([0, 1, 1])
+        rows, fix = 7, r"batch_first=False"
+
+    def loss():
+        out = net(X)
+        return cross_entropy(getattr(out, "logits", out), y, "mean")
+
+    refused = pytest.raises(RuntimeError, match=rf"take {rows} rows on their batch axis.*offers 3 .*{fix}")
+    if flow == "inside":
+        with refused, jacmem.extend(jacmem.ClipGrad(1.0)):
+            loss().backward()
+    else:
+        engine = PrivacyEngine()
+        try:
+            private(engine, net, 1.0, data_loader=loader(X, y, batch_size=3))
+            with refused:
+                loss().backward()
+        finally:
+            engine.detach()
+    assert all(p.grad is None for p in net.parameters())
+    assert no_hooks(net)
+
+
+def test_layers_that_run_sequence_first_are_clipped_per_sample_under_batch_first_false():
+    """The fix the refusal names: the same model with batch_first=False equals the loop."""
+    torch.manual_seed(0)
+    model, X, y = SequenceFirstInside().to(DT), torch.randn(3, 7, 4, dtype=DT), torch.tensor([0, 1, 1])
+    grads = per_sample(model, X, y, cross_entropy, "sum")
+    clip = 0.5 * median_norm(grads)
+    with jacmem.extend(jacmem.ClipGrad(clip, loss_reduction="sum"), batch_first=False):
+        cross_entropy(model(X), y, "sum").backward()
+    assert_grads(model, expected(grads, clip))
 
 
 def tied_embedding():
