@@ -145,20 +145,28 @@ class _ClippedSum:
     private: _Private
     #: the block's pass count at the last step or zero_grad
     _mark = 0
-    #: per_layer: one threshold per parameter of ``self.params``, in its order (as
+    #: per_layer: one threshold per parameter of ``_threshold_params``, in its order (as
     #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
     max_grad_norms: list[float] | None = None
+    #: per_layer: the optimizer's parameters trainable at make_private, which the
+    #: thresholds belong to (``self.params`` is those trainable now: one frozen since
+    #: would shift every later threshold onto the next parameter)
+    _threshold_params: Sequence[nn.Parameter] = ()
     #: the threshold the passes since the last step were clipped at (None before the first)
     _held: float | list[float] | None = None
 
-    def _own_threshold(self, private: _Private, max_grad_norm: float | Sequence[float]) -> float:
+    def _own_threshold(
+        self, private: _Private, optimizer: optim.Optimizer, max_grad_norm: float | Sequence[float]
+    ) -> float:
         """Take the block's clipping threshold over (before Opacus's ``__init__``, to which
-        it returns the noise's ``C``)."""
+        it returns the noise's ``C``); per-layer thresholds belong to ``optimizer``'s
+        trainable parameters, in its order."""
         self.private = private
         private.clip.max_norm = self.clip_threshold
         if isinstance(max_grad_norm, numbers.Real):
             return max_grad_norm
         self.max_grad_norms = [float(c) for c in max_grad_norm]
+        self._threshold_params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         return self.max_grad_norm
 
     @property
@@ -190,7 +198,7 @@ class _ClippedSum:
             self._held = self._threshold_now()
         if self.max_grad_norms is None:
             return self._held
-        return dict(zip(self.params, self._held))
+        return dict(zip(self._threshold_params, self._held))
 
     def _check_threshold(self) -> None:
         """Raise where the threshold changed after this step's first backward pass: its
@@ -264,7 +272,7 @@ class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
     def __init__(
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def add_noise(self) -> None:
         """Opacus's noise and its ``1/(B·k)`` (``loss_reduction="mean"``) in one pass over
@@ -302,7 +310,7 @@ class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClip
     def __init__(
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def reduce_gradients(self) -> None:
         for p in self.params:
@@ -334,7 +342,7 @@ class ShardedDPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
             generator = _rank_generator(generator, params[0].device if params else torch.device("cpu"))
         super().__init__(
             optimizer,
-            max_grad_norm=self._own_threshold(private, max_grad_norm),
+            max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm),
             generator=generator,
             secure_mode=secure_mode,
             **kwargs,
@@ -388,7 +396,7 @@ class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradie
     Opacus's; ``b`` and ``n`` come from :class:`ClipGrad`'s counts."""
 
     def __init__(self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float, **kwargs):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def clip_and_accumulate(self) -> None:
         """Opacus's counts, of the passes since the last step (clipped in the backward)."""

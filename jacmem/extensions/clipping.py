@@ -174,7 +174,11 @@ class ClipGrad:
             return dict.fromkeys(squared, c), total
         missing = [names[key] for key in squared if key not in max_norm]
         if missing:
-            raise ValueError(f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing}")
+            raise ValueError(
+                f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing} (modules): "
+                "give one to every trainable parameter. PrivacyEngine's are those of the parameters trainable at "
+                "make_private: to train one made trainable since, detach() and make the model private again."
+            )
         return {key: (max_norm[key] / (sq.sqrt() + EPSILON)).clamp(max=1.0) for key, sq in squared.items()}, total
 
 
