@@ -541,7 +541,8 @@ class PrivacyEngine(OpacusEngine):
                 installed. A ``DistributedDataParallel`` model (or a process group of
                 more than one rank) gets the distributed optimizer; a ``fully_shard``-ed
                 one (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards.
-            optimizer: over (a subset of) ``module``'s parameters.
+            optimizer: over (a subset of) ``module``'s parameters; their ``.grad``, from
+                backward passes before, unclipped, is dropped (set to None).
             criterion: the loss, returned as it is where Opacus returns its ghost-clipping
                 criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
                 ``criterion(out, y).backward()`` clips, as any backward of the model
@@ -653,6 +654,9 @@ class PrivacyEngine(OpacusEngine):
             max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
         )
         private = _Private(module, clip, batch_first)
+        # a .grad from a backward before now is unclipped: the first step's clipped sum
+        # would add to it (Opacus's step ignores it, writing its own sum over .grad)
+        optimizer.zero_grad(set_to_none=True)
         optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,

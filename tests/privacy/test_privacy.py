@@ -55,6 +55,14 @@ def opacus_step(model, max_norm, clipping, batches) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def opacus_private(model):
+    """Opacus's own engine (per-sample hooks) on ``model``, SGD at threshold FLAT, noise 0."""
+    return opacus.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(*batch()),
+        noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+    )  # fmt: skip
+
+
 def assert_params(model, expected, what: str) -> None:
     for i, (p, e) in enumerate(zip(model.parameters(), expected)):
         torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}")
@@ -93,6 +101,26 @@ def test_two_backward_passes_then_one_step(engine):
     assert engine.accountant.history == [(0.0, 2 / 1, 1)]  # one batch per epoch: q = 1, twice
     train(model, opt, batches[:1])  # the count starts afresh after a step
     assert engine.accountant.history == [(0.0, 2.0, 1), (0.0, 1.0, 1)]
+
+
+def test_a_grad_left_before_make_private_is_not_in_the_first_step(engine):
+    """A plain backward before ``make_private`` leaves unclipped gradients in ``.grad``;
+    a loop that zeroes them after each step (backward, step, zero_grad) added them to
+    the first step's clipped sum, a privacy leak. ``make_private`` drops them, as
+    Opacus's step ignores them: the first step is the loop's, and Opacus's."""
+    model = net()
+    twin, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    X, y = batch(seed=1)
+    warm_X, warm_y = batch(seed=2)
+    for m, make_private in ((model, lambda m: private(engine, m, FLAT)), (theirs, opacus_private)):
+        nn.functional.cross_entropy(m(warm_X), warm_y).backward()
+        wrapped, opt, _ = make_private(m)
+        nn.functional.cross_entropy(wrapped(X), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = loop_step(twin, [(X, y)], FLAT, "flat")
+    assert_params(model, expected, "loop")
+    assert_params(theirs, expected, "opacus")
 
 
 def physical_steps(model, opt, data_loader, zero_grad) -> int:
