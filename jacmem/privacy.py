@@ -244,7 +244,7 @@ class _ClippedSum:
             else:
                 grad = p.grad.detach()
                 setattr(p.grad, _ACCUMULATED, True)
-            if p.summed_grad is None:
+            if getattr(p, "summed_grad", None) is None:  # None: a parameter of add_param_group since
                 p.summed_grad = grad
             else:
                 p.summed_grad.add_(grad)
@@ -538,11 +538,11 @@ class PrivacyEngine(OpacusEngine):
 
         Args:
             module: the model; returned as it is (``model is module``), its hooks
-                installed. A ``DistributedDataParallel`` model (or a process group of
+                installed and its ``.grad`` (from backward passes before, unclipped)
+                dropped. A ``DistributedDataParallel`` model (or a process group of
                 more than one rank) gets the distributed optimizer; a ``fully_shard``-ed
                 one (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards.
-            optimizer: over (a subset of) ``module``'s parameters; their ``.grad``, from
-                backward passes before, unclipped, is dropped (set to None).
+            optimizer: over (a subset of) ``module``'s parameters.
             criterion: the loss, returned as it is where Opacus returns its ghost-clipping
                 criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
                 ``criterion(out, y).backward()`` clips, as any backward of the model
@@ -654,9 +654,10 @@ class PrivacyEngine(OpacusEngine):
             max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
         )
         private = _Private(module, clip, batch_first)
-        # a .grad from a backward before now is unclipped: the first step's clipped sum
-        # would add to it (Opacus's step ignores it, writing its own sum over .grad)
-        optimizer.zero_grad(set_to_none=True)
+        # a .grad from a backward before now is unclipped: the clipped sums would add to
+        # it (Opacus's step ignores it, writing its own sum over .grad); the module's, for
+        # a parameter the optimizer takes later (add_param_group)
+        module.zero_grad(set_to_none=True)
         optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,

@@ -123,6 +123,26 @@ def test_a_grad_left_before_make_private_is_not_in_the_first_step(engine):
     assert_params(theirs, expected, "opacus")
 
 
+def test_a_param_group_added_after_make_private_steps_as_the_loop(engine):
+    """``optimizer.add_param_group`` after ``make_private``, with the module's other
+    parameters (unfreezing the body): its ``.grad`` from a warm-up before was dropped
+    too, and the first step, without a ``zero_grad`` since, is the loop's (it raised an
+    AttributeError, 'summed_grad', as Opacus's optimizers do)."""
+    model = net()
+    twin = copy.deepcopy(model)
+    nn.functional.cross_entropy(model(batch(seed=2)[0]), batch(seed=2)[1]).backward()
+    data = loader(*batch())
+    _, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model[4].parameters(), lr=LR), data_loader=data,
+        noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+    )  # fmt: skip
+    opt.add_param_group({"params": [p for layer in model[:2] for p in layer.parameters()]})
+    X, y = batch(seed=1)
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
+
+
 def physical_steps(model, opt, data_loader, zero_grad) -> int:
     """One epoch through Opacus's ``BatchMemoryManager`` (physical batches of 2), a step
     after each backward pass; ``zero_grad(opt)`` before each backward. The number of
