@@ -92,8 +92,7 @@ class _Private:
     the model, so that its forwards are recorded wherever they run, for this block
     alone, and it takes their gradients in the user's own ``loss.backward()``. It has no
     global hook: other models' calls, other private models' and a ``jacmem.extend``
-    block's are none of its business, and cost nothing. ``passes`` counts its backward
-    passes.
+    block's are none of its business, and cost nothing.
 
     Distributed: the clipping engine sums the clipped sums over the ranks itself, in
     the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
@@ -107,11 +106,6 @@ class _Private:
         self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
-
-    @property
-    def passes(self) -> int:
-        """Backward passes ended since the block opened."""
-        return self.block.ended
 
     def open(self) -> _Private:
         try:
@@ -143,8 +137,6 @@ class _ClippedSum:
     and the noise of a step has the ``C`` its passes were clipped at."""
 
     private: _Private
-    #: the block's pass count at the last step or zero_grad
-    _mark = 0
     #: per_layer: one threshold per parameter of ``_threshold_params``, in its order (as
     #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
     max_grad_norms: list[float] | None = None
@@ -213,11 +205,11 @@ class _ClippedSum:
 
     @property
     def accumulated_iterations(self) -> int:
-        """Backward passes since the last step or ``zero_grad`` (at least 1)."""
-        return max(1, self.private.passes - self._mark)
+        """Backward passes since the last step or ``zero_grad`` that reached a trainable
+        parameter (at least 1): one to the inputs alone clipped nothing."""
+        return max(1, self.private.clip.passes)
 
     def _restart(self) -> None:
-        self._mark = self.private.passes
         self.private.clip.reset()
         if not self._is_last_step_skipped:  # a skipped step's passes are the next step's
             self._held = None

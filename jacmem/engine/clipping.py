@@ -342,6 +342,8 @@ class ClippingEngine(FirstOrderEngine):
                 param, value = sharding.sharded[key], sharding.dtensor(key, local)
                 writes.append((param, "grad", value if param.grad is None else param.grad.add_(value)))
         writes.append((self.clip, "samples", self.clip.samples + count))
+        if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
+            writes.append((self.clip, "passes", self.clip.passes + 1))
         for key, s in staged.items():
             if key in sums:
                 value = precision.result(sums[key], s.param)

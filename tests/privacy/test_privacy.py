@@ -143,6 +143,25 @@ def test_a_param_group_added_after_make_private_steps_as_the_loop(engine):
     assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
 
 
+def test_a_backward_to_the_inputs_alone_is_not_a_pass(engine):
+    """``torch.autograd.grad`` of the loss with respect to the inputs (an adversarial
+    example, a saliency map) between ``zero_grad`` and the training backward reaches no
+    parameter: it clips nothing and is not one of the step's backward passes. It counted
+    as one, so the step was divided by 2B (half the loop's) and the accountant charged
+    twice the sampling rate."""
+    model = net()
+    twin = copy.deepcopy(model)
+    X, y = batch(seed=1)
+    _, opt, _ = private(engine, model, FLAT)
+    opt.zero_grad()
+    inputs = X.clone().requires_grad_(True)
+    torch.autograd.grad(nn.functional.cross_entropy(model(inputs), y), inputs)
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
+    assert engine.accountant.history == [(0.0, 1.0, 1)]
+
+
 def physical_steps(model, opt, data_loader, zero_grad) -> int:
     """One epoch through Opacus's ``BatchMemoryManager`` (physical batches of 2), a step
     after each backward pass; ``zero_grad(opt)`` before each backward. The number of
