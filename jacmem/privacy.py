@@ -646,10 +646,6 @@ class PrivacyEngine(OpacusEngine):
             max_grad_norm, clipping="flat" if clipping == "adaptive" else clipping, loss_reduction=loss_reduction
         )
         private = _Private(module, clip, batch_first)
-        # a .grad from a backward before now is unclipped: the clipped sums would add to
-        # it (Opacus's step ignores it, writing its own sum over .grad); the module's, for
-        # a parameter the optimizer takes later (add_param_group)
-        module.zero_grad(set_to_none=True)
         optimizer = optimizer_class(  # from here on, the clip's threshold is the optimizer's max_grad_norm
             optimizer,
             private=private,
@@ -663,6 +659,10 @@ class PrivacyEngine(OpacusEngine):
         )
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
         self._private = private.open()
+        # a .grad from a backward before now is unclipped: the clipped sums would add to
+        # it (Opacus's step ignores it, writing its own sum over .grad); the module's, for
+        # a parameter the optimizer takes later (add_param_group)
+        module.zero_grad(set_to_none=True)
         if ghost:
             return module, optimizer, criterion, data_loader
         return module, optimizer, data_loader
