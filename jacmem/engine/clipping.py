@@ -84,6 +84,13 @@ _SPARSE = (
     "sparse=True); the clipped sum of its per-sample gradients is dense. Build the layer with sparse=False."
 )
 
+_CAPTURED = (
+    "jacmem: ClipGrad: torch.autograd.grad asks for the gradient of parameter {name!r}, which the block clips: its "
+    "gradient is the sum of the clipped per-sample gradients, which loss.backward() adds to .grad, and autograd "
+    "would return none (or zeros). Call loss.backward() and read .grad; for the unclipped gradient, take it "
+    "outside the block (a private model: on copy.deepcopy(model), which runs untracked, or after detach())."
+)
+
 
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
@@ -187,19 +194,21 @@ class ClippingEngine(FirstOrderEngine):
                 accumulator = torch.autograd.graph.get_gradient_edge(p).node
                 self.accumulators.append(accumulator)
                 self.guarded[id(p)] = (
-                    p.register_hook(functools.partial(self._intercept, id(p), name)),
+                    p.register_hook(functools.partial(self._intercept, id(p), name, accumulator)),
                     accumulator.register_prehook(_nothing),
                 )
 
-    def _intercept(self, key: int, name: str, grad: Tensor | None) -> Tensor | None:
+    def _intercept(self, key: int, name: str, accumulator, grad: Tensor | None) -> Tensor | None:
         """autograd's gradient for a parameter, about to be accumulated into ``.grad``
         (which the accumulator's pre-hook prevents: the clipped sum comes at the end of
-        the pass): a note that the loss reached the parameter, and zeros instead, for
-        ``torch.autograd.grad`` (a zero expanded to the gradient's shape, no memory of
-        it). None (a call through ComputeOnce) stays None, and so does the gradient of
-        a derivative's own recomputation (inside torch.func)."""
+        the pass): a note that the loss reached the parameter, and zeros instead (a zero
+        expanded to the gradient's shape, no memory of it). None (a call through
+        ComputeOnce) stays None, and so does the gradient of a derivative's own
+        recomputation (inside torch.func). ``torch.autograd.grad`` asking for it raises."""
         if grad is None or compat.functorch_transforms_active():
             return None
+        if compat.grad_captures(accumulator):
+            raise RuntimeError(_CAPTURED.format(name=name))
         if grad.is_sparse:
             raise RuntimeError(_SPARSE.format(name=name))
         run = self.passes.state(self)
@@ -212,6 +221,14 @@ class ClippingEngine(FirstOrderEngine):
         for model in self.models():  # their forwards ran outside the block
             self.on_track(model)
         return ClipStaging()
+
+    def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
+        """Raise, as it is, where ``torch.autograd.grad`` asks for one of the call's
+        parameters' gradients (the block's is the clipped sum, into ``.grad``)."""
+        captured = [pname for pname in rec.params if compat.grad_captures(rec.nodes[pname])]
+        if captured:
+            raise RuntimeError(_CAPTURED.format(name=f"{rec.name}.{captured[0]}"))
+        return super()._process(run, rec)
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's squared per-sample norms (per-sample gradients, for a
