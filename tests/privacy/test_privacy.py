@@ -148,7 +148,7 @@ def test_a_backward_to_the_inputs_alone_is_not_a_pass(engine):
     example, a saliency map) between ``zero_grad`` and the training backward reaches no
     parameter: it clips nothing and is not one of the step's backward passes. It counted
     as one, so the step was divided by 2B (half the loop's) and the accountant charged
-    twice the sampling rate."""
+    twice the sampling rate. An empty batch's pass is one."""
     model = net()
     twin = copy.deepcopy(model)
     X, y = batch(seed=1)
@@ -160,6 +160,11 @@ def test_a_backward_to_the_inputs_alone_is_not_a_pass(engine):
     opt.step()
     assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
     assert engine.accountant.history == [(0.0, 1.0, 1)]
+    opt.zero_grad()  # a pass on an empty batch reaches the parameters: it is one
+    nn.functional.cross_entropy(model(X[:0]), y[:0], reduction="sum").backward()
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert engine.accountant.history == [(0.0, 1.0, 1), (0.0, 2.0, 1)]
 
 
 def physical_steps(model, opt, data_loader, zero_grad) -> int:
