@@ -167,6 +167,27 @@ def test_a_backward_to_the_inputs_alone_is_not_a_pass(engine):
     assert engine.accountant.history == [(0.0, 1.0, 1), (0.0, 2.0, 1)]
 
 
+def test_micro_batches_of_different_sizes_in_one_backward_raise_naming_the_fix(engine):
+    """One backward of the summed losses of micro-batches of different samples: row n of
+    each call is sample n (two views of one sample), so micro-batches of 5 and 3 samples
+    cannot be told apart as samples; it raises naming the module and the fix (one
+    backward per micro-batch), not a strategy to try. Nothing is written; the fix steps
+    as the loop."""
+    model = net()
+    twin = copy.deepcopy(model)
+    X, y = batch(8, seed=1)
+    parts = (slice(0, 5), slice(5, 8))
+    _, opt, _ = private(engine, model, FLAT)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match=r"module '4' \(Linear\) is used with batch sizes 3 and 5.*backward pass each"):
+        sum(nn.functional.cross_entropy(model(X[i]), y[i]) for i in parts).backward()
+    assert all(p.grad is None for p in model.parameters())
+    train(model, opt, [(X[i], y[i]) for i in parts])
+    # the loop's step on the 8 samples divides by 8; the engine's by B·k = 2N (two passes)
+    loop = loop_step(twin, [(X, y)], FLAT, "flat")
+    assert_params(model, [(p + (e - p) * 8 / (2 * N)).detach() for p, e in zip(twin.parameters(), loop)], "loop")
+
+
 def physical_steps(model, opt, data_loader, zero_grad) -> int:
     """One epoch through Opacus's ``BatchMemoryManager`` (physical batches of 2), a step
     after each backward pass; ``zero_grad(opt)`` before each backward. The number of
