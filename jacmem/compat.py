@@ -31,6 +31,7 @@ __all__ = [
     "handle_alive",
     "is_backward_hook_node",
     "global_module_hooks",
+    "grad_captures",
     "is_compiled_module",
     "never_compile_alone",
     "plain_torch_function",
@@ -94,6 +95,17 @@ def will_engine_execute_node(node) -> bool:
         return torch._C._will_engine_execute_node(node)
     except RuntimeError:  # torch.autograd.grad captures this leaf's gradient: it asked for it
         return True
+
+
+def grad_captures(node) -> bool:
+    """Whether ``torch.autograd.grad``, running now, returns the gradient of the leaf
+    whose AccumulateGrad ``node`` is given (rather than a backward accumulating it, or
+    not computing it): ``torch._C._will_engine_execute_node`` refuses such a leaf."""
+    try:
+        torch._C._will_engine_execute_node(node)
+    except RuntimeError:
+        return True
+    return False
 
 
 def functorch_transforms_active() -> bool:

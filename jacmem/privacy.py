@@ -92,8 +92,7 @@ class _Private:
     the model, so that its forwards are recorded wherever they run, for this block
     alone, and it takes their gradients in the user's own ``loss.backward()``. It has no
     global hook: other models' calls, other private models' and a ``jacmem.extend``
-    block's are none of its business, and cost nothing. ``passes`` counts its backward
-    passes.
+    block's are none of its business, and cost nothing.
 
     Distributed: the clipping engine sums the clipped sums over the ranks itself, in
     the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
@@ -107,11 +106,6 @@ class _Private:
         self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
-
-    @property
-    def passes(self) -> int:
-        """Backward passes ended since the block opened."""
-        return self.block.ended
 
     def open(self) -> _Private:
         try:
@@ -143,22 +137,28 @@ class _ClippedSum:
     and the noise of a step has the ``C`` its passes were clipped at."""
 
     private: _Private
-    #: the block's pass count at the last step or zero_grad
-    _mark = 0
-    #: per_layer: one threshold per parameter of ``self.params``, in its order (as
+    #: per_layer: one threshold per parameter of ``_threshold_params``, in its order (as
     #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
     max_grad_norms: list[float] | None = None
+    #: per_layer: the optimizer's parameters trainable at make_private, which the
+    #: thresholds belong to (``self.params`` is those trainable now: one frozen since
+    #: would shift every later threshold onto the next parameter)
+    _threshold_params: Sequence[nn.Parameter] = ()
     #: the threshold the passes since the last step were clipped at (None before the first)
     _held: float | list[float] | None = None
 
-    def _own_threshold(self, private: _Private, max_grad_norm: float | Sequence[float]) -> float:
+    def _own_threshold(
+        self, private: _Private, optimizer: optim.Optimizer, max_grad_norm: float | Sequence[float]
+    ) -> float:
         """Take the block's clipping threshold over (before Opacus's ``__init__``, to which
-        it returns the noise's ``C``)."""
+        it returns the noise's ``C``); per-layer thresholds belong to ``optimizer``'s
+        trainable parameters, in its order."""
         self.private = private
         private.clip.max_norm = self.clip_threshold
         if isinstance(max_grad_norm, numbers.Real):
             return max_grad_norm
         self.max_grad_norms = [float(c) for c in max_grad_norm]
+        self._threshold_params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
         return self.max_grad_norm
 
     @property
@@ -190,7 +190,7 @@ class _ClippedSum:
             self._held = self._threshold_now()
         if self.max_grad_norms is None:
             return self._held
-        return dict(zip(self.params, self._held))
+        return dict(zip(self._threshold_params, self._held))
 
     def _check_threshold(self) -> None:
         """Raise where the threshold changed after this step's first backward pass: its
@@ -205,11 +205,11 @@ class _ClippedSum:
 
     @property
     def accumulated_iterations(self) -> int:
-        """Backward passes since the last step or ``zero_grad`` (at least 1)."""
-        return max(1, self.private.passes - self._mark)
+        """Backward passes since the last step or ``zero_grad`` that reached a trainable
+        parameter (at least 1): one to the inputs alone clipped nothing."""
+        return max(1, self.private.clip.passes)
 
     def _restart(self) -> None:
-        self._mark = self.private.passes
         self.private.clip.reset()
         if not self._is_last_step_skipped:  # a skipped step's passes are the next step's
             self._held = None
@@ -236,7 +236,7 @@ class _ClippedSum:
             else:
                 grad = p.grad.detach()
                 setattr(p.grad, _ACCUMULATED, True)
-            if p.summed_grad is None:
+            if getattr(p, "summed_grad", None) is None:  # None: a parameter of add_param_group since
                 p.summed_grad = grad
             else:
                 p.summed_grad.add_(grad)
@@ -264,7 +264,7 @@ class DPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
     def __init__(
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def add_noise(self) -> None:
         """Opacus's noise and its ``1/(B·k)`` (``loss_reduction="mean"``) in one pass over
@@ -302,7 +302,7 @@ class DistributedDPOptimizer(_ClippedSum, DistributedDPOptimizerFastGradientClip
     def __init__(
         self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float | Sequence[float], **kwargs
     ):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def reduce_gradients(self) -> None:
         for p in self.params:
@@ -334,7 +334,7 @@ class ShardedDPOptimizer(_ClippedSum, DPOptimizerFastGradientClipping):
             generator = _rank_generator(generator, params[0].device if params else torch.device("cpu"))
         super().__init__(
             optimizer,
-            max_grad_norm=self._own_threshold(private, max_grad_norm),
+            max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm),
             generator=generator,
             secure_mode=secure_mode,
             **kwargs,
@@ -388,7 +388,7 @@ class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradie
     Opacus's; ``b`` and ``n`` come from :class:`ClipGrad`'s counts."""
 
     def __init__(self, optimizer: optim.Optimizer, *, private: _Private, max_grad_norm: float, **kwargs):
-        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, max_grad_norm), **kwargs)
+        super().__init__(optimizer, max_grad_norm=self._own_threshold(private, optimizer, max_grad_norm), **kwargs)
 
     def clip_and_accumulate(self) -> None:
         """Opacus's counts, of the passes since the last step (clipped in the backward)."""
@@ -530,7 +530,8 @@ class PrivacyEngine(OpacusEngine):
 
         Args:
             module: the model; returned as it is (``model is module``), its hooks
-                installed. A ``DistributedDataParallel`` model (or a process group of
+                installed and its ``.grad`` (from backward passes before, unclipped)
+                dropped. A ``DistributedDataParallel`` model (or a process group of
                 more than one rank) gets the distributed optimizer; a ``fully_shard``-ed
                 one (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards.
             optimizer: over (a subset of) ``module``'s parameters.
@@ -658,6 +659,10 @@ class PrivacyEngine(OpacusEngine):
         )
         optimizer.attach_step_hook(self.accountant.get_optimizer_hook_fn(sample_rate=sample_rate))
         self._private = private.open()
+        # a .grad from a backward before now is unclipped: the clipped sums would add to
+        # it (Opacus's step ignores it, writing its own sum over .grad); the module's, for
+        # a parameter the optimizer takes later (add_param_group)
+        module.zero_grad(set_to_none=True)
         if ghost:
             return module, optimizer, criterion, data_loader
         return module, optimizer, data_loader

@@ -55,7 +55,6 @@ class Block:
 
     Args: those of :class:`jacmem.extend` (which documents them).
 
-    ``ended`` counts the backward passes that ended and wrote their results.
     """
 
     def __init__(
@@ -98,7 +97,6 @@ class Block:
         self.notes: list[str] = []
         #: the thread that opened the block (None while closed)
         self.owner: int | None = None
-        self.ended = 0
         self.notices = Notices(strict)
         self.passes = Passes(self._ended)
         self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
@@ -158,7 +156,6 @@ class Block:
         self.notices.flush()
 
     def _ended(self) -> None:
-        self.ended += 1
         self.notices.flush()
 
     @property

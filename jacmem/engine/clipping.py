@@ -85,6 +85,13 @@ _SPARSE = (
     "sparse=True); the clipped sum of its per-sample gradients is dense. Build the layer with sparse=False."
 )
 
+_CAPTURED = (
+    "jacmem: ClipGrad: torch.autograd.grad asks for the gradient of parameter {name!r}, which the block clips: its "
+    "gradient is the sum of the clipped per-sample gradients, which loss.backward() adds to .grad, and autograd "
+    "would return none (or zeros). Call loss.backward() and read .grad; for the unclipped gradient, take it "
+    "outside the block (a private model: on copy.deepcopy(model), which runs untracked, or after detach())."
+)
+
 
 def _refuse_batch_statistics(model: nn.Module) -> None:
     """Raise where a BatchNorm of ``model`` normalises with the batch's statistics, as
@@ -219,19 +226,21 @@ class ClippingEngine(FirstOrderEngine):
                 accumulator = torch.autograd.graph.get_gradient_edge(p).node
                 self.accumulators.append(accumulator)
                 self.guarded[id(p)] = (
-                    p.register_hook(functools.partial(self._intercept, id(p), name)),
+                    p.register_hook(functools.partial(self._intercept, id(p), name, accumulator)),
                     accumulator.register_prehook(_nothing),
                 )
 
-    def _intercept(self, key: int, name: str, grad: Tensor | None) -> Tensor | None:
+    def _intercept(self, key: int, name: str, accumulator, grad: Tensor | None) -> Tensor | None:
         """autograd's gradient for a parameter, about to be accumulated into ``.grad``
         (which the accumulator's pre-hook prevents: the clipped sum comes at the end of
-        the pass): a note that the loss reached the parameter, and zeros instead, for
-        ``torch.autograd.grad`` (a zero expanded to the gradient's shape, no memory of
-        it). None (a call through ComputeOnce) stays None, and so does the gradient of
-        a derivative's own recomputation (inside torch.func)."""
+        the pass): a note that the loss reached the parameter, and zeros instead (a zero
+        expanded to the gradient's shape, no memory of it). None (a call through
+        ComputeOnce) stays None, and so does the gradient of a derivative's own
+        recomputation (inside torch.func). ``torch.autograd.grad`` asking for it raises."""
         if grad is None or compat.functorch_transforms_active():
             return None
+        if compat.grad_captures(accumulator):
+            raise RuntimeError(_CAPTURED.format(name=name))
         if grad.is_sparse:
             raise RuntimeError(_SPARSE.format(name=name))
         run = self.passes.state(self)
@@ -246,11 +255,16 @@ class ClippingEngine(FirstOrderEngine):
         return ClipStaging()
 
     def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
-        """Refuse, as it is (no other strategy helps), a call whose per-sample gradients are
-        shares that the other samples change: clipping them bounds nothing."""
+        """Raise, as it is (no other strategy helps), where the call's per-sample
+        gradients are shares that the other samples change (clipping them bounds nothing),
+        or where ``torch.autograd.grad`` asks for one of its parameters' gradients (the
+        block's is the clipped sum, into ``.grad``)."""
         shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self._params(rec) else None
         if shared:
             raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
+        captured = [pname for pname in rec.params if compat.grad_captures(rec.nodes[pname])]
+        if captured:
+            raise RuntimeError(_CAPTURED.format(name=f"{rec.name}.{captured[0]}"))
         return super()._process(run, rec)
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
@@ -383,6 +397,8 @@ class ClippingEngine(FirstOrderEngine):
                 param, value = sharding.sharded[key], sharding.dtensor(key, local)
                 writes.append((param, "grad", value if param.grad is None else param.grad.add_(value)))
         writes.append((self.clip, "samples", self.clip.samples + count))
+        if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
+            writes.append((self.clip, "passes", self.clip.passes + 1))
         for key, s in staged.items():
             if key in sums:
                 value = precision.result(sums[key], s.param)

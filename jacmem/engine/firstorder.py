@@ -47,6 +47,10 @@ from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 
+class MixedBatchesError(ValueError):
+    """One parameter's calls in one backward pass hold different numbers of samples."""
+
+
 class _Kept(NamedTuple):
     """A call of a shared parameter, kept for its ghost factors ``(r, c)`` (their
     ``shapes``); ``dense``: whether ``r`` is dense (a Linear's output gradient), not row
@@ -206,7 +210,7 @@ class FirstOrderEngine(Engine):
         try:
             with precision.computing(precision.device_of(rec.grads)):
                 return self._compute(run, rec)
-        except ContractError:
+        except (ContractError, MixedBatchesError):
             raise
         except Exception as err:
             raise RuntimeError(self._failed(rec, err)) from err
@@ -271,9 +275,12 @@ class FirstOrderEngine(Engine):
             staged = run.staged[id(param)] = _Staged(param, n, summed)
             run.names[id(param)] = rec.name
         elif staged.batch_size != n:
-            raise ValueError(
-                f"parameter {pname!r} is used with batch sizes {staged.batch_size} and {n} in one "
-                "backward pass; per-sample quantities need one batch size"
+            raise MixedBatchesError(
+                f"jacmem: parameter {pname!r} of module {rec.name!r} ({type(rec.module).__name__}) is used with "
+                f"batch sizes {staged.batch_size} and {n} in one backward pass. Row n of each call is sample n (two "
+                "views of one sample, as in a siamese network), so per-sample quantities need one batch size. "
+                "Micro-batches of different samples take one backward pass each (their results add up), not one "
+                "backward of their summed losses."
             )
         elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
             raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")

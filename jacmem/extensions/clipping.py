@@ -31,7 +31,8 @@ it is refused.
 After each backward pass, ``ext.norms`` holds the pass's per-sample total norms ``‖g_i‖``
 ``[N]`` (float32 at least; over every parameter, whatever the clipping style), and
 ``ext.samples`` counts the samples clipped since the last :meth:`ClipGrad.reset`
-(under DDP, those of every rank); with flat clipping, ``ext.unclipped`` counts those of
+(under DDP, those of every rank) and ``ext.passes`` the backward passes that reached a
+trainable parameter; with flat clipping, ``ext.unclipped`` counts those of
 them that the clip left as they were (``c_i = 1``: the count that adaptive clipping
 needs; a tensor on the device, this rank's alone). Several backward passes add up in
 ``.grad`` (virtual batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
@@ -113,10 +114,13 @@ class ClipGrad:
         self.samples: Tensor | int = 0
         #: flat clipping: of those, the samples with ``c_i = 1`` (a tensor on the device)
         self.unclipped: Tensor | int = 0
+        #: backward passes since the last :meth:`reset` that reached a trainable
+        #: parameter (one to the inputs alone, ``torch.autograd.grad(loss, x)``, clips nothing)
+        self.passes = 0
 
     def reset(self) -> None:
-        """Start counting samples afresh (after an optimizer step)."""
-        self.samples = self.unclipped = 0
+        """Start counting samples and passes afresh (after an optimizer step)."""
+        self.samples = self.unclipped = self.passes = 0
 
     def __repr__(self) -> str:
         return f"ClipGrad(clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r})"
@@ -174,7 +178,11 @@ class ClipGrad:
             return dict.fromkeys(squared, c), total
         missing = [names[key] for key in squared if key not in max_norm]
         if missing:
-            raise ValueError(f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing}")
+            raise ValueError(
+                f"jacmem: ClipGrad(clipping='per_layer') has no threshold for parameter(s) {missing} (modules): "
+                "give one to every trainable parameter. PrivacyEngine's are those of the parameters trainable at "
+                "make_private: to train one made trainable since, detach() and make the model private again."
+            )
         return {key: (max_norm[key] / (sq.sqrt() + EPSILON)).clamp(max=1.0) for key, sq in squared.items()}, total
 
 

@@ -29,6 +29,20 @@ def test_graph_task_callbacks_and_will_execute():
     assert done == [2], "the callback runs once, at the end of the pass"
 
 
+def test_grad_captures():
+    """Only the leaves ``torch.autograd.grad`` returns are captured; under ``backward``
+    none is, ``inputs=`` or not."""
+    w, v = nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2))
+    nodes = [torch.autograd.graph.get_gradient_edge(p).node for p in (w, v)]
+    seen = []
+    y = (w * 2 + v * 3).sum() * 1.0
+    y.grad_fn.register_prehook(lambda grads: seen.append([compat.grad_captures(n) for n in nodes]))
+    torch.autograd.grad(y, w, retain_graph=True)
+    y.backward(retain_graph=True)
+    y.backward(inputs=[w])
+    assert seen == [[True, False], [False, False], [False, False]]
+
+
 def test_functorch_and_backward_hook_nodes():
     assert not compat.functorch_transforms_active()
     assert torch.func.vmap(lambda x: torch.tensor(compat.functorch_transforms_active()) + 0 * x)(torch.zeros(2)).all()

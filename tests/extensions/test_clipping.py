@@ -535,20 +535,28 @@ def test_a_use_of_one_embedding_row_outside_every_recorded_call_is_refused():
     assert no_hooks(model)
 
 
-def test_autograd_grad_gives_zeros_and_accumulates_again_after_the_block():
-    """Inside the block, ``torch.autograd.grad`` w.r.t. a parameter that a call autograd
-    differentiates reads (the embedding's) gives zeros; after the block, the hook on the
-    gradient accumulator is gone and autograd accumulates again."""
+@pytest.mark.parametrize("layer, use", [(0, 1), (2, 2)], ids=["tied embedding", "linear"])
+def test_autograd_grad_of_a_clipped_parameter_raises_and_accumulates_again_after_the_block(layer, use):
+    """Inside the block, ``torch.autograd.grad`` w.r.t. a parameter the block clips
+    raises, naming it (a use of it: the tied head's): it gave zeros where autograd
+    differentiates the call (the tied embedding's) and torch's 'appears to not have been used in the graph' where
+    ComputeOnce does (a Linear), and the pass wrote its clipped sum into ``.grad``.
+    After the block, the hook on the gradient accumulator is gone and autograd
+    accumulates again."""
     model, X, y = tied_embedding()
-    weight = model[0].weight
+    model.append(nn.Linear(11, 11).to(DT))
+    weight = model[layer].weight
+
+    def loss():
+        return F.cross_entropy(model(X).transpose(1, 2), y)
+
     with jacmem.extend(jacmem.ClipGrad(1.0)):
-        loss = F.cross_entropy(model(X).transpose(1, 2), y)
-        (got,) = torch.autograd.grad(loss, weight)
-    assert not got.any()
+        with pytest.raises(RuntimeError, match=rf"autograd.grad asks for the gradient of parameter '{use}.weight'"):
+            torch.autograd.grad(loss(), weight)
+    assert all(p.grad is None for p in model.parameters())
     assert no_hooks(model)
-    model.zero_grad(set_to_none=True)
-    F.cross_entropy(model(X).transpose(1, 2), y).backward()
-    (want,) = torch.autograd.grad(F.cross_entropy(model(X).transpose(1, 2), y), weight)
+    loss().backward()
+    (want,) = torch.autograd.grad(loss(), weight)
     torch.testing.assert_close(weight.grad, want, rtol=0, atol=0)
 
 

@@ -55,6 +55,14 @@ def opacus_step(model, max_norm, clipping, batches) -> list[torch.Tensor]:
     return [p.detach() for p in model.parameters()]
 
 
+def opacus_private(model):
+    """Opacus's own engine (per-sample hooks) on ``model``, SGD at threshold FLAT, noise 0."""
+    return opacus.PrivacyEngine().make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR), data_loader=loader(*batch()),
+        noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+    )  # fmt: skip
+
+
 def assert_params(model, expected, what: str) -> None:
     for i, (p, e) in enumerate(zip(model.parameters(), expected)):
         torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12, msg=lambda m: f"{what} param {i}: {m}")
@@ -93,6 +101,91 @@ def test_two_backward_passes_then_one_step(engine):
     assert engine.accountant.history == [(0.0, 2 / 1, 1)]  # one batch per epoch: q = 1, twice
     train(model, opt, batches[:1])  # the count starts afresh after a step
     assert engine.accountant.history == [(0.0, 2.0, 1), (0.0, 1.0, 1)]
+
+
+def test_a_grad_left_before_make_private_is_not_in_the_first_step(engine):
+    """A plain backward before ``make_private`` leaves unclipped gradients in ``.grad``;
+    a loop that zeroes them after each step (backward, step, zero_grad) added them to
+    the first step's clipped sum, a privacy leak. ``make_private`` drops them, as
+    Opacus's step ignores them: the first step is the loop's, and Opacus's."""
+    model = net()
+    twin, theirs = copy.deepcopy(model), copy.deepcopy(model)
+    X, y = batch(seed=1)
+    warm_X, warm_y = batch(seed=2)
+    for m, make_private in ((model, lambda m: private(engine, m, FLAT)), (theirs, opacus_private)):
+        nn.functional.cross_entropy(m(warm_X), warm_y).backward()
+        wrapped, opt, _ = make_private(m)
+        nn.functional.cross_entropy(wrapped(X), y).backward()
+        opt.step()
+        opt.zero_grad()
+    expected = loop_step(twin, [(X, y)], FLAT, "flat")
+    assert_params(model, expected, "loop")
+    assert_params(theirs, expected, "opacus")
+
+
+def test_a_param_group_added_after_make_private_steps_as_the_loop(engine):
+    """``optimizer.add_param_group`` after ``make_private``, with the module's other
+    parameters (unfreezing the body): its ``.grad`` from a warm-up before was dropped
+    too, and the first step, without a ``zero_grad`` since, is the loop's (it raised an
+    AttributeError, 'summed_grad', as Opacus's optimizers do)."""
+    model = net()
+    twin = copy.deepcopy(model)
+    nn.functional.cross_entropy(model(batch(seed=2)[0]), batch(seed=2)[1]).backward()
+    data = loader(*batch())
+    _, opt, _ = engine.make_private(
+        module=model, optimizer=torch.optim.SGD(model[4].parameters(), lr=LR), data_loader=data,
+        noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+    )  # fmt: skip
+    opt.add_param_group({"params": [p for layer in model[:2] for p in layer.parameters()]})
+    X, y = batch(seed=1)
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
+
+
+def test_a_backward_to_the_inputs_alone_is_not_a_pass(engine):
+    """``torch.autograd.grad`` of the loss with respect to the inputs (an adversarial
+    example, a saliency map) between ``zero_grad`` and the training backward reaches no
+    parameter: it clips nothing and is not one of the step's backward passes. It counted
+    as one, so the step was divided by 2B (half the loop's) and the accountant charged
+    twice the sampling rate. An empty batch's pass is one."""
+    model = net()
+    twin = copy.deepcopy(model)
+    X, y = batch(seed=1)
+    _, opt, _ = private(engine, model, FLAT)
+    opt.zero_grad()
+    inputs = X.clone().requires_grad_(True)
+    torch.autograd.grad(nn.functional.cross_entropy(model(inputs), y), inputs)
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert_params(model, loop_step(twin, [(X, y)], FLAT, "flat"), "loop")
+    assert engine.accountant.history == [(0.0, 1.0, 1)]
+    opt.zero_grad()  # a pass on an empty batch reaches the parameters: it is one
+    nn.functional.cross_entropy(model(X[:0]), y[:0], reduction="sum").backward()
+    nn.functional.cross_entropy(model(X), y).backward()
+    opt.step()
+    assert engine.accountant.history == [(0.0, 1.0, 1), (0.0, 2.0, 1)]
+
+
+def test_micro_batches_of_different_sizes_in_one_backward_raise_naming_the_fix(engine):
+    """One backward of the summed losses of micro-batches of different samples: row n of
+    each call is sample n (two views of one sample), so micro-batches of 5 and 3 samples
+    cannot be told apart as samples; it raises naming the module and the fix (one
+    backward per micro-batch), not a strategy to try. Nothing is written; the fix steps
+    as the loop."""
+    model = net()
+    twin = copy.deepcopy(model)
+    X, y = batch(8, seed=1)
+    parts = (slice(0, 5), slice(5, 8))
+    _, opt, _ = private(engine, model, FLAT)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match=r"module '4' \(Linear\) is used with batch sizes 3 and 5.*backward pass each"):
+        sum(nn.functional.cross_entropy(model(X[i]), y[i]) for i in parts).backward()
+    assert all(p.grad is None for p in model.parameters())
+    train(model, opt, [(X[i], y[i]) for i in parts])
+    # the loop's step on the 8 samples divides by 8; the engine's by B·k = 2N (two passes)
+    loop = loop_step(twin, [(X, y)], FLAT, "flat")
+    assert_params(model, [(p + (e - p) * 8 / (2 * N)).detach() for p, e in zip(twin.parameters(), loop)], "loop")
 
 
 def physical_steps(model, opt, data_loader, zero_grad) -> int:

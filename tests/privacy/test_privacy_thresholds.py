@@ -181,6 +181,33 @@ def test_per_layer_thresholds_and_the_noise_scale_are_one(engine):
     assert opt.max_grad_norm == pytest.approx(math.sqrt(6), rel=1e-15)
 
 
+def test_per_layer_thresholds_stay_with_their_parameters_when_one_is_frozen(engine):
+    """The thresholds are given in the order of the parameters trainable at
+    ``make_private``; a parameter frozen after it (``requires_grad_(False)``) keeps the
+    others' thresholds where they were: each is clipped at its own (they were shifted
+    one parameter along before, silently, as in Opacus). A parameter frozen at
+    ``make_private`` and unfrozen since has none, and the backward names its module."""
+    model = net()
+    model[1].weight.requires_grad_(False)
+    ref = copy.deepcopy(model)
+    X, y = batch()
+    thresholds = medians(model, X, y)
+    _, opt, _ = private(engine, model, thresholds, "per_layer")
+    for m in (model, ref):
+        m[0].weight.requires_grad_(False)
+    opt.zero_grad()
+    backward(model, [(X, y)])
+    opt.step()
+    grads = per_sample_grads(ref, X, y, cross_entropy, "sum")
+    factors = clip_factors(grads, thresholds[1:], "per_layer")
+    step = {p: LR / N * torch.einsum("n,n...->...", factors[p], g) for p, g in grads.items()}
+    close(list(model.parameters()), [(p - step.get(p, 0)).detach() for p in ref.parameters()], "the loop")
+    model[1].weight.requires_grad_(True)
+    opt.zero_grad()
+    with pytest.raises(ValueError, match=r"no threshold for parameter\(s\) \['1'\]"):
+        backward(model, [(X, y)])
+
+
 def test_a_tensor_threshold_is_refused(engine):
     """A tensor threshold would be read with a host synchronisation in every backward."""
     model = net()
