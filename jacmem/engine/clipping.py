@@ -101,13 +101,17 @@ def _refuse_batch_statistics(model: nn.Module) -> None:
         check(model)
 
 
-def _offered(model: nn.Module, args: tuple, kwargs: dict, batch_first: bool) -> set[int]:
-    """The batch sizes ``model``'s inputs may hold: axis 0 of each tensor among ``args``
-    and ``kwargs``' values, and axis 1 under ``batch_first=False`` or where a module of
-    the model places its batch there itself (an RNN's or attention's ``batch_first=False``)."""
+def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
+    """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
+    tensor among them, and axis 1 where ``second``."""
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
-    second = not batch_first or any(getattr(m, "batch_first", True) is False for m in model.modules())
     return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
+
+
+def _places_batch_second(model: nn.Module) -> bool:
+    """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
+    attention's ``batch_first=False``)."""
+    return any(getattr(m, "batch_first", True) is False for m in model.modules())
 
 
 class ClipStaging(Staging):
@@ -164,6 +168,8 @@ class ClippingEngine(FirstOrderEngine):
         #: batch size -> a model whose outermost call since the last pass had an input
         #: that offers it (:func:`_offered`)
         self.offered: dict[int, str] = {}
+        #: model -> whether its inputs may hold the batch on axis 1 (:func:`_places_batch_second`)
+        self.second: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     # -- forward -------------------------------------------------------------------
 
@@ -197,7 +203,10 @@ class ClippingEngine(FirstOrderEngine):
         """Note the batch sizes a model's inputs offer, for a forward that builds a graph
         (not one that recomputes a call inside a backward)."""
         if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
-            for n in _offered(model, args, kwargs, self.batch_first):
+            second = self.second.get(model)
+            if second is None:
+                second = self.second[model] = not self.batch_first or _places_batch_second(model)
+            for n in _offered(args, kwargs, second):
                 self.offered.setdefault(n, self.name(model))
 
     def on_track(self, model: nn.Module) -> None:
