@@ -403,41 +403,43 @@ def test_a_checkpointed_segment_is_clipped_with_the_whole_norm(reentrant, head):
     torch.testing.assert_close(ext.norms, norms(grads), rtol=1e-9, atol=0)
 
 
-@pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
-def test_a_sparse_embedding_is_refused_naming_the_fix(layer):
-    """An embedding with ``sparse=True`` gets a sparse gradient from autograd, which the
-    block's guard could not even take in (it crashed with "expand is unsupported for
-    Sparse tensors"); the clipped sum is dense. Refused before any step and in the
-    backward, naming the parameter and ``sparse=False``; nothing is left behind."""
-    torch.manual_seed(0)
-    model = nn.Sequential(layer(11, 4, sparse=True), nn.Flatten(), nn.LazyLinear(3)).to(DT)
-    X, y = torch.randint(0, 11, (N, 2)), torch.randint(0, 3, (N,))
-    model(X)  # the lazy layer's shape
-    with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*sparse=True.*sparse=False"):
-        check(model)
-    with pytest.raises(RuntimeError, match=r"parameter '.*0.weight' got a sparse gradient.*sparse=False"):
-        with jacmem.extend(jacmem.ClipGrad(1.0)):
-            cross_entropy(model(X), y, "mean").backward()
-    assert all(p.grad is None for p in model.parameters())
-    assert no_hooks(model)
+#: embedding settings ClipGrad refuses: (keywords, check()'s message, the backward's message)
+REFUSED_EMBEDDINGS = {
+    "sparse": (
+        {"sparse": True},
+        r"'0' .*sparse=True.*sparse=False",
+        r"parameter '.*0.weight' got a sparse gradient.*sparse=False",
+    ),
+    "scale_grad_by_freq": (
+        {"scale_grad_by_freq": True},
+        r"'0' .*scale_grad_by_freq=True.*=False",
+        r"ClipGrad: module '0' \(\w+\) has scale_grad_by_freq=True.*=False\.$",
+    ),
+}
 
 
+@pytest.mark.parametrize("setting", list(REFUSED_EMBEDDINGS))
 @pytest.mark.parametrize("layer", [nn.Embedding, nn.EmbeddingBag])
-def test_scale_grad_by_freq_is_refused_naming_the_fix(layer):
-    """With ``scale_grad_by_freq=True`` autograd divides row ``v``'s gradient by ``v``'s
-    count in the whole batch, so a sample's share of ``.grad`` depends on the others: no
-    sample has a gradient of its own, clipping that share does not bound what one sample
-    changes, and it differs from the per-sample loop (each sample with its own counts).
-    ClipGrad clipped the shares silently; refused now before any step and in the
-    backward, naming the module and the fix; nothing is left behind."""
+def test_an_embedding_setting_is_refused_naming_the_fix(layer, setting):
+    """Refused before any step and in the backward, naming the module and the fix;
+    nothing is left behind.
+
+    - ``sparse=True``: autograd's gradient is sparse, which the block's guard could not
+      even take in (it crashed with "expand is unsupported for Sparse tensors"); the
+      clipped sum is dense.
+    - ``scale_grad_by_freq=True``: autograd divides row ``v``'s gradient by ``v``'s count
+      in the whole batch, so a sample's share of ``.grad`` depends on the others: no
+      sample has a gradient of its own, and clipping that share does not bound what one
+      sample changes (ClipGrad clipped the shares silently)."""
+    keywords, checked, in_backward = REFUSED_EMBEDDINGS[setting]
     torch.manual_seed(0)
-    model = nn.Sequential(layer(11, 4, scale_grad_by_freq=True), nn.Flatten(), nn.LazyLinear(3)).to(DT)
+    model = nn.Sequential(layer(11, 4, **keywords), nn.Flatten(), nn.LazyLinear(3)).to(DT)
     X, y = torch.randint(0, 11, (N, 2)), torch.randint(0, 3, (N,))
     X[:, 0] = 3  # a row every sample reads
     model(X)  # the lazy layer's shape
-    with pytest.raises(jacmem.UnsupportedModuleError, match=r"'0' .*scale_grad_by_freq=True.*=False"):
+    with pytest.raises(jacmem.UnsupportedModuleError, match=checked):
         check(model)
-    with pytest.raises(RuntimeError, match=r"ClipGrad: module '0' \(\w+\) has scale_grad_by_freq=True.*=False\.$"):
+    with pytest.raises(RuntimeError, match=in_backward):
         with jacmem.extend(jacmem.ClipGrad(1.0)):
             cross_entropy(model(X), y, "mean").backward()
     assert all(p.grad is None for p in model.parameters())
