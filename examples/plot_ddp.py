@@ -62,13 +62,15 @@ def worker(rank: int, rendezvous: str, out: str) -> None:
     ddp = nn.parallel.DistributedDataParallel(model)
     rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
     torch.save(step(ddp, X[rows], y[rows]), out)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's collectives are done
 
 
 if __name__ == "__main__" and len(sys.argv) == 5 and sys.argv[1] == "--rank":
     worker(int(sys.argv[2]), sys.argv[3], sys.argv[4])
-    # leave at once: at the interpreter's teardown, DDP's reducer can still hold the gloo
-    # group, whose threads then wait for the lock the teardown holds (a hang, now and then)
+    # leave at once, the group left as it is: destroying it (or the interpreter's
+    # teardown) joins gloo's threads while holding the GIL, and one of them may be freeing
+    # a finished collective that holds a Python object, waiting for the GIL (a hang, now
+    # and then)
     sys.stdout.flush()
     os._exit(0)
 

@@ -109,14 +109,16 @@ def worker(out: str) -> None:
         runs[sigma] = train(model, loader, sigma)
     if dist.get_rank() == 0:
         torch.save(runs, out)
-    dist.destroy_process_group()
+    dist.barrier()  # every rank's collectives are done
 
 
 if __name__ == "__main__" and len(sys.argv) == 3 and sys.argv[1] == "--worker":
     warnings.filterwarnings("ignore", message="Secure RNG turned off")
     worker(sys.argv[2])
-    # leave at once: at the interpreter's teardown, DDP's reducer can still hold the gloo
-    # group, whose threads then wait for the lock the teardown holds (a hang, now and then)
+    # leave at once, the group left as it is: destroying it (or the interpreter's
+    # teardown) joins gloo's threads while holding the GIL, and one of them may be freeing
+    # a finished collective that holds a Python object, waiting for the GIL (a hang, now
+    # and then)
     sys.stdout.flush()
     os._exit(0)
 

@@ -7,10 +7,12 @@ Three things make these tests deterministic under load, run after run:
 - the ranks meet through a file in the test's own ``tmp_path``, not a TCP port: a port
   found free here may be taken by another process before rank 0 binds it, and ranks of
   two test runs on one machine that land on the same port join each other's group;
-- a rank ends with ``os._exit`` once its group is destroyed: DDP keeps a reference to the
-  group that ``destroy_process_group`` does not drop, so gloo's threads still run when
-  the interpreter exits, and tearing the process down around them now and then aborts
-  it ("terminate called without an active exception").
+- a rank that passed meets the others at a barrier and ends with ``os._exit``, its group
+  not destroyed: ``destroy_process_group`` (or the interpreter's teardown) joins gloo's
+  threads while holding the GIL, and one of them may be freeing a finished collective
+  whose thread-local state holds a Python object, waiting for the GIL (a hang, now and
+  then); tearing the process down around them aborts it now and then ("terminate called
+  without an active exception").
 """
 
 from __future__ import annotations
@@ -43,10 +45,10 @@ def _rank(rank: int, worker: Callable[..., None], store: str, world: int, args: 
     dist.init_process_group("gloo", init_method=store, rank=rank, world_size=world)
     try:
         worker(rank, *args)
-    finally:
+    except BaseException:
         dist.destroy_process_group()
-    # passed: leave before the interpreter's teardown (a failure goes on to
-    # torch.multiprocessing, which reports its traceback)
+        raise  # to torch.multiprocessing, which reports its traceback
+    dist.barrier()  # every rank's collectives are done: leave, the group as it is
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
