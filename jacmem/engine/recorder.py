@@ -274,7 +274,7 @@ class Tracker(Recorder):
         self.model = weakref.ref(model)
         self.module_handles: list = []
         # traced by a compiled forward: hooks.eager
-        enter, leave, forward = map(hooks.eager, (self._on_enter, self._on_leave, self._on_forward))
+        enter, leave, forward = (_Hook(hooks.eager(h)) for h in (self._on_enter, self._on_leave, self._on_forward))
         for name, module in model.named_modules():
             # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)
             if module is not model and next(own_parameters(module), None) is None:
@@ -297,8 +297,8 @@ class Tracker(Recorder):
         block = self.block
         return None if block is None else block.record(rec)
 
-    # A module missing from ``names`` carries these hooks as a copy: ``copy.deepcopy`` of a
-    # tracked model copies its modules' hooks, not its tracking. Its calls are left alone.
+    # A module missing from ``names`` carries these hooks as a copy (``copy.copy`` shares a
+    # module's hooks; deep copies and pickles get :func:`_inert` ones): its calls are left alone.
 
     def _on_enter(self, module, args):
         if module in self.names:
@@ -325,6 +325,32 @@ class Tracker(Recorder):
     def close(self) -> None:
         hooks.remove(self.module_handles)
         super().close()
+
+
+class _Hook:
+    """A tracker's module hook, as the modules hold it: pickled with a whole model
+    (``torch.save(model)``), it becomes :func:`_inert`, so that the loaded model is one
+    jacmem never saw (its hook functions, closures over the tracker, do not pickle)."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable):
+        self.fn = fn
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+    def __reduce__(self):
+        return _inert_hook, ()
+
+
+def _inert(*args, **kwargs) -> None:
+    """What a tracker's hook becomes in a pickled model: nothing."""
+    return None
+
+
+def _inert_hook() -> Callable:
+    return _inert
 
 
 #: models registered with track(): model -> Tracker

@@ -217,11 +217,22 @@ def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
             loss().backward(inputs=[model[0].bias])
 
 
-def test_a_deep_copy_of_a_tracked_model_runs_as_an_untracked_one():
+def _saved_and_loaded(model: nn.Module) -> nn.Module:
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
+
+
+@pytest.mark.parametrize("how", ["deepcopy", "torch.save"])
+def test_a_copy_of_a_tracked_model_runs_as_an_untracked_one(how):
     """``copy.deepcopy`` of a tracked model (an EMA or evaluation copy; ``PrivacyEngine``
-    tracks its model) copies its modules' hooks, not its tracking: the copy runs as a
-    model jacmem never saw (its forward raised a KeyError before), and inside a block its
-    calls are recorded like any model's, exactly."""
+    tracks its model), or ``torch.save`` of the whole model and ``torch.load``, copies its
+    modules' hooks, not its tracking: the copy runs as a model jacmem never saw (its
+    forward raised a KeyError before, and ``torch.save`` could not pickle the hooks), and
+    inside a block its calls are recorded like any model's, exactly."""
     import copy
 
     torch.manual_seed(0)
@@ -229,7 +240,7 @@ def test_a_deep_copy_of_a_tracked_model_runs_as_an_untracked_one():
     X = torch.randn(3, 4, dtype=DT)
     jacmem.track(model)
     try:
-        twin = copy.deepcopy(model)
+        twin = copy.deepcopy(model) if how == "deepcopy" else _saved_and_loaded(model)
         twin(X).sum().backward()
         assert all(p.grad is not None and not hasattr(p, "grad_batch") for p in twin.parameters())
         y = torch.randn(3, 3, dtype=DT)
