@@ -100,10 +100,13 @@ class AutogradPath:
 
     # -- forward -------------------------------------------------------------------
 
-    def record(self, node: Node, output: Tensor, x: Tensor | None = None) -> None:
-        """A call the engine kept (``x``: a loss's input): a loss, or a module whose
-        parameters the path serves."""
-        if node.loss is not None:
+    def record(self, node: Node, output: Tensor, x: Tensor | None = None, target: Tensor | None = None) -> None:
+        """A call the engine kept (``x``, ``target``: a loss's inputs): a loss, or a
+        module whose parameters the path serves. A loss whose target has a gradient is
+        not one of its input alone (its Hessian there misses the target's path, which may
+        couple the samples): not counted, so the GGN splits at the model's output, where
+        the root's own Hessian is formed and checked."""
+        if node.loss is not None and not (target is not None and target.requires_grad):
             edge = get_gradient_edge(x) if x is not None and x.requires_grad else None
             self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
