@@ -419,6 +419,18 @@ def test_a_loss_whose_target_has_a_gradient_is_not_sampled_as_a_loss(ext, target
             lossf(z, make(z)).backward()
 
 
+def test_a_per_sample_loss_whose_target_is_part_of_the_output_is_exact():
+    """``F.mse_loss(z[:, :2], z[:, 2:])``: the GGN splits at the model's output, where
+    the loss is per sample and convex: DiagGGNExact and BatchDiagGGNExact are exact."""
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+
+    def loss_of_z(z):
+        return F.mse_loss(z[:, :2], z[:, 2:])
+
+    check_diagonals(model, lambda: loss_of_z(model(X)), lambda: model(X), loss_of_z)
+
+
 def test_the_gradient_check_is_skipped_only_where_the_loss_takes_nothing_else():
     """Where the loss's graph takes only its input ``z`` (and tensors with no gradient),
     every gradient passes through ``z`` and the check's own backward is skipped; a
