@@ -84,22 +84,38 @@ def _ce_check(module: nn.CrossEntropyLoss) -> None:
 
 
 def _ce_hyperparams(module: nn.CrossEntropyLoss) -> dict:
-    return {"reduction": module.reduction, "ignore_index": module.ignore_index}
+    return {
+        "reduction": module.reduction,
+        "ignore_index": module.ignore_index,
+        "label_smoothing": module.label_smoothing,
+    }
 
 
-def _ce_weights(x: Tensor, y: Tensor, reduction: str, ignore_index: int):
+def _ce_weights(x: Tensor, y: Tensor, ignore_index: int, label_smoothing: float):
     """(per-position weight [N, *D] of each term's Hessian, number of terms averaged).
-    Class targets: 0 where ignored; probability targets: their sum over classes."""
+    Class targets: 0 where ignored; probability targets: the sum over classes of the
+    smoothed targets (:func:`_ce_targets`)."""
     if y.is_floating_point():
-        return y.sum(1), x.numel() // x.shape[1]
+        return y.sum(1) * (1 - label_smoothing) + label_smoothing, x.numel() // x.shape[1]
     keep = (y != ignore_index).to(x.dtype)
     return keep, keep.sum().clamp(min=1)
 
 
-def ce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int) -> Tensor:
+def _ce_targets(x: Tensor, y: Tensor, ignore_index: int, label_smoothing: float) -> Tensor:
+    """The targets the softmax is compared with, as torch smooths them, ``(1-ε) y + ε/C``
+    (``y`` one-hot for class targets, 0 where ignored): [N, C, *D]"""
+    c = x.shape[1]
+    if y.is_floating_point():
+        return y * (1 - label_smoothing) + label_smoothing / c
+    keep = y != ignore_index
+    onehot = torch.nn.functional.one_hot(torch.where(keep, y, 0), c).movedim(-1, 1).to(x.dtype)
+    return (onehot * (1 - label_smoothing) + label_smoothing / c) * keep.unsqueeze(1).to(x.dtype)
+
+
+def ce_sqrt_hessian(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int, label_smoothing: float) -> Tensor:
     """``S[(c', d'), n, c, d] = δ_dd' (δ_cc' √p_c - p_c √p_c')``: [N, C, *D] -> [C·prod(D), N, C, *D]"""
     n, c, space = x.shape[0], x.shape[1], x.shape[2:]
-    w, terms = _ce_weights(x, y, reduction, ignore_index)
+    w, terms = _ce_weights(x, y, ignore_index, label_smoothing)
     p = torch.softmax(x, dim=1)
     p = rearrange(p, "n c ... -> n (...) c")  # [N, P, C]
     tau = p.sqrt()
@@ -122,10 +138,12 @@ def categorical(p: Tensor, m: int) -> Tensor:
     return torch.searchsorted(cdf, u).clamp_(max=p.shape[1] - 1).T
 
 
-def ce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str, ignore_index: int) -> Tensor:
+def ce_sampled(
+    x: Tensor, y: Tensor, mc_samples: int, *, reduction: str, ignore_index: int, label_smoothing: float
+) -> Tensor:
     """p - onehot(ỹ) with ỹ ~ softmax(x), at each position: [N, C, *D] -> [M, N, C, *D]"""
     n = x.shape[0]
-    w, terms = _ce_weights(x, y, reduction, ignore_index)
+    w, terms = _ce_weights(x, y, ignore_index, label_smoothing)
     p = rearrange(torch.softmax(x, dim=1), "n c ... -> (n ...) c")
     draws = categorical(p, mc_samples)  # [M, (N P)]
     S = p.expand(mc_samples, *p.shape).scatter_add(
@@ -136,17 +154,13 @@ def ce_sampled(x: Tensor, y: Tensor, mc_samples: int, *, reduction: str, ignore_
     return _scale(S / sqrt(mc_samples), reduction, terms)
 
 
-def ce_empirical(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int) -> Tensor:
-    """p - onehot(y) at each position (0 where ignored; ``p Σ_c y_c - y`` for probability
-    targets): [N, C, *D] -> [1, N, C, *D]"""
-    _, terms = _ce_weights(x, y, reduction, ignore_index)
-    p = torch.softmax(x, dim=1)
-    if y.is_floating_point():
-        S = p * y.sum(1, keepdim=True) - y
-    else:
-        keep = y != ignore_index
-        onehot = torch.nn.functional.one_hot(torch.where(keep, y, 0), x.shape[1]).movedim(-1, 1).to(x.dtype)
-        S = (p - onehot) * keep.unsqueeze(1).to(x.dtype)
+def ce_empirical(x: Tensor, y: Tensor, *, reduction: str, ignore_index: int, label_smoothing: float) -> Tensor:
+    """``p Σ_c t_c - t`` at each position, ``t`` the smoothed targets (:func:`_ce_targets`;
+    ``p - onehot(y)`` for class targets without smoothing, 0 where ignored):
+    [N, C, *D] -> [1, N, C, *D]"""
+    _, terms = _ce_weights(x, y, ignore_index, label_smoothing)
+    t = _ce_targets(x, y, ignore_index, label_smoothing)
+    S = torch.softmax(x, dim=1) * t.sum(1, keepdim=True) - t
     return _scale(S, reduction, terms).unsqueeze(0)
 
 

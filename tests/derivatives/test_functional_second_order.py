@@ -181,6 +181,28 @@ def test_cross_entropy_ignore_index(reduction):
         assert p.diag_ggn_exact_batch[[1, 4]].abs().max() == 0
 
 
+@pytest.mark.parametrize("targets", ["classes", "probabilities"])
+def test_cross_entropy_label_smoothing(targets):
+    """``label_smoothing`` leaves a class target's Hessian as it is and scales a
+    probability target's by the smoothed targets' sum (``(1-ε) Σ y + ε``, rows here not
+    summing to 1): DiagGGNExact equals the dense GGN diagonal of the written loss, for
+    the module and the function."""
+    torch.manual_seed(13)
+    model, (X, y) = mlp(), _data("ce")
+    if targets == "probabilities":
+        y = torch.rand(6, 3, dtype=DT)
+    else:
+        y[2] = -100
+    for reduction in ("mean", "sum"):
+        module = nn.CrossEntropyLoss(label_smoothing=0.2, reduction=reduction)
+        check_exact(model, module, X, y, per_sample=False)
+        lossf = _functional("ce", reduction, label_smoothing=0.2)
+        run(model, lossf, X, y, DiagGGNExact())
+        ggn = diagonals(model, dense(model, lossf, X, y)[0])
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(p.diag_ggn_exact, ggn[name], msg=f"{reduction} {name}")
+
+
 def test_monte_carlo_matches_the_module_and_converges():
     """DiagGGNMC with a functional loss draws what the module loss draws (same seed), and
     with many samples comes near the exact diagonal."""

@@ -395,6 +395,42 @@ def test_a_loss_target_made_by_the_model_raises(ext):
             F.mse_loss(z, torch.tanh(h[:, :4])).backward()
 
 
+@pytest.mark.parametrize(
+    "target", ["batch_mean", "own_softmax"], ids=["target_couples_the_samples", "target_curves_in_z"]
+)
+@pytest.mark.parametrize("ext", [DiagGGNExact, DiagGGNMC, KFAC])
+def test_a_loss_whose_target_has_a_gradient_is_not_sampled_as_a_loss(ext, target):
+    """A loss whose target depends on its input by untracked ops (the batch's mean, a
+    self-distillation target softmax(2z)) is not a loss of its input alone: its Hessian
+    there misses the target's path. The Monte-Carlo kinds sampled its labels all the
+    same (DiagGGNMC 150% off, no error) where the exact kind refused; now every kind
+    takes the root's Hessian at the model's output and its checks: the batch's mean
+    couples the samples, softmax(2z) is not convex in z."""
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+    targets = {
+        "batch_mean": (lambda z: z.mean(0, keepdim=True).expand_as(z), F.mse_loss, "couples the samples"),
+        "own_softmax": (lambda z: torch.softmax(2 * z, 1), F.cross_entropy, "not convex"),
+    }
+    make, lossf, match = targets[target]
+    with pytest.raises(ChainError, match=match):
+        with jacmem.extend(ext()):
+            z = model(X)
+            lossf(z, make(z)).backward()
+
+
+def test_a_per_sample_loss_whose_target_is_part_of_the_output_is_exact():
+    """``F.mse_loss(z[:, :2], z[:, 2:])``: the GGN splits at the model's output, where
+    the loss is per sample and convex: DiagGGNExact and BatchDiagGGNExact are exact."""
+    torch.manual_seed(0)
+    model, X = FunctionalMLP(), torch.randn(3, 5)
+
+    def loss_of_z(z):
+        return F.mse_loss(z[:, :2], z[:, 2:])
+
+    check_diagonals(model, lambda: loss_of_z(model(X)), lambda: model(X), loss_of_z)
+
+
 def test_the_gradient_check_is_skipped_only_where_the_loss_takes_nothing_else():
     """Where the loss's graph takes only its input ``z`` (and tensors with no gradient),
     every gradient passes through ``z`` and the check's own backward is skipped; a

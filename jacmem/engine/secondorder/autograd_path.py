@@ -49,8 +49,10 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
+from jacmem.derivatives import LOSSES
+from jacmem.derivatives.functional import StandInLoss
 from jacmem.engine import hooks, precision
-from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, tolerance
+from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, several_losses, tolerance
 from jacmem.extensions.secondorder.base import Call, Factor, UnsupportedModule
 
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
@@ -98,10 +100,13 @@ class AutogradPath:
 
     # -- forward -------------------------------------------------------------------
 
-    def record(self, node: Node, output: Tensor, x: Tensor | None = None) -> None:
-        """A call the engine kept (``x``: a loss's input): a loss, or a module whose
-        parameters the path serves."""
-        if node.loss is not None:
+    def record(self, node: Node, output: Tensor, x: Tensor | None = None, target: Tensor | None = None) -> None:
+        """A call the engine kept (``x``, ``target``: a loss's inputs): a loss, or a
+        module whose parameters the path serves. A loss whose target has a gradient is
+        not one of its input alone (its Hessian there misses the target's path, which may
+        couple the samples): not counted, so the GGN splits at the model's output, where
+        the root's own Hessian is formed and checked."""
+        if node.loss is not None and not (target is not None and target.requires_grad):
             edge = get_gradient_edge(x) if x is not None and x.requires_grad else None
             self.losses.append((node, get_gradient_edge(output), edge))
         if not node.params:
@@ -261,11 +266,15 @@ class AutogradPath:
 
     def _empirical(self, root: GradientEdge, g_root: Tensor, split: Split, losses: list) -> Tensor:
         """The empirical Fisher's root at ``z``, ``[1, N, *z]`` (module docstring)."""
-        if len(losses) != 1:
+        if not losses:
             raise ChainError(
-                f"jacmem: the empirical Fisher on the autograd path needs one loss call per backward; this one has "
-                f"{len(losses)}: compute the loss once, over the whole batch"
+                "jacmem: the backward's root calls no loss that has an empirical Fisher "
+                f"({', '.join(t.__name__ for t, e in LOSSES.items() if e.empirical and t is not StandInLoss)}, as a module "
+                "or its F. function): use one of them, "
+                "or a GGN kind (KFAC, KFLR)"
             )
+        if len(losses) > 1:
+            raise several_losses([node for node, _, _ in losses])
         node, out, x = losses[0]
         if node.loss.empirical is None or x is None:
             raise NotImplementedError(

@@ -61,7 +61,15 @@ from torch import Tensor
 from jacmem.derivatives import Passthrough
 from jacmem.derivatives.jacobians import diagonal_factor, ea_jac_t_mat_jac, vjp_generic
 from jacmem.engine import precision
-from jacmem.engine.secondorder.graph import ChainError, Deposit, Node, PassState, in_compute_dtype, tolerance
+from jacmem.engine.secondorder.graph import (
+    ChainError,
+    Deposit,
+    Node,
+    PassState,
+    in_compute_dtype,
+    several_losses,
+    tolerance,
+)
 from jacmem.extensions.secondorder.base import Factor
 from jacmem.extensions.secondorder.kfac import kfra_average, kfra_roots
 
@@ -109,6 +117,9 @@ class Chain:
             S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
         if "empirical" in self.engine.kinds:
+            run.empirical.append(node)
+            if len(run.empirical) > 1:
+                raise several_losses(run.empirical)
             factors[("empirical", id(node), 1)] = Factor("empirical", 1.0, _empirical(node, x, y, hp) * sqrt(c))
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.grad_by_jacobian else None
         run.handover(node, 0, factors, g, dense, {})

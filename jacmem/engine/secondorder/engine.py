@@ -228,7 +228,7 @@ class SecondOrderEngine(Engine):
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
         # the hook (so the graph) holds the node: it goes when the graph goes
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
-        self.autograd.record(node, output, inputs[0] if loss is not None and inputs else None)
+        self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
     def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
         """``node.params``: the module's own trainable parameters that its first-order

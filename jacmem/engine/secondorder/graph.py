@@ -109,7 +109,7 @@ class PassState:
     """The engine's state in one backward pass: deposits in flight, results staged
     until its end."""
 
-    __slots__ = ("deposits", "staged", "autograd", "tied")
+    __slots__ = ("deposits", "staged", "autograd", "tied", "empirical")
 
     def __init__(self):
         self.deposits: dict[int, Deposit] = {}
@@ -120,6 +120,8 @@ class PassState:
         self.staged: dict[int, tuple] = {}
         #: id(param) -> the vectors of a parameter that several calls use
         self.tied: dict[int, Tied] = {}
+        #: the loss nodes whose empirical Fisher's roots the chain made (one is allowed)
+        self.empirical: list[Node] = []
 
     def handover(self, node: Node, i: int, factors, g: Tensor | None, dense, shares: dict) -> None:
         """Factors, KFRA's matrix and its shares to input ``i``'s producer; ``g``, the
@@ -148,6 +150,16 @@ class PassState:
         d = self.deposits.setdefault(id(node.producers[i]), Deposit())
         have = d.factors.get(key)
         d.factors[key] = Factor(kind, sign, S) if have is None else Factor(kind, sign, have.S.add_(S))
+
+
+def several_losses(losses: list) -> ChainError:
+    """The empirical Fisher's refusal of a backward whose root sums several loss calls:
+    its root is one loss's gradient, which no sum of the calls' roots gives."""
+    return ChainError(
+        f"jacmem: the empirical Fisher needs one loss call per backward; this one has {len(losses)} "
+        f"({', '.join(map(repr, losses))}): compute one loss over the whole batch, or use a GGN kind "
+        "(KFAC, KFLR), whose losses' Hessians add"
+    )
 
 
 def tolerance(dtype: torch.dtype) -> float:
