@@ -385,8 +385,10 @@ class ClippingEngine(FirstOrderEngine):
         factors, norms = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
-        for group, params in self.groups():  # every group holds the same samples: each gives the global count
-            sums, count = distributed.sum_over_ranks(group, params, sums, n)
+        params = {key: s.param for key, s in staged.items()}
+        for group, members in self.groups():  # every group holds the same samples: each gives the global count
+            sums, count = distributed.sum_over_ranks(group, members, sums, n)
+            params.update((id(p), p) for p in members if id(p) in sums)  # with those only other ranks reached
         writes: list[Write] = [
             (self.clip, "norms", norms),
             (self.clip, "unclipped", self.clip.count_unclipped(factors)),
@@ -399,10 +401,10 @@ class ClippingEngine(FirstOrderEngine):
         writes.append((self.clip, "samples", self.clip.samples + count))
         if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
             writes.append((self.clip, "passes", self.clip.passes + 1))
-        for key, s in staged.items():
+        for key, param in params.items():
             if key in sums:
-                value = precision.result(sums[key], s.param)
-                writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))
+                value = precision.result(sums[key], param)
+                writes.append((param, "grad", value if param.grad is None else param.grad.add_(value)))
         return writes
 
     def _factors(
