@@ -93,11 +93,13 @@ _CAPTURED = (
 )
 
 
-def _refuse_batch_statistics(model: nn.Module) -> None:
-    """Raise where a BatchNorm of ``model`` normalises with the batch's statistics, as
-    :func:`check` does: one without affine parameters has no call of its own in which to
-    refuse, and every layer below it would be clipped by norms that mix the samples."""
-    if normalises_over_batch(model):
+def _refuse_whole_model(model: nn.Module) -> None:
+    """Raise, as :func:`check` does, where a BatchNorm of ``model`` normalises with the
+    batch's statistics (one without affine parameters has no call of its own in which to
+    refuse, and every layer below it would be clipped by norms that mix the samples), or
+    where ``model`` is a ``DistributedDataParallel`` with ``static_graph=True``, whose
+    synchronisation the block turns off."""
+    if normalises_over_batch(model) or (isinstance(model, nn.parallel.DistributedDataParallel) and model.static_graph):
         check(model)
 
 
@@ -170,7 +172,7 @@ class ClippingEngine(FirstOrderEngine):
     def on_enter(self, module):
         if self.depth == 0 and module not in self.roots:
             if torch.is_grad_enabled():
-                _refuse_batch_statistics(module)
+                _refuse_whole_model(module)
             self.roots[module] = None  # every parameter of a model, used in a call or not
             self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
         self.depth += 1
@@ -203,8 +205,8 @@ class ClippingEngine(FirstOrderEngine):
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
         backward the block cannot clip (another thread's) raises, even the first one;
-        refuse a model with a BatchNorm that normalises with the batch's statistics."""
-        _refuse_batch_statistics(model)
+        refuse what :func:`_refuse_whole_model` refuses."""
+        _refuse_whole_model(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:

@@ -470,6 +470,15 @@ def _ddp_worker(rank: int) -> None:
     step_on_own_rows(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
     assert_params(model, expected, f"rank {rank} DDP, head {model.head}")
 
+    # static_graph=True: the clipping turns DDP's synchronisation off, which its static
+    # graph does not support (torch's reducer failed on an internal assert)
+    static = nn.parallel.DistributedDataParallel(net(), static_graph=True)
+    with pytest.raises(ValueError, match=r"module 'DistributedDataParallel' .* static_graph=False"):
+        step_on_own_rows(static)
+    with pytest.raises(ValueError, match=r"static_graph=False"):
+        with jacmem.extend(jacmem.ClipGrad(FLAT)):
+            static(X[rows])
+
 
 class TwoHeads(nn.Module):
     """[N, 2, 5, 5] -> [N, 3]: :func:`net`'s body, then head ``a`` or ``b`` (``self.head``)."""
