@@ -93,11 +93,13 @@ _CAPTURED = (
 )
 
 
-def _refuse_batch_statistics(model: nn.Module) -> None:
-    """Raise where a BatchNorm of ``model`` normalises with the batch's statistics, as
-    :func:`check` does: one without affine parameters has no call of its own in which to
-    refuse, and every layer below it would be clipped by norms that mix the samples."""
-    if normalises_over_batch(model):
+def _refuse_whole_model(model: nn.Module) -> None:
+    """Raise, as :func:`check` does, where a BatchNorm of ``model`` normalises with the
+    batch's statistics (one without affine parameters has no call of its own in which to
+    refuse, and every layer below it would be clipped by norms that mix the samples), or
+    where ``model`` is a ``DistributedDataParallel`` with ``static_graph=True``, whose
+    synchronisation the block turns off."""
+    if normalises_over_batch(model) or (isinstance(model, nn.parallel.DistributedDataParallel) and model.static_graph):
         check(model)
 
 
@@ -176,7 +178,7 @@ class ClippingEngine(FirstOrderEngine):
     def on_enter(self, module):
         if self.depth == 0 and module not in self.roots:
             if torch.is_grad_enabled():
-                _refuse_batch_statistics(module)
+                _refuse_whole_model(module)
             self.roots[module] = None  # every parameter of a model, used in a call or not
             self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
         self.depth += 1
@@ -212,8 +214,8 @@ class ClippingEngine(FirstOrderEngine):
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
         backward the block cannot clip (another thread's) raises, even the first one;
-        refuse a model with a BatchNorm that normalises with the batch's statistics."""
-        _refuse_batch_statistics(model)
+        refuse what :func:`_refuse_whole_model` refuses."""
+        _refuse_whole_model(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
@@ -394,8 +396,10 @@ class ClippingEngine(FirstOrderEngine):
         factors, norms = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
-        for group, params in self.groups():  # every group holds the same samples: each gives the global count
-            sums, count = distributed.sum_over_ranks(group, params, sums, n)
+        params = {key: s.param for key, s in staged.items()}
+        for group, members in self.groups():  # every group holds the same samples: each gives the global count
+            sums, count = distributed.sum_over_ranks(group, members, sums, n)
+            params.update((id(p), p) for p in members if id(p) in sums)  # with those only other ranks reached
         writes: list[Write] = [
             (self.clip, "norms", norms),
             (self.clip, "unclipped", self.clip.count_unclipped(factors)),
@@ -408,10 +412,10 @@ class ClippingEngine(FirstOrderEngine):
         writes.append((self.clip, "samples", self.clip.samples + count))
         if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
             writes.append((self.clip, "passes", self.clip.passes + 1))
-        for key, s in staged.items():
+        for key, param in params.items():
             if key in sums:
-                value = precision.result(sums[key], s.param)
-                writes.append((s.param, "grad", value if s.param.grad is None else s.param.grad.add_(value)))
+                value = precision.result(sums[key], param)
+                writes.append((param, "grad", value if param.grad is None else param.grad.add_(value)))
         return writes
 
     def _factors(

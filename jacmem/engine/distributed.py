@@ -100,21 +100,33 @@ def sum_over_ranks(
 ) -> tuple[dict[int, Tensor], Tensor]:
     """The sums over the ranks of ``group`` of ``values`` (``id(param) -> tensor`` of the
     parameter's shape, for those of ``params`` this rank has; the others contribute
-    zeros) and of ``count`` (a 0-d tensor on the device: no host read), with one ``all_reduce``. ``params`` must be the same list,
-    in the same order, on every rank; values of other parameters stay as they are."""
+    zeros) and of ``count`` (a 0-d tensor on the device: no host read), with one
+    ``all_reduce``. ``params`` must be the same list, in the same order, on every rank;
+    values of other parameters stay as they are.
+
+    A parameter this rank has no value for gets the sum too where another rank has one
+    (a branch this rank's batch did not take, under ``find_unused_parameters=True``), so
+    that every rank holds the same sums; telling which is a host read of one flag per
+    parameter, made only where this rank lacks some of ``params``."""
     own = {id(p) for p in params}
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device if params else torch.device("cpu")
     parts = [values.get(id(p), torch.zeros(p.shape, dtype=dtype, device=device)).to(dtype).flatten() for p in params]
-    buffer = torch.cat([*parts, host_values([count], dtype, device)])
+    had = [float(id(p) in values) for p in params]
+    buffer = torch.cat([*parts, host_values(had, dtype, device), host_values([count], dtype, device)])
     torch.distributed.all_reduce(buffer, group=group)
     out = {key: v for key, v in values.items() if key not in own}
+    sizes = [p.numel() for p in params]
+    flags = buffer[sum(sizes) : sum(sizes) + len(params)]
+    anywhere = flags.tolist() if not all(had) else had
     offset = 0
-    for p in params:
-        if id(p) in values:
-            out[id(p)] = buffer[offset : offset + p.numel()].view(p.shape).to(values[id(p)].dtype)
-        offset += p.numel()
-    return out, buffer[offset].round()
+    for p, size, used in zip(params, sizes, anywhere):
+        if used:
+            out[id(p)] = (
+                buffer[offset : offset + size].view(p.shape).to(values[id(p)].dtype if id(p) in values else p.dtype)
+            )
+        offset += size
+    return out, buffer[-1].round()
 
 
 def host_values(values: list[float], dtype: torch.dtype, device: torch.device) -> Tensor:

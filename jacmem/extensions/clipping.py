@@ -205,10 +205,19 @@ def check(model: nn.Module) -> None:
     statistics), anywhere in the model (its output mixes the samples, so every layer
     before it would get wrong per-sample gradients); a registered layer whose per-sample
     gradients are shares that depend on the other samples (``LayerDerivatives.shared``);
-    a registered layer with a trainable parameter its derivatives do not cover. Each raises
+    a registered layer with a trainable parameter its derivatives do not cover; a
+    ``DistributedDataParallel`` built with ``static_graph=True`` (clipping turns DDP's
+    gradient synchronisation off, as ``no_sync()`` does, which a static graph's reducer
+    does not support: it fails on an internal assert). Each raises
     :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
         label = f"{name or type(module).__name__!r} ({type(module).__name__})"
+        if isinstance(module, nn.parallel.DistributedDataParallel) and module.static_graph:
+            raise unsupported_module_error()(
+                f"jacmem: module {label} has static_graph=True: clipping sums the clipped per-sample gradients "
+                "over the ranks itself, with DDP's gradient synchronisation off (as in no_sync()), which DDP's "
+                "static graph does not support. Build it with static_graph=False (the default)."
+            )
         if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
             raise unsupported_module_error()(
                 f"jacmem: module {label} normalises with batch statistics, which mix the samples: per-sample "

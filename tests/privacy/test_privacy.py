@@ -454,6 +454,43 @@ def _ddp_worker(rank: int) -> None:
     step_on_own_rows(model)
     assert_params(model, expected, f"rank {rank} process group")
 
+    # a head that one rank's batch does not take (find_unused_parameters): each rank
+    # .grad's the global clipped sum, the head too on the rank that did not use it
+    torch.manual_seed(0)
+    model = TwoHeads()
+    twins = [copy.deepcopy(model) for _ in range(WORLD)]
+    for r, twin in enumerate(twins):
+        twin.head = "ab"[r]
+    # the loop on the whole batch, each rank's rows through its own head: the mean of
+    # the loop's steps on each rank's N rows is its step on the 2N
+    shares = [slice(r * N, (r + 1) * N) for r in range(WORLD)]
+    steps = [loop_step(t, [(X[s], y[s])], FLAT, "flat") for t, s in zip(twins, shares)]
+    expected = [sum(ps) / WORLD for ps in zip(*steps)]
+    model.head = "ab"[rank]
+    step_on_own_rows(nn.parallel.DistributedDataParallel(model, find_unused_parameters=True))
+    assert_params(model, expected, f"rank {rank} DDP, head {model.head}")
+
+    # static_graph=True: the clipping turns DDP's synchronisation off, which its static
+    # graph does not support (torch's reducer failed on an internal assert)
+    static = nn.parallel.DistributedDataParallel(net(), static_graph=True)
+    with pytest.raises(ValueError, match=r"module 'DistributedDataParallel' .* static_graph=False"):
+        step_on_own_rows(static)
+    with pytest.raises(ValueError, match=r"static_graph=False"):
+        with jacmem.extend(jacmem.ClipGrad(FLAT)):
+            static(X[rows])
+
+
+class TwoHeads(nn.Module):
+    """[N, 2, 5, 5] -> [N, 3]: :func:`net`'s body, then head ``a`` or ``b`` (``self.head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = net()[:-1], "a"
+        self.a, self.b = nn.Linear(36, 3), nn.Linear(36, 3)
+
+    def forward(self, x):
+        return getattr(self, self.head)(self.body(x))
+
 
 @needs_gloo
 def test_two_ddp_ranks_equal_one_process(tmp_path):
