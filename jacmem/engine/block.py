@@ -54,7 +54,6 @@ class Block:
     """The engines of ``extensions``, open in one thread from :meth:`open` to :meth:`close`.
 
     Args: those of :class:`jacmem.extend` (which documents them).
-
     """
 
     def __init__(

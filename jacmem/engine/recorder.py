@@ -456,19 +456,13 @@ class BackwardWatch:
 
     _SEARCH_NODES = 10_000
 
-    def __init__(
-        self,
-        passes,
-        on_backward: Callable | None = None,
-        describe: Callable | None = None,
-        shards: Callable[[], dict[int, Any]] = dict,
-    ):
+    def __init__(self, passes, describe: Callable, shards: Callable[[], dict[int, Any]]):
         self.passes = passes
         #: ``(tensors, grad_tensors)``: a backward of the block's thread is about to
         #: begin (the second-order engine's autograd path starts there)
-        self.on_backward = on_backward
+        self.on_backward: Callable | None = None
         #: ``describe(param)``: the parameter's name, for the warnings
-        self.describe = describe or (lambda p: f"a parameter of shape {list(p.shape)}")
+        self.describe = describe
         #: ``shards()``: ``id(unsharded) -> sharded`` of the FSDP2 parameters, whose
         #: results go to the shard
         self.shards = shards
