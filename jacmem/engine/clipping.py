@@ -52,7 +52,6 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives import Cost, entries
-from jacmem.derivatives.generic import normalises_over_batch
 from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
@@ -62,7 +61,7 @@ from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
 from jacmem.engine.recorder import reached_parameters
-from jacmem.extensions.clipping import ClipGrad, check
+from jacmem.extensions.clipping import ClipGrad, check_model_wide
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
 #: tolerance passes unnoticed with probability below 1e-4, one of 100 times below 1e-15
@@ -91,16 +90,6 @@ _CAPTURED = (
     "would return none (or zeros). Call loss.backward() and read .grad; for the unclipped gradient, take it "
     "outside the block (a private model: on copy.deepcopy(model), which runs untracked, or after detach())."
 )
-
-
-def _refuse_whole_model(model: nn.Module) -> None:
-    """Raise, as :func:`check` does, where a BatchNorm of ``model`` normalises with the
-    batch's statistics (one without affine parameters has no call of its own in which to
-    refuse, and every layer below it would be clipped by norms that mix the samples), or
-    where ``model`` is a ``DistributedDataParallel`` with ``static_graph=True``, whose
-    synchronisation the block turns off."""
-    if normalises_over_batch(model) or (isinstance(model, nn.parallel.DistributedDataParallel) and model.static_graph):
-        check(model)
 
 
 def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
@@ -178,7 +167,7 @@ class ClippingEngine(FirstOrderEngine):
     def on_enter(self, module):
         if self.depth == 0 and module not in self.roots:
             if torch.is_grad_enabled():
-                _refuse_whole_model(module)
+                check_model_wide(module)
             self.roots[module] = None  # every parameter of a model, used in a call or not
             self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
         self.depth += 1
@@ -214,8 +203,8 @@ class ClippingEngine(FirstOrderEngine):
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
         backward the block cannot clip (another thread's) raises, even the first one;
-        refuse what :func:`_refuse_whole_model` refuses."""
-        _refuse_whole_model(model)
+        refuse what :func:`check_model_wide` refuses."""
+        check_model_wide(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def on_backward(self, tensors, grad_tensors, alone: bool) -> None:

@@ -211,20 +211,8 @@ def check(model: nn.Module) -> None:
     does not support: it fails on an internal assert). Each raises
     :class:`jacmem.errors.UnsupportedModuleError` (a ``ValueError``)."""
     for name, module in model.named_modules():
-        label = f"{name or type(module).__name__!r} ({type(module).__name__})"
-        if isinstance(module, nn.parallel.DistributedDataParallel) and module.static_graph:
-            raise unsupported_module_error()(
-                f"jacmem: module {label} has static_graph=True: clipping sums the clipped per-sample gradients "
-                "over the ranks itself, with DDP's gradient synchronisation off (as in no_sync()), which DDP's "
-                "static graph does not support. Build it with static_graph=False (the default)."
-            )
-        if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
-            raise unsupported_module_error()(
-                f"jacmem: module {label} normalises with batch statistics, which mix the samples: per-sample "
-                "gradients, and so clipping, are not defined. Replace it with GroupNorm (e.g. "
-                f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
-                "ModuleValidator.fix does), or put it in eval mode with running statistics."
-            )
+        _refuse_model_wide(name, module)
+        label = _label(name, module)
         own = [n for n, p in own_parameters(module) if p.requires_grad]
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse and "weight" in own:
             raise unsupported_module_error()(
@@ -245,3 +233,35 @@ def check(model: nn.Module) -> None:
                 "do not cover: their per-sample gradients are unknown. Register them with jacmem.register(...), "
                 "or freeze them (requires_grad=False)."
             )
+
+
+def check_model_wide(model: nn.Module) -> None:
+    """The refusals of :func:`check` that no layer's own call makes in a backward pass:
+    a BatchNorm that normalises with batch statistics (one without affine parameters has
+    no call of its own, and every layer before it would be clipped by norms that mix the
+    samples), a ``DistributedDataParallel`` with ``static_graph=True`` (whose
+    synchronisation clipping turns off). Raises
+    :class:`jacmem.errors.UnsupportedModuleError`, naming the module and the fix."""
+    for name, module in model.named_modules():
+        _refuse_model_wide(name, module)
+
+
+def _refuse_model_wide(name: str, module: nn.Module) -> None:
+    """Raise where ``module`` (named ``name`` in its model) is one that :func:`check_model_wide` refuses."""
+    if isinstance(module, nn.parallel.DistributedDataParallel) and module.static_graph:
+        raise unsupported_module_error()(
+            f"jacmem: module {_label(name, module)} has static_graph=True: clipping sums the clipped per-sample "
+            "gradients over the ranks itself, with DDP's gradient synchronisation off (as in no_sync()), which "
+            "DDP's static graph does not support. Build it with static_graph=False (the default)."
+        )
+    if isinstance(module, nn.modules.batchnorm._BatchNorm) and normalises_over_batch(module):
+        raise unsupported_module_error()(
+            f"jacmem: module {_label(name, module)} normalises with batch statistics, which mix the samples: "
+            "per-sample gradients, and so clipping, are not defined. Replace it with GroupNorm (e.g. "
+            f"nn.GroupNorm(min(32, {module.num_features}), {module.num_features}), as Opacus's "
+            "ModuleValidator.fix does), or put it in eval mode with running statistics."
+        )
+
+
+def _label(name: str, module: nn.Module) -> str:
+    return f"{name or type(module).__name__!r} ({type(module).__name__})"
