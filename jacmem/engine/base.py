@@ -37,9 +37,10 @@ class Engine:
     - ``on_record(record)``: the output gradients of a call recorded by
       :func:`jacmem.track` arrived (the block's own calls reach the engine by the hooks
       it set); return the summed gradients where the engine computed them, or None.
-    - ``on_backward(tensors, grad_tensors, alone)``: a backward (``torch.autograd.backward``
-      or ``grad``, outside any other) of the block's thread is about to begin;
-      ``alone``: no other engine runs in the block.
+    - ``on_backward(tensors, grad_tensors, alone, reached)``: a backward
+      (``torch.autograd.backward`` or ``grad``, outside any other) of the block's thread
+      is about to begin; ``alone``: no other engine runs in the block; ``reached``: the
+      trainable parameters its graph reaches.
     - ``on_track(model)``: from now on, ``model``'s calls reach the engine by
       ``on_record`` wherever they run (the block tracks it).
     - ``new_state()``: this engine's state for one backward pass.
@@ -70,7 +71,7 @@ class Engine:
     def on_record(self, record) -> dict | None:
         return None
 
-    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+    def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         pass
 
     def on_track(self, model) -> None:

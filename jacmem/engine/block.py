@@ -317,12 +317,13 @@ class Block:
 
     # -- backward --------------------------------------------------------------------
 
-    def backward(self, tensors, grad_tensors) -> None:
-        """A backward of the block's thread is about to begin: to every engine."""
+    def backward(self, tensors, grad_tensors, reached: list[nn.Parameter]) -> None:
+        """A backward of the block's thread is about to begin, reaching the trainable
+        parameters ``reached``: to every engine."""
         for model in self.models():  # tracked: their forwards may have run before the block
             self._check_fsdp(model)
         for engine in self.engines:
-            engine.on_backward(tensors, grad_tensors, len(self.engines) == 1)
+            engine.on_backward(tensors, grad_tensors, len(self.engines) == 1, reached)
 
     def record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A tracked call's output gradients arrived: to every engine. Returns the summed

@@ -60,7 +60,6 @@ from jacmem.engine.cost_model import keep_budget
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
-from jacmem.engine.recorder import reached_parameters
 from jacmem.extensions.clipping import ClipGrad, check_model_wide
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
@@ -207,13 +206,13 @@ class ClippingEngine(FirstOrderEngine):
         check_model_wide(model)
         self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
-    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+    def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         """Before a backward begins: guard every trainable parameter its graph reaches
         that no model of the block holds (a free ``nn.Parameter`` read in a functional op,
         or one of a model whose forward ran before the block, untracked). autograd would
         otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
         meets :meth:`_check_recorded`, which raises."""
-        self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached_parameters(tensors))
+        self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
 
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its

@@ -446,20 +446,20 @@ class BackwardWatch:
     in the loss): it gets ``.grad`` and nothing else.
 
     While the block is open, ``torch.autograd.backward`` and ``torch.autograd.grad``
-    (which ``Tensor.backward`` calls) are wrapped: after a backward of the block's
-    thread that began outside any other, the graph is searched (at most
-    :data:`_SEARCH_NODES` nodes) for the parameters whose AccumulateGrad it reaches
-    (those of its ``inputs``, where it has them). Where no pass of the block began, the
-    block warns, once, naming ``jacmem.track``; otherwise it warns, once per parameter,
-    naming each that the passes wrote nothing to (``describe(param)``: its name). Before
-    such a backward begins, ``on_backward(tensors, grad_tensors)`` runs."""
-
-    _SEARCH_NODES = 10_000
+    (which ``Tensor.backward`` calls) are wrapped: before a backward of the block's
+    thread that begins outside any other, its graph is searched for the parameters whose
+    AccumulateGrad it reaches, and ``on_backward(tensors, grad_tensors, reached)`` runs
+    (``ClipGrad`` guards those no model of the block holds). After it, of those
+    parameters (those of its ``inputs``, where it has them): where no pass of the block
+    began, the block warns, once, naming ``jacmem.track``; otherwise it warns, once per
+    parameter, naming each that the passes wrote nothing to (``describe(param)``: its
+    name)."""
 
     def __init__(self, passes, describe: Callable, shards: Callable[[], dict[int, Any]]):
         self.passes = passes
-        #: ``(tensors, grad_tensors)``: a backward of the block's thread is about to
-        #: begin (the second-order engine's autograd path starts there)
+        #: ``(tensors, grad_tensors, reached)``: a backward of the block's thread is about
+        #: to begin, reaching the parameters ``reached`` (the second-order engine's
+        #: autograd path starts there)
         self.on_backward: Callable | None = None
         #: ``describe(param)``: the parameter's name, for the warnings
         self.describe = describe
@@ -494,15 +494,15 @@ class BackwardWatch:
         def watched(tensors, *args, **kwargs):
             if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
                 return original(tensors, *args, **kwargs)
+            reached = list(reached_parameters(tensors))
             if self.on_backward is not None:
-                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword))
+                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
             if self.warned:
                 return original(tensors, *args, **kwargs)
             started = self.passes.started
             self.passes.written.clear()
             out = original(tensors, *args, **kwargs)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-            reached = list(reached_parameters(tensors, self._SEARCH_NODES))
             if inputs is not None:
                 wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
                 reached = [p for p in reached if id(p) in wanted]
@@ -545,15 +545,15 @@ class BackwardWatch:
         )
 
 
-def reached_parameters(tensors, limit: float = float("inf")) -> Iterator[nn.Parameter]:
+def reached_parameters(tensors) -> Iterator[nn.Parameter]:
     """The ``nn.Parameter`` leaves whose AccumulateGrad nodes the graph of ``tensors`` (a
-    tensor or a sequence of them) reaches, as the walk finds them, within ``limit`` nodes."""
+    tensor or a sequence of them) reaches, as the walk finds them."""
     roots = (
         [tensors] if isinstance(tensors, torch.Tensor) else list(tensors) if isinstance(tensors, (tuple, list)) else []
     )
     todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
     seen: set = set()
-    while todo and len(seen) < limit:
+    while todo:
         fn = todo.pop()
         if fn in seen:
             continue

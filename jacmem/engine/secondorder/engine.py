@@ -357,7 +357,7 @@ class SecondOrderEngine(Engine):
 
         self.notices.add(("second-order unsupported parameters",), node.name, say)
 
-    def on_backward(self, tensors, grad_tensors, alone: bool) -> None:
+    def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         self.users.clear()
         self.autograd.on_backward(tensors, grad_tensors, alone)
 
