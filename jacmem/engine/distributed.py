@@ -53,15 +53,21 @@ def synchronize(
     wanted: Iterable[str],
     quantities: dict[int, dict[str, Tensor]],
     sizes: dict[int, int | Tensor],
-) -> None:
+    batch: int,
+) -> list[nn.Parameter]:
     """Scale the quantities of ``params`` (``id(param) -> {quantity: tensor}``, only the
     parameters this rank computed) as DDP scales gradients, sum the global ones over
     ``group`` if the block wants any (``wanted``), and set ``sizes`` (``id(param) ->
     batch size``) to the global batch size, a 0-d tensor on the parameters' device
     (reading it on the host would wait for the ``all_reduce``). In place.
 
-    ``params`` must be the same list, in the same order, on every rank: a parameter
-    that this rank did not compute contributes zeros.
+    ``params`` must be the same list, in the same order, on every rank. A parameter that
+    this rank did not compute (a branch its ``batch`` samples did not take, under
+    ``find_unused_parameters=True``) has zero per-sample gradients on them: it adds zeros
+    to the sums and ``batch`` to the count; where another rank computed it, it gets the
+    global quantities too, and zeros for the local ones (telling which is a host read of
+    one flag per parameter, made only where this rank lacks some of ``params``). Returns
+    those parameters, whose quantities are now in ``quantities`` and ``sizes``.
     """
     world = torch.distributed.get_world_size(group)
     for key, q in quantities.items():
@@ -69,18 +75,23 @@ def synchronize(
             for name, value in q.items():
                 q[name] = value / world ** SCALE_POWER[name]
     if not params or not any(name in GLOBAL_QUANTITIES for name in wanted):
-        return  # the same decision on every rank, so that all or none call the collective
+        return []  # the same decision on every rank, so that all or none call the collective
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
     device = params[0].device
+    had = [float(id(p) in quantities) for p in params]
     parts: list[Tensor] = []
     for p in params:
         q = quantities.get(id(p), {})
         for name in GLOBAL_QUANTITIES:
             value = q.get(name)
             parts.append((torch.zeros(p.shape, dtype=dtype, device=device) if value is None else value).flatten())
-    counts = host_values([sizes.get(id(p), 0) for p in params], dtype, device)
-    buffer = torch.cat([*[t.to(dtype=dtype, device=device) for t in parts], counts])
+    counts = host_values([sizes.get(id(p), batch) for p in params], dtype, device)
+    buffer = torch.cat([*[t.to(dtype=dtype, device=device) for t in parts], counts, host_values(had, dtype, device)])
     torch.distributed.all_reduce(buffer, group=group)
+    flags = _anywhere(buffer[-len(params) :], had)
+    added = [p for p, anywhere, own in zip(params, flags, had) if anywhere and not own]
+    for p in added:
+        quantities[id(p)] = _zeros(p, batch, wanted, dtype)
     offset = 0
     for p in params:
         q = quantities.get(id(p))
@@ -89,10 +100,17 @@ def synchronize(
             offset += p.numel()
             if q is not None and name in q:
                 q[name] = value.to(q[name].dtype)
-    counts = buffer[offset:].round()
+    counts = buffer[offset : offset + len(params)].round()
     for i, p in enumerate(params):
-        if id(p) in sizes:
+        if id(p) in quantities:
             sizes[id(p)] = counts[i]
+    return added
+
+
+def _zeros(p: nn.Parameter, n: int, wanted: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
+    """The ``wanted`` quantities of a parameter with zero per-sample gradients on ``n`` samples."""
+    shapes = {"batch_grad": (n, *p.shape), "batch_l2": (n,), "grad": p.shape, "sum_grad_squared": p.shape}
+    return {name: torch.zeros(shapes[name], dtype=dtype, device=p.device) for name in wanted}
 
 
 def sum_over_ranks(
@@ -117,8 +135,7 @@ def sum_over_ranks(
     torch.distributed.all_reduce(buffer, group=group)
     out = {key: v for key, v in values.items() if key not in own}
     sizes = [p.numel() for p in params]
-    flags = buffer[sum(sizes) : sum(sizes) + len(params)]
-    anywhere = flags.tolist() if not all(had) else had
+    anywhere = _anywhere(buffer[-1 - len(params) : -1], had)
     offset = 0
     for p, size, used in zip(params, sizes, anywhere):
         if used:
@@ -127,6 +144,12 @@ def sum_over_ranks(
             )
         offset += size
     return out, buffer[-1].round()
+
+
+def _anywhere(summed: Tensor, had: list[float]) -> list[float]:
+    """Whether any rank had each parameter, from ``summed``, the ranks' sums of ``had``
+    (this rank's flags): read on the host only where this rank lacks some."""
+    return summed.tolist() if not all(had) else had
 
 
 def host_values(values: list[float], dtype: torch.dtype, device: torch.device) -> Tensor:

@@ -431,15 +431,19 @@ class FirstOrderEngine(Engine):
         sizes = {key: s.batch_size for key, s in staged.items()}
         self._check_batch_sizes(run.names, sizes)
         self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
-        for group, params in self.groups():
-            distributed.synchronize(group, params, self.quantities, quantities, sizes)
+        params = {key: s.param for key, s in staged.items()}
+        batch = max((s.batch_size for s in staged.values()), default=0)
+        for group, members in self.groups():
+            params.update(
+                (id(p), p) for p in distributed.synchronize(group, members, self.quantities, quantities, sizes, batch)
+            )
         sharded = {}
         for sharding in self.shardings():
             sharding.synchronize(self.quantities, quantities, sizes)
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
-            _write(ext, s.param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))
-            for key, s in staged.items()
+            _write(ext, param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))
+            for key, param in params.items()
             for ext in self.extensions
         ]
 

@@ -14,8 +14,10 @@ A plain model in the same block keeps its own, unscaled quantities.
 
 Three ways in: the forward inside the block (DDP found from the forward), the forward
 outside with ``jacmem.track``, and a plain (not DDP) model with an explicit
-``process_group=`` whose gradients the test averages by hand. One start of the two
-processes runs all three, as starting processes is the slow part.
+``process_group=`` whose gradients the test averages by hand. Then a branch that one
+rank's batch does not take (``find_unused_parameters=True``): its per-sample gradients
+are zero on that rank's samples, which the global quantities count. One start of the two
+processes runs them all, as starting processes is the slow part.
 """
 
 from __future__ import annotations
@@ -52,6 +54,30 @@ def check(rank, params, reference, rows, what):
             if field in ("grad_batch", "batch_l2"):
                 expected = expected[rows]
             assert_close(getattr(p, field), expected, f"{where} {field}")
+
+
+class TwoHeads(nn.Module):
+    """[N, 2, 5, 5] -> [N, 3]: :func:`net`'s body, then head ``a`` or ``b`` (``self.head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = net()[:-1], "a"
+        self.a, self.b = nn.Linear(27, 3).double(), nn.Linear(27, 3).double()
+
+    def forward(self, x):
+        return getattr(self, self.head)(self.body(x))
+
+
+def _branch_reference(model: TwoHeads, X, y) -> list:
+    """Per-sample gradients of the mean loss over the whole batch, rank ``r``'s rows
+    through head ``"ab"[r]`` (zero for the other head): [WORLD·PER_RANK, *p.shape] per parameter."""
+    parts = []
+    for r in range(WORLD):
+        model.head = "ab"[r]
+        rows = slice(r * PER_RANK, (r + 1) * PER_RANK)
+        grads = per_sample_grads(model, X[rows], y[rows], mse)  # the mean over these rows only
+        parts.append([grads[p] / WORLD for p in model.parameters()])
+    return [torch.cat(rows) for rows in zip(*parts)]
 
 
 def _worker(rank: int) -> None:
@@ -91,6 +117,17 @@ def _worker(rank: int) -> None:
         dist.all_reduce(p.grad)
         p.grad /= WORLD
     check(rank, model.parameters(), reference, rows, "process_group=")
+
+    torch.manual_seed(0)
+    branches = TwoHeads()
+    reference = _branch_reference(branches, X, y)
+    branches.head = "ab"[rank]
+    ddp = nn.parallel.DistributedDataParallel(branches, find_unused_parameters=True)
+    for _ in range(2):  # the second pass must not keep the first's
+        clear(branches)
+        with jacmem.extend(*extensions()):
+            mse(ddp(Xr), yr, "mean").backward()
+        check(rank, branches.parameters(), reference, rows, f"find_unused_parameters, head {branches.head}")
 
 
 @needs_gloo
