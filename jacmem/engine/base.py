@@ -93,7 +93,7 @@ class Pass:
 
     __slots__ = ("states", "on_end", "written", "thread", "ended", "__weakref__")
 
-    def __init__(self, on_end: Callable[[], None] | None, written: set[int]):
+    def __init__(self, on_end: Callable[[set[int]], None] | None, written: set[int]):
         #: engine -> its state for this pass
         self.states: dict[Engine, Any] = {}
         self.on_end = on_end
@@ -119,9 +119,10 @@ class Pass:
         writes = [w for engine, st in states.items() for w in engine.finish(st)]
         for obj, field, value in writes:
             setattr(obj, field, value)
-        self.written.update(id(obj) for obj, _, _ in writes)
+        written = {id(obj) for obj, _, _ in writes}
+        self.written.update(written)
         if self.on_end is not None:
-            self.on_end()
+            self.on_end(written)
 
     def drop(self) -> None:
         self.states.clear()
@@ -131,14 +132,15 @@ class Passes:
     """The passes running through one block: graph task id -> :class:`Pass`, held weakly
     (autograd holds each pass until it ends).
 
-    ``on_end``: called after each pass has written its results (the block's warnings).
+    ``on_end``: called after each pass has written its results, with the ids of the
+    objects it wrote to (the block drops stale results, then warns).
     ``started`` counts the passes begun, ``written`` holds the ids of the objects
     (parameters) the passes wrote results to, and ``warned`` those of the parameters an
     engine has warned it cannot give results to (a module it does not support), so that
     the block can tell whether a backward reached any of its hooks, and which parameters
     it reached got nothing unsaid."""
 
-    def __init__(self, on_end: Callable[[], None] | None = None):
+    def __init__(self, on_end: Callable[[set[int]], None] | None = None):
         self._live: weakref.WeakValueDictionary[int, Pass] = weakref.WeakValueDictionary()
         self.on_end = on_end
         self.started = 0

@@ -105,6 +105,12 @@ class Block:
         self._late = hooks.LateBackward()
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
+        self.savefields = {e.savefield for e in extensions if not isinstance(e, ClipGrad) and e.savefield}
+        #: the models whose forward ran since the last pass ended (:meth:`_ended`)
+        self._ran: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: the tracked models whose forward may have run before the block, once each
+        self._tracked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
     # -- lifetime ------------------------------------------------------------------
 
@@ -150,11 +156,22 @@ class Block:
             self._roots = []
             self._names = weakref.WeakKeyDictionary()
             self._fsdp_checked = weakref.WeakSet()
+            self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
             self._depth = 0
             self.owner = None
         self.notices.flush()
 
-    def _ended(self) -> None:
+    def _ended(self, written: set[int]) -> None:
+        """A pass ended, having written results to the objects ``written`` (ids): the
+        models whose forward ran since the last pass lose the results left on their
+        trainable parameters that it did not write (a branch this batch skipped, say): an
+        earlier batch's, which would read as this one's."""
+        ran, self._ran = list(self._ran), weakref.WeakSet()
+        for model in ran if self.savefields else ():
+            for p in model.parameters():
+                if p.requires_grad and id(p) not in written:
+                    for field in self.savefields.intersection(vars(p)):
+                        delattr(p, field)
         self.notices.flush()
 
     @property
@@ -303,6 +320,7 @@ class Block:
         inputs, to every engine."""
         if threading.get_ident() != self.owner:
             return
+        self._ran.add(model)
         for engine in self.engines:
             engine.on_call(model, args, kwargs)
 
@@ -322,6 +340,9 @@ class Block:
         parameters ``reached``: to every engine."""
         for model in self.models():  # tracked: their forwards may have run before the block
             self._check_fsdp(model)
+            if model not in self._tracked:
+                self._tracked.add(model)
+                self._ran.add(model)
         for engine in self.engines:
             engine.on_backward(tensors, grad_tensors, len(self.engines) == 1, reached)
 

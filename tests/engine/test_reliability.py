@@ -607,6 +607,58 @@ def test_retain_graph_twice_gives_each_pass_its_own_results():
     check_against(model, reference, ALL_FIELDS, "second pass")
 
 
+class Branches(nn.Module):
+    """[N, 3] -> [N, 2]: ``a(x)``, plus ``b(x)`` where ``self.skip`` is False."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.skip = nn.Linear(3, 2).double(), nn.Linear(3, 2).double(), False
+
+    def forward(self, x):
+        return self.a(x) if self.skip else self.a(x) + self.b(x)
+
+
+@pytest.mark.parametrize("where", ["new block", "same block", "track"])
+def test_a_branch_the_batch_skipped_loses_the_results_of_an_earlier_batch(where):
+    """A pass writes its results; where the model's forward ran, the trainable parameters
+    it did not write lose the block's results from before (an earlier batch's, which
+    would read as this one's), as ``.grad`` does under ``zero_grad(set_to_none=True)``.
+    A model whose forward did not run, and a frozen parameter, keep theirs."""
+    model, other = Branches(), mlp()
+    X, y, Z = x64(4, 3), x64(4, 2), x64(4, 3)
+
+    def first():
+        mse(model(X), y, "mean").backward()
+        mse(other(Z), y, "mean").backward()
+        assert all(hasattr(p, f) for p in model.parameters() for f in ALL_FIELDS)
+        return {p: p.grad_batch for p in other.parameters()}
+
+    def skip():
+        model.skip = True
+        model.b.bias.requires_grad_(False)
+        model.zero_grad()
+
+    with jacmem.extend(*extensions()):
+        earlier = first()
+        skip()
+        if where == "same block":
+            mse(model(X), y, "mean").backward()
+    if where == "new block":
+        with jacmem.extend(*extensions()):
+            mse(model(X), y, "mean").backward()
+    elif where == "track":
+        jacmem.track(model)
+        loss = mse(model(X), y, "mean")
+        with jacmem.extend(*extensions()):
+            loss.backward()
+        jacmem.untrack(model)
+    assert not any(hasattr(model.b.weight, f) for f in ALL_FIELDS)
+    assert all(hasattr(model.b.bias, f) for f in ALL_FIELDS)
+    reference = per_sample_grads(model, X, y, mse)
+    check_against(model, {p: reference[p] for p in model.a.parameters()}, ALL_FIELDS)
+    assert all(p.grad_batch is earlier[p] for p in other.parameters())
+
+
 def test_create_graph_works_and_gives_constants():
     model = cnn()
     X, y = x64(4, 2, 6, 6), x64(4, 2)
