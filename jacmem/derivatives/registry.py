@@ -477,8 +477,12 @@ def own_parameters(module: nn.Module):
     and those of its ``ParameterDict`` and ``ParameterList`` children by dotted name
     (``"lora_embedding_A.default"``: PEFT's ``lora.Embedding``), since a parameter
     container is never called and its parameters are its parent's to use."""
-    yield from module.named_parameters(recurse=False)
-    for child_name, child in module.named_children():
+    seen = set()  # as named_parameters(recurse=False), which it is without the module walk
+    for name, p in module._parameters.items():
+        if p is not None and id(p) not in seen:
+            seen.add(id(p))
+            yield name, p
+    for child_name, child in module._modules.items():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             for name, p in own_parameters(child):
                 yield f"{child_name}.{name}", p

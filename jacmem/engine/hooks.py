@@ -445,6 +445,8 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
+    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
+        return None, output  # a container: the layers in it record their own calls
     entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
     params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
     if not params:
