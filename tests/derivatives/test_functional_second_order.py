@@ -138,25 +138,33 @@ def _data(kind: str, n: int = 6):
 
 
 FUNCTIONS = {"ce": F.cross_entropy, "mse": F.mse_loss, "bce": F.binary_cross_entropy_with_logits}
+MODULES = {"ce": nn.CrossEntropyLoss, "mse": nn.MSELoss, "bce": nn.BCEWithLogitsLoss}
 
 
-def _functional(kind: str, reduction: str, **kw):
-    """The loss written with the function; ``none+sum``: ``reduction="none"``, summed."""
-    f = FUNCTIONS[kind]
+def _functional(kind: str, reduction: str, form: str = "function", **kw):
+    """The loss written with the function (``form="module"``: with the loss module); ``none+sum``:
+    ``reduction="none"``, summed."""
+    f = (
+        FUNCTIONS[kind]
+        if form == "function"
+        else lambda z, t, reduction, **kw: MODULES[kind](reduction=reduction)(z, t)
+    )
     if reduction.startswith("none"):
         then = torch.sum if reduction == "none+sum" else torch.mean
         return lambda z, t: then(f(z, t, reduction="none", **kw))
     return lambda z, t: f(z, t, reduction=reduction, **kw)
 
 
+@pytest.mark.parametrize("form", ["function", "module"])
 @pytest.mark.parametrize("reduction", ["mean", "sum", "none+sum", "none+mean"])
 @pytest.mark.parametrize("kind", ["ce", "mse", "bce"])
-def test_functional_losses_against_autograd(kind, reduction):
-    """Every reduction (``none`` then ``.sum()`` or ``.mean()``): DiagGGNExact and
-    DiagHessian equal the dense GGN and Hessian diagonals of the written loss."""
+def test_functional_losses_against_autograd(kind, reduction, form):
+    """Every reduction (``none`` then ``.sum()`` or ``.mean()``), written with the function or
+    the loss module: DiagGGNExact and DiagHessian equal the dense GGN and Hessian
+    diagonals of the written loss."""
     torch.manual_seed(3)
     model, (X, y) = mlp(), _data(kind)
-    lossf = _functional(kind, reduction)
+    lossf = _functional(kind, reduction, form)
     run(model, lossf, X, y, DiagGGNExact(), DiagHessian())
     ggn, hess = dense(model, lossf, X, y)
     for name, p in model.named_parameters():

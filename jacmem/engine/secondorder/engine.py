@@ -9,6 +9,7 @@ quantities; both hand them back here to stage until the pass ends.
 
 from __future__ import annotations
 
+import copy
 import functools
 import weakref
 from collections import deque
@@ -137,6 +138,9 @@ class SecondOrderEngine(Engine):
         if not isinstance(output, Tensor) or not output.requires_grad:
             return
         inputs = tuple(a for a in args if isinstance(a, Tensor))
+        if loss is not None and getattr(module, "reduction", None) == "none":
+            self.unreduced[output] = (copy.copy(module), inputs)  # a loss once its sum or mean is taken
+            return
         edges = None
         if any(output is x for x in inputs):
             fn = output.grad_fn
