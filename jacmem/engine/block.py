@@ -317,7 +317,7 @@ class Block:
 
     def called(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
         """A model's outermost forward returned (called in the block, or tracked): its
-        inputs, to every engine."""
+        inputs, to every engine; the next pass's end drops its stale results (:meth:`_ended`)."""
         if threading.get_ident() != self.owner:
             return
         self._ran.add(model)
