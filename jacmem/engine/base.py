@@ -32,8 +32,8 @@ class Engine:
       ``on_forward``); ``outermost``: no other module's forward is running.
     - ``on_forward(module, args, kwargs, output)``: a module's forward returned inside
       the block; return a replacement output, or None to keep it.
-    - ``on_call(model, args, kwargs)``: the outermost forward of a model (called in the
-      block, or tracked) returned; its inputs.
+    - ``on_call(model, args, kwargs, output)``: the outermost forward of a model (called
+      in the block, or tracked) returned; its inputs and output.
     - ``on_record(record)``: the output gradients of a call recorded by
       :func:`jacmem.track` arrived (the block's own calls reach the engine by the hooks
       it set); return the summed gradients where the engine computed them, or None.
@@ -65,7 +65,7 @@ class Engine:
     def on_forward(self, module, args: tuple, kwargs: dict, output) -> Any:
         return None
 
-    def on_call(self, model, args: tuple, kwargs: dict) -> None:
+    def on_call(self, model, args: tuple, kwargs: dict, output) -> None:
         pass
 
     def on_record(self, record) -> dict | None:

@@ -312,17 +312,18 @@ class Block:
                 replaced = new
         if self._depth == 0:
             self._late.watch(output if replaced is None else replaced)
-            self.called(module, args, kwargs)
+            self.called(module, args, kwargs, output if replaced is None else replaced)
         return replaced
 
-    def called(self, model: nn.Module, args: tuple, kwargs: dict) -> None:
+    def called(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """A model's outermost forward returned (called in the block, or tracked): its
-        inputs, to every engine; the next pass's end drops its stale results (:meth:`_ended`)."""
+        inputs and output, to every engine; the next pass's end drops its stale results
+        (:meth:`_ended`)."""
         if threading.get_ident() != self.owner:
             return
         self._ran.add(model)
         for engine in self.engines:
-            engine.on_call(model, args, kwargs)
+            engine.on_call(model, args, kwargs, output)
 
     def recomputing(self) -> None:
         """Where a module's forward runs inside a backward (a reentrant checkpoint

@@ -182,3 +182,53 @@ def _expand(origin: Origin, rank: int, n: int) -> Tensor:
     origin.uses += 1
     origin.on_use(expanded)
     return expanded
+
+
+def behind_broadcasts(tensors: list[Tensor]) -> list:
+    """The autograd nodes of the graph of ``tensors`` whose output reaches them
+    through a broadcast over the leading axis: a broadcasting op's output (an
+    elementwise op's, ``expand``'s) has more than one row and one of its inputs has one
+    (``[1, H, T, T] + [N, 1, 1, T]``), or fewer axes. Autograd
+    sums the gradient over the batch there, so a module call behind it gets no
+    per-sample gradient: it ran without the batch axis (T5's relative attention bias,
+    called on ``[T, T]`` bucket ids), or the op mixes the samples (``h - h.mean(0)``).
+    A watched origin (:func:`watch`) is expanded before it meets the batch: its call
+    is behind ``expand``, whose broadcast :class:`Origin` answers for."""
+    todo = [(t.grad_fn, False) for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
+    seen: set = set()
+    behind: dict = {}
+    while todo:
+        fn, crossed = todo.pop()
+        if (fn, crossed) in seen:
+            continue
+        seen.add((fn, crossed))
+        if crossed:
+            behind[fn] = None
+        rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
+        rank = len(_shape(fn, 0) or ())
+        for nxt, nr in fn.next_functions:
+            if nxt is not None:
+                todo.append((nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1))
+    return list(behind)
+
+
+#: the autograd nodes of ops that broadcast their operands against each other
+_BROADCAST_NODES = frozenset(
+    f"{op}Backward"
+    for op in ("Add", "Sub", "Mul", "Div", "Expand", "Where", "Maximum", "Minimum", "Pow", "Addcmul", "Addcdiv", "Lerp")
+)
+
+
+def _shape(fn, index: int) -> tuple | None:
+    """The shape of output ``index`` of ``fn``'s forward op; None where unknown."""
+    meta = getattr(fn, "_input_metadata", None)
+    return tuple(meta[index].shape) if meta is not None and index < len(meta) else None
+
+
+def _leading(fn, index: int, rank: int = 0) -> int:
+    """The size of the leading axis of output ``index`` of ``fn``'s forward op, 1 where it
+    has fewer than ``rank`` axes (it broadcasts there); 0 where unknown."""
+    shape = _shape(fn, index)
+    if shape is None:
+        return 0
+    return 1 if len(shape) < rank else shape[0] if shape else 0

@@ -472,9 +472,25 @@ def record(
     if fused is not None:  # its node's inputs: x, then the parameters
         rec.once = True
         rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
+        _mark(fused.grad_fn, rec)
         return rec, fused
     _hook(rec, outputs, on_grad, handles)
+    for t in outputs:
+        _mark(t.grad_fn, rec)
     return rec, output
+
+
+def _mark(node, rec: Record) -> None:
+    """Note on ``node``, the autograd node of a recorded call's output, its record (weakly):
+    :func:`record_of` finds it from the graph."""
+    if node is not None:
+        node.metadata["jacmem.record"] = weakref.ref(rec)
+
+
+def record_of(node) -> Record | None:
+    """The live record of the eager call whose output ``node`` is, or None."""
+    ref = node.metadata.get("jacmem.record")
+    return None if ref is None else ref()
 
 
 def record_use(

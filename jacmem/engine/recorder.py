@@ -319,7 +319,7 @@ class Tracker(Recorder):
             block.recomputing()
         replaced = self.record(module, args, kwargs, output, self.names[module])
         if block is not None and module is self.model():
-            block.called(module, args, kwargs)
+            block.called(module, args, kwargs, output if replaced is None else replaced)
         return replaced
 
     def close(self) -> None:
