@@ -56,7 +56,6 @@ from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
 from jacmem.engine.base import Setup, Write
-from jacmem.engine.broadcast import behind_broadcasts
 from jacmem.engine.cost_model import keep_budget
 from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
@@ -82,15 +81,6 @@ _UNHELD = "of shape {shape}, in no model the block ran or tracks"
 _SPARSE = (
     "jacmem: ClipGrad: parameter {name!r} got a sparse gradient (an nn.Embedding or nn.EmbeddingBag with "
     "sparse=True); the clipped sum of its per-sample gradients is dense. Build the layer with sparse=False."
-)
-
-_BROADCAST = (
-    "jacmem: ClipGrad: the output of module {name!r} ({type}) reaches the loss through a tensor broadcast over "
-    "the batch (its leading axis of 1 meets the batch's rows), where autograd sums the samples' gradients: the "
-    "module ran without the batch axis (T5's relative attention bias, on [T, T] bucket ids), or an op after it "
-    "mixes the samples (h - h.mean(0)). Its rows are not samples, so their norms and clipped sums would not be "
-    "per sample. Give the module's input the batch axis (expand it to the batch), compute without mixing the "
-    "samples, or freeze its parameters."
 )
 
 _CAPTURED = (
@@ -200,16 +190,11 @@ class ClippingEngine(FirstOrderEngine):
         super().close()
 
     def on_call(self, model, args, kwargs, output):
-        """Note the batch sizes a model's inputs offer, for a forward that builds a graph
-        (not one that recomputes a call inside a backward); refuse an output that a
-        recorded call reaches through a broadcast over the batch
-        (:func:`~jacmem.engine.broadcast.behind_broadcasts`): that call's rows are not samples."""
+        """Refuse what the first-order engine refuses; note the batch sizes a model's
+        inputs offer, for a forward that builds a graph (not one that recomputes a call
+        inside a backward)."""
+        super().on_call(model, args, kwargs, output)
         if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
-            # (a compiled graph's calls are inside one autograd node: not seen)
-            for node in behind_broadcasts(compat.tree_flatten(output)[0]):
-                rec = hooks.record_of(node)
-                if rec is not None and rec.broadcast is None and not rec.void and rec.params:
-                    raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
             second = self.second.get(model)
             if second is None:
                 second = self.second[model] = not self.batch_first or _places_batch_second(model)

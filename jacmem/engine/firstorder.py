@@ -41,6 +41,7 @@ from jacmem.derivatives.tied import (
 )
 from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.broadcast import behind_broadcasts
 from jacmem.engine.notices import and_others, listing
 from jacmem.engine.planner import ContractError, batch_size, cached_plan, chunk_budget, execute, itemsize, shapes
 from jacmem.engine.recorder import Recorder, tracked_name
@@ -113,6 +114,16 @@ class Staging:
         self.names: dict[int, str] = {}
 
 
+_BROADCAST = (
+    "jacmem: the output of module {name!r} ({type}) reaches the model's output through a tensor broadcast over "
+    "the batch (a leading axis of 1 meets the batch's rows), where autograd sums the samples' gradients: the "
+    "module ran without the batch axis (T5's relative attention bias, on [T, T] bucket ids), or an op after it "
+    "mixes the samples (h - h.mean(0)). Its rows are not samples, so its per-sample quantities (under ClipGrad, "
+    "its norms and clipped sums) would not be per sample. Give the module's input the batch axis (expand it to "
+    "the batch), compute without mixing the samples, or freeze its parameters."
+)
+
+
 def _check_broadcast(rec: hooks.Record) -> None:
     """A call on a batch of one whose output met the batch (:mod:`jacmem.engine.broadcast`): its
     uses' records are exact only where no other op read the output."""
@@ -156,6 +167,17 @@ class FirstOrderEngine(Engine):
 
     def on_leave(self, module, outermost):
         self.recorder.leave(module, outermost)
+
+    def on_call(self, model, args, kwargs, output):
+        """Refuse a model output that a recorded call reaches through a broadcast over the
+        batch (:func:`~jacmem.engine.broadcast.behind_broadcasts`): that call's rows are
+        not samples. (A compiled graph's calls are inside one autograd node: not seen.)"""
+        if not torch.is_grad_enabled() or compat.current_graph_task_id() != -1:
+            return  # no graph, or a call recomputed inside a backward
+        for node in behind_broadcasts(compat.tree_flatten(output)[0]):
+            rec = hooks.record_of(node)
+            if rec is not None and rec.broadcast is None and not rec.void and rec.params:
+                raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
 
     def on_forward(self, module, args, kwargs, output):
         if tracked_name(module) is not None:

@@ -95,14 +95,16 @@ def global_hooks():
 
 class State:
     """What must be the same after a block as before it; ``outputs`` collects the
-    output tensors of every module call, to check that no tensor hook stays on them."""
+    output tensors of every module call (those in a tuple or dict too), to check that no
+    tensor hook stays on them."""
 
     def __init__(self, model=None):
         self.hooks = global_hooks()
         self.live = dict(hooks._LIVE)
         self.outputs = []
         self._handles = [] if model is None else [
-            m.register_forward_hook(lambda m, a, out: self.outputs.append(out)) for m in model.modules()
+            m.register_forward_hook(lambda m, a, out: self.outputs.extend(torch.utils._pytree.tree_leaves(out)))
+            for m in model.modules()
         ]  # fmt: skip
 
     def check(self):
@@ -113,7 +115,7 @@ class State:
         assert after == self.hooks, f"global forward (pre-)hooks went from {self.hooks} to {after}"
         assert dict(hooks._LIVE) == self.live, f"_LIVE went from {self.live} to {dict(hooks._LIVE)}"
         for out in self.outputs:
-            assert not out._backward_hooks, "a tensor hook stayed on a module's output"
+            assert not isinstance(out, torch.Tensor) or not out._backward_hooks, "a tensor hook stayed on an output"
 
 
 def no_fields(model, fields=SAVEFIELDS):
@@ -287,6 +289,28 @@ class FailBetween(nn.Module):
 
     def forward(self, x):
         return FailingBackward.apply(x)
+
+
+@pytest.mark.parametrize("extension", FIRST_ORDER, ids=lambda e: e.__name__)
+def test_a_call_behind_a_broadcast_over_the_batch_is_refused(extension):
+    """HF T5's relative attention bias runs on [T, T] bucket ids, its output broadcast
+    over the batch: where N = T its rows passed for samples (batch_l2 per query
+    position, with no word). The forward now raises naming it; frozen, the rest of the
+    model equals the per-sample loop."""
+    from tests.support.hf_models import T5Classifier
+
+    torch.manual_seed(0)
+    model, X, y = T5Classifier().double(), torch.randint(0, 50, (5, 5)), torch.tensor([0, 1, 2, 1, 0])
+    state = State(model)
+    with pytest.raises(RuntimeError, match=r"module '[\w.]*relative_attention_bias' \(Embedding\) reaches"):
+        with jacmem.extend(extension()):
+            cross_entropy(model(X), y, "mean").backward()
+    state.check()
+    for name, p in model.named_parameters():
+        p.requires_grad_("relative_attention_bias" not in name)
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    run_jacmem(model, X, y, cross_entropy, "mean", [extension()])
+    check_against(model, reference, [extension.savefield])
 
 
 def test_exception_in_forward_leaves_nothing():

@@ -517,25 +517,6 @@ def test_layers_that_run_sequence_first_are_clipped_per_sample_under_batch_first
     assert_grads(model, expected(grads, clip))
 
 
-class T5Classifier(nn.Module):
-    """HF T5's encoder (one layer, its relative attention bias an nn.Embedding called on
-    [T, T] bucket ids, with no batch axis, its output broadcast over the batch), then a
-    mean over positions and a Linear: token ids [N, T] -> [N, 3]."""
-
-    def __init__(self):
-        from transformers import T5Config, T5EncoderModel
-
-        super().__init__()
-        config = T5Config(
-            vocab_size=50, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
-            relative_attention_num_buckets=8, dropout_rate=0.0,
-        )  # fmt: skip
-        self.encoder, self.head = T5EncoderModel(config), nn.Linear(8, 3)
-
-    def forward(self, ids):
-        return self.head(self.encoder(input_ids=ids).last_hidden_state.mean(1))
-
-
 class CentredOverTheBatch(nn.Module):
     """[N, 4] -> [N, 2]: a Linear, its output centred over the batch (the samples mix), a Linear."""
 
@@ -556,6 +537,8 @@ def test_a_call_behind_a_broadcast_over_the_batch_is_refused(model, flow):
     ids) was clipped per query position where N = T (the norms 5e-4 off the loop, with no
     error), and a Linear whose output is centred over the batch got rows that mix the
     samples. Now the backward raises naming the module, and .grad gets nothing."""
+    from tests.support.hf_models import T5Classifier
+
     torch.manual_seed(0)
     if model == "T5, N = T":
         net, X, y = T5Classifier().to(DT), torch.randint(0, 50, (5, 5)), torch.tensor([0, 1, 2, 1, 0])
@@ -563,7 +546,7 @@ def test_a_call_behind_a_broadcast_over_the_batch_is_refused(model, flow):
     else:
         net, X, y = CentredOverTheBatch().to(DT), torch.randn(5, 4, dtype=DT), torch.tensor([0, 1, 1, 0, 1])
         name = r"'l1' \(Linear\)"
-    refused = pytest.raises(RuntimeError, match=rf"module {name} reaches the loss through a tensor broadcast")
+    refused = pytest.raises(RuntimeError, match=rf"module {name} reaches the model.s output through a tensor broadcast")
     if flow == "inside":
         with refused, jacmem.extend(jacmem.ClipGrad(1.0)):
             cross_entropy(net(X), y, "mean").backward()
@@ -582,6 +565,8 @@ def test_a_call_behind_a_broadcast_over_the_batch_is_refused(model, flow):
 def test_t5_with_its_relative_attention_bias_frozen_is_clipped_per_sample():
     """The fix the refusal names, on T5 with N = T: the relative attention bias frozen,
     the rest equals the per-sample loop."""
+    from tests.support.hf_models import T5Classifier
+
     torch.manual_seed(0)
     model, X, y = T5Classifier().to(DT), torch.randint(0, 50, (5, 5)), torch.tensor([0, 1, 2, 1, 0])
     for name, p in model.named_parameters():

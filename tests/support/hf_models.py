@@ -2,7 +2,9 @@
 batch of ``N`` samples (tests/integration/test_transformers.py, tests/engine/test_host_syncs.py),
 the three HF models with PEFT's LoRA adapters (tests/integration/test_lora.py), and the
 three HF language models at their real vocabularies with tied input and output
-embeddings (tests/integration/test_tied_lm.py, tests/extensions/test_tied_ghost.py)."""
+embeddings (tests/integration/test_tied_lm.py, tests/extensions/test_tied_ghost.py);
+and a T5 encoder classifier, whose relative attention bias runs without the batch axis
+(tests/extensions/test_clipping.py, tests/engine/test_reliability.py)."""
 
 from __future__ import annotations
 
@@ -157,3 +159,20 @@ def tied_lm(name: str, d: int = 16, t: int = 8, vocab: int | None = None) -> nn.
         tied = model.lm_head.weight is model.model.embed_tokens.weight
     assert tied, f"{name}: the embeddings are not tied"
     return MaskedLM(model) if name == "bert" else Logits(model, per_token=True)
+
+
+class T5Classifier(nn.Module):
+    """HF T5's encoder (one layer, its relative attention bias an nn.Embedding called on
+    [T, T] bucket ids, with no batch axis, its output broadcast over the batch), then a
+    mean over positions and a Linear: token ids [N, T] -> [N, 3]."""
+
+    def __init__(self):
+        super().__init__()
+        config = transformers.T5Config(
+            vocab_size=50, d_model=8, d_kv=4, d_ff=16, num_layers=1, num_heads=2,
+            relative_attention_num_buckets=8, dropout_rate=0.0,
+        )  # fmt: skip
+        self.encoder, self.head = transformers.T5EncoderModel(config), nn.Linear(8, 3)
+
+    def forward(self, ids):
+        return self.head(self.encoder(input_ids=ids).last_hidden_state.mean(1))
