@@ -153,8 +153,6 @@ class ClippingEngine(FirstOrderEngine):
         #: the models called at depth 0 in the block, in order (per-layer thresholds)
         self.roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self.depth = 0
-        #: ``models()``: the tracked models whose calls reach the block
-        self.models = setup.models
         #: batch size -> a model whose outermost call since the last pass had an input
         #: that offers it (:func:`_offered`)
         self.offered: dict[int, str] = {}
@@ -214,6 +212,7 @@ class ClippingEngine(FirstOrderEngine):
         or one of a model whose forward ran before the block, untracked). autograd would
         otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
         meets :meth:`_check_recorded`, which raises."""
+        super().on_backward(tensors, grad_tensors, alone, reached)
         self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
 
     def _guard(self, named) -> None:

@@ -115,13 +115,25 @@ class Staging:
 
 
 _BROADCAST = (
-    "jacmem: the output of module {name!r} ({type}) reaches the model's output through a tensor broadcast over "
+    "jacmem: the output of module {name!r} ({type}) reaches the model's output (or the loss) through a tensor "
+    "broadcast over "
     "the batch (a leading axis of 1 meets the batch's rows), where autograd sums the samples' gradients: the "
     "module ran without the batch axis (T5's relative attention bias, on [T, T] bucket ids), or an op after it "
     "mixes the samples (h - h.mean(0)). Its rows are not samples, so its per-sample quantities (under ClipGrad, "
     "its norms and clipped sums) would not be per sample. Give the module's input the batch axis (expand it to "
     "the batch), compute without mixing the samples, or freeze its parameters."
 )
+
+
+def _refuse_broadcasts(outputs: list) -> None:
+    """Raise where a recorded call reaches ``outputs`` (a model's output, or a loss)
+    through a broadcast over the batch (:func:`~jacmem.engine.broadcast.behind_broadcasts`):
+    that call's rows are not samples. (A compiled graph's calls are inside one autograd
+    node: not seen.)"""
+    for node in behind_broadcasts(outputs):
+        rec = hooks.record_of(node)
+        if rec is not None and rec.broadcast is None and not rec.void and rec.params:
+            raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
 
 
 def _check_broadcast(rec: hooks.Record) -> None:
@@ -150,6 +162,8 @@ class FirstOrderEngine(Engine):
         self.owner: int | None = setup.owner
         self.batch_first = setup.batch_first
         self.shardings = setup.shardings
+        #: ``models()``: the tracked models whose calls reach the block
+        self.models = setup.models
         #: the block's own calls; a layer that allows it runs through ComputeOnce
         self.recorder = Recorder(self._on_grad, once=True, batch_first=setup.batch_first)
         #: modules already warned about (weakly: a long block sees re-created modules)
@@ -169,15 +183,12 @@ class FirstOrderEngine(Engine):
         self.recorder.leave(module, outermost)
 
     def on_call(self, model, args, kwargs, output):
-        """Refuse a model output that a recorded call reaches through a broadcast over the
-        batch (:func:`~jacmem.engine.broadcast.behind_broadcasts`): that call's rows are
-        not samples. (A compiled graph's calls are inside one autograd node: not seen.)"""
-        if not torch.is_grad_enabled() or compat.current_graph_task_id() != -1:
-            return  # no graph, or a call recomputed inside a backward
-        for node in behind_broadcasts(compat.tree_flatten(output)[0]):
-            rec = hooks.record_of(node)
-            if rec is not None and rec.broadcast is None and not rec.void and rec.params:
-                raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
+        if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:  # (not a recomputation)
+            _refuse_broadcasts(compat.tree_flatten(output)[0])
+
+    def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
+        if self.models():  # tracked: a forward that ran before the block was not checked
+            _refuse_broadcasts([tensors] if isinstance(tensors, Tensor) else list(tensors))
 
     def on_forward(self, module, args, kwargs, output):
         if tracked_name(module) is not None:

@@ -291,25 +291,36 @@ class FailBetween(nn.Module):
         return FailingBackward.apply(x)
 
 
+@pytest.mark.parametrize("flow", ["inside", "track"])
 @pytest.mark.parametrize("extension", FIRST_ORDER, ids=lambda e: e.__name__)
-def test_a_call_behind_a_broadcast_over_the_batch_is_refused(extension):
+def test_a_call_behind_a_broadcast_over_the_batch_is_refused(extension, flow):
     """HF T5's relative attention bias runs on [T, T] bucket ids, its output broadcast
     over the batch: where N = T its rows passed for samples (batch_l2 per query
-    position, with no word). The forward now raises naming it; frozen, the rest of the
-    model equals the per-sample loop."""
+    position, with no word). The forward now raises naming it (the backward, where the
+    forward ran before the block, tracked); frozen, the rest of the model equals the
+    per-sample loop."""
     from tests.support.hf_models import T5Classifier
 
     torch.manual_seed(0)
     model, X, y = T5Classifier().double(), torch.randint(0, 50, (5, 5)), torch.tensor([0, 1, 2, 1, 0])
     state = State(model)
     with pytest.raises(RuntimeError, match=r"module '[\w.]*relative_attention_bias' \(Embedding\) reaches"):
-        with jacmem.extend(extension()):
-            cross_entropy(model(X), y, "mean").backward()
+        if flow == "inside":
+            with jacmem.extend(extension()):
+                cross_entropy(model(X), y, "mean").backward()
+        else:
+            jacmem.track(model)
+            try:
+                loss = cross_entropy(model(X), y, "mean")
+                with jacmem.extend(extension()):
+                    loss.backward()
+            finally:
+                jacmem.untrack(model)
     state.check()
     for name, p in model.named_parameters():
         p.requires_grad_("relative_attention_bias" not in name)
     reference = per_sample_grads(model, X, y, cross_entropy)
-    run_jacmem(model, X, y, cross_entropy, "mean", [extension()])
+    run_jacmem(model, X, y, cross_entropy, "mean", [extension()], flow)
     check_against(model, reference, [extension.savefield])
 
 
