@@ -188,7 +188,7 @@ class FirstOrderEngine(Engine):
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         if self.models():  # tracked: a forward that ran before the block was not checked
-            _refuse_broadcasts([tensors] if isinstance(tensors, Tensor) else list(tensors))
+            _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
         if tracked_name(module) is not None:
