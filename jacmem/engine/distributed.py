@@ -88,10 +88,10 @@ def synchronize(
     counts = host_values([sizes.get(id(p), batch) for p in params], dtype, device)
     buffer = torch.cat([*[t.to(dtype=dtype, device=device) for t in parts], counts, host_values(had, dtype, device)])
     torch.distributed.all_reduce(buffer, group=group)
-    flags = _anywhere(buffer[-len(params) :], had)
-    added = [p for p, anywhere, own in zip(params, flags, had) if anywhere and not own]
+    flags = anywhere(buffer[-len(params) :], had)
+    added = [p for p, used, own in zip(params, flags, had) if used and not own]
     for p in added:
-        quantities[id(p)] = _zeros(p, batch, wanted, dtype)
+        quantities[id(p)] = zeros(p, batch, wanted, dtype)
     offset = 0
     for p in params:
         q = quantities.get(id(p))
@@ -107,7 +107,7 @@ def synchronize(
     return added
 
 
-def _zeros(p: nn.Parameter, n: int, wanted: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
+def zeros(p: nn.Parameter, n: int, wanted: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
     """The ``wanted`` quantities of a parameter with zero per-sample gradients on ``n`` samples."""
     shapes = {"batch_grad": (n, *p.shape), "batch_l2": (n,), "grad": p.shape, "sum_grad_squared": p.shape}
     return {name: torch.zeros(shapes[name], dtype=dtype, device=p.device) for name in wanted}
@@ -135,9 +135,8 @@ def sum_over_ranks(
     torch.distributed.all_reduce(buffer, group=group)
     out = {key: v for key, v in values.items() if key not in own}
     sizes = [p.numel() for p in params]
-    anywhere = _anywhere(buffer[-1 - len(params) : -1], had)
     offset = 0
-    for p, size, used in zip(params, sizes, anywhere):
+    for p, size, used in zip(params, sizes, anywhere(buffer[-1 - len(params) : -1], had)):
         if used:
             out[id(p)] = (
                 buffer[offset : offset + size].view(p.shape).to(values[id(p)].dtype if id(p) in values else p.dtype)
@@ -146,7 +145,7 @@ def sum_over_ranks(
     return out, buffer[-1].round()
 
 
-def _anywhere(summed: Tensor, had: list[float]) -> list[float]:
+def anywhere(summed: Tensor, had: list[float]) -> list[float]:
     """Whether any rank had each parameter, from ``summed``, the ranks' sums of ``had``
     (this rank's flags): read on the host only where this rank lacks some."""
     return summed.tolist() if not all(had) else had

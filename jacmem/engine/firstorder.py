@@ -472,7 +472,7 @@ class FirstOrderEngine(Engine):
             )
         sharded = {}
         for sharding in self.shardings():
-            sharding.synchronize(self.quantities, quantities, sizes)
+            params.update((id(p), p) for p in sharding.synchronize(self.quantities, quantities, sizes, batch))
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
             _write(ext, param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))

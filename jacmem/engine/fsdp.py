@@ -29,6 +29,11 @@ gradients divided by ``W``, their squared norms by ``W²``):
   lower). autograd's gradients reach FSDP as zeros, so FSDP's own reduce-scatter adds
   nothing: gradient accumulation over several passes adds into ``.grad`` as FSDP does.
 
+A parameter that one rank's batch did not reach (a branch its samples did not take) gets,
+on that rank, its shard of the global quantities and of the clipped sum all the same, and
+zeros for its own samples, as under DDP: the ranks' shards of one parameter stay parts of
+one update.
+
 Frozen parameters (``requires_grad=False``, a LoRA base) are skipped, as FSDP skips them;
 a parameter tied across modules (GPT-2's ``wte`` and ``lm_head``) is one FSDP parameter.
 Every rank must run the same extensions on the same parameters, as FSDP requires.
@@ -47,7 +52,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.engine.distributed import GLOBAL_QUANTITIES, SCALE_POWER, host_values
+from jacmem.engine.distributed import GLOBAL_QUANTITIES, SCALE_POWER, anywhere, host_values, zeros
 
 if torch.distributed.is_available():
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -150,9 +155,13 @@ class Sharding:
     def reduce_scatter(self, values: dict[int, Tensor], count: int) -> tuple[dict[int, Tensor], Tensor]:
         """Each rank's shard of the sums over the ranks of ``values`` (``id(unsharded)
         -> [*param.shape]``; a parameter this rank lacks contributes zeros), and the sum
-        of ``count`` (a 0-d tensor on the device: no host read): one ``reduce_scatter``. Returns ``id(unsharded) -> [*local shape]``
-        for the keys of ``values``."""
+        of ``count`` (a 0-d tensor on the device: no host read): one ``reduce_scatter``.
+        Returns ``id(unsharded) -> [*local shape]`` for the keys of ``values``, and for
+        the parameters that only other ranks had (a branch this rank's batch did not
+        take): telling which is a host read of one flag per parameter, made only where
+        this rank lacks some."""
         dtype, device = self._dtype(), self.params[0].device
+        had = [float(id(p) in values) for p in self.params]
         rows: list[list[Tensor]] = [[] for _ in range(self.world)]
         for p in self.params:
             chunk = self._rows(p)[0]
@@ -161,16 +170,17 @@ class Sharding:
                 padded[: p.shape[0]] = values[id(p)]
             for r, part in enumerate(padded.split(chunk)):
                 rows[r].append(part.flatten())
-        counter = host_values([count], dtype, device)
-        buffer = torch.cat([t for row in rows for t in (*row, counter)])
+        tail = torch.cat([host_values(had, dtype, device), host_values([count], dtype, device)])  # to every rank
+        buffer = torch.cat([t for row in rows for t in (*row, tail)])
         out = buffer.new_empty(buffer.numel() // self.world)
         torch.distributed.reduce_scatter_single(out, buffer, group=self.group)
         result, offset = {}, 0
-        for p in self.params:
+        for p, used in zip(self.params, anywhere(out[-1 - len(had) : -1], had)):
             chunk, _, n = self._rows(p)
             size = chunk * p.shape[1:].numel()
-            if id(p) in values:
-                result[id(p)] = out[offset : offset + size].view(chunk, *p.shape[1:])[:n].to(values[id(p)].dtype)
+            if used:
+                shard = out[offset : offset + size].view(chunk, *p.shape[1:])[:n]
+                result[id(p)] = shard.to(values[id(p)].dtype if id(p) in values else p.dtype)
             offset += size
         return result, out[-1].round()
 
@@ -214,35 +224,41 @@ class Sharding:
         return [min(r * chunk, p.shape[0]) for r in range(1, self.world)]
 
     def synchronize(
-        self, wanted: Iterable[str], quantities: dict[int, dict[str, Tensor]], sizes: dict[int, int]
-    ) -> None:
+        self, wanted: Iterable[str], quantities: dict[int, dict[str, Tensor]], sizes: dict[int, int], batch: int
+    ) -> list[nn.Parameter]:
         """As :func:`jacmem.engine.distributed.synchronize`, for the parameters of this
         mesh, and to their shards: ``batch_grad`` becomes ``[N, *local shape]`` over the
         global batch, the global quantities this rank's shard of their sums over the
-        ranks, ``sizes`` the global batch size. In place."""
+        ranks, ``sizes`` the global batch size. In place. A parameter that only other
+        ranks computed gets zeros on this rank's ``batch`` samples first (telling which
+        is a host read of one flag per parameter, made only where this rank lacks some);
+        returns those parameters."""
         wanted = set(wanted)
+        dtype, device = self._dtype(), self.params[0].device
+        n = next((sizes[id(p)] for p in self.params if id(p) in sizes), batch)
+        had = [float(id(p) in quantities) for p in self.params]
+        head = torch.cat([host_values(had, dtype, device), host_values([n], dtype, device)])
+        torch.distributed.all_reduce(head, group=self.group)  # the flags, and the global batch size
+        added = [p for p, used, own in zip(self.params, anywhere(head[:-1], had), had) if used and not own]
+        for p in added:
+            quantities[id(p)] = zeros(p, n, wanted, dtype)
         for p in self.params:
             for name, value in quantities.get(id(p), {}).items():
                 quantities[id(p)][name] = value / self.world ** SCALE_POWER[name]
-        n = next((sizes[id(p)] for p in self.params if id(p) in sizes), 0)
         if "batch_grad" in wanted:
             batches = {id(p): quantities[id(p)]["batch_grad"] for p in self.params if id(p) in quantities}
             for key, value in self._gather_samples(batches, n).items():
                 quantities[key]["batch_grad"] = value
-        total = None
         for name in GLOBAL_QUANTITIES:
             if name in wanted:
                 values = {id(p): quantities[id(p)][name] for p in self.params if name in quantities.get(id(p), {})}
-                shards, total = self.reduce_scatter(values, n)
-                for key, value in shards.items():
+                for key, value in self.reduce_scatter(values, n)[0].items():
                     quantities[key][name] = value
-        if total is None:
-            counts = host_values([n], self._dtype(), self.params[0].device)
-            torch.distributed.all_reduce(counts, group=self.group)
-            total = counts[0].round()
+        total = head[-1].round()
         for p in self.params:
-            if id(p) in sizes:
+            if id(p) in quantities:
                 sizes[id(p)] = total
+        return added
 
     def dtensor(self, key: int, local: Tensor, dim: int = 0) -> Tensor:
         """``local`` (this rank's shard, ``dim`` the parameter's dimension 0) as a

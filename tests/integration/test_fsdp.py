@@ -11,6 +11,10 @@ unsharded copy of the model. With FSDP's averaging and ``reduction="mean"`` (see
 - under ``ClipGrad``, ``.grad.full_tensor()`` is the clipped sum over the whole batch,
   ``ClipGrad.samples`` the global count, ``ClipGrad.norms`` the rank's rows.
 
+A branch that one rank's batch skips (two heads, rank ``r`` through head ``"ab"[r % 2]``)
+gives every rank its shard of the global quantities and of the clipped sum, as one
+process on the concatenated batch (zero per-sample gradients where a sample skips it).
+
 Models: a CNN (uneven shards: dimension 0 of 3 over 2 and 4 ranks), a tiny HF GPT-2 (tied
 ``wte``/``lm_head``, default position ids) and a tiny timm ViT, each sharded whole, per
 block (and the root) and nested (a part of each block too). One start of the processes
@@ -104,12 +108,14 @@ class Case:
         return cross_entropy(model(self.X[self.rows]), self.y[self.rows], "mean")
 
 
-def check_first_order(case: Case, model: nn.Module, what: str) -> None:
+def check_first_order(case: Case, model: nn.Module, what: str, grad: bool = True) -> None:
+    """``grad=False``: leave ``.grad``, FSDP's own, unchecked."""
     params = [p for p in model.parameters() if p.requires_grad]
     assert len(params) == len(case.reference)
     for i, (p, gb) in enumerate(zip(params, case.reference)):
         where = f"rank {case.rank} {what} param {i}"
-        assert_close(p.grad.full_tensor(), gb.sum(0), f"{where} .grad")
+        if grad:
+            assert_close(p.grad.full_tensor(), gb.sum(0), f"{where} .grad")
         assert p.grad_batch.placements == (torch.distributed.tensor.Shard(1),), where
         assert_close(p.grad_batch.full_tensor(), gb, f"{where} grad_batch")
         assert_close(p.batch_l2, REFERENCE["batch_l2"](gb)[case.rows], f"{where} batch_l2")
@@ -228,6 +234,65 @@ def lower_precision(case: Case) -> None:
         assert_near(ext.norms.double(), norms(clipped)[case.rows], rtol, f"rank {case.rank} {dtype} norms")
 
 
+class TwoHeads(nn.Module):
+    """[N, 2, 6, 6] -> [N, 3]: :func:`cnn`'s body, then head ``a`` or ``b`` (``self.head``)."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.head = cnn()[:-1], "a"
+        self.a, self.b = nn.Linear(12, 3), nn.Linear(12, 3)
+
+    def forward(self, x):
+        return getattr(self, self.head)(self.body(x))
+
+
+class BranchCase(Case):
+    """:class:`TwoHeads`, rank ``r``'s rows through head ``"ab"[r % 2]``: the references
+    are those of one process on the whole batch, each sample through its rank's head."""
+
+    def __init__(self, rank: int, world: int):
+        torch.manual_seed(0)
+        self.name, self.rank, self.world = "cnn", rank, world
+        self.model = TwoHeads().to(DT)
+        self.X, self.y = data("cnn", world * PER_RANK)
+        self.rows = slice(rank * PER_RANK, (rank + 1) * PER_RANK)
+        grads, clipped = [], []
+        for r in range(world):
+            self.model.head = "ab"[r % 2]
+            rows = slice(r * PER_RANK, (r + 1) * PER_RANK)
+            mean = per_sample_grads(self.model, self.X[rows], self.y[rows], cross_entropy)  # over these rows
+            grads.append([g / world for g in mean.values()])
+            clipped.append(per_sample(self.model, self.X[rows], self.y[rows], cross_entropy, "mean"))
+        self.reference = [torch.cat(rows) for rows in zip(*grads)]
+        self.clipped = {p: torch.cat([c[p] for c in clipped]) for p in clipped[0]}
+        self.C = median_norm(self.clipped)
+        self.expected = list(expected(self.clipped, self.C).values())
+
+    def sharded(self, wrapping: str, **kwargs) -> nn.Module:
+        model = super().sharded(wrapping, **kwargs)
+        model.head = "ab"[self.rank % 2]
+        return model
+
+
+def branches(rank: int, world: int) -> None:
+    """A head this rank's batch skips: its shards of the results all the same, pass after
+    pass. (FSDP2's own ``.grad``, which the first-order extensions leave to it, is not
+    checked: FSDP2 assumes that every rank reaches the same parameters, pytorch#158719.)"""
+    case = BranchCase(rank, world)
+    model = case.sharded("whole")
+    for i in range(2):
+        with jacmem.extend(jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()):
+            case.loss(model).backward()
+        check_first_order(case, model, f"branches, pass {i}", grad=False)
+        for p in model.parameters():
+            p.grad = None
+    ext = jacmem.ClipGrad(case.C)
+    for i in range(2):
+        with jacmem.extend(ext):
+            case.loss(model).backward()
+        check_clipped(case, model, ext, f"branches ClipGrad, pass {i}", passes=i + 1)
+
+
 def fsdp1(case: Case) -> None:
     """FSDP1 (``FullyShardedDataParallel``, here on the CPU) raises naming FSDP, both
     where the forward enters the block and where a tracked model's backward does."""
@@ -334,6 +399,7 @@ def _worker(rank: int, world: int, names: tuple[str, ...]) -> None:
             errors(case)
             lower_precision(case)
             fsdp1(case)
+    branches(rank, world)
     if world == 2:
         frozen(rank, world)
 
