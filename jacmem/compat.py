@@ -160,6 +160,14 @@ def is_compiled_module(module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def uncompiled(module):
+    """The model under the wrappers ``torch.compile`` put around ``module`` (``module``
+    itself where there are none): ``OptimizedModule._orig_mod``, since torch 2.0."""
+    while is_compiled_module(module):
+        module = module._orig_mod
+    return module
+
+
 def never_compile_alone(fn: Callable) -> None:
     """torch.compile never compiles ``fn``'s frame on its own (where eager code calls it),
     while it still traces ``fn`` inline where a compiled frame calls it.

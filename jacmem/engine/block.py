@@ -280,7 +280,9 @@ class Block:
             for name, sub in module.named_modules():
                 self._names.setdefault(sub, name or type(sub).__name__)
             self._check_fsdp(module)
-            self._roots.append(weakref.ref(module))
+            # (the model under torch.compile's wrapper, which may be gone by the backward:
+            # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
+            self._roots.append(weakref.ref(compat.uncompiled(module)))
         self._depth += 1
         fsdp.unshard_own(module)
         for engine in self.engines:
@@ -321,7 +323,7 @@ class Block:
         (:meth:`_ended`)."""
         if threading.get_ident() != self.owner:
             return
-        self._ran.add(model)
+        self._ran.add(compat.uncompiled(model))
         for engine in self.engines:
             engine.on_call(model, args, kwargs, output)
 

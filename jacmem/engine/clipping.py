@@ -456,7 +456,7 @@ class ClippingEngine(FirstOrderEngine):
         """A tracked DDP model whose forward ran outside the block with DDP's gradient
         synchronisation on: DDP would overwrite ``.grad`` with the average of autograd's
         gradients after this pass, so it raises instead."""
-        for model in self.models():
+        for model in map(compat.uncompiled, self.models()):
             if isinstance(model, nn.parallel.DistributedDataParallel) and model.require_backward_grad_sync:
                 if any(id(p) in staged for p in model.parameters()):
                     raise RuntimeError(

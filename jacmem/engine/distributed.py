@@ -31,6 +31,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from jacmem import compat
+
 #: the quantities that are summed over the ranks; the others stay local
 GLOBAL_QUANTITIES = ("sum_grad_squared", "grad")
 #: the power of 1/W each quantity carries
@@ -38,10 +40,12 @@ SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
 
 
 def process_group_of(module: nn.Module) -> Any | None:
-    """The process group of a ``DistributedDataParallel`` module; None for any other
-    module, or when ``torch.distributed`` is not initialised."""
+    """The process group of a ``DistributedDataParallel`` module, or of the one a
+    ``torch.compile`` wrapper holds; None for any other module, or when
+    ``torch.distributed`` is not initialised."""
     if not torch.distributed.is_available() or not torch.distributed.is_initialized():
         return None
+    module = compat.uncompiled(module)
     if isinstance(module, nn.parallel.DistributedDataParallel):
         return module.process_group
     return None

@@ -646,7 +646,8 @@ WORLD, PER_RANK = 2, 3
 
 def _ddp_worker(rank: int) -> None:
     """Each rank clips its half of the batch; every rank's .grad is then the clipped sum
-    over the whole batch, as one process computes it, and ``samples`` the global count."""
+    over the whole batch, as one process computes it, and ``samples`` the global count;
+    also where ``torch.compile`` wraps the DDP model."""
     torch.manual_seed(0)  # the same model and whole batch in every rank
     model = nn.Sequential(nn.Conv2d(2, 3, 3), nn.ReLU(), nn.Flatten(), nn.Linear(27, 3)).to(DT)
     X, y = torch.randn(WORLD * PER_RANK, 2, 5, 5, dtype=DT), torch.randint(0, 3, (WORLD * PER_RANK,))
@@ -661,6 +662,11 @@ def _ddp_worker(rank: int) -> None:
     torch.testing.assert_close(ext.norms, norms(grads)[rows], rtol=1e-9, atol=0)
     assert ext.samples == WORLD * PER_RANK
     assert ddp.require_backward_grad_sync  # given back on exit
+
+    model.zero_grad(set_to_none=True)  # DDP inside torch.compile's wrapper: its group found through it
+    with jacmem.extend(jacmem.ClipGrad(C)):
+        F.cross_entropy(torch.compile(ddp, backend="aot_eager")(X[rows]), y[rows]).backward()
+    assert_grads(model, expected(grads, C), f"rank {rank} torch.compile(DDP)")
 
     other = nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT))  # a model of its own
     jacmem.track(other)
@@ -683,6 +689,29 @@ def _ddp_worker(rank: int) -> None:
         assert_grads(model, expected(grads, C), f"rank {rank} tracked")
     finally:
         jacmem.untrack(ddp)
+
+    # tracked through torch.compile's wrapper: DDP's sync on refused (a model of its own,
+    # as DDP's reducer fails on the forward after a backward that raised), then off
+    spare = torch.compile(nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT)), backend="aot_eager")
+    jacmem.track(spare)
+    try:
+        loss = F.cross_entropy(spare(torch.randn(3, 4, dtype=DT)), torch.tensor([0, 1, 0]))
+        with pytest.raises(RuntimeError, match="require_backward_grad_sync = False"):
+            with jacmem.extend(jacmem.ClipGrad(C)):
+                loss.backward()
+    finally:
+        jacmem.untrack(spare)
+    compiled = torch.compile(ddp, backend="aot_eager")
+    jacmem.track(compiled)
+    try:
+        model.zero_grad(set_to_none=True)
+        loss = F.cross_entropy(compiled(X[rows]), y[rows])
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            loss.backward()
+        assert_grads(model, expected(grads, C), f"rank {rank} torch.compile(DDP) tracked")
+    finally:
+        jacmem.untrack(compiled)
+        ddp.require_backward_grad_sync = True
 
 
 @needs_gloo

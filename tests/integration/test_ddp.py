@@ -12,7 +12,8 @@ averaging and ``reduction="mean"`` (see :mod:`jacmem.engine.distributed`):
 
 A plain model in the same block keeps its own, unscaled quantities.
 
-Three ways in: the forward inside the block (DDP found from the forward), the forward
+Three ways in: the forward inside the block (DDP found from the forward, also through
+``torch.compile``'s wrapper), the forward
 outside with ``jacmem.track``, and a plain (not DDP) model with an explicit
 ``process_group=`` whose gradients the test averages by hand. Then a branch that one
 rank's batch does not take (``find_unused_parameters=True``): its per-sample gradients
@@ -99,6 +100,11 @@ def _worker(rank: int) -> None:
         mse(local(Zr), zr, "mean").backward()
     check(rank, model.parameters(), reference, rows, "inside")
     check(rank, local.parameters(), [local_reference[p] for p in local.parameters()], slice(None), "local")
+
+    clear(model)
+    with jacmem.extend(*extensions()):  # DDP inside torch.compile's wrapper: its group found through it
+        mse(torch.compile(ddp, backend="aot_eager")(Xr), yr, "mean").backward()
+    check(rank, model.parameters(), reference, rows, "torch.compile(DDP)")
 
     clear(model)
     jacmem.track(ddp)
