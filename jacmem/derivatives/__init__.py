@@ -49,6 +49,9 @@ from jacmem.derivatives.registry import (
     registered_type,
     stands_for,
 )
+from jacmem.derivatives.registry import confirm_all as _confirm_all
+
+_confirm_all()  # the layer families' names are right: an instance that lacks one raises, taking none back
 
 __all__ = [
     "LOSSES",

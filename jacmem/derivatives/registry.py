@@ -416,10 +416,9 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
     key = (type(module), id(entry))
     if _CHECKED.get(key) != _VERSION[0]:
         bad = missing_names(module, entry)
-        withdrawn = _withdraw(cls, bad)
-        if bad:
-            raise ValueError(_misspelt(module, cls, bad, withdrawn))
-        _CHECKED[key] = _VERSION[0]
+        if _withdraw(cls, bad):
+            raise ValueError(_misspelt(module, cls, bad))
+        _CHECKED[key] = _VERSION[0]  # (a confirmed name this instance lacks: its own are unsupported, as any)
     return entry
 
 
@@ -505,16 +504,24 @@ def missing_names(module: nn.Module, entry: LayerDerivatives) -> list[str]:
     return sorted({p for p, _ in entry.strategies if not _has_parameter(module, p)})
 
 
-def _misspelt(module: nn.Module, module_type: type | str, bad: list[str], withdrawn: bool) -> str:
+def _misspelt(module: nn.Module, module_type: type | str, bad: list[str]) -> str:
     """The error for parameter names ``bad`` registered for ``module_type`` that ``module``
-    lacks: the type, the bad names, the names it has, and the fix."""
+    lacks, whose registrations were taken back: the type, the bad names, the names it has,
+    and the fix."""
     names = [n for n, _ in module.named_parameters()]
     return (
         f"jacmem.register: {type(module).__name__} has no parameter {', '.join(map(repr, bad))}, yet a "
-        f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are {names}. "
-        "Register the derivative under one of those names"
-        + ("; the registration under the wrong name is withdrawn, so a corrected one works" if withdrawn else "")
+        f"derivative is registered for it (for {getattr(module_type, '__name__', module_type)}); its parameters are "
+        f"{names}. Register the derivative under one of those names; the registration under the wrong name is "
+        "withdrawn, so a corrected one works"
     )
+
+
+def confirm_all() -> None:
+    """The registrations so far are confirmed: none is taken back when an instance lacks
+    its name (jacmem's own, whose names are the stock modules')."""
+    for entry in REGISTRY.values():
+        entry.unconfirmed = []
 
 
 def _withdraw(module_type: type | str, bad: list[str]) -> bool:

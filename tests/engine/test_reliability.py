@@ -36,8 +36,11 @@ from __future__ import annotations
 import copy
 import gc
 import re
+import subprocess
+import sys
 import threading
 import warnings
+from pathlib import Path
 
 import psutil
 import pytest
@@ -555,6 +558,45 @@ def test_a_parametrized_layer_is_refused_and_leaves_the_layers_registrations_who
     reference = per_sample_grads(plain, X, y, cross_entropy, "mean")
     run_jacmem(plain, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
     check_against(plain, reference, ["grad_batch"])
+
+
+#: run in a process of its own: the first Linear of the process is legacy-weight-normed
+_LEGACY_WEIGHT_NORM_FIRST = """
+import warnings
+import pytest, torch
+from torch import nn
+import jacmem
+from tests.support.reference import assert_close, cross_entropy, per_sample_grads
+
+X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 3))).double()  # weight_g, weight_v, bias
+with pytest.warns(UserWarning, match=r"\\['weight_g', 'weight_v'\\] that BatchGrad\\(\\) cannot handle"):
+    with jacmem.extend(jacmem.BatchGrad()):
+        cross_entropy(normed(X), y, "mean").backward()
+bias = normed[0].bias
+assert_close(bias.grad_batch, per_sample_grads(normed, X, y, cross_entropy)[bias], "the normed Linear's bias")
+with pytest.raises(RuntimeError, match=r"\\['weight_g', 'weight_v'\\] whose per-sample gradients"):
+    with jacmem.extend(jacmem.ClipGrad(1.0)):
+        cross_entropy(normed(X), y, "mean").backward()
+plain = nn.Sequential(nn.Linear(4, 3)).double()
+with warnings.catch_warnings():
+    warnings.simplefilter("error")
+    with jacmem.extend(jacmem.BatchGrad()):
+        cross_entropy(plain(X), y, "mean").backward()
+for p, gb in per_sample_grads(plain, X, y, cross_entropy).items():
+    assert_close(p.grad_batch, gb, "a plain Linear after it")
+"""
+
+
+def test_a_legacy_weight_normed_layer_met_first_leaves_the_layers_registrations_whole():
+    """``torch.nn.utils.weight_norm`` (the legacy hook, common in audio models) leaves a
+    Linear with ``weight_g`` and ``weight_v`` and no parameter ``weight``. Met first in a
+    process, Linear's name check took Linear's own registrations back, with an error
+    about a misspelt registration: every plain Linear after it got no per-sample
+    gradients. Its two parameters are now unsupported like any (``BatchGrad`` warns,
+    ``ClipGrad`` refuses them), its bias is exact, and so is a plain Linear after it."""
+    root = Path(__file__).resolve().parents[2]
+    subprocess.run([sys.executable, "-c", _LEGACY_WEIGHT_NORM_FIRST], check=True, cwd=root)
 
 
 def test_nested_blocks_fail_clearly_and_the_outer_block_still_works():
