@@ -12,7 +12,8 @@ an elementwise op, the origin is expanded to the batch first:
 * ``x + pos_embed`` with ``x: [N, T, D]`` and ``pos_embed: [1, T, D]`` runs as
   ``x + pos_embed.expand(N, T, D)``, the same numbers; the gradient that arrives at the
   expanded tensor is ``[N, T, D]``, one row per sample: :attr:`Origin.on_use` gets it.
-* ``cls_token.expand(N, -1, -1)`` is that expansion already.
+* ``cls_token.expand(N, -1, -1)`` is that expansion already, and ``prompts.repeat(N, 1, 1)``
+  its copy.
 * ops that act on each entry alone and keep the leading axis (``pos_embed[:, :T]``,
   ``.to(dtype)``, ``.contiguous()``) give another watched view, a *derived* one; where it
   meets the batch, the same ops are replayed on the expanded origin, so the gradient
@@ -136,6 +137,11 @@ def _derive(func, name: str, watched: tuple, args: tuple, kwargs: dict) -> Tenso
         if self.dim() == len(sizes) and self.shape[0] == 1 and out.shape[0] > 1:
             return replay(_expand(origin, origin.tensor.dim(), out.shape[0])).expand(out.shape)
         return _derived(out, origin, lambda t: replay(t).expand(sizes))
+    if name == "repeat":  # ``repeat(N, 1, …)`` of a leading 1 is ``expand(N, …)``, copied (PEFT's prompt tuning)
+        sizes = tuple(rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest)
+        if len(sizes) == self.dim() and self.shape[0] == 1 and sizes[0] > 1 and set(sizes[1:]) <= {1}:
+            return replay(_expand(origin, origin.tensor.dim(), sizes[0])).contiguous()
+        return None
     if name == "__getitem__" and _keeps_batch_axis(rest[0]):
         return _derived(func(*args, **kwargs), origin, lambda t: replay(t)[rest[0]])
     if name in _IDENTITY:
@@ -192,8 +198,10 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
     sums the gradient over the batch there, so a module call behind it gets no
     per-sample gradient: it ran without the batch axis (T5's relative attention bias,
     called on ``[T, T]`` bucket ids), or the op mixes the samples (``h - h.mean(0)``).
+    ``repeat`` counts as a broadcast: tiling the batch axis sums its copies' gradients.
     A watched origin (:func:`watch`) is expanded before it meets the batch: its call
-    is behind ``expand``, whose broadcast :class:`Origin` answers for."""
+    is behind ``expand``, whose broadcast :class:`Origin` answers for (where it has a
+    use: one that met the batch only through an op jacmem cannot follow has none)."""
     todo = [(t.grad_fn, False) for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
     seen: set = set()
     behind: dict = {}
@@ -214,8 +222,7 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
 
 #: the autograd nodes of ops that broadcast their operands against each other
 _BROADCAST_NODES = frozenset(
-    f"{op}Backward"
-    for op in ("Add", "Sub", "Mul", "Div", "Expand", "Where", "Maximum", "Minimum", "Pow", "Addcmul", "Addcdiv", "Lerp")
+    f"{op}Backward" for op in "Add Sub Mul Div Expand Repeat Where Maximum Minimum Pow Addcmul Addcdiv Lerp".split()
 )
 
 

@@ -128,11 +128,13 @@ _BROADCAST = (
 def _refuse_broadcasts(outputs: list) -> None:
     """Raise where a recorded call reaches ``outputs`` (a model's output, or a loss)
     through a broadcast over the batch (:func:`~jacmem.engine.broadcast.behind_broadcasts`):
-    that call's rows are not samples. (A compiled graph's calls are inside one autograd
-    node: not seen.)"""
+    that call's rows are not samples; so are those of a call on a batch of one whose
+    output met the batch through no use jacmem followed (``repeat(N, 2, 1)``). (A
+    compiled graph's calls are inside one autograd node: not seen.)"""
     for node in behind_broadcasts(outputs):
         rec = hooks.record_of(node)
-        if rec is not None and rec.broadcast is None and not rec.void and rec.params:
+        followed = rec is not None and rec.broadcast is not None and rec.broadcast.uses
+        if rec is not None and not followed and not rec.void and rec.params:
             raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
 
 

@@ -45,6 +45,7 @@ from pathlib import Path
 import psutil
 import pytest
 import torch
+from tests.support.clipping import assert_grads, expected, per_sample
 from tests.support.firstorder_cases import strategies
 from tests.support.reference import (
     REFERENCE,
@@ -325,6 +326,48 @@ def test_a_call_behind_a_broadcast_over_the_batch_is_refused(extension, flow):
     reference = per_sample_grads(model, X, y, cross_entropy)
     run_jacmem(model, X, y, cross_entropy, "mean", [extension()], flow)
     check_against(model, reference, [extension.savefield])
+
+
+class Prompted(nn.Module):
+    """[N, 3, 4] -> [N, 3]: a prompt (an Embedding on one row of ids) tiled over the batch
+    by ``repeat(N, *tile)`` before each sample's rows, then a Linear head on their mean."""
+
+    def __init__(self, tile: tuple[int, int]):
+        super().__init__()
+        self.prompt, self.head, self.tile = nn.Embedding(5, 4), nn.Linear(4, 3), tile
+        self.register_buffer("ids", torch.arange(2)[None])
+
+    def forward(self, x):
+        prompts = self.prompt(self.ids).repeat(x.shape[0], *self.tile)
+        return self.head(torch.cat([prompts, x], 1).mean(1))
+
+
+@pytest.mark.parametrize("flow", ["inside", "track"])
+@pytest.mark.parametrize("extension", [*FIRST_ORDER, jacmem.ClipGrad], ids=lambda e: e.__name__)
+def test_a_call_on_one_row_repeated_over_the_batch_is_exact_or_refused(extension, flow):
+    """PEFT's prompt tuning runs its prompt embedding on one row of ids and ``repeat``-s
+    the prompts over the batch: the first-order extensions gave the batch's sums as
+    "per-sample" quantities, with no word. ``repeat(N, 1, 1)`` is now the expansion it
+    is, exact; a repeat jacmem does not follow (the tokens tiled too) raises, naming
+    the module."""
+    make = (lambda: jacmem.ClipGrad(0.5)) if extension is jacmem.ClipGrad else extension
+    field = "grad" if extension is jacmem.ClipGrad else extension.savefield
+    X, y = torch.randn(4, 3, 4, dtype=torch.float64), torch.tensor([0, 1, 2, 1])
+    torch.manual_seed(0)
+    model = Prompted((1, 1)).double()
+    if extension is jacmem.ClipGrad:
+        reference = expected(per_sample(model, X, y, cross_entropy, "mean"), 0.5)
+        run_jacmem(model, X, y, cross_entropy, "mean", [make()], flow)
+        assert_grads(model, reference, f"repeat(N, 1, 1) {flow}")
+    else:
+        reference = per_sample_grads(model, X, y, cross_entropy)
+        run_jacmem(model, X, y, cross_entropy, "mean", [make()], flow)
+        check_against(model, reference, [field])
+    model = Prompted((2, 1)).double()
+    state = State(model)
+    with pytest.raises(RuntimeError, match=r"module 'prompt' \(Embedding\) reaches"):
+        run_jacmem(model, X, y, cross_entropy, "mean", [make()], flow)
+    state.check()
 
 
 def test_exception_in_forward_leaves_nothing():

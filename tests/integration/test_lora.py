@@ -10,6 +10,10 @@ frozen base layer and two ``nn.Linear`` adapters (``lora_A``: [N, T, d] -> [N, T
 does no per-sample work. PEFT's ``lora.Embedding`` reads its matrices from
 ``ParameterDict`` children (``lora_embedding_A``: [r, V], ``lora_embedding_B``: [d, r]):
 they are its own parameters to jacmem, given by the exact recomputation (vmap).
+
+PEFT's other adapters on GPT-2 too: prompt tuning (its prompt embedding is called on one
+row of virtual-token ids, and the prompts are ``repeat``-ed over the batch), prefix
+tuning and IA³.
 """
 
 from __future__ import annotations
@@ -18,8 +22,9 @@ import warnings
 
 import pytest
 import torch
+from tests.support import hf_models
 from tests.support.clipping import assert_grads, expected, median_norm, per_sample
-from tests.support.hf_models import LORA_TARGETS, build_lora
+from tests.support.hf_models import DT, LORA_TARGETS, build_lora
 from tests.support.privacy import loader, loop_step, private, train
 from tests.support.reference import (
     FLOWS,
@@ -138,3 +143,40 @@ def test_one_private_step_equals_the_loops_and_generate_still_works(name, clippi
             assert out.shape == (1, X.shape[1] + 2)
     finally:
         engine.detach()
+
+
+#: PEFT's adapters other than LoRA, on GPT-2: (config, virtual tokens prepended to the output)
+OTHER_ADAPTERS = {
+    "prompt tuning": (lambda: peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3), 3),
+    "prefix tuning": (lambda: peft.PrefixTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=3), 0),
+    "IA3": (
+        lambda: peft.IA3Config(
+            task_type="CAUSAL_LM",
+            target_modules=["c_attn", "mlp.c_proj"],
+            feedforward_modules=["mlp.c_proj"],
+            fan_in_fan_out=True,
+        ),  # fmt: skip
+        0,
+    ),
+}
+
+
+@pytest.mark.parametrize("adapter", list(OTHER_ADAPTERS))
+@pytest.mark.parametrize("flow", FLOWS)
+def test_other_peft_adapters_get_exact_per_sample_quantities_and_clipped_sums(adapter, flow):
+    """Prompt tuning ran its prompt embedding on a batch of one and ``repeat``-ed the
+    prompts over the batch, which jacmem did not follow: every first-order quantity was
+    the batch's sum, with no word (``ClipGrad`` refused it). The repeat is now the
+    expansion it is, and the quantities are per sample."""
+    config, virtual = OTHER_ADAPTERS[adapter]
+    model, X, _ = hf_models.build("gpt2")
+    model.model = peft.get_peft_model(model.model, config()).to(DT)
+    y = torch.randint(0, hf_models.V, (X.shape[0], X.shape[1] + virtual))
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    run_jacmem(model, X, y, cross_entropy, "mean", EXTENSIONS, flow)
+    check_against(model, reference, SAVEFIELDS, f"[{adapter} {flow}]")
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    model.zero_grad(set_to_none=True)
+    run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.ClipGrad(C)], flow)
+    assert_grads(model, expected(grads, C), f"{adapter} {flow} ClipGrad")
