@@ -67,6 +67,10 @@ class Recorder:
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
         self.batch = 1
+        #: in a compiled forward, the first call on one row of ids before any call on more
+        #: rows: the forward's batch may be that one row, or the call's output may be
+        #: broadcast over a batch that comes later (then :meth:`record` raises)
+        self.one_row: hooks.Record | None = None
         #: under batch_first=False, the first call of the running outermost forward:
         #: (its name, its batch size)
         self.first: tuple[str, int] | None = None
@@ -127,7 +131,7 @@ class Recorder:
             if self.made == start and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
                 raise RuntimeError(_STALE_COMPILED.format(type=type(module._orig_mod).__name__))
         if outermost:
-            self.batch, self.first, self.compiled = 1, None, False
+            self.batch, self.first, self.compiled, self.one_row = 1, None, False, None
 
     def _direct_uses(self, module: nn.Module) -> tuple[str, ...]:
         """The parameters of ``module`` whose uses in the forward just ended were each
@@ -165,10 +169,16 @@ class Recorder:
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
+            if self.one_row is not None:  # a compiled forward's call on one row before the batch
+                one = self.one_row
+                raise RuntimeError(_COMPILED_BROADCAST.format(name=one.name, type=type(one.module).__name__))
         elif n == 1 and (self.batch > 1 or _indices(rec.x)) and isinstance(new, Tensor):
-            if self.compiled or hooks.compiled():
+            if not (self.compiled or hooks.compiled()):
+                new = self._broadcast(rec, new)
+            elif self.batch > 1:
                 raise RuntimeError(_COMPILED_BROADCAST.format(name=rec.name, type=type(module).__name__))
-            new = self._broadcast(rec, new)
+            else:  # a batch of one, so far: the whole forward's, unless a call on more rows follows
+                self.one_row = self.one_row or rec
         return None if new is output else new
 
     def _check_batch(self, rec: hooks.Record) -> None:

@@ -151,6 +151,45 @@ def test_clip_grad_is_exact_on_a_compiled_gpt2_with_default_position_ids(flow):
     assert_grads(model, expected(grads, C, "flat"), f"[gpt2 {flow}]")
 
 
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
+    """On a batch of one, GPT-2's token embedding runs on ``[1, T]`` ids too, the first call
+    of the forward: the compiled forward refused it as a call whose output may be
+    broadcast over the batch (a Poisson batch of one ended a private training run). No
+    call on more rows follows, so the batch is that one row: exact, as eagerly."""
+    model, X, y = gpt2()
+    X, y = X[:1], y[:1]
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    _steps(model, X, y, [lambda: jacmem.ClipGrad(0.1)], flow)
+    assert_grads(model, expected(grads, 0.1), f"[gpt2 batch of one {flow}]")
+    _steps(model, X, y, [jacmem.BatchL2Grad], flow)
+    check_against(model, reference, ["batch_l2"])
+
+
+class Prompted(nn.Module):
+    """[N, 3, 4] -> [N, 3]: a prompt (an Embedding on one row of ids) repeated over the
+    batch before each sample's rows, then a Linear head on their mean."""
+
+    def __init__(self):
+        super().__init__()
+        self.prompt, self.head = nn.Embedding(5, 4), nn.Linear(4, 3)
+        self.register_buffer("ids", torch.arange(2)[None])
+
+    def forward(self, x):
+        prompts = self.prompt(self.ids).repeat(x.shape[0], 1, 1)
+        return self.head(torch.cat([prompts, x], 1).mean(1))
+
+
+def test_a_compiled_call_on_one_row_before_the_batch_is_refused():
+    """A call on one row of ids that calls on the batch follow: its output may be
+    broadcast over the batch, which a compiled graph cannot follow, so it raises, naming
+    the module (eagerly it is followed, and exact)."""
+    model, X, y = Prompted(), torch.randn(N, 3, 4), torch.randint(0, 3, (N,))
+    with pytest.raises(RuntimeError, match=r"module '_orig_mod.prompt' \(Embedding\) ran on a batch of one"):
+        _steps(model, X, y, [jacmem.BatchL2Grad], "inside", steps=1)
+
+
 def test_compiled_records_leave_no_entries_behind():
     """What a compiled graph's calls leave in jacmem's tables: the output-gradient hooks
     go with their graph or their block, step after step; a module's slot goes with it."""
