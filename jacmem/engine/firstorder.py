@@ -133,22 +133,31 @@ def _refuse_broadcasts(outputs: list) -> None:
     compiled graph's calls are inside one autograd node: not seen.)"""
     for node in behind_broadcasts(outputs):
         rec = hooks.record_of(node)
-        followed = rec is not None and rec.broadcast is not None and rec.broadcast.uses
-        if rec is not None and not followed and not rec.void and rec.params:
+        if rec is None or rec.void or not rec.params:
+            continue
+        if rec.broadcast is None:
             raise RuntimeError(_BROADCAST.format(name=rec.name, type=type(rec.module).__name__))
+        if not rec.broadcast.uses:
+            raise _one_row(rec)
 
 
 def _check_broadcast(rec: hooks.Record) -> None:
     """A call on a batch of one whose output met the batch (:mod:`jacmem.engine.broadcast`): its
     uses' records are exact only where no other op read the output."""
-    ops = rec.broadcast.unsafe
-    if ops:
-        raise RuntimeError(
-            f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) ran on a batch of one, and its output met "
-            f"the batch, but was also read by {', '.join(dict.fromkeys(ops))}, which jacmem cannot follow per "
-            "sample: its per-sample quantities would mix the samples. Give its input the batch axis (e.g. "
-            "position_ids.expand(batch_size, -1)), or freeze its parameters."
-        )
+    if rec.broadcast.unsafe:
+        raise _one_row(rec)
+
+
+def _one_row(rec: hooks.Record) -> RuntimeError:
+    """The error for a call on a batch of one whose output met the batch through ops jacmem
+    cannot follow per sample (besides its followed uses, or alone)."""
+    ops = ", ".join(dict.fromkeys(rec.broadcast.unsafe)) or "ops jacmem does not see"
+    met = "met the batch, but was also read by" if rec.broadcast.uses else "met the batch only through"
+    return RuntimeError(
+        f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) ran on a batch of one, and its output {met} "
+        f"{ops}, which jacmem cannot follow per sample: its per-sample quantities would mix the samples. Give its "
+        "input the batch axis (e.g. position_ids.expand(batch_size, -1)), or freeze its parameters."
+    )
 
 
 class FirstOrderEngine(Engine):
