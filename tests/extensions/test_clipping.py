@@ -678,20 +678,8 @@ def _ddp_worker(rank: int) -> None:
     finally:
         jacmem.untrack(other)
 
-    model.zero_grad(set_to_none=True)
-    jacmem.track(ddp)
-    try:
-        ddp.require_backward_grad_sync = False
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(ddp(X[rows]), y[rows])
-        with jacmem.extend(jacmem.ClipGrad(C)):
-            loss.backward()
-        assert_grads(model, expected(grads, C), f"rank {rank} tracked")
-    finally:
-        jacmem.untrack(ddp)
-
-    # tracked through torch.compile's wrapper: DDP's sync on refused (a model of its own,
-    # as DDP's reducer fails on the forward after a backward that raised), then off
+    # tracked through torch.compile's wrapper too: DDP's sync on is refused (a model of
+    # its own, as DDP's reducer fails on the forward after a backward that raised)
     spare = torch.compile(nn.parallel.DistributedDataParallel(nn.Linear(4, 2).to(DT)), backend="aot_eager")
     jacmem.track(spare)
     try:
@@ -701,17 +689,17 @@ def _ddp_worker(rank: int) -> None:
                 loss.backward()
     finally:
         jacmem.untrack(spare)
-    compiled = torch.compile(ddp, backend="aot_eager")
-    jacmem.track(compiled)
-    try:
-        model.zero_grad(set_to_none=True)
-        loss = F.cross_entropy(compiled(X[rows]), y[rows])
-        with jacmem.extend(jacmem.ClipGrad(C)):
-            loss.backward()
-        assert_grads(model, expected(grads, C), f"rank {rank} torch.compile(DDP) tracked")
-    finally:
-        jacmem.untrack(compiled)
-        ddp.require_backward_grad_sync = True
+    ddp.require_backward_grad_sync = False
+    for tracked, what in ((ddp, "tracked"), (torch.compile(ddp, backend="aot_eager"), "torch.compile(DDP) tracked")):
+        jacmem.track(tracked)
+        try:
+            model.zero_grad(set_to_none=True)
+            loss = F.cross_entropy(tracked(X[rows]), y[rows])
+            with jacmem.extend(jacmem.ClipGrad(C)):
+                loss.backward()
+            assert_grads(model, expected(grads, C), f"rank {rank} {what}")
+        finally:
+            jacmem.untrack(tracked)
 
 
 @needs_gloo
