@@ -61,7 +61,8 @@ def eager(hook: Callable) -> Callable:
     """``hook``, a module hook of jacmem's (pre-hook ``(module, args)``, leave hook
     ``(module, args, output)`` or forward hook ``(module, args, kwargs, output)``), as a
     compiled forward calls it: traced, with no graph break. There, the forward hook of a
-    module with trainable parameters of its own, called on tensors and returning one,
+    module that reads trainable parameters itself (:func:`_has_trainable`), called on
+    tensors and returning one,
     runs at the graph's run time, on real tensors, in the op ``jacmem::tap``
     (:func:`_tap`); the gradient of the module's output reaches its records through
     ``jacmem::tapped`` in the compiled backward (:class:`Tap`). The other calls of the
@@ -125,7 +126,9 @@ def _spread(args: tuple, output: Tensor) -> tuple[tuple, Tensor]:
 
 
 def _has_trainable(module: nn.Module) -> bool:
-    return any(p is not None and p.requires_grad for p in module._parameters.values())
+    """Whether ``module``'s forward reads trainable parameters itself (:func:`own_parameters`:
+    its own, and its parameter containers', as PEFT's ``lora.Embedding`` reads its matrices)."""
+    return any(p.requires_grad for _, p in own_parameters(module))
 
 
 @torch.compiler.disable(reason="jacmem records this module call (jacmem.engine.hooks.eager)")

@@ -151,6 +151,23 @@ def test_clip_grad_is_exact_on_a_compiled_gpt2_with_default_position_ids(flow):
     assert_grads(model, expected(grads, C, "flat"), f"[gpt2 {flow}]")
 
 
+@pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
+def test_compiled_lora_with_its_embedding_adapter_is_exact(name):
+    """PEFT's ``lora.Embedding`` reads its matrices from ``ParameterDict`` children: a
+    compiled forward recorded only modules with parameters of their own, so its adapters
+    got no per-sample quantities (a warning) and ``ClipGrad`` refused them. Now as
+    eagerly: exact, by the module's own record."""
+    pytest.importorskip("peft")
+    model, X, y = hf_models.build_lora(name, embedding=True)
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    _steps(model, X, y, [lambda: jacmem.ClipGrad(C)], "inside", steps=2)
+    assert_grads(model, expected(grads, C), f"[{name} LoRA with its embedding]")
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    _steps(model, X, y, [jacmem.BatchGrad], "inside", steps=2)
+    check_against(model, reference, ["grad_batch"])
+
+
 @pytest.mark.parametrize("flow", ["inside", "track"])
 def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
     """On a batch of one, GPT-2's token embedding runs on ``[1, T]`` ids too, the first call
