@@ -91,19 +91,6 @@ _CAPTURED = (
 )
 
 
-def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
-    """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
-    tensor among them, and axis 1 where ``second``."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
-    return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
-
-
-def _places_batch_second(model: nn.Module) -> bool:
-    """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
-    attention's ``batch_first=False``)."""
-    return any(getattr(m, "batch_first", True) is False for m in model.modules())
-
-
 class ClipStaging(Staging):
     """The clipping engine's state in one backward pass."""
 
@@ -153,11 +140,6 @@ class ClippingEngine(FirstOrderEngine):
         #: the models called at depth 0 in the block, in order (per-layer thresholds)
         self.roots: weakref.WeakKeyDictionary[nn.Module, None] = weakref.WeakKeyDictionary()
         self.depth = 0
-        #: batch size -> a model whose outermost call since the last pass had an input
-        #: that offers it (:func:`_offered`)
-        self.offered: dict[int, str] = {}
-        #: model -> whether its inputs may hold the batch on axis 1 (:func:`_places_batch_second`)
-        self.second: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     # -- forward -------------------------------------------------------------------
 
@@ -186,18 +168,6 @@ class ClippingEngine(FirstOrderEngine):
         self.unsynced = []
         self.roots = weakref.WeakKeyDictionary()
         super().close()
-
-    def on_call(self, model, args, kwargs, output):
-        """Refuse what the first-order engine refuses; note the batch sizes a model's
-        inputs offer, for a forward that builds a graph (not one that recomputes a call
-        inside a backward)."""
-        super().on_call(model, args, kwargs, output)
-        if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
-            second = self.second.get(model)
-            if second is None:
-                second = self.second[model] = not self.batch_first or _places_batch_second(model)
-            for n in _offered(args, kwargs, second):
-                self.offered.setdefault(n, self.name(model))
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a

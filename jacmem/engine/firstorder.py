@@ -160,6 +160,19 @@ def _one_row(rec: hooks.Record) -> RuntimeError:
     )
 
 
+def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
+    """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
+    tensor among them, and axis 1 where ``second``."""
+    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
+    return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
+
+
+def _places_batch_second(model: nn.Module) -> bool:
+    """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
+    attention's ``batch_first=False``)."""
+    return any(getattr(m, "batch_first", True) is False for m in model.modules())
+
+
 class FirstOrderEngine(Engine):
     """First-order extensions for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
@@ -182,6 +195,11 @@ class FirstOrderEngine(Engine):
         #: (device, the names of K modules) -> [K] bool on the device: whose results held
         #: NaN or Inf in a pass of the block with those modules; read when the block ends
         self.nonfinite: dict[tuple[torch.device, tuple[str, ...]], Tensor] = {}
+        #: batch size -> a model whose outermost call since the last pass had an input
+        #: that offers it (:func:`_offered`)
+        self.offered: dict[int, str] = {}
+        #: model -> whether its inputs may hold the batch on axis 1 (:func:`_places_batch_second`)
+        self.second: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     # -- forward -------------------------------------------------------------------
 
@@ -194,8 +212,16 @@ class FirstOrderEngine(Engine):
         self.recorder.leave(module, outermost)
 
     def on_call(self, model, args, kwargs, output):
-        if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:  # (not a recomputation)
+        """Refuse calls behind a broadcast over the batch, and note the batch sizes the
+        model's inputs offer, for a forward that builds a graph (not one that recomputes
+        a call inside a backward)."""
+        if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
             _refuse_broadcasts(compat.tree_flatten(output)[0])
+            second = self.second.get(model)
+            if second is None:
+                second = self.second[model] = not self.batch_first or _places_batch_second(model)
+            for n in _offered(args, kwargs, second):
+                self.offered.setdefault(n, self.name(model))
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         if self.models():  # tracked: a forward that ran before the block was not checked
@@ -474,6 +500,7 @@ class FirstOrderEngine(Engine):
         }
         sizes = {key: s.batch_size for key, s in staged.items()}
         self._check_batch_sizes(run.names, sizes)
+        self._check_one_row(run.names, sizes)
         self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
         params = {key: s.param for key, s in staged.items()}
         batch = max((s.batch_size for s in staged.values()), default=0)
@@ -508,6 +535,24 @@ class FirstOrderEngine(Engine):
         run.partial.clear()
 
     # -- warnings ------------------------------------------------------------------
+
+    def _check_one_row(self, names: dict[int, str], sizes: dict[int, int]) -> None:
+        """Raise where modules of the pass ran on a batch of one while no input of the
+        models' outermost calls since the last pass has an axis of one: the samples shared
+        their input, which reached the batch in a way jacmem could not follow (in a
+        compiled forward, PEFT's prompt tuning with the rest of the model frozen), so
+        their quantities would be the batch's sums."""
+        offered, self.offered = self.offered, {}
+        ones = [names[key] for key, n in sizes.items() if n == 1]
+        if not ones or not offered or 1 in offered:
+            return
+        inputs = "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
+        raise RuntimeError(
+            f"jacmem: module(s) {listing(ones)} ran on a batch of one, but no input of the model's call has an axis "
+            f"of one (it offers {inputs}): their input was shared by the samples and reached the batch in a way "
+            f"jacmem cannot follow per sample, so their {', '.join(e.savefield for e in self.extensions)} would be "
+            "the batch's sums. Give their input the batch axis (expand it to the batch), or freeze their parameters."
+        )
 
     def _check_batch_sizes(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """One warning per backward pass whose modules disagree on the batch size: a

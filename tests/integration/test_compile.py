@@ -198,13 +198,21 @@ class Prompted(nn.Module):
         return self.head(torch.cat([prompts, x], 1).mean(1))
 
 
-def test_a_compiled_call_on_one_row_before_the_batch_is_refused():
+@pytest.mark.parametrize("field", [*FIRST_ORDER, "grad"])
+def test_a_compiled_call_on_one_row_before_the_batch_is_refused(field):
     """A call on one row of ids that calls on the batch follow: its output may be
     broadcast over the batch, which a compiled graph cannot follow, so it raises, naming
-    the module (eagerly it is followed, and exact)."""
+    the module (eagerly it is followed, and exact). With the rest of the model frozen
+    (PEFT's prompt tuning) no call on the batch is recorded: the first-order extensions
+    gave the batch's sums, with no word; the end of the pass now raises, as the model's
+    input offers no batch of one."""
+    extension = FIRST_ORDER.get(field, lambda: jacmem.ClipGrad(1.0))
     model, X, y = Prompted(), torch.randn(N, 3, 4), torch.randint(0, 3, (N,))
     with pytest.raises(RuntimeError, match=r"module '_orig_mod.prompt' \(Embedding\) ran on a batch of one"):
-        _steps(model, X, y, [jacmem.BatchL2Grad], "inside", steps=1)
+        _steps(model, X, y, [extension], "inside", steps=1)
+    model.head.requires_grad_(False)
+    with pytest.raises(RuntimeError, match=r"'_orig_mod.prompt' ran on a batch of one, but no input|take 1 rows"):
+        _steps(model, X, y, [extension], "inside", steps=1)
 
 
 def test_compiled_records_leave_no_entries_behind():
