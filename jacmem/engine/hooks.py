@@ -106,17 +106,22 @@ _TRACED_BATCH: dict[str, Any] = {"n": 1}
 
 
 def _spread(args: tuple, output: Tensor) -> tuple[tuple, Tensor]:
-    """As torch.compile traces a recorded call: ``(args, output)``, where the call is an
-    embedding of ``[1, T]`` ids (default position ids) after a call on a batch of ``N > 1``
-    in the same frame, with the ids and the output expanded to ``N``. The output, which
-    the model broadcasts over the batch, then meets it with the same numbers; its
-    gradient arrives per sample, and the call is recorded as one on ``N`` samples. (An
-    eager forward follows the broadcast op by op: :mod:`jacmem.engine.broadcast`; a
-    compiled graph takes plain tensors only.) Other calls are left as they are."""
+    """As torch.compile traces a recorded call: :func:`spread` over the batch of the latest
+    call on more than one sample in the same frame."""
     if output.dim() and output.shape[0] > 1:
         _TRACED_BATCH["n"] = output.shape[0]
         return args, output
-    n = _TRACED_BATCH["n"]
+    return spread(args, output, _TRACED_BATCH["n"])
+
+
+def spread(args: tuple, output: Tensor, n: int) -> tuple[tuple, Tensor]:
+    """``(args, output)`` of a recorded call in a compiled forward, where the call is an
+    embedding of ``[1, T]`` ids (default position ids) after a call on a batch of ``n > 1``,
+    with the ids and the output expanded to ``n``. The output, which the model broadcasts
+    over the batch, then meets it with the same numbers; its gradient arrives per sample,
+    and the call is recorded as one on ``n`` samples. (An eager forward follows the
+    broadcast op by op: :mod:`jacmem.engine.broadcast`; a compiled graph takes plain
+    tensors only.) Other calls are left as they are."""
     ids = args[0] if len(args) == 1 else None
     if n == 1 or output.dim() < 2 or output.shape[0] != 1 or ids is None or ids.dim() < 1 or ids.shape[0] != 1:
         return args, output

@@ -154,6 +154,9 @@ class Recorder:
         """Record one call; returns the output to use (new where it runs through
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
         exclude = self._direct_uses(module)
+        given = output
+        if self.batch_first and self.compiled and not hooks.compiled() and isinstance(output, Tensor):
+            args, output = hooks.spread(args, output, self.batch)  # an eager call in a compiled forward, as traced ones
         rec, new = hooks.record(
             module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
         )
@@ -165,7 +168,7 @@ class Recorder:
         self.records.add(rec)
         if not self.batch_first:
             self._check_batch(rec)
-            return None if new is output else new
+            return None if new is given else new
         n = rec.outputs[0][0][0] if rec.outputs and len(rec.outputs[0][0]) else 1
         if n > 1:
             self.batch = n
@@ -179,7 +182,7 @@ class Recorder:
                 raise RuntimeError(_COMPILED_BROADCAST.format(name=rec.name, type=type(module).__name__))
             else:  # a batch of one, so far: the whole forward's, unless a call on more rows follows
                 self.one_row = self.one_row or rec
-        return None if new is output else new
+        return None if new is given else new
 
     def _check_batch(self, rec: hooks.Record) -> None:
         """Under batch_first=False, a call whose batch size disagrees with that of the

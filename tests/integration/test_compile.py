@@ -184,6 +184,31 @@ def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
     check_against(model, reference, ["batch_l2"])
 
 
+def test_a_compiled_gpt2_with_gradient_checkpointing_is_exact():
+    """HF's gradient checkpointing logs a warning in GPT-2's forward, where torch.compile
+    breaks the graph: the embeddings then run eagerly inside the compiled forward, and the
+    position embedding's call on ``[1, T]`` ids was refused as a call that may be
+    broadcast. It is spread over the batch as a traced call is: exact."""
+    model, X, y = gpt2()
+    model.model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.model.train()  # checkpointing runs in training mode only; no dropout, for the loop
+    for module in model.modules():
+        if isinstance(module, nn.Dropout):
+            module.p = 0.0
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    compiled = torch.compile(model, backend="aot_eager")
+    with jacmem.extend(jacmem.ClipGrad(C)) as block:
+        cross_entropy(compiled(X), y, "mean").backward()
+    assert_grads(model, expected(grads, C), "[gpt2 checkpointed]")
+    assert "transformer.wpe (Embedding) ran eagerly" in block.explain()
+    clear(model)
+    with jacmem.extend(jacmem.BatchL2Grad()):
+        cross_entropy(compiled(X), y, "mean").backward()
+    check_against(model, reference, ["batch_l2"])
+
+
 class Prompted(nn.Module):
     """[N, 3, 4] -> [N, 3]: a prompt (an Embedding on one row of ids) repeated over the
     batch before each sample's rows, then a Linear head on their mean."""
