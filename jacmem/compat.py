@@ -160,6 +160,12 @@ def is_compiled_module(module) -> bool:
     return isinstance(module, torch._dynamo.eval_frame.OptimizedModule)
 
 
+def compiled_in_place(module) -> bool:
+    """Whether ``module.compile()`` compiled ``module`` in place: its calls run a compiled
+    ``_call_impl`` (``Module._compiled_call_impl``, since torch 2.2)."""
+    return getattr(module, "_compiled_call_impl", None) is not None
+
+
 def uncompiled(module):
     """The model under the wrappers ``torch.compile`` put around ``module`` (``module``
     itself where there are none): ``OptimizedModule._orig_mod``, since torch 2.0."""

@@ -77,8 +77,8 @@ def eager(hook: Callable) -> Callable:
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            if args and compat.is_compiled_module(args[0]):
-                _TRACED_BATCH["n"] = 1  # a compiled model's wrapper begins or ends a forward
+            if args and (compat.is_compiled_module(args[0]) or compat.compiled_in_place(args[0])):
+                _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
             return _run(hook, False, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None

@@ -95,7 +95,7 @@ class Recorder:
         earlier call of it was recognised as a registered layer's (timm's LayerNorm),
         its own trainable parameters become watched views until :meth:`leave` (not
         where a BatchNorm inside it mixes the samples)."""
-        self.compiled = self.compiled or hooks.compiled()
+        self.compiled = self.compiled or hooks.compiled() or compat.compiled_in_place(module)
         if compat.is_compiled_module(module):
             self.compiled_root, self.compiled_start = module._orig_mod, self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind

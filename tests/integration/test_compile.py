@@ -184,6 +184,30 @@ def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
     check_against(model, reference, ["batch_l2"])
 
 
+@pytest.mark.parametrize("make", [vit, gpt2], ids=["vit", "gpt2"])
+def test_a_model_compiled_in_place_is_exact(make):
+    """``model.compile()`` compiles the model's calls in place, with no wrapper module: the
+    block took the forward for an eager one and swapped timm's ``pos_embed`` and
+    ``cls_token`` for watched views, which the compiled forward cannot take (a
+    ``TypeError`` from deep in torch). Now as ``torch.compile(model)``: exact."""
+    model, X, y = make()
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    reference = per_sample_grads(model, X, y, cross_entropy)
+    counter = CompileCounterWithBackend("aot_eager")
+    model.compile(backend=counter)
+    for _ in range(2):
+        clear(model)
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            cross_entropy(model(X), y, "mean").backward()
+    assert_grads(model, expected(grads, C), f"[{make.__name__} compiled in place]")
+    clear(model)
+    with jacmem.extend(jacmem.BatchL2Grad()):
+        cross_entropy(model(X), y, "mean").backward()
+    check_against(model, reference, ["batch_l2"])
+    assert counter.frame_count >= 1, "the model ran eagerly: Dynamo made no graph"
+
+
 def test_a_compiled_gpt2_with_gradient_checkpointing_is_exact():
     """HF's gradient checkpointing logs a warning in GPT-2's forward, where torch.compile
     breaks the graph: the embeddings then run eagerly inside the compiled forward, and the
