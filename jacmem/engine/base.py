@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jacmem import compat
+from jacmem.engine import precision
 
 #: (object, attribute, value): one result to write at the end of a pass
 Write = tuple[Any, str, Any]
@@ -116,7 +117,8 @@ class Pass:
         once (a failure before writes nothing)."""
         self.ended = True
         states, self.states = self.states, {}
-        writes = [w for engine, st in states.items() for w in engine.finish(st)]
+        with precision.uncast():
+            writes = [w for engine, st in states.items() for w in engine.finish(st)]
         for obj, field, value in writes:
             setattr(obj, field, value)
         written = {id(obj) for obj, _, _ in writes}

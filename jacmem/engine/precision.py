@@ -10,6 +10,7 @@ inputs cast by :func:`cast`; each result is returned in its parameter's dtype
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterable
 
 import torch
@@ -67,6 +68,21 @@ class computing:
         if self._autocast is not None:
             self._autocast.__exit__(*exc)
         self._no_grad.__exit__(*exc)
+
+
+#: the device types whose autocast :func:`uncast` turns off
+_AUTOCAST_TYPES = ("cpu", "cuda", "xpu", "mps", "hpu")
+
+
+def uncast() -> contextlib.ExitStack:
+    """Autocast off on every device type where it is on: the end of a backward pass called
+    inside the autocast region, where the engines finish (a probe's projection, a clipped
+    sum's product) on tensors of any device."""
+    stack = contextlib.ExitStack()
+    for device_type in _AUTOCAST_TYPES:
+        if torch.is_autocast_enabled(device_type):
+            stack.enter_context(torch.autocast(device_type, enabled=False))
+    return stack
 
 
 def result(value, param: Tensor):

@@ -297,6 +297,30 @@ def test_autocast_bfloat16_runs_with_float32_norms():
     torch.testing.assert_close(ext.norms.double(), norms(ref), rtol=0.05, atol=0)  # bfloat16 inputs
 
 
+@pytest.mark.parametrize("name", ["gpt2", "vit"])
+def test_autocast_bfloat16_with_the_backward_inside_the_region_clips_the_per_sample_gradients(name):
+    """The backward called inside the autocast region, as much training code does: the
+    end of the pass ran under autocast too, where the check that autograd's gradient is
+    the recorded calls' sum projected it in bfloat16, and refused every LayerNorm
+    parameter of a transformer (its bfloat16 rounding against float32's tolerance). The
+    clipped sum equals the one formed from the same pass's per-sample gradients."""
+    from tests.support import hf_models
+
+    model, X, y = hf_models.build(name)
+    model = model.float()
+    X = X.float() if X.is_floating_point() else X
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with jacmem.extend(jacmem.BatchGrad()):
+            cross_entropy(model(X).float(), y, "mean").backward()
+        grads = {p: p.grad_batch.double() * len(X) for p in trainable(model)}  # as per_sample's: the mean undone
+        C = median_norm(grads)
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            cross_entropy(model(X).float(), y, "mean").backward()
+    for i, (p, want) in enumerate(expected(grads, C).items()):
+        torch.testing.assert_close(p.grad.double(), want, rtol=1e-4, atol=1e-6, msg=lambda m: f"{name} {i}: {m}")
+
+
 # -- refusals ------------------------------------------------------------------------
 
 
