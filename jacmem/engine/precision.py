@@ -80,7 +80,7 @@ def uncast() -> contextlib.ExitStack:
     sum's product) on tensors of any device."""
     stack = contextlib.ExitStack()
     for device_type in _AUTOCAST_TYPES:
-        if torch.is_autocast_enabled(device_type):
+        if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
             stack.enter_context(torch.autocast(device_type, enabled=False))
     return stack
 
