@@ -330,7 +330,7 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "once", "broadcast", "void", "batch_first", "__weakref__",
+        "release", "once", "broadcast", "void", "batch_first", "autocast", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
@@ -370,6 +370,9 @@ class Record:
         self.void = False
         #: the layout the call was recorded under (:mod:`jacmem.engine.layout`)
         self.batch_first = True
+        #: the dtype autocast ran the call in, where it was on: its own ops may have been
+        #: 16-bit where its output is not (PEFT's lora.Embedding, recomputed in float32)
+        self.autocast = _autocast_dtype(outputs[0].device.type) if outputs else None
 
     @property
     def relaid(self) -> bool:
@@ -414,6 +417,10 @@ class Record:
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
         g = layout.front(g) if self.relaid else g
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
+
+
+def _autocast_dtype(device_type: str) -> torch.dtype | None:
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:

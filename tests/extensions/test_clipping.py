@@ -297,16 +297,20 @@ def test_autocast_bfloat16_runs_with_float32_norms():
     torch.testing.assert_close(ext.norms.double(), norms(ref), rtol=0.05, atol=0)  # bfloat16 inputs
 
 
-@pytest.mark.parametrize("name", ["gpt2", "vit"])
+@pytest.mark.parametrize("name", ["gpt2", "vit", "gpt2 LoRA with its embedding"])
 def test_autocast_bfloat16_with_the_backward_inside_the_region_clips_the_per_sample_gradients(name):
     """The backward called inside the autocast region, as much training code does: the
     end of the pass ran under autocast too, where the check that autograd's gradient is
     the recorded calls' sum projected it in bfloat16, and refused every LayerNorm
     parameter of a transformer (its bfloat16 rounding against float32's tolerance). The
-    clipped sum equals the one formed from the same pass's per-sample gradients."""
+    check also took float32's tolerance for a call whose own ops autocast ran in bfloat16
+    while its output is float32 (PEFT's ``lora.Embedding``, whose per-sample gradients
+    jacmem recomputes in float32). The clipped sum equals the one formed from the same
+    pass's per-sample gradients."""
     from tests.support import hf_models
 
-    model, X, y = hf_models.build(name)
+    lora = name.endswith("embedding")
+    model, X, y = hf_models.build_lora("gpt2", embedding=True) if lora else hf_models.build(name)
     model = model.float()
     X = X.float() if X.is_floating_point() else X
     with torch.autocast("cpu", dtype=torch.bfloat16):
