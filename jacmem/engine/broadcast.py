@@ -132,13 +132,13 @@ def _derive(func, name: str, watched: tuple, args: tuple, kwargs: dict) -> Tenso
     origin, replay = watched
     self, rest = args[0], args[1:]
     if name == "expand":
-        sizes = rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest
+        sizes = _sizes(rest)
         out = func(*args, **kwargs)
         if self.dim() == len(sizes) and self.shape[0] == 1 and out.shape[0] > 1:
             return replay(_expand(origin, origin.tensor.dim(), out.shape[0])).expand(out.shape)
         return _derived(out, origin, lambda t: replay(t).expand(sizes))
     if name == "repeat":  # ``repeat(N, 1, …)`` of a leading 1 is ``expand(N, …)``, copied (PEFT's prompt tuning)
-        sizes = tuple(rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest)
+        sizes = _sizes(rest)
         if len(sizes) == self.dim() and self.shape[0] == 1 and sizes[0] > 1 and set(sizes[1:]) <= {1}:
             return replay(_expand(origin, origin.tensor.dim(), sizes[0])).contiguous()
         return None
@@ -147,6 +147,11 @@ def _derive(func, name: str, watched: tuple, args: tuple, kwargs: dict) -> Tenso
     if name in _IDENTITY:
         return _derived(func(*args, **kwargs), origin, lambda t: getattr(replay(t), name)(*rest, **kwargs))
     return None
+
+
+def _sizes(rest: tuple) -> tuple:
+    """The sizes of ``expand(*sizes)`` or ``repeat(*sizes)``, given as one sequence or one by one."""
+    return tuple(rest[0] if len(rest) == 1 and isinstance(rest[0], (tuple, list, torch.Size)) else rest)
 
 
 def _keeps_batch_axis(index) -> bool:

@@ -457,10 +457,9 @@ class ClippingEngine(FirstOrderEngine):
         (HF's ``*ForMultipleChoice`` flattens ``[N, K, T]`` into ``[N·K, T]``) or runs its
         layers sequence-first, so every layer sees the same wrong batch and would be
         clipped per row, not per sample."""
-        offered, self.offered = self.offered, {}
-        if not offered or not n or n in offered:
+        inputs = self._unoffered(n)
+        if inputs is None:
             return
-        inputs = "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
         raise RuntimeError(
             f"jacmem: ClipGrad: the layers of this backward pass take {n} rows on their batch axis, but no input "
             f"of the model's call has that many (it offers {inputs}): the model moves parts of its samples onto "

@@ -116,8 +116,8 @@ class Staging:
 
 _BROADCAST = (
     "jacmem: the output of module {name!r} ({type}) reaches the model's output (or the loss) through a tensor "
-    "broadcast over "
-    "the batch (a leading axis of 1 meets the batch's rows), where autograd sums the samples' gradients: the "
+    "broadcast over the batch (a leading axis of 1 meets the batch's rows), where autograd sums the samples' "
+    "gradients: the "
     "module ran without the batch axis (T5's relative attention bias, on [T, T] bucket ids), or an op after it "
     "mixes the samples (h - h.mean(0)). Its rows are not samples, so its per-sample quantities (under ClipGrad, "
     "its norms and clipped sums) would not be per sample. Give the module's input the batch axis (expand it to "
@@ -536,17 +536,25 @@ class FirstOrderEngine(Engine):
 
     # -- warnings ------------------------------------------------------------------
 
+    def _unoffered(self, n: int) -> str | None:
+        """The inputs of the models' outermost calls since the last pass (``"size ('model')"``,
+        each batch size they offer), where batch size ``n`` is none of them; None where it
+        is one, or no call offered any. The next pass counts afresh."""
+        offered, self.offered = self.offered, {}
+        if not offered or not n or n in offered:
+            return None
+        return "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
+
     def _check_one_row(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """Raise where modules of the pass ran on a batch of one while no input of the
         models' outermost calls since the last pass has an axis of one: the samples shared
         their input, which reached the batch in a way jacmem could not follow (in a
         compiled forward, PEFT's prompt tuning with the rest of the model frozen), so
         their quantities would be the batch's sums."""
-        offered, self.offered = self.offered, {}
+        inputs = self._unoffered(1)
         ones = [names[key] for key, n in sizes.items() if n == 1]
-        if not ones or not offered or 1 in offered:
+        if not ones or inputs is None:
             return
-        inputs = "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
         raise RuntimeError(
             f"jacmem: module(s) {listing(ones)} ran on a batch of one, but no input of the model's call has an axis "
             f"of one (it offers {inputs}): their input was shared by the samples and reached the batch in a way "
