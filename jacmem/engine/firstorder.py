@@ -681,8 +681,9 @@ def _recomputed_notice(label: str, fields: str) -> Callable[[list[str]], str]:
 
     def say(modules: list[str]) -> str:
         return (
-            f"jacmem: module {label} has no registered derivative, so its {fields} are recomputed one sample at "
-            "a time (torch.func.vmap): exact, but slower than a closed form. Register one with jacmem.layer and "
+            f"jacmem: module {label} has no registered derivative, so the per-sample gradients behind its {fields} "
+            "are recomputed one sample at a time (torch.func.vmap): exact, but slower than a closed form. Register "
+            "one with jacmem.layer and "
             "jacmem.register (docs: 'Adding a layer or a strategy'); strict=True makes this an error."
             + and_others(modules)
         )
