@@ -88,7 +88,8 @@ def main() -> None:
     lossfunc = nn.MSELoss()
     X, Y = torch.randn(N, T, D, dtype=torch.float64), torch.randn(N, T, 3, dtype=torch.float64)
 
-    # strict=True: an error, not a warning, if any trainable module were not handled.
+    # strict=True: an error, not a warning, if any trainable module were not handled, or were
+    # recomputed one sample at a time by the vmap fallback (as ScaleShift would be unregistered).
     # The name "elementwise" is valid because it was registered above.
     with jacmem.extend(
         jacmem.BatchGrad(), jacmem.BatchL2Grad(), strategy={ScaleShift: "elementwise"}, strict=True

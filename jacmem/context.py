@@ -34,7 +34,8 @@ class extend:
         strategy: one strategy name for every layer (``"auto"``, ``"unfold"``,
             ``"save_memory"``, ...), or a dict from module type or qualified module name
             to a name; see :mod:`jacmem.engine.strategies`.
-        strict: raise, rather than warn, on a trainable module no extension can handle.
+        strict: raise, rather than warn, on a trainable module no extension can handle, and on one
+            that the generic fallback recomputes one sample at a time (exact, but slow).
         chunk_bytes: temporary memory a strategy may use at once; larger batches are
             processed in chunks.
         process_group: a ``torch.distributed`` process group over which to sum

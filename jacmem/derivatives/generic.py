@@ -326,5 +326,6 @@ def fallback(module: nn.Module, batch_axis: int = 0) -> LayerDerivatives | None:
             keep=_keep_call,
             outputs=_float_leaves,
             strategies=strategies,
+            recomputed=True,
         )
     return _FALLBACKS[key]

@@ -30,8 +30,9 @@ LINEAR_QUANTITIES = ("batch_grad", "grad")
 
 
 def squared_norms(batch_grad: Tensor) -> Tensor:
-    """‖g_n‖² per sample, one fused reduction without a squared copy: [n, *shape] -> [n]"""
-    return torch.linalg.vector_norm(batch_grad.flatten(1), dim=1).square_()
+    """‖g_n‖² per sample, one fused reduction without a squared copy: [n, *shape] -> [n]
+    (``shape`` may be ``()``: a 0-dim parameter's per-sample gradients are ``[n]``)"""
+    return torch.linalg.vector_norm(batch_grad.unsqueeze(-1).flatten(1), dim=1).square_()
 
 
 #: bytes of samples squared at once by :func:`sum_of_squares`

@@ -202,6 +202,9 @@ class LayerDerivatives:
         then covers.
     unconfirmed: how to take back the :func:`register` calls for this entry whose
         parameter names no instance has confirmed yet, in order (see :func:`lookup`).
+    recomputed: the entry is the generic fallback's (:func:`fallback`): it recomputes the
+        module one sample at a time, exact but slower than a closed form, so the block
+        warns (with ``strict=True``, raises) naming the module.
     """
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
@@ -220,6 +223,7 @@ class LayerDerivatives:
     recognise: Callable[[nn.Module, Any, Any], dict[str, Any] | None] | None = None
     strategies: dict[tuple[str, str], dict[str, Strategy]] = field(default_factory=dict)
     unconfirmed: list[_Undo] = field(default_factory=list, compare=False, repr=False)
+    recomputed: bool = False
 
     @property
     def params(self) -> tuple[str, ...]:

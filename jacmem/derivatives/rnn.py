@@ -441,8 +441,9 @@ for _module in (nn.RNN, nn.GRU, nn.LSTM):
         for_module=_for_module,
         own_layout=True,
     )
-    # the names of a one-layer bidirectional instance (with a projection for the LSTM)
-    example = _module(1, 2, bidirectional=True, **(dict(proj_size=1) if _module is nn.LSTM else {}))
+    # the names of a one-layer bidirectional instance (with a projection for the LSTM), built
+    # on the meta device: no storage and no draw from torch's random state at import
+    example = _module(1, 2, bidirectional=True, device="meta", **(dict(proj_size=1) if _module is nn.LSTM else {}))
     for _name in _names(example):
         for _strategy, _impl in _strategies(_name).items():
             register(_module, _name, "batch_grad", _strategy, cost=_impl.cost)(_impl.fn)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import warnings
 import weakref
 from collections import Counter
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -276,6 +277,8 @@ class FirstOrderEngine(Engine):
         missing = [p for p in rec.params if p not in supported]
         if missing:
             self._unsupported(rec, missing)
+        if rec.entry.recomputed:
+            self._recomputed(rec)
         self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
         try:
             with precision.computing(precision.device_of(rec.grads)):
@@ -644,6 +647,14 @@ class FirstOrderEngine(Engine):
             RuntimeWarning,
         )
 
+    def _recomputed(self, rec: hooks.Record) -> None:
+        """A module the generic fallback recomputes per sample: one notice (a warning
+        gathered with the others of its kind; with ``strict``, an error now, before the
+        pass writes anything)."""
+        fields = ", ".join(e.savefield for e in self.extensions)
+        label = f"{rec.name!r} ({type(rec.module).__name__})"
+        self.notices.add(("first-order recomputed",), rec.name, _recomputed_notice(label, fields))
+
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
         """A module with parameters the extensions cannot handle: one notice, gathered
         with the others of the pass into one warning."""
@@ -663,6 +674,21 @@ class FirstOrderEngine(Engine):
             )
 
         self.notices.add(("first-order unsupported",), rec.name, say)
+
+
+def _recomputed_notice(label: str, fields: str) -> Callable[[list[str]], str]:
+    """The words of the generic fallback's notice about the module ``label`` (and others)."""
+
+    def say(modules: list[str]) -> str:
+        return (
+            f"jacmem: module {label} has no registered derivative, so the per-sample gradients behind its {fields} "
+            "are recomputed one sample at a time (torch.func.vmap): exact, but slower than a closed form. Register "
+            "one with jacmem.layer and "
+            "jacmem.register (docs: 'Adding a layer or a strategy'); strict=True makes this an error."
+            + and_others(modules)
+        )
+
+    return say
 
 
 def _index_rows(rec: hooks.Record, param: nn.Parameter, dtype: torch.dtype) -> Tensor | None:

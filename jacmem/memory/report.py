@@ -341,6 +341,45 @@ class _Handle:
         self.index, self.tensor = index, tensor
 
 
+class _State:
+    """What a report's forward may change, to put back after it: torch's random state (CPU,
+    and every CUDA device once CUDA is initialised) and, of each module the report meets
+    (taken before its forward runs), its training flag, its parameter and buffer entries
+    and a copy of their values (a kernel that updates running statistics in place need not
+    move their version counter, so the values are compared)."""
+
+    def __init__(self):
+        cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
+        self.cpu_rng = torch.random.get_rng_state()
+        self.cuda_rng = torch.cuda.get_rng_state_all() if cuda else None
+        self.modules: dict[int, tuple[nn.Module, bool, dict, dict]] = {}
+        self.values: dict[int, tuple[Tensor, Tensor]] = {}  # id -> (tensor, copy)
+
+    def take(self, module: nn.Module) -> None:
+        for m in module.modules():
+            if id(m) in self.modules:
+                continue
+            self.modules[id(m)] = (m, m.training, dict(m._parameters), dict(m._buffers))
+            for t in [*m._parameters.values(), *m._buffers.values()]:
+                if t is not None and id(t) not in self.values:
+                    self.values[id(t)] = (t, t.detach().clone())
+
+    def restore(self) -> None:
+        with torch.no_grad():
+            for t, copy in self.values.values():
+                if not torch.equal(t, copy):  # an unchanged tensor keeps its version: graphs that saved it stay valid
+                    t.copy_(copy)
+        for m, training, params, buffers in self.modules.values():
+            m.training = training
+            m._parameters.clear()
+            m._parameters.update(params)
+            m._buffers.clear()
+            m._buffers.update(buffers)
+        torch.random.set_rng_state(self.cpu_rng)
+        if self.cuda_rng is not None:
+            torch.cuda.set_rng_state_all(self.cuda_rng)
+
+
 class _Recorder:
     """The hooks of one report: module stack, saved tensors, graph walk."""
 
@@ -360,10 +399,12 @@ class _Recorder:
         self.params: dict[int, nn.Parameter] = {}
         self.unpacked: list[tuple[int, tuple]] = []  # (entry index, _ident of the tensor) per unpack
         self.handles: list[weakref.ref] = []
+        self.state = _State()
         if root is not None:
             self._own(root, "")
 
     def _own(self, module: nn.Module, prefix: str) -> None:
+        self.state.take(module)
         for name, p in module.named_parameters(prefix=prefix):
             self.params.setdefault(id(p), p)
             self.param_names.setdefault(id(p), name)
@@ -575,9 +616,12 @@ def _lean_rows(model: nn.Module, inputs, kwargs) -> tuple[dict[str, int], int]:
     from jacmem.memory.lean import lean
 
     twin = lean(copy.deepcopy(model))
-    with torch.random.fork_rng(devices=[]):
+    state = _State()
+    try:
         twin(*inputs, **kwargs)
-        r = report(twin, *inputs, lean=False, **kwargs)
+    finally:
+        state.restore()
+    r = report(twin, *inputs, lean=False, **kwargs)
     del twin
     return {m.name: m.bytes for m in r.modules}, r.saved_bytes
 
@@ -666,6 +710,13 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, lean: bool | None = Non
     that lean layers share (a norm's output that the next Linear keeps too) is charged
     to its first saver, so per-module figures may move between modules; the totals
     are exact.
+
+    The forward runs in the mode the model is in (a train-mode BatchNorm uses the batch's
+    statistics, a Dropout draws), and what it changes is put back afterwards, also when it
+    raises: every parameter and buffer of the modules it ran (BatchNorm's running
+    statistics and ``num_batches_tracked``), their training flags and torch's random
+    state (CPU, and CUDA once initialised). A copy of those parameters and buffers is held
+    while the report runs.
     """
     root = fn_or_model if isinstance(fn_or_model, nn.Module) else getattr(fn_or_model, "__self__", None)
     root = root if isinstance(root, nn.Module) else None
@@ -682,6 +733,7 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, lean: bool | None = Non
     finally:
         for h in handles:
             h.remove()
+        rec.state.restore()
     # what the graph still holds now that the forward's temporaries are gone
     kept = [ref() is not None for ref in rec.handles]
     rec.walk([t.grad_fn for t in outputs])

@@ -189,3 +189,37 @@ def test_guide_code_runs_as_written(page):
         exec(compile(code, page, "exec"), namespace)
     weight = namespace["model"][0].weight
     assert weight.grad_batch.shape == (32, 8, 1, 3, 3)  # as the pages say
+
+
+#: a dotted name under jacmem in prose or code: ``jacmem.memory.report``, ``jacmem.KFAC``
+_DOTTED = re.compile(r"(?<![\w/.])jacmem(?:\.[A-Za-z_]\w*)+")
+
+
+def _resolves(name: str) -> bool:
+    """Whether ``name`` is a module of jacmem, or an attribute path under one."""
+    parts = name.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for part in parts[i:]:
+            if not hasattr(obj, part):
+                return False
+            obj = getattr(obj, part)
+        return True
+    return False
+
+
+def test_names_the_docs_give_exist():
+    """Every ``jacmem.X`` the guide and the README name is a real module or attribute
+    (curvature.rst once named ``jacmem.UnsupportedModule``, which never existed)."""
+    assert not _resolves("jacmem.UnsupportedModule") and _resolves("jacmem.memory.report")
+    pages = [*sorted((DOCS / "guide").glob("*.rst")), *sorted(DOCS.glob("*.rst")), ROOT / "README.md"]
+    missing = [
+        f"{page.relative_to(ROOT)}: {name}"
+        for page in pages
+        for name in sorted(set(_DOTTED.findall(page.read_text())))
+        if not _resolves(name)
+    ]
+    assert not missing, missing

@@ -136,6 +136,22 @@ def test_unfollowed_op_on_a_branch_raises(op, grad_fn):
         run(model, nn.CrossEntropyLoss(), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,)), DiagHessian())
 
 
+def test_the_errors_page_chain_error_case():
+    """docs/guide/errors.rst's ChainError row, as it says: a torch.sin between two modules
+    stops DiagHessian and KFRA, naming SinBackward0; the GGN-type extensions follow
+    autograd through it, and DiagGGNExact equals the dense GGN's diagonal."""
+    torch.manual_seed(4)
+    model, lossf = Block(torch.sin).to(DT), nn.CrossEntropyLoss()
+    X, y = torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,))
+    for ext in (DiagHessian(), KFRA()):
+        with pytest.raises(ChainError, match="SinBackward0"):
+            run(model, lossf, X, y, ext)
+    run(model, lossf, X, y, DiagGGNExact())
+    ggn, _ = dense(model, lossf, X, y)
+    for name, ref in diagonals(model, ggn).items():
+        torch.testing.assert_close(model.get_parameter(name).diag_ggn_exact, ref, atol=1e-10, rtol=1e-7)
+
+
 def test_the_same_block_with_modules_is_exact():
     torch.manual_seed(5)
     model = Block(nn.ReLU()).to(DT)
@@ -169,16 +185,24 @@ def test_scaled_loss_and_full_backward_hooks():
         torch.testing.assert_close(p.grad_batch.sum(0), p.grad)
 
 
-def test_forward_outside_the_block_raises():
+@pytest.mark.parametrize(
+    "ext",
+    [DiagGGNExact(), DiagHessian(), jacmem.KFAC(), KFLR(), jacmem.SqrtGGNExact(), jacmem.BatchDiagGGNMC()],
+    ids=repr,
+)
+def test_forward_outside_the_block_raises(ext):
+    """track() covers first order and clipping; a second-order extension after a tracked
+    forward raises naming the fix (README and from_backpack.rst say so), not nothing."""
     model = nn.Sequential(nn.Linear(4, 3)).to(DT)
     jacmem.track(model)
     try:
         loss = nn.CrossEntropyLoss()(model(torch.randn(2, 4, dtype=DT)), torch.randint(0, 3, (2,)))
-        with pytest.raises(RuntimeError, match="forward pass inside the block"):
-            with jacmem.extend(DiagGGNExact()):
+        with pytest.raises(RuntimeError, match=r"forward pass inside the block.*inside jacmem.extend"):
+            with jacmem.extend(ext):
                 loss.backward()
     finally:
         jacmem.untrack(model)
+    assert not [k for p in model.parameters() for k in vars(p) if k not in ("grad",)]
 
 
 @pytest.mark.parametrize("ext", [KFLR(), KFRA()], ids=repr)

@@ -80,6 +80,8 @@ def test_adapters_get_exact_per_sample_quantities(name, flow, embedding):
     reference = per_sample_grads(model, X, y, cross_entropy, "mean")
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # no fallback: the adapters are plain Linears
+        if embedding:  # PEFT's lora.Embedding has no closed form yet: the vmap fallback, which says so
+            warnings.filterwarnings("ignore", message=r"jacmem: module .*\(Embedding\).*recomputed one sample")
         run_jacmem(model, X, y, cross_entropy, "mean", EXTENSIONS, flow)
     check_against(model, reference, SAVEFIELDS, f"[{name} lora {flow}]")
     adapters_only(model)

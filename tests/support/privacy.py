@@ -31,7 +31,7 @@ def loader(X, y, batch_size=N) -> DataLoader:
 
 def clip_factors(grads: dict, max_norm, clipping: str) -> dict:
     """{param: [N]} clip factors of the per-sample gradients ``grads``: {param: [N, *]}."""
-    sq = {p: g.flatten(1).square().sum(1) for p, g in grads.items()}
+    sq = {p: g.reshape(g.shape[0], -1).square().sum(1) for p, g in grads.items()}
     total = torch.stack(list(sq.values())).sum(0).sqrt()
     if clipping == "flat":
         return dict.fromkeys(grads, (max_norm / (total + 1e-6)).clamp(max=1.0))
@@ -84,4 +84,4 @@ def medians(model, X, y) -> list[float]:
     """Per-layer thresholds that clip about half the samples: each parameter's median
     per-sample norm (the loop's)."""
     grads = per_sample_grads(model, X, y, cross_entropy, "sum")
-    return [g.flatten(1).norm(dim=1).median().item() for g in grads.values()]
+    return [g.reshape(g.shape[0], -1).norm(dim=1).median().item() for g in grads.values()]

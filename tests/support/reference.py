@@ -79,7 +79,7 @@ def per_sample_grads(
 
 def batch_l2(grad_batch: Tensor) -> Tensor:
     """[N, *shape] -> [N]: squared norm of each per-sample gradient."""
-    return grad_batch.flatten(1).square().sum(1)
+    return grad_batch.reshape(grad_batch.shape[0], -1).square().sum(1)
 
 
 def sum_grad_squared(grad_batch: Tensor) -> Tensor:
