@@ -345,8 +345,10 @@ class _State:
     """What a report's forward may change, to put back after it: torch's random state (CPU,
     and every CUDA device once CUDA is initialised) and, of each module the report meets
     (taken before its forward runs), its training flag, its parameter and buffer entries
-    and a copy of their values (a kernel that updates running statistics in place need not
-    move their version counter, so the values are compared)."""
+    and a copy of its buffers' values (a kernel that updates running statistics in place
+    need not move their version counter, so the values are compared). Parameters' values
+    are not copied: a forward that writes them in place is not one a report can undo, and
+    a copy of every weight would double the memory the report measures."""
 
     def __init__(self):
         cuda = torch.cuda.is_available() and torch.cuda.is_initialized()
@@ -360,7 +362,7 @@ class _State:
             if id(m) in self.modules:
                 continue
             self.modules[id(m)] = (m, m.training, dict(m._parameters), dict(m._buffers))
-            for t in [*m._parameters.values(), *m._buffers.values()]:
+            for t in m._buffers.values():
                 if t is not None and id(t) not in self.values:
                     self.values[id(t)] = (t, t.detach().clone())
 
@@ -713,10 +715,10 @@ def report(fn_or_model: Callable, *inputs, top: int = 5, lean: bool | None = Non
 
     The forward runs in the mode the model is in (a train-mode BatchNorm uses the batch's
     statistics, a Dropout draws), and what it changes is put back afterwards, also when it
-    raises: every parameter and buffer of the modules it ran (BatchNorm's running
-    statistics and ``num_batches_tracked``), their training flags and torch's random
-    state (CPU, and CUDA once initialised). A copy of those parameters and buffers is held
-    while the report runs.
+    raises: every buffer of the modules it ran (BatchNorm's running statistics and
+    ``num_batches_tracked``), their parameter and buffer entries, their training flags and
+    torch's random state (CPU, and CUDA once initialised). A copy of those buffers (not of
+    the weights) is held while the report runs.
     """
     root = fn_or_model if isinstance(fn_or_model, nn.Module) else getattr(fn_or_model, "__self__", None)
     root = root if isinstance(root, nn.Module) else None
