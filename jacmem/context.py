@@ -63,8 +63,10 @@ class extend:
     backward pass writes its own results at its end, replacing the last ones (they do
     not accumulate as ``.grad`` does); a pass that fails writes nothing. The quantities
     are computed in float32 at least (float64 for float64 parameters), without a graph
-    (``create_graph=True`` works; the quantities are constants), and returned in each
-    parameter's dtype.
+    (``create_graph=True`` works; the quantities are constants, and differentiating one
+    raises, naming jacmem), and returned in each parameter's dtype. A second backward in
+    the block through a ``create_graph=True`` backward's gradients (a gradient penalty)
+    raises: its per-sample quantities are not defined; run it after the block.
 
     Engines: the extensions of each kind run in their engine (first order:
     :mod:`jacmem.engine.firstorder`; second order:

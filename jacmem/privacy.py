@@ -63,6 +63,7 @@ from torch.utils.data import DataLoader
 try:
     from opacus import PrivacyEngine as OpacusEngine
     from opacus.accountants.utils import get_noise_multiplier
+    from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
     from opacus.grad_sample.utils import get_gsm_class
     from opacus.optimizers import (
         AdaClipDPOptimizer,
@@ -73,6 +74,7 @@ try:
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
+from jacmem import compat
 from jacmem.engine.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
@@ -94,15 +96,16 @@ class _Private:
     global hook: other models' calls, other private models' and a ``jacmem.extend``
     block's are none of its business, and cost nothing.
 
-    Distributed: the clipping engine sums the clipped sums over the ranks itself, in
-    the backward; a ``DistributedDataParallel`` model's own gradient synchronisation is
-    off while the block is open, and a model that is not DDP-wrapped, in a process
-    group of more than one rank, is summed over the default group. An FSDP2 model's
-    clipped sums are reduce-scattered by the engine, as FSDP reduces gradients."""
+    Distributed (:func:`_distributed`): the clipping engine sums the clipped sums over
+    the ranks itself, in the backward; a ``DistributedDataParallel`` model's own
+    gradient synchronisation is off while the block is open, and Opacus's ``DPDDP``
+    (which synchronises nothing in the backward) is summed over the default group, as
+    Opacus's distributed optimizer sums it. An FSDP2 model's clipped sums are
+    reduce-scattered by the engine, as FSDP reduces gradients. Any other model is one
+    process's, whatever process group is up: no collective."""
 
     def __init__(self, module: nn.Module, clip: ClipGrad, batch_first: bool = True):
-        ddp = isinstance(module, nn.parallel.DistributedDataParallel)
-        group = dist.group.WORLD if _distributed(module) and not (ddp or _fsdp(module)) else None
+        group = dist.group.WORLD if isinstance(compat.uncompiled(module), DPDDP) else None
         self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
@@ -407,9 +410,13 @@ class AdaptiveDPOptimizer(_ClippedSum, AdaClipDPOptimizer, DPOptimizerFastGradie
 
 
 def _distributed(module: nn.Module) -> bool:
-    return isinstance(module, nn.parallel.DistributedDataParallel) or (
-        dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-    )
+    """Whether ``module`` is data-parallel, decided as Opacus decides, by its wrapper:
+    ``DistributedDataParallel`` or Opacus's ``DPDDP``, also under ``torch.compile``'s
+    wrapper (FSDP2 is :func:`_fsdp`'s). Not by an initialised process group: a model
+    without such a wrapper may be one rank's own (a reference run on rank 0 of a
+    ``torchrun`` script), whose steps must neither wait for the other ranks nor add
+    their gradients."""
+    return isinstance(compat.uncompiled(module), (nn.parallel.DistributedDataParallel, DPDDP))
 
 
 def _fsdp(module: nn.Module) -> bool:
@@ -531,9 +538,11 @@ class PrivacyEngine(OpacusEngine):
         Args:
             module: the model; returned as it is (``model is module``), its hooks
                 installed and its ``.grad`` (from backward passes before, unclipped)
-                dropped. A ``DistributedDataParallel`` model (or a process group of
-                more than one rank) gets the distributed optimizer; a ``fully_shard``-ed
-                one (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards.
+                dropped. A ``DistributedDataParallel`` model, or one wrapped in Opacus's
+                ``DPDDP``, gets the distributed optimizer; a ``fully_shard``-ed one
+                (FSDP2) :class:`ShardedDPOptimizer`, each rank noising its shards; any
+                other model :class:`DPOptimizer`, and no collective, also where a
+                process group is initialised (as Opacus decides, by the wrapper).
             optimizer: over (a subset of) ``module``'s parameters.
             criterion: the loss, returned as it is where Opacus returns its ghost-clipping
                 criterion (``grad_sample_mode`` ``"ghost"`` or ``"ghost_fsdp"``):
@@ -616,8 +625,9 @@ class PrivacyEngine(OpacusEngine):
             optimizer = optimizer.original_optimizer
         max_grad_norm = _thresholds(optimizer, clipping, max_grad_norm)
         check(module)  # refuses before anything is installed
-        distributed, sharded = _distributed(module), _fsdp(module)
-        if clipping == "adaptive" and (distributed or sharded):
+        sharded = _fsdp(module)
+        distributed = sharded or _distributed(module)
+        if clipping == "adaptive" and distributed:
             raise ValueError(
                 f"clipping='adaptive' is not for distributed training{' (FSDP)' if sharded else ''}, "
                 "nor is Opacus's: choose 'flat', 'per_layer' or 'automatic'"

@@ -18,6 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+from torch import Tensor, nn
+
 from jacmem import compat
 from jacmem.engine import precision
 
@@ -92,14 +95,17 @@ class Pass:
     """One backward pass (one autograd graph task, with the tasks nested in it) through a
     block: each engine's state, committed when the pass ends."""
 
-    __slots__ = ("states", "on_end", "written", "thread", "ended", "__weakref__")
+    __slots__ = ("states", "on_end", "written", "thread", "ended", "create_graph", "__weakref__")
 
-    def __init__(self, on_end: Callable[[set[int]], None] | None, written: set[int]):
+    def __init__(self, on_end: Callable[[set[int]], None] | None, written: set[int], create_graph: bool = False):
         #: engine -> its state for this pass
         self.states: dict[Engine, Any] = {}
         self.on_end = on_end
         #: where the ids of the objects it writes to go (:attr:`Passes.written`)
         self.written = written
+        #: whether the backward runs with ``create_graph=True``: its results are
+        #: :func:`undifferentiable`
+        self.create_graph = create_graph
         #: the thread that runs it (autograd's, on an accelerator)
         self.thread = threading.get_ident()
         #: whether it has begun to commit
@@ -120,7 +126,7 @@ class Pass:
         with precision.uncast():
             writes = [w for engine, st in states.items() for w in engine.finish(st)]
         for obj, field, value in writes:
-            setattr(obj, field, value)
+            setattr(obj, field, undifferentiable(obj, field, value) if self.create_graph else value)
         written = {id(obj) for obj, _, _ in writes}
         self.written.update(written)
         if self.on_end is not None:
@@ -128,6 +134,38 @@ class Pass:
 
     def drop(self) -> None:
         self.states.clear()
+
+
+class _Constant(torch.autograd.Function):
+    """A result of a pass under ``create_graph=True``, in the graph of its parameter, so
+    that differentiating it raises, naming jacmem (a constant would give torch's "does
+    not require grad")."""
+
+    @staticmethod
+    def forward(ctx, value: Tensor, param: Tensor, field: str) -> Tensor:
+        ctx.field = field
+        return value.view_as(value)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        raise RuntimeError(
+            f"jacmem: {ctx.field!r} is not differentiable: jacmem computes its quantities without a graph, also "
+            "under backward(create_graph=True) (BackPACK's are differentiable there). Differentiate a per-sample "
+            "computation of your own instead (torch.func.vmap of torch.func.grad, with the quantity built from "
+            "it); see 'Porting from BackPACK' in the docs."
+        )
+
+
+def undifferentiable(obj: Any, field: str, value: Any) -> Any:
+    """``value``, the result ``field`` of a parameter ``obj`` from a pass under
+    ``create_graph=True``, made to raise where it is differentiated (:class:`_Constant`).
+    ``.grad`` (ClipGrad's clipped sum) and what is not a plain floating tensor on a plain
+    trainable parameter (an FSDP2 ``DTensor``) stay as they are."""
+    plain = type(value) is Tensor and type(obj) in (Tensor, nn.Parameter)
+    if field == "grad" or not plain or not value.is_floating_point() or not obj.requires_grad:
+        return value
+    with torch.enable_grad():  # (autograd's final callbacks may run without it)
+        return _Constant.apply(value, obj, field)
 
 
 class Passes:
@@ -148,6 +186,9 @@ class Passes:
         self.started = 0
         self.written: set[int] = set()
         self.warned: set[int] = set()
+        #: whether the outermost backward now running was called with ``create_graph=True``
+        #: (the block's :class:`jacmem.engine.recorder.BackwardWatch` says)
+        self.create_graph = False
 
     def current(self) -> Pass:
         """The running backward pass, begun (and queued to commit at its end) on its
@@ -163,7 +204,7 @@ class Passes:
         if run is None:
             run = self._enclosing()
             if run is None:
-                run = Pass(self.on_end, self.written)
+                run = Pass(self.on_end, self.written, self.create_graph)
                 compat.queue_callback(run)
                 self.started += 1
             self._live[task] = run

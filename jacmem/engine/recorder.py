@@ -446,6 +446,16 @@ def _taken(model: nn.Module, by: Any) -> str:
     return f"jacmem: the model ({type(model).__name__}) is tracked {where} already; free it first with {fix}."
 
 
+def _refuse_second_backward(grad: torch.Tensor) -> None:
+    raise RuntimeError(
+        "jacmem: this backward differentiates the gradients of a backward(create_graph=True) run in the same "
+        "jacmem.extend block (a gradient penalty, a Hessian-vector product). Its 'loss' is a function of "
+        "gradients, not a sum of per-sample terms: per-sample quantities of this second backward are not "
+        "defined. Run it after the block, outside `with jacmem.extend(...)`: the first backward's quantities "
+        "stay as they were written."
+    )
+
+
 class BackwardWatch:
     """Watches each backward of the block's thread, for three jobs: it tells the block a
     backward is about to begin (``on_backward``: the second-order engine's autograd path
@@ -484,14 +494,19 @@ class BackwardWatch:
         #: ids of the parameters already named in a warning
         self.missed: set[int] = set()
         self.originals: tuple | None = None
+        #: the hooks of :meth:`_refuse_through`, taken off when the block ends
+        self.refusals: list = []
 
     def open(self, owner: int) -> None:
         self.owner = owner
         self.originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors", 4)
-        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs", 0)
+        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors", 4, 2)
+        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs", 0, 3)
 
     def close(self) -> None:
+        for handle in self.refusals:
+            handle.remove()
+        self.refusals = []
         if self.originals is None:
             return
         for attr, original in zip(("backward", "grad"), self.originals):
@@ -499,9 +514,10 @@ class BackwardWatch:
                 setattr(torch.autograd, attr, original)
         self.originals, self.owner = None, None
 
-    def _wrap(self, original, at: int, keyword: str, inputs_at: int):
+    def _wrap(self, original, at: int, keyword: str, inputs_at: int, create_graph_at: int):
         """``original``, watched; its output gradients are argument ``at`` (after the
-        tensors) or ``keyword``, and its ``inputs`` argument ``inputs_at`` or ``inputs``."""
+        tensors) or ``keyword``, its ``inputs`` argument ``inputs_at`` or ``inputs``, and
+        its ``create_graph`` argument ``create_graph_at`` or ``create_graph``."""
 
         @functools.wraps(original)
         def watched(tensors, *args, **kwargs):
@@ -510,15 +526,24 @@ class BackwardWatch:
             reached = list(reached_parameters(tensors))
             if self.on_backward is not None:
                 self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
-            if self.warned:
-                return original(tensors, *args, **kwargs)
-            started = self.passes.started
-            self.passes.written.clear()
-            out = original(tensors, *args, **kwargs)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
             if inputs is not None:
                 wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
                 reached = [p for p in reached if id(p) in wanted]
+            create_graph = bool(args[create_graph_at] if len(args) > create_graph_at else kwargs.get("create_graph"))
+            started = self.passes.started
+            self.passes.written.clear()
+            self.passes.create_graph = create_graph
+            try:
+                out = original(tensors, *args, **kwargs)
+            finally:
+                self.passes.create_graph = False
+            if create_graph:
+                given = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+                results = list(out) if out is not None else [t.grad for t in (reached if given is None else given)]
+                self._refuse_through(results)
+            if self.warned:
+                return out
             if self.passes.started == started:
                 if reached:
                     self._untracked()
@@ -528,6 +553,16 @@ class BackwardWatch:
             return out
 
         return watched
+
+    def _refuse_through(self, gradients: list) -> None:
+        """Hooks on ``gradients``, the results (``.grad``, or ``torch.autograd.grad``'s)
+        of a backward with ``create_graph=True``, that refuse a later backward of the
+        block through them (a gradient penalty, a Hessian-vector product): its "loss" is a
+        function of gradients, not a sum of per-sample terms, so it has no per-sample
+        quantities, and it would write ones that mean nothing over the first backward's."""
+        for g in gradients:
+            if isinstance(g, torch.Tensor) and g.requires_grad:
+                self.refusals.append(g.register_hook(_refuse_second_backward))
 
     def _untracked(self) -> None:
         self.warned = True

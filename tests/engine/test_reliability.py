@@ -782,6 +782,8 @@ def test_a_branch_the_batch_skipped_loses_the_results_of_an_earlier_batch(where)
 
 
 def test_create_graph_works_and_gives_constants():
+    """The quantities' values are the loop's; differentiating them raises, naming jacmem
+    (tests/engine/test_create_graph.py has the rest)."""
     model = cnn()
     X, y = x64(4, 2, 6, 6), x64(4, 2)
     with jacmem.extend(*extensions()):
@@ -790,7 +792,9 @@ def test_create_graph_works_and_gives_constants():
     assert all(g.requires_grad for g in grads), "create_graph=True must still give a graph"
     for p, g in zip(params, grads):
         p.grad = g.detach()
-        assert not any(getattr(p, f).requires_grad for f in ALL_FIELDS)
+        for f in ALL_FIELDS:
+            with pytest.raises(RuntimeError, match="jacmem: .* is not differentiable"):
+                torch.autograd.grad(getattr(p, f).sum(), p)
     check_reference(model, X, y)
 
 

@@ -10,6 +10,7 @@ multiplier are Opacus's: checked against Opacus fed the same inputs.
 from __future__ import annotations
 
 import copy
+import faulthandler
 import threading
 import warnings
 
@@ -18,15 +19,18 @@ import pytest
 import torch
 from opacus.accountants import create_accountant
 from opacus.accountants.utils import get_noise_multiplier
+from opacus.distributed import DifferentiallyPrivateDistributedDataParallel as DPDDP
 from opacus.utils.batch_memory_manager import BatchMemoryManager
+from tests.support.clipping import expected as expected_clipped
+from tests.support.clipping import per_sample
 from tests.support.distributed import needs_gloo, run_ranks
 from tests.support.privacy import FLAT, LR, N, batch, clip_factors, loader, loop_step, medians, net, private, train
-from tests.support.reference import cross_entropy, per_sample_grads
+from tests.support.reference import REFERENCE, cross_entropy, per_sample_grads
 from torch import nn
 
 import jacmem.context
 from jacmem.engine import recorder
-from jacmem.privacy import PrivacyEngine
+from jacmem.privacy import DPOptimizer, PrivacyEngine
 
 pytestmark = [
     pytest.mark.usefixtures("float64_default"),
@@ -449,10 +453,10 @@ def _ddp_worker(rank: int) -> None:
     step_on_own_rows(nn.parallel.DistributedDataParallel(model))
     assert_params(model, expected, f"rank {rank} DDP")
 
-    torch.manual_seed(0)  # a model that is not DDP-wrapped, with the process group up
+    torch.manual_seed(0)  # Opacus's own data-parallel wrapper: the same global step
     model = net()
-    step_on_own_rows(model)
-    assert_params(model, expected, f"rank {rank} process group")
+    step_on_own_rows(DPDDP(model))
+    assert_params(model, expected, f"rank {rank} DPDDP")
 
     # a head that one rank's batch does not take (find_unused_parameters): each rank
     # .grad's the global clipped sum, the head too on the rank that did not use it
@@ -495,6 +499,81 @@ class TwoHeads(nn.Module):
 @needs_gloo
 def test_two_ddp_ranks_equal_one_process(tmp_path):
     run_ranks(_ddp_worker, tmp_path, world=WORLD)
+
+
+def _plain_step(model: nn.Module, X, y) -> torch.optim.Optimizer:
+    """One private step of ``model`` (noise 0, threshold FLAT) on ``(X, y)``, a loader of
+    that batch alone; the optimizer."""
+    eng = PrivacyEngine()
+    _, opt, _ = eng.make_private(
+        module=model, optimizer=torch.optim.SGD(model.parameters(), lr=LR),
+        data_loader=loader(X, y, len(X)), noise_multiplier=0.0, max_grad_norm=FLAT, poisson_sampling=False,
+    )  # fmt: skip
+    try:
+        train(model, opt, [(X, y)])
+    finally:
+        eng.detach()
+    return opt
+
+
+def _plain_worker(rank: int) -> None:
+    """A model with no data-parallel wrapper, private on each rank of a process group:
+    one process's step on the rank's own batch (it was summed over the ranks: 1.98x)."""
+    torch.set_default_dtype(torch.float64)
+    warnings.simplefilter("ignore")
+    torch.manual_seed(0)
+    model = net()
+    X, y = batch(2 * N)
+    rows = slice(rank * N, (rank + 1) * N)
+    expected = loop_step(copy.deepcopy(model), [(X[rows], y[rows])], FLAT, "flat")
+    opt = _plain_step(model, X[rows], y[rows])
+    assert type(opt) is DPOptimizer, f"rank {rank}: {type(opt).__name__}"
+    assert_params(model, expected, f"rank {rank} plain model in a process group")
+
+
+@needs_gloo
+def test_a_plain_model_in_a_process_group_is_one_process_on_each_rank(tmp_path):
+    run_ranks(_plain_worker, tmp_path, world=WORLD)
+
+
+def _rank0_alone_worker(rank: int) -> None:
+    """A model with no data-parallel wrapper, private (then in a ``jacmem.extend`` block
+    of every first-order extension, then of ClipGrad) on rank 0 alone, as a reference run
+    inside a torchrun script: no collective, so rank 0 ends while rank 1 waits (it hung
+    for ever in all_reduce; a watchdog now ends rank 0 after a minute, with its stack, and
+    the test fails). Each result is one process's."""
+    torch.set_default_dtype(torch.float64)
+    warnings.simplefilter("ignore")
+    if rank == 0:
+        faulthandler.dump_traceback_later(60, exit=True)
+        torch.manual_seed(0)
+        model = net()
+        X, y = batch()
+        expected = loop_step(copy.deepcopy(model), [(X, y)], FLAT, "flat")
+        opt = _plain_step(model, X, y)
+        assert type(opt) is DPOptimizer, type(opt).__name__
+        assert_params(model, expected, "rank 0 alone, private")
+
+        torch.manual_seed(0)
+        model = net()
+        grads = per_sample_grads(model, X, y, cross_entropy)
+        extensions = [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.SumGradSquared(), jacmem.Variance()]
+        with jacmem.extend(*extensions):
+            cross_entropy(model(X), y, "mean").backward()
+        for p in model.parameters():
+            for field, reference in REFERENCE.items():
+                torch.testing.assert_close(getattr(p, field), reference(grads[p]), rtol=1e-10, atol=1e-12)
+        model.zero_grad()
+        with jacmem.extend(jacmem.ClipGrad(FLAT, loss_reduction="sum")):
+            cross_entropy(model(X), y, "sum").backward()
+        for p, e in expected_clipped(per_sample(model, X, y, cross_entropy, "sum"), FLAT).items():
+            torch.testing.assert_close(p.grad, e, rtol=1e-10, atol=1e-12)
+        faulthandler.cancel_dump_traceback_later()
+
+
+@needs_gloo
+def test_a_plain_model_private_on_rank_0_alone_completes(tmp_path):
+    run_ranks(_rank0_alone_worker, tmp_path, world=WORLD)
 
 
 def test_other_models_are_untouched_while_private(engine):
