@@ -94,7 +94,7 @@ def eager(hook: Callable) -> Callable:
             token = torch.ops.jacmem.tap(slot, list(margs), output, True)
             return Fused.apply(slot, token, margs[0], [output.detach()], *params)
         token = torch.ops.jacmem.tap(slot, list(margs), output, False)
-        return Tap.apply(output, token)
+        return Tap.apply(output, token, *margs)
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
     return functools.wraps(hook)(traced)
@@ -232,33 +232,36 @@ def _hooks_of(token: Tensor):
 
 
 @torch.library.custom_op("jacmem::tapped", mutates_args=("grad",))
-def _tapped(grad: Tensor, token: Tensor) -> None:
-    """In a compiled backward: ``grad``, the gradient of a call's output, to the hooks of
-    ``token`` (:func:`_tap`). Declared as writing ``grad``, so that it runs in order."""
+def _tapped(grad: Tensor, token: Tensor, args: list[Tensor]) -> None:
+    """In a compiled backward: ``grad``, the gradient of a call's output, and ``args``, the
+    call's inputs as the backward holds them, to the hooks of ``token`` (:func:`_tap`).
+    Declared as writing ``grad``, so that it runs in order."""
     with compat.autograd_inside_op():
         for hook in _hooks_of(token):
-            hook(grad)
+            hook(grad, args)
 
 
 @_tapped.register_fake
-def _(grad, token):
+def _(grad, token, args):
     return None
 
 
 class Tap(torch.autograd.Function):
     """The output of a call recorded in a compiled graph: a copy (later in-place ops may
-    write it), whose gradient goes to the call's records (``jacmem::tapped``)."""
+    write it), whose gradient goes to the call's records (``jacmem::tapped``), with the
+    call's inputs ``args``, which the graph keeps for its backward (saved, or recomputed
+    there) as it keeps its own tensors (:class:`TappedHook`)."""
 
     @staticmethod
-    def forward(ctx, output: Tensor, token: Tensor) -> Tensor:
-        ctx.save_for_backward(token)
+    def forward(ctx, output: Tensor, token: Tensor, *args: Tensor) -> Tensor:
+        ctx.save_for_backward(token, *args)
         return output.clone()
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        (token,) = ctx.saved_tensors
-        torch.ops.jacmem.tapped(grad, token)
-        return grad, None
+        token, *args = ctx.saved_tensors
+        torch.ops.jacmem.tapped(grad, token, args)
+        return grad, None, *[None] * len(args)
 
 
 @torch.library.custom_op("jacmem::fused", mutates_args=())
@@ -271,7 +274,7 @@ def _fused(grad: Tensor, token: Tensor, slot: int, x: Tensor, params: list[Tenso
     with compat.autograd_inside_op():
         for hook in _hooks_of(token):
             # (a record not run fused, as a block that computes no summed gradients makes: its plain hook)
-            grads = hook(grad, needs_x) if isinstance(hook, FusedHook) else hook(grad)
+            grads = hook(grad, x, needs_x) if isinstance(hook, FusedHook) else hook(grad, [x])
             if grads is not None:
                 return grads
         module = _SLOTS[slot][1]()
@@ -344,7 +347,8 @@ class Record:
         #: whether it computes that parameter's gradient (``backward(inputs=...)``);
         #: a call through :class:`ComputeOnce` has them as its node's inputs
         self.nodes: dict[str, Any] = {}
-        self.x: Any = x if entry is None or x is None else entry.arrange_input(x, **self.hp)
+        self.x: Any = None
+        self.take(x)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
         self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
@@ -373,6 +377,11 @@ class Record:
         #: the dtype autocast ran the call in, where it was on: its own ops may have been
         #: 16-bit where its output is not (PEFT's lora.Embedding, recomputed in float32)
         self.autocast = _autocast_dtype(outputs[0].device.type) if outputs else None
+
+    def take(self, x: Any) -> None:
+        """Keep ``x``, what the layer keeps of the call's inputs, arranged as its derivatives
+        take it."""
+        self.x = x if self.entry is None or x is None else self.entry.arrange_input(x, **self.hp)
 
     @property
     def relaid(self) -> bool:
@@ -469,19 +478,18 @@ def record(
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
     if not outputs:
         return None, output
-    kept = args, kwargs
-    if _relaid(batch_first, entry):  # the derivatives take the batch first
-        kept = layout.inputs_first(args, kwargs, layout.batch_size(module, name, args, kwargs, outputs))
+    n = layout.batch_size(module, name, args, kwargs, outputs) if _relaid(batch_first, entry) else None
     needs_input = entry is None or any(p not in entry.input_free for p in params)
-    x = entry.keep(*kept) if entry is not None and needs_input else None
-    x = detached(x)
-    rec = Record(module, name, entry, params, x, outputs)
+    keep = functools.partial(_kept, entry if needs_input else None, n)
+    rec = Record(module, name, entry, params, keep(args, kwargs), outputs)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
+        # (its indices are read before the call's backward: an LM head reads its embedding's)
+        rec.x = compat.tree_map(_own_indices, rec.x)
         jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
         rec.once = jac is not None
-        _hook(rec, outputs, on_grad, handles, None if jac is None else (jac, args[0].detach()))
+        _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
@@ -493,6 +501,26 @@ def record(
     for t in outputs:
         _mark(t.grad_fn, rec)
     return rec, output
+
+
+def _kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
+    """What a record keeps of a call's inputs: its layer's ``keep`` of them, detached, with
+    axis 1 moved first where ``n`` (the batch size there) is given; None without ``entry``
+    (no parameter of the call needs them)."""
+    if entry is None:
+        return None
+    if n is not None:  # the derivatives take the batch first
+        args, kwargs = layout.inputs_first(args, kwargs, n)
+    return detached(entry.keep(args, kwargs))
+
+
+def _own_indices(t: Any) -> Any:
+    """``t``, copied where it is a tensor of indices (integers: small beside activations)."""
+    return t.clone() if isinstance(t, Tensor) and not (t.is_floating_point() or t.is_complex()) else t
+
+
+def _owned(t: Any) -> Any:
+    return t.clone() if isinstance(t, Tensor) else t
 
 
 def _mark(node, rec: Record) -> None:
@@ -528,20 +556,27 @@ def record_use(
     return rec
 
 
-def _hook(rec: Record, outputs: list[Tensor], on_grad: OnGrad, handles, fused: tuple | None = None) -> None:
+def _hook(
+    rec: Record,
+    outputs: list[Tensor],
+    on_grad: OnGrad,
+    handles,
+    tapped: TappedHook | None = None,
+    jac: Passthrough | None = None,
+) -> None:
     """Hooks on ``outputs`` that hand ``rec`` to ``on_grad`` once all their gradients arrived;
-    ``fused``: ``(layer's passthrough, the call's input)`` of a call run through :class:`Fused`,
-    whose hook returns the gradients of the call's input and parameters (or None where
-    ``on_grad`` gives none)."""
+    ``tapped``: the hook of a call recorded in a compiled graph (:func:`_tap`: one output),
+    which ``jacmem::tapped`` calls, or, with ``jac`` (the layer's passthrough), the
+    :class:`FusedHook` of a call run through :class:`Fused`, which ``jacmem::fused`` calls."""
     rec.nodes = {n: torch.autograd.graph.get_gradient_edge(p).node for n, p in rec.params.items()}
+    if tapped is not None:
+        handle = RemovableHandle(_TAPPED)
+        _TAPPED[handle.id] = tapped if jac is None else FusedHook(tapped, jac)
+        _DEFERRED[-1].append(handle.id)
+        (handles.add if isinstance(handles, Handles) else handles.append)(handle)
+        return
     for i, out in enumerate(outputs):
-        hook = _make_hook(rec, i, on_grad) if fused is None else FusedHook(rec, on_grad, *fused)
-        if _DEFERRED:  # in a compiled graph (:func:`_tap`): its output has one tensor
-            handle = RemovableHandle(_TAPPED)
-            _TAPPED[handle.id] = hook
-            _DEFERRED[-1].append(handle.id)
-        else:
-            handle = out.register_hook(hook)
+        handle = out.register_hook(_make_hook(rec, i, on_grad))
         (handles.add if isinstance(handles, Handles) else handles.append)(handle)
 
 
@@ -553,23 +588,52 @@ def _make_hook(rec: Record, index: int, on_grad: OnGrad):
     return hook
 
 
+class TappedHook:
+    """The output-gradient hook of a record made in a compiled graph (:func:`_tap`):
+    ``hook(grad, args)``, the gradient of the call's output and the call's inputs as the
+    compiled backward holds them, hands the record to ``on_grad`` (:meth:`arrive`).
+
+    The record keeps copies of both, and its inputs from the backward's rather than the
+    forward's: inductor writes new values into the buffer of a tensor once the graph no
+    longer needs it (buffer reuse, in-place kernels), in the forward after the call (where
+    the backward recomputes the tensor, or never reads it) as in the backward after the
+    op, while the engines read what a record keeps up to the end of the pass (ClipGrad's
+    clipped sums, a tied parameter's calls). Only its indices are kept from the forward
+    (copied there), which an LM head reads of its embedding's record before that
+    record's backward."""
+
+    def __init__(self, rec: Record, on_grad: OnGrad, keep: Callable[[tuple, dict], Any]):
+        self.rec, self.on_grad, self.keep = rec, on_grad, keep
+
+    def __call__(self, grad: Tensor, args: list[Tensor]) -> None:
+        self.arrive(grad, args)
+
+    def arrive(self, grad: Tensor, args: list[Tensor]) -> dict[str, Tensor] | None:
+        """Hand the record, with copies of ``grad`` and of what it keeps of ``args``, to
+        ``on_grad``; returns what that returns."""
+        rec = self.rec
+        rec.take(compat.tree_map(_owned, self.keep(tuple(args), {})))
+        rec.receive(0, grad.clone())
+        return self.on_grad(rec)
+
+
 class FusedHook:
     """The output-gradient hook of a record whose call a compiled graph runs through
-    :class:`Fused`: ``hook(grad, needs_x)`` hands the record to ``on_grad`` and returns the
-    gradients of the call's input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and
-    parameters, or None where ``on_grad`` gives none."""
+    :class:`Fused`: ``hook(grad, x, needs_x)`` hands the record to ``on_grad`` (its
+    :class:`TappedHook`, on the call's input ``x``) and returns the gradients of the call's
+    input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and parameters, or None
+    where ``on_grad`` gives none."""
 
-    def __init__(self, rec: Record, on_grad: OnGrad, jac: Passthrough, kept: Tensor):
-        self.rec, self.on_grad, self.jac, self.kept = rec, on_grad, jac, kept
+    def __init__(self, tapped: TappedHook, jac: Passthrough):
+        self.tapped, self.jac = tapped, jac
 
-    def __call__(self, grad: Tensor, needs_x: bool) -> list[Tensor] | None:
-        rec = self.rec
-        rec.receive(0, grad)
-        grads = self.on_grad(rec)
+    def __call__(self, grad: Tensor, x: Tensor, needs_x: bool) -> list[Tensor] | None:
+        rec = self.tapped.rec
+        grads = self.tapped.arrive(grad, [x])
         if grads is None:
             return None
         hp = self.jac.params(rec.module)
-        gx = [self.jac.backprop((self.kept,), None, grad.unsqueeze(0), hp)[0][0]] if needs_x else []
+        gx = [self.jac.backprop((x,), None, grad.unsqueeze(0), hp)[0][0]] if needs_x else []
         # zeros where the block gives none (ClipGrad writes its clipped sums at the end)
         return gx + [grads[n] if n in grads else torch.zeros_like(p) for n, p in rec.params.items()]
 
