@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test test-slow lint bench docs clean
 
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
@@ -22,8 +22,13 @@ $(STAMP): Makefile pyproject.toml constraints.txt tools/torchvision_cpu_shim.py
 demo: $(STAMP)
 	$(PY) examples/plot_save_memory.py
 
+# `make test` is the cheap slice, on two workers (pytest-xdist); the tests marked slow (peers'
+# whole suites, several ranks, compiled models, benchmark processes) run in `make test-slow`.
 test: $(STAMP) lint
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n 2 -m "not slow"
+
+test-slow: $(STAMP)
+	$(PY) -m pytest -q -n 2 -m "slow"
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -122,6 +122,7 @@ def test_plot_dp_gpt2_finetune_quick(monkeypatch, capsys):
     assert re.search(r"prompt \[3, 5, 7\] -> generated \[(\d+, ){5}\d+\]", out), out
 
 
+@pytest.mark.slow
 def test_plot_private_fsdp_quick(monkeypatch, capsys):
     """GPT-2 under FSDP2, two ranks started by torchrun: without noise, the loss curve is
     one process's on the same global batches (the example asserts it); with noise, ε."""

@@ -143,6 +143,7 @@ def test_gpt2_real_vocabulary_never_forms_per_sample_gradients():
         assert watch.large == [], f"{ext}: {watch.large}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("chunk_bytes", [1, 288, 2**30])
 @pytest.mark.parametrize("name", CASES)
 def test_second_moments_of_tied_parameters(name, chunk_bytes):
@@ -189,6 +190,7 @@ def _moments(name: str, exts: tuple, monkeypatch, way: str | None = None, chunk_
     return line.split("sum_grad_squared <- ")[1].split(" (")[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("way", ["tied per-sample gradients", "tied index terms"])
 @pytest.mark.parametrize("name", ["embedding_head", "gpt2_50257"])
 def test_second_moments_by_either_way(name, way, monkeypatch):
@@ -218,6 +220,7 @@ def test_second_moments_of_two_dense_calls_and_an_embedding(monkeypatch):
     assert _moments("head_twice", (jacmem.Variance(),), monkeypatch, "tied index terms") == "tied index terms"
 
 
+@pytest.mark.slow
 def test_gpt2_real_vocabulary_variance_without_per_sample_gradients():
     """Variance of the tied [50257, 8] weight: nothing of N·V·D entries in the backward."""
     model, X, y, _ = case("gpt2_50257")

@@ -92,6 +92,7 @@ def _steps(model, X, y, extensions, flow: str, steps: int = 3) -> CompileCounter
     return counter
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flow", ["inside", "track"])
 @pytest.mark.parametrize("make", [cnn, vit, gpt2], ids=["cnn", "vit", "gpt2"])
 def test_first_order_extensions_are_exact_on_compiled_models(make, flow):
@@ -103,6 +104,7 @@ def test_first_order_extensions_are_exact_on_compiled_models(make, flow):
         check_against(model, reference, fields, f"[{make.__name__} {flow} {fields}]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flow", ["inside", "track"])
 @pytest.mark.parametrize("clipping", ["flat", "per_layer"])
 def test_clip_grad_is_exact_on_a_compiled_model(clipping, flow):
@@ -114,6 +116,7 @@ def test_clip_grad_is_exact_on_a_compiled_model(clipping, flow):
     assert_grads(model, expected(grads, C, clipping), f"[{clipping} {flow}]")
 
 
+@pytest.mark.slow
 def test_privacy_engine_on_a_compiled_model():
     from tests.support.privacy import LR, loader, loop_step
 
@@ -141,6 +144,7 @@ def test_privacy_engine_on_a_compiled_model():
         torch.testing.assert_close(p.detach(), e, rtol=1e-10, atol=1e-12)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flow", ["inside", "track"])
 def test_clip_grad_is_exact_on_a_compiled_gpt2_with_default_position_ids(flow):
     """The embedding of GPT-2's ``[1, T]`` position ids is expanded to the batch inside the
@@ -153,6 +157,7 @@ def test_clip_grad_is_exact_on_a_compiled_gpt2_with_default_position_ids(flow):
     assert_grads(model, expected(grads, C, "flat"), f"[gpt2 {flow}]")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt2", "bert", "llama"])
 def test_compiled_lora_with_its_embedding_adapter_is_exact(name):
     """PEFT's ``lora.Embedding`` reads its matrices from ``ParameterDict`` children: a
@@ -170,6 +175,7 @@ def test_compiled_lora_with_its_embedding_adapter_is_exact(name):
     check_against(model, reference, ["grad_batch"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flow", ["inside", "track"])
 def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
     """On a batch of one, GPT-2's token embedding runs on ``[1, T]`` ids too, the first call
@@ -186,6 +192,7 @@ def test_a_compiled_gpt2_on_a_batch_of_one_is_exact(flow):
     check_against(model, reference, ["batch_l2"])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("make, backend", [(vit, "aot_eager"), (gpt2, None)], ids=["vit-aot_eager", "gpt2-inductor"])
 def test_a_model_compiled_in_place_is_exact(make, backend):
     """``model.compile()`` compiles the model's calls in place, with no wrapper module: the
@@ -213,6 +220,7 @@ def test_a_model_compiled_in_place_is_exact(make, backend):
     assert _graphs() > graphs, "the model ran eagerly: Dynamo made no graph"
 
 
+@pytest.mark.slow
 def test_a_compiled_gpt2_with_gradient_checkpointing_is_exact():
     """HF's gradient checkpointing logs a warning in GPT-2's forward, where torch.compile
     breaks the graph: the embeddings then run eagerly inside the compiled forward, and the
@@ -252,6 +260,7 @@ class Prompted(nn.Module):
         return self.head(torch.cat([prompts, x], 1).mean(1))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("field", [*FIRST_ORDER, "grad"])
 def test_a_compiled_call_on_one_row_before_the_batch_is_refused(field):
     """A call on one row of ids that calls on the batch follow: its output may be
@@ -269,6 +278,7 @@ def test_a_compiled_call_on_one_row_before_the_batch_is_refused(field):
         _steps(model, X, y, [extension], "inside", steps=1)
 
 
+@pytest.mark.slow
 def test_compiled_records_leave_no_entries_behind():
     """What a compiled graph's calls leave in jacmem's tables: the output-gradient hooks
     go with their graph or their block, step after step; a module's slot goes with it."""
@@ -284,6 +294,7 @@ def test_compiled_records_leave_no_entries_behind():
     assert not set(hooks._SLOTS) - before
 
 
+@pytest.mark.slow
 def test_inductor_compiles_the_cnn_exactly():
     """The default backend (inductor, a C++ build on CPU), as users run it."""
     model, X, y = cnn()
@@ -378,6 +389,7 @@ class Uncompiled(nn.Module):
         return self.inner(x)
 
 
+@pytest.mark.slow
 def test_explain_names_the_modules_that_ran_eagerly():
     """Where torch.compile gives up on a frame (here the ``nn.Sequential``'s, as a
     function it may not trace is called in its loop), the modules it calls run eagerly,
@@ -429,6 +441,7 @@ def test_second_order_is_exact_on_a_compiled_model():
     assert counter.frame_count == frames, f"recompiled: {frames} -> {counter.frame_count}"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "make, extension",
     [(cnn, jacmem.DiagGGNExact), (cnn, jacmem.KFAC), (gpt2, jacmem.DiagGGNExact), (gpt2, jacmem.BatchDiagGGNExact)],
@@ -479,6 +492,7 @@ def test_code_compiled_before_the_hooks_raises_naming_the_fix():
     check_against(model, reference, ["grad_batch"], "[after reset]")
 
 
+@pytest.mark.slow
 def test_compiled_layers_compute_their_gradient_once_as_eager_ones_do():
     """A compiled Conv2d or Linear runs through ``Fused`` (as ``ComputeOnce`` in an eager
     forward): the block gives its weight gradient from the pass of its per-sample
@@ -498,6 +512,7 @@ def test_compiled_layers_compute_their_gradient_once_as_eager_ones_do():
     assert all("; grad <- " in line for line in explained["compiled"].splitlines())
 
 
+@pytest.mark.slow
 def test_a_fused_graph_backward_after_its_block_gives_autograd_gradients(monkeypatch):
     """A graph traced inside a first-order block runs its layers through ``Fused``; where
     its backward comes after the block has closed (its records are gone), the layers'

@@ -404,11 +404,13 @@ def _worker(rank: int, world: int, names: tuple[str, ...]) -> None:
         frozen(rank, world)
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_two_ranks_equal_one_process_on_the_whole_batch(tmp_path):
     run_ranks(_worker, tmp_path, 2, ("cnn", "gpt2", "vit"), world=2)
 
 
+@pytest.mark.slow
 @needs_gloo
 @pytest.mark.heavy
 def test_four_ranks_equal_one_process_on_the_whole_batch(tmp_path):

@@ -353,6 +353,7 @@ def test_laplace_fits_a_resnet_that_backpack_cannot(structure):
     close(probs.sum(-1), torch.ones(N))
 
 
+@pytest.mark.slow
 def test_laplace_on_stock_torchvision_resnet18():
     torchvision = pytest.importorskip("torchvision")
     torch.manual_seed(1)
@@ -537,6 +538,7 @@ def test_default_backend_is_curvlinops():
 """
 
 
+@pytest.mark.slow
 def test_laplace_suite_swaps_the_backends(tmp_path):
     """tools/laplace_suite.py and its plugin (tests/support/laplace_swap.py) on a tiny
     clone: the swapped run fits with jacmem's backends, and a test that passes with

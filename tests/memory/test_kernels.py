@@ -139,6 +139,7 @@ def test_build_is_cached_and_named_by_key_and_digest(cache, compiler, monkeypatc
     assert loads == [path] and path.stat().st_mtime_ns == mtime  # loaded from the cache, not rebuilt
 
 
+@pytest.mark.slow
 def test_corrupt_cached_library_is_not_loaded(cache, compiler, monkeypatch):
     assert kernels._build() is not None
     (path,) = cache.glob("relu_bits-*.so")

@@ -25,7 +25,7 @@ import pytest
 
 opacus = pytest.importorskip("opacus")
 
-pytestmark = pytest.mark.heavy
+pytestmark = [pytest.mark.heavy, pytest.mark.slow]
 
 TESTS = Path(opacus.__file__).parent / "tests"
 ROOT = Path(__file__).resolve().parents[2]

@@ -496,6 +496,7 @@ class TwoHeads(nn.Module):
         return getattr(self, self.head)(self.body(x))
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_two_ddp_ranks_equal_one_process(tmp_path):
     run_ranks(_ddp_worker, tmp_path, world=WORLD)

@@ -314,6 +314,7 @@ def test_noise_generator_gives_opacus_noise(engines, reduction):
     assert_close(model.parameters(), [p.detach() for p in twin.parameters()], "noised step")
 
 
+@pytest.mark.slow
 def test_make_private_with_epsilon_takes_opacus_keywords(engines):
     model = net()
     data = loader(*batch(), batch_size=2)

@@ -136,6 +136,7 @@ def _noise_worker(rank: int) -> None:
     assert abs(torch.corrcoef(torch.stack([mine, theirs]))[0, 1].item()) < 5 / mine.numel() ** 0.5
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_noise_once_per_coordinate_independent_ranks(tmp_path):
     run_ranks(_noise_worker, tmp_path, world=WORLD)
@@ -174,6 +175,7 @@ def _refusal_worker(rank: int) -> None:
     assert isinstance(data, DPDataLoader) and opt.expected_batch_size == B
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_refusals_and_poisson_sampling(tmp_path):
     run_ranks(_refusal_worker, tmp_path, world=WORLD)
@@ -223,6 +225,7 @@ def _step_worker(rank: int, engine: bool, passes: int = 1) -> None:
         torch.testing.assert_close(p.full_tensor(), e, rtol=1e-10, atol=1e-12, msg=lambda m: f"rank {rank} {name}: {m}")
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_private_step_on_the_engines_sharded_grad_equals_one_process(tmp_path):
     run_ranks(_step_worker, tmp_path, False, world=WORLD)
@@ -233,6 +236,7 @@ def test_private_step_under_fsdp_equals_one_process(tmp_path):
     run_ranks(_step_worker, tmp_path, True, world=WORLD)
 
 
+@pytest.mark.slow
 @needs_gloo
 def test_gradient_accumulation_under_fsdp_equals_one_process(tmp_path):
     """Two backward passes, then the step."""

@@ -6,7 +6,11 @@ and counts what Dynamo made: one graph for the plain copy, one for the jacmem st
 
 import re
 
+import pytest
+
 from benchmarks.compile import main
+
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
 
 
 def test_quick_compile_block(tmp_path, capsys):

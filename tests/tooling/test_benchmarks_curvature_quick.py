@@ -9,6 +9,9 @@ import pytest
 
 from benchmarks.second_order import main
 
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
+
+
 pytest.importorskip("laplace")
 pytest.importorskip("transformers")
 

@@ -6,7 +6,11 @@ says so."""
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from benchmarks import dp
+
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
 
 
 def test_quick_dp_block(tmp_path, capsys):

@@ -6,7 +6,11 @@ model, and torch.func over its memory budget, are rows that say so."""
 import re
 from types import SimpleNamespace
 
+import pytest
+
 from benchmarks import lm
+
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
 
 
 def test_quick_lm_block(tmp_path, capsys):

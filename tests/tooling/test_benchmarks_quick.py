@@ -3,7 +3,11 @@ writes its table, and keeps the other benchmarks' sections of BENCHMARKS.md."""
 
 import re
 
+import pytest
+
 from benchmarks.run import main
+
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
 
 
 def test_quick_cases_write_report(tmp_path, capsys):

@@ -4,7 +4,11 @@ alternately, and one memory process per library); it writes its block, and only 
 
 import re
 
+import pytest
+
 from benchmarks.second_order import main
+
+pytestmark = pytest.mark.slow  # whole benchmark processes: `make test-slow`
 
 
 def test_quick_second_order_block(tmp_path, capsys):
