@@ -74,7 +74,6 @@ try:
 except ModuleNotFoundError as err:
     raise ModuleNotFoundError(f'jacmem.privacy needs Opacus ({err}): pip install "jacmem[dp]"', name=err.name) from err
 
-from jacmem import compat
 from jacmem.engine.block import Block
 from jacmem.extensions.clipping import ClipGrad, check
 
@@ -105,7 +104,7 @@ class _Private:
     process's, whatever process group is up: no collective."""
 
     def __init__(self, module: nn.Module, clip: ClipGrad, batch_first: bool = True):
-        group = dist.group.WORLD if isinstance(compat.uncompiled(module), DPDDP) else None
+        group = dist.group.WORLD if isinstance(Block.unwrapped(module), DPDDP) else None
         self.block = Block(clip, process_group=group, batch_first=batch_first)
         self.module, self.clip = module, clip
         self._ddp = [m for m in module.modules() if isinstance(m, nn.parallel.DistributedDataParallel)]
@@ -416,7 +415,7 @@ def _distributed(module: nn.Module) -> bool:
     without such a wrapper may be one rank's own (a reference run on rank 0 of a
     ``torchrun`` script), whose steps must neither wait for the other ranks nor add
     their gradients."""
-    return isinstance(compat.uncompiled(module), (nn.parallel.DistributedDataParallel, DPDDP))
+    return isinstance(Block.unwrapped(module), (nn.parallel.DistributedDataParallel, DPDDP))
 
 
 def _fsdp(module: nn.Module) -> bool:

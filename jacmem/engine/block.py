@@ -216,6 +216,12 @@ class Block:
         recorder.untrack(model, owner=self)
 
     @staticmethod
+    def unwrapped(module: nn.Module) -> nn.Module:
+        """The model under the wrappers ``torch.compile`` put around ``module`` (itself
+        where there are none): what a user of the block (privacy) asks of a model's type."""
+        return compat.uncompiled(module)
+
+    @staticmethod
     def tracked() -> list[tuple[nn.Module, bool]]:
         """Every tracked model, whichever block takes its calls, and whether a block owns
         its tracking (a private model's) rather than :func:`jacmem.track`."""
