@@ -22,7 +22,7 @@ from torch.overrides import TorchFunctionMode
 from jacmem import compat
 from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
-from jacmem.derivatives.registry import own_parameters
+from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
 from jacmem.engine.notices import and_others
@@ -77,6 +77,11 @@ class SecondOrderEngine(Engine):
         self.unreduced = compat.WeakTensorKeyDictionary()
         #: id(param) -> the first call (weakly) that used it since the last backward began
         self.users: dict[int, weakref.ref] = {}
+        #: ids of the parameters some call's node covers (its first-order entry has them)
+        self.covered: set[int] = set()
+        #: id(param) -> (its module, weakly; its name there), for each module whose forward
+        #: ran with trainable parameters of its own (to name a parameter nothing covers)
+        self.owners: dict[int, tuple[weakref.ref, str]] = {}
         self.mode = _Functional(self)
         self.mode.__enter__()
         #: compiled models run eagerly while the block is open: the engine follows the
@@ -128,6 +133,9 @@ class SecondOrderEngine(Engine):
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
+        for pname, p in own_parameters(module):
+            if p.requires_grad:
+                self.owners.setdefault(id(p), (weakref.ref(module), pname))
         loss = lookup_loss(module)
         first = args[0] if args else None
         entry = None if loss is not None else lookup_passthrough(module, first, output)
@@ -235,21 +243,23 @@ class SecondOrderEngine(Engine):
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
     def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
-        """``node.params``: the module's own trainable parameters that its first-order
-        entry covers (a warning names the others), with what that entry keeps."""
+        """``node.params``: the module's trainable parameters (its own, and a submodule's
+        its forward uses itself) that its first-order entry covers, with what that entry
+        keeps; the backward refuses the others (:meth:`on_backward`)."""
         module = node.module
         first = args[0] if args else None
         node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
-            if fo is None or any(n not in fo.params for n in node.params):
-                self._unsupported(node)
-                node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
+            # those it has derivatives for; the others stay uncovered (on_backward)
+            params = hooks.trainable(module, fo) if fo is not None else {}
+            node.params = {n: p for n, p in params.items() if n in fo.params}
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
                 node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
                 self._mark_tied(node)
+                self.covered.update(map(id, node.params.values()))
 
     def _mark_tied(self, node: Node) -> None:
         """``node.tied``: its parameters that another call of this forward uses too
@@ -306,64 +316,82 @@ class SecondOrderEngine(Engine):
             queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        """A leaf module that nothing here can pass through: marked in the graph (for
-        the chain error); one whose parameters have first-order derivatives is kept for
-        the autograd path (:mod:`.autograd_path`), any other with trainable parameters
-        is warned about."""
-        if next(module.children(), None) is not None:
-            return
-        fn = getattr(output, "grad_fn", None)
-        if fn is not None:
+        """A module that nothing here can pass through. A layer (a leaf, or a module of a
+        registered type: MultiheadAttention calls its ``out_proj`` itself) is marked in
+        the graph, for the chain error. Where the block's kinds are the autograd path's,
+        a module whose trainable parameters (its own, and a submodule's that its forward
+        uses itself) have first-order derivatives, registered or the generic
+        recomputation's, is kept for that path (:mod:`.autograd_path`), as the first-order
+        recorder records it. Any other parameter the backward reaches makes it raise
+        (:meth:`on_backward`)."""
+        first = args[0] if args else None
+        own = any(p.requires_grad for _, p in own_parameters(module))
+        layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
+        fo = lookup(module, first, output) if own or layer else None
+        out = output if fo is None else fo.outputs(output)
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]  # (the generic recomputation's outputs: a list of one)
+        fn = getattr(out, "grad_fn", None)
+        if layer and fn is not None:
             fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
             self.autograd.untracked = True
-        if module in self.warned or not any(p.requires_grad for _, p in own_parameters(module)):
+        if fo is None or not self.autograd.serves() or not isinstance(out, Tensor) or not out.requires_grad:
             return
-        if (
-            self.autograd.serves()
-            and isinstance(output, Tensor)
-            and output.requires_grad
-            and lookup(module, args[0] if args else None, output)
-        ):
-            self.seen.add(module)
-            node = Node(module, self.name(module), None, None)
-            node.out_shape = tuple(output.shape)
-            self._first_order(node, args, kwargs, output)
-            if node.params:
-                self.autograd.record(node, output)
-            return
-        self.warned.add(module)
-        self.passes.warned.update(id(p) for _, p in own_parameters(module))
-        exts = ", ".join(map(repr, self.extensions))
-        first = f"{self.name(module)!r} ({type(module).__name__})"
-
-        def say(modules: list[str]) -> str:
-            return (
-                f"jacmem: module {first} is not supported by {exts}: its parameters get nothing, and "
-                "curvature cannot pass through it (a backward through it raises)." + and_others(modules)
-            )
-
-        self.notices.add(("second-order unsupported module",), self.name(module), say)
-
-    def _unsupported(self, node: Node) -> None:
-        if node.module in self.warned:
-            return
-        self.warned.add(node.module)
-        self.passes.warned.update(map(id, node.params.values()))
-        exts = ", ".join(map(repr, self.extensions))
-        first = str(node)
-
-        def say(modules: list[str]) -> str:
-            return (
-                f"jacmem: module {first} has trainable parameters that {exts} cannot handle; they "
-                "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
-                "(requires_grad=False)." + and_others(modules)
-            )
-
-        self.notices.add(("second-order unsupported parameters",), node.name, say)
+        if not getattr(module, "batch_first", True):
+            return  # its output's batch is on axis 1, which the path does not read: on_backward refuses
+        self.seen.add(module)
+        self.autograd.untracked = True  # its parameters' curvature comes by the path alone
+        node = Node(module, self.name(module), None, None)
+        node.out_shape = tuple(out.shape)
+        self._first_order(node, args, kwargs, out)
+        if node.params:
+            self.autograd.record(node, out)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         self.users.clear()
+        uncovered = [p for p in reached if id(p) not in self.covered]
+        if uncovered and not any(id(p) in self.owners for p in reached):
+            raise RuntimeError(
+                "jacmem: second-order extensions need the forward pass inside the block, but this backward's "
+                "forward ran outside it (before the block, or tracked with jacmem.track): run the forward inside "
+                "jacmem.extend(...)"
+            )
+        if uncovered:
+            raise self._uncovered(uncovered)
         self.autograd.on_backward(tensors, grad_tensors, alone)
+
+    def _owner(self, p: nn.Parameter) -> tuple[nn.Module | None, str | None]:
+        """The module whose forward ran that holds ``p`` most directly (fewest dots in
+        its name there), and that name; ``(None, None)`` where none does."""
+        ref, pname = self.owners.get(id(p), (None, None))
+        if ref is not None and ref() is not None:
+            return ref(), pname
+        found: tuple[nn.Module | None, str | None] = (None, None)
+        for module in {id(m): m for m in (r() for r, _ in self.owners.values()) if m is not None}.values():
+            for name, q in module.named_parameters():
+                if q is p and (found[1] is None or name.count(".") < found[1].count(".")):
+                    found = (module, name)
+        return found
+
+    def _uncovered(self, params: list) -> NotImplementedError:
+        """The refusal of a backward that reaches trainable parameters no recorded call
+        covers (before any result): each named with its module, and why."""
+        exts = ", ".join(map(repr, self.extensions))
+        named = []
+        for p in params:
+            module, pname = self._owner(p)
+            if module is None:
+                named.append(f"a parameter of shape {list(p.shape)} read outside every module's forward")
+            else:
+                named.append(f"{pname!r} of module {self.name(module)!r} ({type(module).__name__})")
+        return NotImplementedError(
+            f"jacmem: {exts} cannot give the curvature of {', '.join(named[:5])}"
+            + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+            + ": the backward reaches "
+            "them, and no module call jacmem has derivatives for uses them (a parameter read directly in a "
+            "module's own forward, or by a module of no registered type). Register the module's derivatives "
+            "(jacmem.register), or freeze them (requires_grad=False)"
+        )
 
     @_outside_mode
     def _on_grad(self, node: Node, grad: Tensor) -> None:
