@@ -251,9 +251,12 @@ class SecondOrderEngine(Engine):
         node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
-            # those it has derivatives for; the others stay uncovered (on_backward)
+            # those it has derivatives for (the others stay uncovered: on_backward), but one
+            # a submodule holds as its own (HF BERT's prediction head's bias, its decoder's):
+            # that submodule's call records it, as in first order
             params = hooks.trainable(module, fo) if fo is not None else {}
-            node.params = {n: p for n, p in params.items() if n in fo.params}
+            held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
+            node.params = {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
