@@ -88,6 +88,15 @@ def run(model, lossf, X, y, *exts):
         lossf(model(X), y).backward()
 
 
+def freeze(model, type_name: str) -> None:
+    """Freezes the parameters of ``model``'s modules of type ``type_name`` (LLaMA's
+    ``LlamaRMSNorm``, which the Kronecker kinds have no factors for: a backward that
+    reaches its weight raises)."""
+    for module in model.modules():
+        if type(module).__name__ == type_name:
+            module.requires_grad_(False)
+
+
 def check_exact(model, lossf, X, y, per_sample=True, atol=1e-10):
     """DiagGGNExact, DiagHessian (and their batch versions) equal the dense diagonals."""
     exts = [DiagGGNExact(), DiagHessian()] + ([BatchDiagGGNExact(), BatchDiagHessian()] if per_sample else [])

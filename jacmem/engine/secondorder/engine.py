@@ -13,7 +13,7 @@ import copy
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -25,10 +25,10 @@ from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLo
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
-from jacmem.engine.notices import and_others
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
+from jacmem.errors import UnsupportedCurvatureError
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.sqrt_ggn import root_vjps
 
@@ -60,10 +60,9 @@ class SecondOrderEngine(Engine):
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
         self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
-        self.passes, self.notices = setup.passes, setup.notices
+        self.passes = setup.passes
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
-        self.warned: set = set()
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: for each module forward running, whether the engine knows the module (then the
@@ -82,6 +81,11 @@ class SecondOrderEngine(Engine):
         #: id(param) -> (its module, weakly; its name there), for each module whose forward
         #: ran with trainable parameters of its own (to name a parameter nothing covers)
         self.owners: dict[int, tuple[weakref.ref, str]] = {}
+        #: id(param) -> (an extension of the block that has nothing for the last call that
+        #: used it, why, the parameter's name there with its module's): :meth:`_check`
+        self.refused: dict[int, tuple[str, str, str]] = {}
+        #: ids of the parameters whose results the running backward asks for
+        self.wanted: set[int] = set()
         self.mode = _Functional(self)
         self.mode.__enter__()
         #: compiled models run eagerly while the block is open: the engine follows the
@@ -251,18 +255,33 @@ class SecondOrderEngine(Engine):
         node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
-            # those it has derivatives for (the others stay uncovered: on_backward), but one
-            # a submodule holds as its own (HF BERT's prediction head's bias, its decoder's):
-            # that submodule's call records it, as in first order
-            params = hooks.trainable(module, fo) if fo is not None else {}
-            held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
-            node.params = {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
+            node.params = _trainable(module, fo)
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
                 node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
                 self._mark_tied(node)
                 self.covered.update(map(id, node.params.values()))
+                self._check(node)
+
+    def _check(self, node: Node) -> None:
+        """Notes ``node``'s parameters in :attr:`refused` where an extension of the block
+        has nothing for them (:meth:`SecondOrderExtension.check`: a BatchNorm under KFAC),
+        or takes them out of it: a backward that reaches one raises (:meth:`on_backward`)."""
+        call = replace(self.call(node, [], None), params=dict(node.params))
+        for ext in self.extensions:
+            try:
+                ext.check(call)
+            except UnsupportedModule as err:
+                self._refuse(repr(ext), str(err), node.params, str(node))
+                return
+        for p in node.params.values():
+            self.refused.pop(id(p), None)
+
+    def _refuse(self, who: str, why: str, params: dict[str, nn.Parameter], module: str) -> None:
+        """Notes ``params`` (by name) of ``module`` (named, with its type) in :attr:`refused`."""
+        why = why.strip().rstrip(".")
+        self.refused.update((id(p), (who, why, f"{n!r} of module {module}")) for n, p in params.items())
 
     def _mark_tied(self, node: Node) -> None:
         """``node.tied``: its parameters that another call of this forward uses too
@@ -338,10 +357,26 @@ class SecondOrderEngine(Engine):
         if layer and fn is not None:
             fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
             self.autograd.untracked = True
-        if fo is None or not self.autograd.serves() or not isinstance(out, Tensor) or not out.requires_grad:
+        if fo is None or not self.autograd.serves():
             return
-        if not getattr(module, "batch_first", True):
-            return  # its output's batch is on axis 1, which the path does not read: on_backward refuses
+        why = None
+        if isinstance(out, (tuple, list)):
+            why = (
+                f"its call returns {len(out)} tensors (as an RNN's: its output and final states), and the autograd "
+                "path follows one output per call: freeze its parameters (requires_grad_(False)), or use a first-order "
+                "extension"
+            )
+        elif not getattr(module, "batch_first", True):
+            why = (
+                "it takes the batch on axis 1 (batch_first=False), and the autograd path reads the batch on axis 0 of a "
+                "call's output: build it with batch_first=True, or freeze its parameters (requires_grad_(False))"
+            )
+        if why is not None:  # a backward that reaches its parameters raises (on_backward)
+            exts = ", ".join(map(repr, self.extensions))
+            self._refuse(exts, why, _trainable(module, fo), f"{self.name(module)!r} ({type(module).__name__})")
+            return
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return
         self.seen.add(module)
         self.autograd.untracked = True  # its parameters' curvature comes by the path alone
         node = Node(module, self.name(module), None, None)
@@ -351,7 +386,11 @@ class SecondOrderEngine(Engine):
             self.autograd.record(node, out)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
+        """Before the backward: raises where it reaches (of its ``inputs``, where it has
+        them) a trainable parameter no recorded call covers, or one an extension has
+        nothing for, naming each with its module and the fix; nothing is written."""
         self.users.clear()
+        self.wanted = {id(p) for p in reached}
         uncovered = [p for p in reached if id(p) not in self.covered]
         if uncovered and not any(id(p) in self.owners for p in reached):
             raise RuntimeError(
@@ -359,6 +398,9 @@ class SecondOrderEngine(Engine):
                 "forward ran outside it (before the block, or tracked with jacmem.track): run the forward inside "
                 "jacmem.extend(...)"
             )
+        refused = [p for p in reached if id(p) in self.refused]
+        if refused:
+            raise self._refused(refused)
         if uncovered:
             raise self._uncovered(uncovered)
         self.autograd.on_backward(tensors, grad_tensors, alone)
@@ -376,7 +418,21 @@ class SecondOrderEngine(Engine):
                     found = (module, name)
         return found
 
-    def _uncovered(self, params: list) -> NotImplementedError:
+    def _refused(self, params: list) -> UnsupportedCurvatureError:
+        """The refusal of a backward that reaches trainable parameters an extension has
+        nothing for (:meth:`_check`), before any result: the first one's module and
+        reason in full, the others by name."""
+        who, why, _ = self.refused[id(params[0])]
+        named = [self.refused[id(p)][2] for p in params]
+        return UnsupportedCurvatureError(
+            f"jacmem: {who} has no result for {', '.join(named[:5])}"
+            + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+            + f", which this backward reaches: {why}. Nothing is written (a parameter left out of "
+            "backward(inputs=...) is not asked for)",
+            params,
+        )
+
+    def _uncovered(self, params: list) -> UnsupportedCurvatureError:
         """The refusal of a backward that reaches trainable parameters no recorded call
         covers (before any result): each named with its module, and why."""
         exts = ", ".join(map(repr, self.extensions))
@@ -387,13 +443,14 @@ class SecondOrderEngine(Engine):
                 named.append(f"a parameter of shape {list(p.shape)} read outside every module's forward")
             else:
                 named.append(f"{pname!r} of module {self.name(module)!r} ({type(module).__name__})")
-        return NotImplementedError(
+        return UnsupportedCurvatureError(
             f"jacmem: {exts} cannot give the curvature of {', '.join(named[:5])}"
             + (f" and {len(named) - 5} more" if len(named) > 5 else "")
             + ": the backward reaches "
             "them, and no module call jacmem has derivatives for uses them (a parameter read directly in a "
             "module's own forward, or by a module of no registered type). Register the module's derivatives "
-            "(jacmem.register), or freeze them (requires_grad=False)"
+            "(jacmem.register), or freeze them (requires_grad=False)",
+            params,
         )
 
     @_outside_mode
@@ -530,15 +587,13 @@ class SecondOrderEngine(Engine):
         )
 
     def run_extension(self, ext: SecondOrderExtension, call: Call) -> dict | None:
-        """``ext.compute(call)``; ``None`` (and a warning, once) where ``ext`` has nothing
-        for the module."""
+        """``ext.compute(call)``; ``None`` where ``ext`` has nothing for the module and the
+        backward asks for none of its parameters (``backward(inputs=...)``)."""
         try:
             return ext.compute(call)
         except UnsupportedModule as err:
-            if (call.module, type(ext)) not in self.warned:
-                self.warned.add((call.module, type(ext)))
-                self.passes.warned.update(map(id, call.params.values()))
-                self.notices.add(("second-order unsupported", ext), call.name, _unsupported_by(ext, err))
+            if any(id(p) in self.wanted for p in call.params.values()):  # not seen at its forward
+                raise UnsupportedCurvatureError(f"jacmem: {err}", call.params.values()) from err
             return None
         except NotImplementedError:
             raise
@@ -560,7 +615,8 @@ class SecondOrderEngine(Engine):
         tied, run.tied = run.tied, {}
         run.deposits.clear()
         writes = [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
-        return writes + [w for t in tied.values() for w in self._tied_writes(t)]
+        writes += [w for t in tied.values() for w in self._tied_writes(t)]
+        return [w for w in writes if id(w[0]) in self.wanted]  # those the backward asks for (its inputs)
 
 
 class _Functional(TorchFunctionMode):
@@ -580,6 +636,19 @@ class _Functional(TorchFunctionMode):
         return self.engine.on_function(func, build, args, kwargs)
 
 
+def _trainable(module: nn.Module, fo) -> dict[str, nn.Parameter]:
+    """The trainable parameters of ``module``'s call (its own, and a submodule's its
+    forward uses itself) that its first-order entry ``fo`` has derivatives for (the
+    others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a submodule
+    holds as its own (HF BERT's prediction head's bias, its decoder's): that submodule's
+    call records it, as in first order."""
+    if fo is None:
+        return {}
+    held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
+    params = hooks.trainable(module, fo)
+    return {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
+
+
 def _identity(pname: str, x, g: Tensor, quantities: set[str]) -> dict[str, Tensor]:
     """First-order quantities of a parameter used as it is: for output gradients
     ``g [N', *p.shape]`` its per-sample gradients are ``g``."""
@@ -589,17 +658,6 @@ def _identity(pname: str, x, g: Tensor, quantities: set[str]) -> dict[str, Tenso
 def _op_name(func) -> str:
     """``F.relu`` -> ``relu``, ``Tensor.add_`` -> ``add_``."""
     return getattr(func, "__name__", None) or str(func)
-
-
-def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list[str]], str]:
-    """How to say that ``ext`` has nothing for the modules gathered: the first one's
-    reason in full, then how many others, and a few of their names."""
-    reason = str(err).strip().rstrip(".")
-
-    def say(modules: list[str]) -> str:
-        return f"jacmem: {reason}. Its parameters get no {ext.savefield}." + and_others(modules)
-
-    return say
 
 
 def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tuple[int, int]]] | None:
