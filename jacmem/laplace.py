@@ -149,7 +149,7 @@ class JacmemInterface(CurvatureInterface):
             if v is None:
                 name = next(n for n, q in self._model.named_parameters() if q is p)
                 raise ValueError(
-                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}' (see jacmem's warning above); "
+                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}'; "
                     "freeze it (requires_grad=False) or make its module one jacmem supports"
                 )
         return values
