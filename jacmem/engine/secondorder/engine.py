@@ -25,6 +25,7 @@ from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLo
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.recorder import reached_parameters
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -246,16 +247,21 @@ class SecondOrderEngine(Engine):
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
-    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
+    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor, used: bool = False) -> None:
         """``node.params``: the module's trainable parameters (its own, and a submodule's
         its forward uses itself) that its first-order entry covers, with what that entry
-        keeps; the backward refuses the others (:meth:`on_backward`)."""
+        keeps; the backward refuses the others (:meth:`on_backward`). ``used``: only those
+        ``output`` depends on (a container's own: a ``logit_scale`` it holds but the loss
+        reads is no part of its call)."""
         module = node.module
         first = args[0] if args else None
         node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
             node.params = _trainable(module, fo)
+            if used and node.params:
+                ids = set(map(id, reached_parameters(output)))
+                node.params = {n: p for n, p in node.params.items() if id(p) in ids}
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
@@ -381,7 +387,7 @@ class SecondOrderEngine(Engine):
         self.autograd.untracked = True  # its parameters' curvature comes by the path alone
         node = Node(module, self.name(module), None, None)
         node.out_shape = tuple(out.shape)
-        self._first_order(node, args, kwargs, out)
+        self._first_order(node, args, kwargs, out, used=not layer)
         if node.params:
             self.autograd.record(node, out)
 
