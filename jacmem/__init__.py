@@ -4,6 +4,7 @@ from jacmem import memory, nn  # noqa: E402  (jacmem.memory.report/lean; jacmem.
 from jacmem.context import extend, track, untrack
 from jacmem.derivatives import Cost, layer, register
 from jacmem.engine.secondorder.graph import ChainError
+from jacmem.errors import UnsupportedCurvatureError
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
 from jacmem.extensions.secondorder import (
@@ -54,6 +55,7 @@ __all__ = [
     "HMP",
     "PCHMP",
     "ChainError",
+    "UnsupportedCurvatureError",
     "UnsupportedModuleError",
     "memory",
     "nn",

@@ -7,11 +7,32 @@ Opacus is installed, Opacus's ``opacus.validators.errors.UnsupportedModuleError`
 that code written for Opacus catches it. Opacus is an optional extra (``jacmem[dp]``),
 and importing it takes longer than importing jacmem: the class is made on first use,
 ``jacmem.UnsupportedModuleError`` and ``jacmem.errors.UnsupportedModuleError`` alike.
+
+:class:`UnsupportedCurvatureError`: a backward reaches trainable parameters that a
+second-order extension of the block cannot give its result for; raised before the
+backward begins, so nothing is written.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+
+class UnsupportedCurvatureError(NotImplementedError):
+    """A backward reaches trainable parameters (``params``) that a second-order extension
+    of the block has no result for: KFAC for a BatchNorm's, any kind for one read outside
+    every module's forward. Raised before the backward begins (nothing is written); the
+    message names each parameter, its module, and the fix."""
+
+    def __init__(self, message: str, params: Iterable[nn.Parameter] = ()):
+        super().__init__(message)
+        #: the parameters refused
+        self.params = list(params)
 
 
 @functools.cache

@@ -46,7 +46,6 @@ does not.
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import MutableMapping
 from typing import Any
 
@@ -62,6 +61,7 @@ except ModuleNotFoundError as err:
     ) from err
 
 import jacmem
+from jacmem.errors import UnsupportedCurvatureError
 
 __all__ = ["JacmemInterface", "JacmemGGN", "JacmemEF"]
 
@@ -109,11 +109,14 @@ class JacmemInterface(CurvatureInterface):
             raise ValueError("jacmem.laplace: kron has no subnetwork; use hessian_structure='full' with a subnetwork")
         mc_samples = kwargs.get("mc_samples")
         extension, field = self._kron_extension(mc_samples, kwargs.get("kfac_approx", self.kfac_approx))
-        with jacmem.extend(extension), warnings.catch_warnings():
-            # those parameters get their diagonal below
-            warnings.filterwarnings("ignore", message=r"jacmem: KF(AC|LR|ACEF)\(.*\) has no Kronecker factors")
+        with jacmem.extend(extension):
             _, loss = self._loss(x, y)
-            got = self._run(loss, field, _zero_factors)
+            try:
+                got = self._run(loss, field, _zero_factors)
+            except UnsupportedCurvatureError as err:  # raised before the backward: those get their diagonal below
+                refused = {id(p) for p in err.params}
+                kron = iter(self._run(loss, field, _zero_factors, [p for p in self.params if id(p) not in refused]))
+                got = [None if id(p) in refused else next(kron) for p in self.params]
         missing = [p for p, g in zip(self.params, got) if g is None]
         if missing:  # no Kronecker factors in jacmem (a norm's weight): the diagonal
             diag_extension, diag_field = self._diag_extension(mc_samples)
@@ -146,7 +149,7 @@ class JacmemInterface(CurvatureInterface):
             if v is None:
                 name = next(n for n, q in self._model.named_parameters() if q is p)
                 raise ValueError(
-                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}' (see jacmem's warning above); "
+                    f"jacmem.laplace: jacmem gave no {what} for parameter '{name}'; "
                     "freeze it (requires_grad=False) or make its module one jacmem supports"
                 )
         return values

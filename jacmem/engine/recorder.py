@@ -471,9 +471,10 @@ class BackwardWatch:
     While the block is open, ``torch.autograd.backward`` and ``torch.autograd.grad``
     (which ``Tensor.backward`` calls) are wrapped: before a backward of the block's
     thread that begins outside any other, its graph is searched for the parameters whose
-    AccumulateGrad it reaches, and ``on_backward(tensors, grad_tensors, reached)`` runs
-    (``ClipGrad`` guards those no model of the block holds). After it, of those
-    parameters (those of its ``inputs``, where it has them): where no pass of the block
+    AccumulateGrad it reaches (of its ``inputs``, where it has them), and
+    ``on_backward(tensors, grad_tensors, reached)`` runs (``ClipGrad`` guards those no
+    model of the block holds; second order refuses those it has nothing for). After it,
+    of those parameters: where no pass of the block
     began, the block warns, once, naming ``jacmem.track``; otherwise it warns, once per
     parameter, naming each that the passes wrote nothing to (``describe(param)``: its
     name)."""
@@ -524,12 +525,12 @@ class BackwardWatch:
             if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
                 return original(tensors, *args, **kwargs)
             reached = list(reached_parameters(tensors))
-            if self.on_backward is not None:
-                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
             inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-            if inputs is not None:
+            if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
                 wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
                 reached = [p for p in reached if id(p) in wanted]
+            if self.on_backward is not None:
+                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
             create_graph = bool(args[create_graph_at] if len(args) > create_graph_at else kwargs.get("create_graph"))
             started = self.passes.started
             self.passes.written.clear()

@@ -182,9 +182,7 @@ def test_no_warning_where_the_block_saw_the_forward_or_the_model_is_tracked():
     assert model[0].weight.grad_batch.shape == (2, 3, 4)
 
 
-@pytest.mark.parametrize(
-    "extension", [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance(), jacmem.DiagGGNExact()], ids=type
-)
+@pytest.mark.parametrize("extension", [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance()], ids=type)
 def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
     """A parameter the loss reads outside every module's forward (CLIP's ``logit_scale``
     applied in the loss; a free ``nn.Parameter``) gets ``.grad`` and none of the block's
@@ -215,6 +213,32 @@ def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
         with jacmem.extend(extension):
             torch.autograd.grad(loss(), [model[0].weight])
             loss().backward(inputs=[model[0].bias])
+
+
+def test_a_parameter_read_outside_every_module_call_refuses_curvature():
+    """Second order raises before the backward instead, naming both: the root's
+    ``logit_scale`` (the generic recomputation of the root's call, which does not read
+    it, gave it a GGN diagonal of 0) and the free parameter; asked only for the recorded
+    parameters, it gives them theirs."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
+    model.logit_scale = nn.Parameter(torch.tensor(0.5, dtype=DT))
+    free = nn.Parameter(torch.randn(3, dtype=DT))
+    X, y = torch.randn(5, 4, dtype=DT), torch.tensor([0, 1, 2, 0, 1])
+
+    def loss():
+        return nn.functional.cross_entropy(model(X) * model.logit_scale.exp() + free, y)
+
+    with pytest.raises(jacmem.UnsupportedCurvatureError) as err, jacmem.extend(jacmem.DiagGGNExact()):
+        loss().backward()
+    said = str(err.value)
+    assert "'logit_scale' of module 'Sequential' (Sequential)" in said and "a parameter of shape [3]" in said
+    assert not any(hasattr(p, "diag_ggn_exact") for p in [*model.parameters(), free])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jacmem.extend(jacmem.DiagGGNExact()):
+            loss().backward(inputs=list(model[0].parameters()))
+    assert all(hasattr(p, "diag_ggn_exact") for p in model[0].parameters()) and model.logit_scale.grad is None
 
 
 def _saved_and_loaded(model: nn.Module) -> nn.Module:
@@ -263,18 +287,18 @@ def bn_net(blocks: int = 6):
     return nn.Sequential(*layers, nn.Linear(4, 3)).to(DT).eval()
 
 
-def test_kfac_warns_once_for_many_unsupported_modules():
-    """resnet18 gave twenty warnings, one per BatchNorm: one, naming three and the count."""
+def test_kfac_refuses_many_unsupported_modules_in_one_error():
+    """resnet18 gave twenty warnings, one per BatchNorm, beside the other layers' results:
+    one error before the backward, naming five parameters and the count of the others,
+    which it lists (``params``); nothing is written."""
     model, lossf = bn_net(), nn.CrossEntropyLoss()
     X, y = torch.randn(5, 4, dtype=DT), torch.randint(0, 3, (5,))
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
+    with pytest.raises(jacmem.UnsupportedCurvatureError, match=r"of module '\d+' \(BatchNorm1d\) and 7 more") as err:
         with jacmem.extend(jacmem.KFLR()):
             lossf(model(X), y).backward()
-    ours = [str(w.message) for w in caught if "jacmem" in str(w.message)]
-    assert len(ours) == 1, ours
-    assert "BatchNorm1d (module '11')" in ours[0] and "5 more module(s): '9', '7' and 3 more" in ours[0], ours
-    assert hasattr(model[0].weight, "kflr") and not hasattr(model[1].weight, "kflr")
+    norms = {id(p) for m in model if isinstance(m, nn.BatchNorm1d) for p in m.parameters()}
+    assert {id(p) for p in err.value.params} == norms
+    assert not any(hasattr(p, "kflr") for p in model.parameters())
 
 
 def test_first_order_unsupported_parameters_warn_once_per_pass():

@@ -159,12 +159,18 @@ def test_the_same_block_with_modules_is_exact():
 
 
 def test_unsupported_module_raises():
+    """A trainable module with no derivatives: the backward raises before any result,
+    naming its parameter (no warning beside a missing result); frozen, the chain error
+    names the gap."""
     torch.manual_seed(6)
     X, y = torch.randn(2, 4, dtype=DT), torch.randint(0, 3, (2,))
     model = nn.Sequential(nn.Linear(4, 3), nn.PReLU(), nn.Linear(3, 3)).to(DT)
-    with pytest.warns(UserWarning, match="'1' \\(PReLU\\) is not supported"):
-        with pytest.raises(ChainError, match=r"module '0'.*on its way to '2' \(through module '1' \(PReLU\)\)"):
-            run(model, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    with pytest.raises(NotImplementedError, match=r"'weight' of module '1' \(PReLU\)"):
+        run(model, nn.CrossEntropyLoss(), X, y, DiagHessian())
+    assert not any(hasattr(p, "diag_h") for p in model.parameters())
+    model[1].weight.requires_grad_(False)
+    with pytest.raises(ChainError, match=r"module '0'.*on its way to '2' \(through module '1' \(PReLU\)\)"):
+        run(model, nn.CrossEntropyLoss(), X, y, DiagHessian())
 
 
 def test_scaled_loss_and_full_backward_hooks():

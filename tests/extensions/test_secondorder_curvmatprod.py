@@ -250,13 +250,21 @@ class KeywordCall(nn.Module):
 
 
 def test_products_refuse_a_module_called_by_keyword():
-    """The other extensions take it (the first-order input found by keyword)."""
+    """The backward raises before any result, naming the parameters and the fix (issue
+    36, item 3: it used to warn and write the other parameters' results); frozen, the
+    other parameters get theirs, and the other extensions take it (the first-order
+    input found by keyword)."""
     torch.manual_seed(0)
     model, X, y = KeywordCall().to(DT), torch.randn(3, 4, dtype=DT), torch.randint(0, 3, (3,))
-    with pytest.warns(UserWarning, match="module 'lin' was called with keyword.*by position"):
+    msg = r"GGNMP\(\) has no result for '(weight|bias)' of module 'lin' \(Linear\).*called with keyword.*by position"
+    with pytest.raises(jacmem.UnsupportedCurvatureError, match=msg):
         run(model, nn.CrossEntropyLoss(), X, y, GGNMP(), DiagGGNExact())
-    assert not hasattr(model.lin.weight, "ggnmp")
+    assert not any(hasattr(p, "ggnmp") or hasattr(p, "diag_ggn_exact") for p in model.parameters())
     ggn = blocks(model, dense(model, nn.CrossEntropyLoss(), X, y)[0])
+    run(model, nn.CrossEntropyLoss(), X, y, DiagGGNExact())
     torch.testing.assert_close(model.lin.weight.diag_ggn_exact.flatten(), torch.diagonal(ggn["lin.weight"]))
+    model.lin.requires_grad_(False)
+    run(model, nn.CrossEntropyLoss(), X, y, GGNMP())
+    assert not hasattr(model.lin.weight, "ggnmp")
     mat = torch.randn(1, 3, 5, dtype=DT)
     torch.testing.assert_close(model.out.weight.ggnmp(mat).flatten(1), mat.flatten(1) @ ggn["out.weight"])

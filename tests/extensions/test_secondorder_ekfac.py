@@ -18,17 +18,16 @@ batch shares, are trained in the language models' tests.
 
 from __future__ import annotations
 
-import contextlib
 from math import sqrt
 
 import pytest
 import torch
-from tests.support.secondorder_ref import blocks, dense, run
+from tests.support.secondorder_ref import blocks, dense, freeze, run
 from torch import nn
 from torch.func import functional_call, hessian, jacrev
 
 import jacmem
-from jacmem import EKFAC, KFAC, KFACEF, KFLR, DiagGGNMC
+from jacmem import EKFAC, KFAC, KFACEF, KFLR, DiagGGNMC, UnsupportedCurvatureError
 
 DT = torch.float64
 
@@ -136,9 +135,8 @@ def test_empirical_on_language_models_equals_a_per_sample_loop(name):
     model, X, y = _lm(name)
     per_token = name != "bert"
     K = X.numel() if per_token else X.shape[0]
-    warns = pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext()
-    with warns:  # LlamaRMSNorm: no factors
-        run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"), KFACEF())
+    freeze(model, "LlamaRMSNorm")
+    run(model, nn.CrossEntropyLoss(), X, y, EKFAC("empirical"), KFACEF())
     grads = _per_sample_grads(model, X, y, per_token)
     rtol = 1e-6 if name == "llama" else 1e-10  # LlamaRMSNorm computes in float32
     checked = 0
@@ -230,13 +228,17 @@ def test_exact_on_language_models_is_the_ggn_diagonal(name, trainable, chunk_byt
 
 
 def test_refusals():
-    """A convolution: a warning naming it and the fix, the other layers' results as usual;
-    a bad ``fisher``: ValueError."""
+    """A convolution: the backward raises before any result, naming it and the fix;
+    frozen, the other layers' results as usual; a bad ``fisher``: ValueError."""
     torch.manual_seed(2)
     cnn = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Flatten(), nn.Linear(12, 3)).to(DT)
     X, y = torch.randn(2, 2, 3, 3, dtype=DT), torch.tensor([0, 2])
-    with pytest.warns(UserWarning, match=r"no eigenvalue correction for Conv2d \(module '0'\).*use KFAC"):
+    msg = r"'(weight|bias)' of module '0' \(Conv2d\).*no eigenvalue correction for Conv2d \(module '0'\).*use KFAC"
+    with pytest.raises(UnsupportedCurvatureError, match=msg):
         run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
+    assert not any(hasattr(p, "ekfac") for p in cnn.parameters())
+    cnn[0].requires_grad_(False)
+    run(cnn, nn.CrossEntropyLoss(), X, y, EKFAC("exact"))
     assert not hasattr(cnn[0].weight, "ekfac") and cnn[2].weight.ekfac[2].shape == (3, 12)
     with pytest.raises(ValueError, match="fisher must be one of"):
         EKFAC("type-2")

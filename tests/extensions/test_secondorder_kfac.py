@@ -298,19 +298,29 @@ def test_embedding_at_batch_size_one():
         torch.testing.assert_close(torch.kron(G, torch.diag(a)), ref[idx][:, idx], msg=field)
 
 
-def test_unsupported_settings_warn_naming_the_module_and_strict_raises():
-    """As for first order (DESIGN: clear failure): the module's parameters get nothing,
-    the others theirs; ``strict=True`` makes it an error."""
+def test_unsupported_settings_raise_before_any_result_naming_the_module():
+    """As for first order (DESIGN: clear failure; issue 36, item 3): a backward that
+    reaches a parameter the extension has no factors for raises before it begins,
+    naming the parameter, its module and the fix, and nothing is written, not even
+    ``.grad`` (it used to warn and give the other modules theirs). Frozen, or left out
+    of ``backward(inputs=...)``, the other parameters get theirs."""
     X, y = torch.randn(2, 3, 4, dtype=DT), torch.randint(0, 3, (2,))
     model = nn.Sequential(nn.Linear(4, 3), nn.BatchNorm1d(3), nn.Flatten(), nn.Linear(9, 3)).to(DT).eval()
-    bn_msg = r"BatchNorm1d \(module '1'\): its parameters are per-channel"
-    with pytest.warns(UserWarning, match=bn_msg):
-        run(model, nn.CrossEntropyLoss(), X, y, KFLR())
-    assert not hasattr(model[1].weight, "kflr")
-    assert model[0].weight.kflr[0].shape == (3, 3) and model[3].weight.kflr[0].shape == (3, 3)
-    with pytest.raises(RuntimeError, match=bn_msg), jacmem.extend(KFLR(), strict=True):
+    bn_msg = (
+        r"KFLR\(\) has no result for '(weight|bias)' of module '1' \(BatchNorm1d\), '(weight|bias)' of mo.*per-channel"
+    )
+    with pytest.raises(jacmem.UnsupportedCurvatureError, match=bn_msg), jacmem.extend(KFLR()):
         nn.CrossEntropyLoss()(model(X), y).backward()
+    assert not any(hasattr(p, "kflr") or p.grad is not None for p in model.parameters())
+    others = [p for n, p in model.named_parameters() if not n.startswith("1.")]
+    with jacmem.extend(KFLR()):
+        nn.CrossEntropyLoss()(model(X), y).backward(inputs=others)
+    assert not hasattr(model[1].weight, "kflr") and model[1].weight.grad is None
+    assert model[0].weight.kflr[0].shape == (3, 3) and model[3].weight.kflr[0].shape == (3, 3)
+    model[1].requires_grad_(False)
+    run(model, nn.CrossEntropyLoss(), X, y, KFLR())
+    assert model[0].weight.kflr[0].shape == (3, 3) and model[3].weight.kflr[0].shape == (3, 3)
     model = nn.Sequential(nn.Embedding(5, 3, scale_grad_by_freq=True), nn.Flatten(), nn.Linear(6, 3)).to(DT)
-    with pytest.warns(UserWarning, match="'0' with scale_grad_by_freq=True"):
+    with pytest.raises(NotImplementedError, match="'weight' of module '0' .*'0' with scale_grad_by_freq=True"):
         run(model, nn.CrossEntropyLoss(), torch.tensor([[1, 2], [2, 2]]), y, KFAC())
-    assert not hasattr(model[0].weight, "kfac") and hasattr(model[2].weight, "kfac")
+    assert not any(hasattr(p, "kfac") for p in model.parameters())

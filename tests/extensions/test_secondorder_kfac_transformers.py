@@ -7,11 +7,9 @@ variants."""
 
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
-from tests.support.secondorder_ref import blocks, dense, diagonals, run
+from tests.support.secondorder_ref import blocks, dense, diagonals, freeze, run
 from torch import nn
 
 from jacmem import KFAC, KFACEF, KFLR, ChainError, DiagGGNMC
@@ -298,16 +296,22 @@ def test_norm_layers_get_their_ggn_diagonal():
 
 
 def test_kfra_and_diag_hessian_refuse_norm_layers():
-    """KFRA has no diagonal for LayerNorm (a warning naming the module; KFLR has one);
-    DiagHessian raises passing through it (its second derivative is not zero)."""
+    """KFRA has no diagonal for LayerNorm (KFLR has one): the backward raises before any
+    result, naming the module (it used to warn beside the others' results); frozen, the
+    others get theirs. DiagHessian raises passing through it (its second derivative is
+    not zero)."""
     from jacmem import KFRA, DiagHessian, extend
 
     torch.manual_seed(8)
     model = nn.Sequential(nn.Linear(4, 5), nn.LayerNorm(5), nn.Linear(5, 3)).to(DT)
     X, y = torch.randn(2, 4, dtype=DT), torch.tensor([0, 2])
-    with pytest.warns(UserWarning, match=r"KFRA\(\) has no Kronecker factors for LayerNorm \(module '1'\)"):
+    with pytest.raises(NotImplementedError, match=r"KFRA\(\) has no Kronecker factors for LayerNorm \(module '1'\)"):
         run(model, nn.CrossEntropyLoss(), X, y, KFRA())
+    assert not any(hasattr(p, "kfra") for p in model.parameters())
+    model[1].requires_grad_(False)
+    run(model, nn.CrossEntropyLoss(), X, y, KFRA())
     assert not hasattr(model[1].weight, "kfra") and hasattr(model[0].weight, "kfra")
+    model[1].requires_grad_(True)
     with pytest.raises(NotImplementedError, match=r"DiagHessian cannot pass curvature through module '1'"):
         with extend(DiagHessian()):
             nn.CrossEntropyLoss()(model(X), y).backward()
@@ -320,12 +324,18 @@ def test_kfra_and_diag_hessian_refuse_norm_layers():
 
 
 def test_embedding_refuses_reduce():
-    """Its reduced input factor is a dense [V, V]: a warning naming the module and the
-    fix, nothing on the Embedding, the other layers' factors as usual."""
+    """Its reduced input factor is a dense [V, V]: the backward raises before any result,
+    naming the module and the fix; with the Embedding frozen, the other layers' factors
+    as usual."""
     model = nn.Sequential(nn.Embedding(5, 3), nn.Flatten(), nn.Linear(6, 3)).to(DT)
     X, y = torch.tensor([[1, 2], [2, 4]]), torch.tensor([0, 1])
-    with pytest.warns(UserWarning, match=r"Embedding module '0' with kfac_approx='reduce'.*use kfac_approx='expand'"):
+    with pytest.raises(
+        NotImplementedError, match=r"Embedding module '0' with kfac_approx='reduce'.*kfac_approx='expand'"
+    ):
         run(model, nn.CrossEntropyLoss(), X, y, KFLR("reduce"))
+    assert not any(hasattr(p, "kflr") for p in model.parameters())
+    model[0].requires_grad_(False)
+    run(model, nn.CrossEntropyLoss(), X, y, KFLR("reduce"))
     assert not hasattr(model[0].weight, "kflr") and model[2].weight.kflr[1].shape == (6, 6)
 
 
@@ -487,6 +497,7 @@ def test_kflr_on_language_models_equals_curvlinops(name, approx):
         twin, lossf, params, [(X, y)], fisher_type="type-2", kfac_approx=approx, check_deterministic=False
     )
     op.compute_kronecker_factors()
+    freeze(model, "LlamaRMSNorm")
     run(model, lossf, X, y, KFLR(approx))
     scale = max(float(G.abs().max()) for G in op._gradient_covariances.values())
     compared = 0
@@ -599,8 +610,8 @@ def test_kfacef_on_language_models_equals_curvlinops(name, approx):
                 m.weight.requires_grad_(False)
     lossf = nn.CrossEntropyLoss()
     ref = _curvlinops_ef(_twin(model, embedding), lossf, X, y, approx)
-    with pytest.warns(UserWarning, match="LlamaRMSNorm") if name == "llama" else contextlib.nullcontext():
-        run(model, lossf, X, y, KFACEF(approx))  # LlamaRMSNorm has no factors (a warning)
+    freeze(model, "LlamaRMSNorm")
+    run(model, lossf, X, y, KFACEF(approx))
     assert len(ref) >= 5
     rtol = 1e-6 if name == "llama" else 1e-10
     # up to rounding relative to the largest G: BERT's key projections' reduce G is zero but

@@ -36,30 +36,32 @@ def _sum_loss(lossf: nn.Module) -> nn.Module:
     return type(lossf)(reduction="sum", **kwargs)
 
 
-def dense(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, per_sample: bool = False):
-    """(GGN, Hessian), ``[P, P]`` each, or ``[N, P, P]`` per sample."""
+def dense(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, per_sample: bool = False, hess: bool = True):
+    """(GGN, Hessian), ``[P, P]`` each, or ``[N, P, P]`` per sample; ``hess=False``: the
+    Hessian is ``None`` (it needs forward-mode AD through the model, which torch's fused
+    attention kernels lack)."""
     names, shapes, sizes, theta, unflat = _split(model)
     if not per_sample:
-        return _dense(model, lossf, X, y, theta, unflat)
+        return _dense(model, lossf, X, y, theta, unflat, hess)
     with torch.no_grad():
         out = model(X)
         scale = float(lossf(out, y) / _sum_loss(lossf)(out, y))
     summed = _sum_loss(lossf)
     parts = [
-        _dense(model, lambda z, t: scale * summed(z, t), X[n : n + 1], y[n : n + 1], theta, unflat)
+        _dense(model, lambda z, t: scale * summed(z, t), X[n : n + 1], y[n : n + 1], theta, unflat, hess)
         for n in range(X.shape[0])
     ]
-    return torch.stack([g for g, _ in parts]), torch.stack([h for _, h in parts])
+    return torch.stack([g for g, _ in parts]), torch.stack([h for _, h in parts]) if hess else None
 
 
-def _dense(model, lossf, X, y, theta, unflat) -> tuple[Tensor, Tensor]:
+def _dense(model, lossf, X, y, theta, unflat, hess: bool = True) -> tuple[Tensor, Tensor | None]:
     def f(t):
         return functional_call(model, unflat(t), (X,))
 
     z = f(theta)
     J = jacrev(f)(theta).reshape(z.numel(), -1)
     Hz = hessian(lambda z: lossf(z, y))(z).reshape(z.numel(), z.numel())
-    H = hessian(lambda t: lossf(f(t), y))(theta)
+    H = hessian(lambda t: lossf(f(t), y))(theta) if hess else None
     return J.T @ Hz @ J, H
 
 
@@ -84,6 +86,15 @@ def run(model, lossf, X, y, *exts):
     model.zero_grad()
     with jacmem.extend(*exts):
         lossf(model(X), y).backward()
+
+
+def freeze(model, type_name: str) -> None:
+    """Freezes the parameters of ``model``'s modules of type ``type_name`` (LLaMA's
+    ``LlamaRMSNorm``, which the Kronecker kinds have no factors for: a backward that
+    reaches its weight raises)."""
+    for module in model.modules():
+        if type(module).__name__ == type_name:
+            module.requires_grad_(False)
 
 
 def check_exact(model, lossf, X, y, per_sample=True, atol=1e-10):

@@ -13,7 +13,7 @@ import copy
 import functools
 import weakref
 from collections import deque
-from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
@@ -22,13 +22,14 @@ from torch.overrides import TorchFunctionMode
 from jacmem import compat
 from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
-from jacmem.derivatives.registry import own_parameters
+from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
-from jacmem.engine.notices import and_others
+from jacmem.engine.recorder import reached_parameters
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
+from jacmem.errors import UnsupportedCurvatureError
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.sqrt_ggn import root_vjps
 
@@ -60,10 +61,9 @@ class SecondOrderEngine(Engine):
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
         self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
-        self.passes, self.notices = setup.passes, setup.notices
+        self.passes = setup.passes
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
-        self.warned: set = set()
         #: the modules whose forward the engine saw
         self.seen: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: for each module forward running, whether the engine knows the module (then the
@@ -77,6 +77,16 @@ class SecondOrderEngine(Engine):
         self.unreduced = compat.WeakTensorKeyDictionary()
         #: id(param) -> the first call (weakly) that used it since the last backward began
         self.users: dict[int, weakref.ref] = {}
+        #: ids of the parameters some call's node covers (its first-order entry has them)
+        self.covered: set[int] = set()
+        #: id(param) -> (its module, weakly; its name there), for each module whose forward
+        #: ran with trainable parameters of its own (to name a parameter nothing covers)
+        self.owners: dict[int, tuple[weakref.ref, str]] = {}
+        #: id(param) -> (an extension of the block that has nothing for the last call that
+        #: used it, why, the parameter's name there with its module's): :meth:`_check`
+        self.refused: dict[int, tuple[str, str, str]] = {}
+        #: ids of the parameters whose results the running backward asks for
+        self.wanted: set[int] = set()
         self.mode = _Functional(self)
         self.mode.__enter__()
         #: compiled models run eagerly while the block is open: the engine follows the
@@ -128,6 +138,9 @@ class SecondOrderEngine(Engine):
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         if not torch.is_grad_enabled() or compat.functorch_transforms_active():
             return
+        for pname, p in own_parameters(module):
+            if p.requires_grad:
+                self.owners.setdefault(id(p), (weakref.ref(module), pname))
         loss = lookup_loss(module)
         first = args[0] if args else None
         entry = None if loss is not None else lookup_passthrough(module, first, output)
@@ -234,22 +247,47 @@ class SecondOrderEngine(Engine):
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
-    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor) -> None:
-        """``node.params``: the module's own trainable parameters that its first-order
-        entry covers (a warning names the others), with what that entry keeps."""
+    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor, used: bool = False) -> None:
+        """``node.params``: the module's trainable parameters (its own, and a submodule's
+        its forward uses itself) that its first-order entry covers, with what that entry
+        keeps; the backward refuses the others (:meth:`on_backward`). ``used``: only those
+        ``output`` depends on (a container's own: a ``logit_scale`` it holds but the loss
+        reads is no part of its call)."""
         module = node.module
         first = args[0] if args else None
         node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
         if node.params:
             fo = lookup(module, first, output)
-            if fo is None or any(n not in fo.params for n in node.params):
-                self._unsupported(node)
-                node.params = {n: p for n, p in node.params.items() if fo is not None and n in fo.params}
+            node.params = _trainable(module, fo)
+            if used and node.params:
+                ids = set(map(id, reached_parameters(output)))
+                node.params = {n: p for n, p in node.params.items() if id(p) in ids}
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
                 x = fo.keep(args, kwargs)
                 node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
                 self._mark_tied(node)
+                self.covered.update(map(id, node.params.values()))
+                self._check(node)
+
+    def _check(self, node: Node) -> None:
+        """Notes ``node``'s parameters in :attr:`refused` where an extension of the block
+        has nothing for them (:meth:`SecondOrderExtension.check`: a BatchNorm under KFAC),
+        or takes them out of it: a backward that reaches one raises (:meth:`on_backward`)."""
+        call = replace(self.call(node, [], None), params=dict(node.params))
+        for ext in self.extensions:
+            try:
+                ext.check(call)
+            except UnsupportedModule as err:
+                self._refuse(repr(ext), str(err), node.params, str(node))
+                return
+        for p in node.params.values():
+            self.refused.pop(id(p), None)
+
+    def _refuse(self, who: str, why: str, params: dict[str, nn.Parameter], module: str) -> None:
+        """Notes ``params`` (by name) of ``module`` (named, with its type) in :attr:`refused`."""
+        why = why.strip().rstrip(".")
+        self.refused.update((id(p), (who, why, f"{n!r} of module {module}")) for n, p in params.items())
 
     def _mark_tied(self, node: Node) -> None:
         """``node.tied``: its parameters that another call of this forward uses too
@@ -306,64 +344,120 @@ class SecondOrderEngine(Engine):
             queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
-        """A leaf module that nothing here can pass through: marked in the graph (for
-        the chain error); one whose parameters have first-order derivatives is kept for
-        the autograd path (:mod:`.autograd_path`), any other with trainable parameters
-        is warned about."""
-        if next(module.children(), None) is not None:
-            return
-        fn = getattr(output, "grad_fn", None)
-        if fn is not None:
+        """A module that nothing here can pass through. A layer (a leaf, or a module of a
+        registered type: MultiheadAttention calls its ``out_proj`` itself) is marked in
+        the graph, for the chain error. Where the block's kinds are the autograd path's,
+        a module whose trainable parameters (its own, and a submodule's that its forward
+        uses itself) have first-order derivatives, registered or the generic
+        recomputation's, is kept for that path (:mod:`.autograd_path`), as the first-order
+        recorder records it. Any other parameter the backward reaches makes it raise
+        (:meth:`on_backward`)."""
+        first = args[0] if args else None
+        own = any(p.requires_grad for _, p in own_parameters(module))
+        layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
+        fo = lookup(module, first, output) if own or layer else None
+        out = output if fo is None else fo.outputs(output)
+        if isinstance(out, (tuple, list)) and len(out) == 1:
+            out = out[0]  # (the generic recomputation's outputs: a list of one)
+        fn = getattr(out, "grad_fn", None)
+        if layer and fn is not None:
             fn.metadata["jacmem_unsupported"] = f"{self.name(module)!r} ({type(module).__name__})"
             self.autograd.untracked = True
-        if module in self.warned or not any(p.requires_grad for _, p in own_parameters(module)):
+        if fo is None or not self.autograd.serves():
             return
-        if (
-            self.autograd.serves()
-            and isinstance(output, Tensor)
-            and output.requires_grad
-            and lookup(module, args[0] if args else None, output)
-        ):
-            self.seen.add(module)
-            node = Node(module, self.name(module), None, None)
-            node.out_shape = tuple(output.shape)
-            self._first_order(node, args, kwargs, output)
-            if node.params:
-                self.autograd.record(node, output)
-            return
-        self.warned.add(module)
-        self.passes.warned.update(id(p) for _, p in own_parameters(module))
-        exts = ", ".join(map(repr, self.extensions))
-        first = f"{self.name(module)!r} ({type(module).__name__})"
-
-        def say(modules: list[str]) -> str:
-            return (
-                f"jacmem: module {first} is not supported by {exts}: its parameters get nothing, and "
-                "curvature cannot pass through it (a backward through it raises)." + and_others(modules)
+        why = None
+        if isinstance(out, (tuple, list)):
+            why = (
+                f"its call returns {len(out)} tensors (as an RNN's: its output and final states), and the autograd "
+                "path follows one output per call: freeze its parameters (requires_grad_(False)), or use a first-order "
+                "extension"
             )
-
-        self.notices.add(("second-order unsupported module",), self.name(module), say)
-
-    def _unsupported(self, node: Node) -> None:
-        if node.module in self.warned:
-            return
-        self.warned.add(node.module)
-        self.passes.warned.update(map(id, node.params.values()))
-        exts = ", ".join(map(repr, self.extensions))
-        first = str(node)
-
-        def say(modules: list[str]) -> str:
-            return (
-                f"jacmem: module {first} has trainable parameters that {exts} cannot handle; they "
-                "get nothing. Register their first-order derivatives (jacmem.register), or freeze them "
-                "(requires_grad=False)." + and_others(modules)
+        elif not getattr(module, "batch_first", True):
+            why = (
+                "it takes the batch on axis 1 (batch_first=False), and the autograd path reads the batch on axis 0 of a "
+                "call's output: build it with batch_first=True, or freeze its parameters (requires_grad_(False))"
             )
-
-        self.notices.add(("second-order unsupported parameters",), node.name, say)
+        if why is not None:  # a backward that reaches its parameters raises (on_backward)
+            exts = ", ".join(map(repr, self.extensions))
+            self._refuse(exts, why, _trainable(module, fo), f"{self.name(module)!r} ({type(module).__name__})")
+            return
+        if not isinstance(out, Tensor) or not out.requires_grad:
+            return
+        self.seen.add(module)
+        self.autograd.untracked = True  # its parameters' curvature comes by the path alone
+        node = Node(module, self.name(module), None, None)
+        node.out_shape = tuple(out.shape)
+        self._first_order(node, args, kwargs, out, used=not layer)
+        if node.params:
+            self.autograd.record(node, out)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
+        """Before the backward: raises where it reaches (of its ``inputs``, where it has
+        them) a trainable parameter no recorded call covers, or one an extension has
+        nothing for, naming each with its module and the fix; nothing is written."""
         self.users.clear()
+        self.wanted = {id(p) for p in reached}
+        uncovered = [p for p in reached if id(p) not in self.covered]
+        if uncovered and not any(id(p) in self.owners for p in reached):
+            raise RuntimeError(
+                "jacmem: second-order extensions need the forward pass inside the block, but this backward's "
+                "forward ran outside it (before the block, or tracked with jacmem.track): run the forward inside "
+                "jacmem.extend(...)"
+            )
+        refused = [p for p in reached if id(p) in self.refused]
+        if refused:
+            raise self._refused(refused)
+        if uncovered:
+            raise self._uncovered(uncovered)
         self.autograd.on_backward(tensors, grad_tensors, alone)
+
+    def _owner(self, p: nn.Parameter) -> tuple[nn.Module | None, str | None]:
+        """The module whose forward ran that holds ``p`` most directly (fewest dots in
+        its name there), and that name; ``(None, None)`` where none does."""
+        ref, pname = self.owners.get(id(p), (None, None))
+        if ref is not None and ref() is not None:
+            return ref(), pname
+        found: tuple[nn.Module | None, str | None] = (None, None)
+        for module in {id(m): m for m in (r() for r, _ in self.owners.values()) if m is not None}.values():
+            for name, q in module.named_parameters():
+                if q is p and (found[1] is None or name.count(".") < found[1].count(".")):
+                    found = (module, name)
+        return found
+
+    def _refused(self, params: list) -> UnsupportedCurvatureError:
+        """The refusal of a backward that reaches trainable parameters an extension has
+        nothing for (:meth:`_check`), before any result: the first one's module and
+        reason in full, the others by name."""
+        who, why, _ = self.refused[id(params[0])]
+        named = [self.refused[id(p)][2] for p in params]
+        return UnsupportedCurvatureError(
+            f"jacmem: {who} has no result for {', '.join(named[:5])}"
+            + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+            + f", which this backward reaches: {why}. Nothing is written (a parameter left out of "
+            "backward(inputs=...) is not asked for)",
+            params,
+        )
+
+    def _uncovered(self, params: list) -> UnsupportedCurvatureError:
+        """The refusal of a backward that reaches trainable parameters no recorded call
+        covers (before any result): each named with its module, and why."""
+        exts = ", ".join(map(repr, self.extensions))
+        named = []
+        for p in params:
+            module, pname = self._owner(p)
+            if module is None:
+                named.append(f"a parameter of shape {list(p.shape)} read outside every module's forward")
+            else:
+                named.append(f"{pname!r} of module {self.name(module)!r} ({type(module).__name__})")
+        return UnsupportedCurvatureError(
+            f"jacmem: {exts} cannot give the curvature of {', '.join(named[:5])}"
+            + (f" and {len(named) - 5} more" if len(named) > 5 else "")
+            + ": the backward reaches "
+            "them, and no module call jacmem has derivatives for uses them (a parameter read directly in a "
+            "module's own forward, or by a module of no registered type). Register the module's derivatives "
+            "(jacmem.register), or freeze them (requires_grad=False)",
+            params,
+        )
 
     @_outside_mode
     def _on_grad(self, node: Node, grad: Tensor) -> None:
@@ -499,15 +593,13 @@ class SecondOrderEngine(Engine):
         )
 
     def run_extension(self, ext: SecondOrderExtension, call: Call) -> dict | None:
-        """``ext.compute(call)``; ``None`` (and a warning, once) where ``ext`` has nothing
-        for the module."""
+        """``ext.compute(call)``; ``None`` where ``ext`` has nothing for the module and the
+        backward asks for none of its parameters (``backward(inputs=...)``)."""
         try:
             return ext.compute(call)
         except UnsupportedModule as err:
-            if (call.module, type(ext)) not in self.warned:
-                self.warned.add((call.module, type(ext)))
-                self.passes.warned.update(map(id, call.params.values()))
-                self.notices.add(("second-order unsupported", ext), call.name, _unsupported_by(ext, err))
+            if any(id(p) in self.wanted for p in call.params.values()):  # not seen at its forward
+                raise UnsupportedCurvatureError(f"jacmem: {err}", call.params.values()) from err
             return None
         except NotImplementedError:
             raise
@@ -529,7 +621,8 @@ class SecondOrderEngine(Engine):
         tied, run.tied = run.tied, {}
         run.deposits.clear()
         writes = [(p, field, value) for p, _, values in staged.values() for field, value in values.items()]
-        return writes + [w for t in tied.values() for w in self._tied_writes(t)]
+        writes += [w for t in tied.values() for w in self._tied_writes(t)]
+        return [w for w in writes if id(w[0]) in self.wanted]  # those the backward asks for (its inputs)
 
 
 class _Functional(TorchFunctionMode):
@@ -549,6 +642,19 @@ class _Functional(TorchFunctionMode):
         return self.engine.on_function(func, build, args, kwargs)
 
 
+def _trainable(module: nn.Module, fo) -> dict[str, nn.Parameter]:
+    """The trainable parameters of ``module``'s call (its own, and a submodule's its
+    forward uses itself) that its first-order entry ``fo`` has derivatives for (the
+    others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a submodule
+    holds as its own (HF BERT's prediction head's bias, its decoder's): that submodule's
+    call records it, as in first order."""
+    if fo is None:
+        return {}
+    held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
+    params = hooks.trainable(module, fo)
+    return {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
+
+
 def _identity(pname: str, x, g: Tensor, quantities: set[str]) -> dict[str, Tensor]:
     """First-order quantities of a parameter used as it is: for output gradients
     ``g [N', *p.shape]`` its per-sample gradients are ``g``."""
@@ -558,17 +664,6 @@ def _identity(pname: str, x, g: Tensor, quantities: set[str]) -> dict[str, Tenso
 def _op_name(func) -> str:
     """``F.relu`` -> ``relu``, ``Tensor.add_`` -> ``add_``."""
     return getattr(func, "__name__", None) or str(func)
-
-
-def _unsupported_by(ext: SecondOrderExtension, err: Exception) -> Callable[[list[str]], str]:
-    """How to say that ``ext`` has nothing for the modules gathered: the first one's
-    reason in full, then how many others, and a few of their names."""
-    reason = str(err).strip().rstrip(".")
-
-    def say(modules: list[str]) -> str:
-        return f"jacmem: {reason}. Its parameters get no {ext.savefield}." + and_others(modules)
-
-    return say
 
 
 def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tuple[int, int]]] | None:

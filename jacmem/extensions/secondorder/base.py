@@ -73,8 +73,9 @@ class Call:
 
 class UnsupportedModule(NotImplementedError):
     """An extension has nothing for this module's parameters (KFAC for a BatchNorm,
-    say). The engine warns, naming the module and the fix, and the parameters get no
-    result from that extension; with ``strict=True`` it raises."""
+    say): :meth:`SecondOrderExtension.check` raises it at the call's forward, and a
+    backward that reaches one of them raises :class:`jacmem.errors.UnsupportedCurvatureError`
+    before it begins, naming the parameters, the module and the fix."""
 
 
 class SecondOrderExtension:
@@ -93,6 +94,11 @@ class SecondOrderExtension:
     #: columns over in slices, it goes over them twice, ``fit`` on each (merged by
     #: ``merge_fit``), then ``compute`` on each with the whole fit in ``call.fitted``
     fits: bool = False
+
+    def check(self, call: Call) -> None:
+        """Raises :class:`UnsupportedModule` (why, and the fix) where it has nothing for
+        the call's parameters; ``call`` has no factors yet (the engine asks at the call's
+        forward, so that a backward it cannot serve raises before any result)."""
 
     def compute(self, call: Call) -> dict[str, Any]:
         """``{param name: result}`` for one call."""

@@ -85,12 +85,15 @@ class _MatProd(SecondOrderExtension):
     def factors(self, call: Call) -> list[Factor]:
         return call.of_kind(*self.kinds)
 
-    def compute(self, call: Call) -> dict[str, Callable[[Tensor], Tensor]]:
+    def check(self, call: Call) -> None:
         if call.inputs is None:
             raise UnsupportedModule(
                 f"{self!r} repeats a module's forward, but module {call.name!r} was called with keyword or "
                 "non-tensor arguments; call it with its tensor inputs by position"
             )
+
+    def compute(self, call: Call) -> dict[str, Callable[[Tensor], Tensor]]:
+        self.check(call)
         # copies: the engine overwrites its factors as they cross elementwise modules
         roots = [(f.sign, f.S.clone()) for f in self.factors(call)]
         return {name: mat_prod(call.module, name, p, call.inputs, roots, repr(self)) for name, p in call.params.items()}

@@ -85,17 +85,22 @@ class EKFAC(KroneckerExtension):
         """Two slices' results, in the bases of all the roots (``call.fitted``): ``Λ`` sums."""
         return [*a[:-1], a[-1] + b[-1]]
 
+    def check(self, call: Call) -> None:
+        super().check(call)
+        rule = call.entry.kronecker
+        if rule.input_factor is not None and not rule.channels_last:
+            raise UnsupportedModule(
+                f"{self!r} has no eigenvalue correction for {type(call.module).__name__} (module {call.name!r}): its "
+                "input factor is over patches, not the input's channels; use KFAC, or freeze its parameters"
+            )
+
     def compute(self, call: Call) -> dict[str, list]:
+        self.check(call)
         sliced = call.fitted is not None and call.entry.kronecker.input_factor is not None
         factors = call.fitted if sliced else super().compute(call)  # sliced: all the roots' factors
         rule = call.entry.kronecker
         if rule.input_factor is None:  # LayerNorm, RMSNorm: the diagonal
             return factors
-        if not rule.channels_last:
-            raise UnsupportedModule(
-                f"{self!r} has no eigenvalue correction for {type(call.module).__name__} (module {call.name!r}): its "
-                "input factor is over patches, not the input's channels; use KFAC, or freeze its parameters"
-            )
         U_G = _eigenvectors(next(iter(factors.values()))[0])  # the weight's and the bias's G are one
         A = factors["weight"][1] if "weight" in factors else None
         U_A = None if A is None or A.dim() == 1 else _eigenvectors(A)

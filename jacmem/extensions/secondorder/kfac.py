@@ -176,8 +176,12 @@ class KroneckerExtension(SecondOrderExtension):
         """``G`` sums over slices of ``V``; ``A`` (the input's) is each slice's own."""
         return [a[0] + b[0], *a[1:]]
 
+    def check(self, call: Call) -> None:
+        _rule(call, self)
+
     def compute(self, call: Call) -> dict[str, list[Tensor]]:
-        rule = _rule(call, self)
+        self.check(call)
+        rule = call.entry.kronecker
         if rule.input_factor is None:  # a diagonal rule
             diag = squared_vjps(call, call.of_kind(*self.kinds), batch=False)
             return {name: [diag[name] if name in diag else torch.zeros_like(p)] for name, p in call.params.items()}

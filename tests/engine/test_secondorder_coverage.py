@@ -1,0 +1,195 @@
+"""Every trainable parameter the loss reaches gets its second-order result, or the
+backward raises before any is written (issue 36, item 3): stock attention
+(``nn.MultiheadAttention`` inside ``nn.TransformerEncoderLayer``: a module with children
+and parameters of its own) and parameters read directly in a module's forward (a
+position embedding on the root), against the dense GGN of torch.func (float64).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.secondorder_ref import blocks, dense, diagonals
+from torch import nn
+
+import jacmem
+from jacmem import (
+    EKFAC,
+    GGNMP,
+    KFAC,
+    KFLR,
+    KFRA,
+    BatchDiagGGNExact,
+    DiagGGNExact,
+    DiagHessian,
+    UnsupportedCurvatureError,
+)
+
+pytestmark = pytest.mark.usefixtures("float64_default")
+
+N, T, D, C = 3, 3, 4, 3
+
+
+class Encoder(nn.Module):
+    """A position parameter added to the input on the root, a stock encoder layer, a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(1, T, D) / 2)
+        self.enc = nn.TransformerEncoderLayer(D, 2, dim_feedforward=6, dropout=0.0, batch_first=True)
+        self.head = nn.Linear(T * D, C)
+
+    def forward(self, x):
+        return self.head(self.enc(x + self.pos).flatten(1))
+
+
+class Shifted(nn.Module):
+    """Modules jacmem has Jacobians for, and a position parameter on the root."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(T, D) / 2)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(T * D, 5), nn.Tanh(), nn.Linear(5, C))
+
+    def forward(self, x):
+        return self.net(x + self.pos)
+
+
+def _data():
+    torch.manual_seed(0)
+    return torch.randn(N, T, D), torch.randint(0, C, (N,))
+
+
+def test_a_parameter_no_call_covers_raises_before_any_result():
+    """DiagHessian follows module Jacobians only: the root's ``pos`` has none, so the
+    backward raises, naming it and its module, and nothing is written (it used to give
+    every other parameter its result, ``pos`` nothing, and a warning with the wrong cause)."""
+    model, (X, y) = Shifted(), _data()
+    with pytest.raises(NotImplementedError, match=r"'pos' of module 'Shifted' \(Shifted\)"):
+        with jacmem.extend(DiagHessian()):
+            nn.CrossEntropyLoss()(model(X), y).backward()
+    assert not any(hasattr(p, "diag_h") for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")  # exact, slow where vmap runs attention by sample
+def test_stock_encoder_layer_and_a_root_position_parameter_are_exact():
+    """MultiheadAttention's in_proj_weight, in_proj_bias and out_proj (a module with
+    children and parameters of its own) and the root's ``pos`` (read in the root's
+    forward: the generic recomputation, as first order) get their GGN diagonals, whole
+    and per sample, through the autograd path: they used to get nothing (the second-order
+    engine skipped every module with children)."""
+    model, (X, y) = Encoder().eval(), _data()
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        lossf(model(X), y).backward()
+    ggn, _ = dense(model, lossf, X, y, hess=False)
+    ggn_n, _ = dense(model, lossf, X, y, per_sample=True, hess=False)
+    want, want_n = diagonals(model, ggn), diagonals(model, ggn_n)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, want_n[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_a_parameter_read_outside_every_module_raises():
+    """A parameter the loss reads outside every module's forward (``logits * scale``)
+    has no call to follow: the backward raises before any result, naming it by its shape."""
+    model, (X, y) = Shifted(), _data()
+    scale = nn.Parameter(torch.tensor(2.0))
+    with pytest.raises(NotImplementedError, match=r"a parameter of shape \[\] read outside every module"):
+        with jacmem.extend(DiagGGNExact()):
+            nn.CrossEntropyLoss()(model(X) * scale, y).backward()
+    assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
+
+
+@pytest.mark.parametrize("ext", [KFLR(), KFAC(), KFRA(), EKFAC(), GGNMP()], ids=repr)
+def test_kinds_with_nothing_for_a_parameter_raise_before_any_result(ext):
+    """The Kronecker kinds have no factors for MultiheadAttention's ``in_proj_*`` or the
+    root's ``pos`` (KFRA none for LayerNorm either); the products cannot repeat the root's call (issue 36, item 3: they
+    used to warn and give the other parameters theirs). The backward raises before it
+    begins, naming the parameter and its module; nothing is written, not even ``.grad``."""
+    model, (X, y) = Encoder().eval(), _data()
+    with pytest.raises(
+        UnsupportedCurvatureError,
+        match=r"'(pos|in_proj_\w+|weight|bias)' of module '(Encoder|enc.self_attn|enc.norm\d)'",
+    ):
+        with jacmem.extend(ext):
+            nn.CrossEntropyLoss()(model(X), y).backward()
+    assert not any(hasattr(p, ext.savefield) or p.grad is not None for p in model.parameters())
+
+
+def test_kflr_of_the_parameters_backward_asks_for():
+    """``backward(inputs=...)``: only those parameters are asked for, so the ones KFLR has
+    nothing for, left out, raise nothing; the head's ``G ⊗ A`` is its exact GGN block at
+    one sample."""
+    model = Encoder().eval()
+    X, y = (t[:1] for t in _data())
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(KFLR()):
+        lossf(model(X), y).backward(inputs=list(model.head.parameters()))
+    assert not any(hasattr(p, "kflr") or p.grad is not None for p in model.enc.parameters())
+    want = blocks(model, dense(model, lossf, X, y, hess=False)[0])
+    G, A = model.head.weight.kflr
+    torch.testing.assert_close(torch.kron(G, A), want["head.weight"], rtol=1e-9, atol=1e-12)
+    torch.testing.assert_close(model.head.bias.kflr[0], want["head.bias"], rtol=1e-9, atol=1e-12)
+
+
+def test_a_parameter_left_out_of_the_backward_is_not_refused():
+    """DiagHessian has no call to follow for the root's ``pos``; a backward that asks only
+    for the Sequential's parameters (``inputs=``) does not reach it, and gives them the
+    dense Hessian's diagonal (it used to raise on ``pos`` all the same)."""
+    model, (X, y) = Shifted(), _data()
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(DiagHessian()):
+        lossf(model(X), y).backward(inputs=list(model.net.parameters()))
+    assert not hasattr(model.pos, "diag_h") and model.pos.grad is None
+    want = diagonals(model, dense(model, lossf, X, y)[1])
+    for name, p in model.net.named_parameters():
+        torch.testing.assert_close(p.diag_h, want[f"net.{name}"], rtol=1e-9, atol=1e-12, msg=name)
+
+
+class Recurrent(nn.Module):
+    """An RNN, GRU or LSTM on ``[N, T, I]`` or ``[T, N, I]``, a head on its last step."""
+
+    def __init__(self, cls, batch_first):
+        super().__init__()
+        self.rnn, self.head = cls(D, 5, batch_first=batch_first), nn.Linear(5, C)
+
+    def forward(self, x):
+        out = self.rnn(x)[0]
+        return self.head(out[:, -1] if self.rnn.batch_first else out[-1])
+
+
+@pytest.mark.parametrize("batch_first", [True, False])
+@pytest.mark.parametrize("cls", [nn.RNN, nn.GRU, nn.LSTM])
+def test_recurrent_layers_raise_naming_the_module_and_the_cause(cls, batch_first):
+    """The autograd path follows one output per call, and an RNN's call returns its
+    output and its final states: the backward raises before any result, naming the
+    module, the cause and the fix (``T == N``, where a batch on axis 1 read as axis 0
+    would pass unseen); frozen, the head's GGN diagonal is the dense one's."""
+    torch.manual_seed(0)
+    model, lossf = Recurrent(cls, batch_first), nn.CrossEntropyLoss()
+    X, y = torch.randn(N, T, D) if batch_first else torch.randn(T, N, D), torch.randint(0, C, (N,))
+    msg = rf"'weight_ih_l0' of module 'rnn' \({cls.__name__}\).*returns [23] tensors.*one output per call: freeze"
+    with pytest.raises(UnsupportedCurvatureError, match=msg), jacmem.extend(DiagGGNExact()):
+        lossf(model(X), y).backward()
+    assert not any(hasattr(p, "diag_ggn_exact") or p.grad is not None for p in model.parameters())
+    model.rnn.requires_grad_(False)
+    with jacmem.extend(DiagGGNExact()):
+        lossf(model(X), y).backward()
+    want = diagonals(model, dense(model, lossf, X, y, hess=False)[0])
+    for name, p in model.head.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, want[f"head.{name}"], rtol=1e-9, atol=1e-12, msg=name)
+
+
+def test_attention_with_the_batch_second_raises_naming_the_fix():
+    """``batch_first=False`` attention (``[T, N, D]``, ``T == N``): the autograd path
+    reads the batch on axis 0 of a call's output, so the backward raises, naming the
+    module and ``batch_first=True``."""
+    torch.manual_seed(0)
+    enc = nn.TransformerEncoderLayer(D, 2, dim_feedforward=6, dropout=0.0).eval()
+    model, lossf = nn.Sequential(enc, nn.Flatten(0, 1), nn.Linear(D, C)), nn.CrossEntropyLoss()
+    X, y = torch.randn(T, N, D), torch.randint(0, C, (T * N,))
+    msg = r"'in_proj_weight' of module '0.self_attn' \(MultiheadAttention\).*batch_first=False.*batch_first=True"
+    with pytest.raises(UnsupportedCurvatureError, match=msg), jacmem.extend(DiagGGNExact()):
+        lossf(model(X), y).backward()
+    assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
