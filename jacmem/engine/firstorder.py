@@ -46,6 +46,7 @@ from jacmem.engine.broadcast import behind_broadcasts
 from jacmem.engine.notices import and_others, listing
 from jacmem.engine.planner import ContractError, batch_size, cached_plan, chunk_budget, execute, itemsize, shapes
 from jacmem.engine.recorder import Recorder, tracked_name
+from jacmem.errors import unsupported_module_error
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 
@@ -191,8 +192,6 @@ class FirstOrderEngine(Engine):
         self.models = setup.models
         #: the block's own calls; a layer that allows it runs through ComputeOnce
         self.recorder = Recorder(self._on_grad, once=True, batch_first=setup.batch_first)
-        #: modules already warned about (weakly: a long block sees re-created modules)
-        self.warned: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: (device, the names of K modules) -> [K] bool on the device: whose results held
         #: NaN or Inf in a pass of the block with those modules; read when the block ends
         self.nonfinite: dict[tuple[torch.device, tuple[str, ...]], Tensor] = {}
@@ -270,13 +269,13 @@ class FirstOrderEngine(Engine):
             rec.reset()
 
     def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
+        supported = () if rec.entry is None else rec.entry.params
+        uncovered = [n for n in sorted(rec.params) if n not in supported]
+        reached = [n for n in uncovered if compat.will_engine_execute_node(rec.nodes[n])]
+        if reached:  # (a backward(inputs=...) that leaves them out asks nothing of them)
+            self._unsupported(rec, reached)
         if rec.entry is None:
-            self._unsupported(rec, sorted(rec.params))
             return {}
-        supported = rec.entry.params
-        missing = [p for p in rec.params if p not in supported]
-        if missing:
-            self._unsupported(rec, missing)
         if rec.entry.recomputed:
             self._recomputed(rec)
         self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
@@ -656,24 +655,18 @@ class FirstOrderEngine(Engine):
         self.notices.add(("first-order recomputed",), rec.name, _recomputed_notice(label, fields))
 
     def _unsupported(self, rec: hooks.Record, params: list[str]) -> None:
-        """A module with parameters the extensions cannot handle: one notice, gathered
-        with the others of the pass into one warning."""
-        if rec.module in self.warned:
-            return
-        self.warned.add(rec.module)
-        self.passes.warned.update(id(p) for n, p in rec.params.items() if n in params)
-        exts = ", ".join(map(repr, self.extensions))
-        fields = ", ".join(e.savefield for e in self.extensions)
-        label = f"{rec.name!r} ({type(rec.module).__name__})"
-        what = f"{label} has trainable parameters {params}"
-
-        def say(modules: list[str]) -> str:
-            return (
-                f"jacmem: module {what} that {exts} cannot handle; they get no {fields}. Register a "
-                "derivative with jacmem.register(...), or freeze them (requires_grad=False)." + and_others(modules)
-            )
-
-        self.notices.add(("first-order unsupported",), rec.name, say)
+        """Raise :class:`jacmem.errors.UnsupportedModuleError`: this backward pass
+        differentiates ``params``, parameters of the call that no derivative covers (a
+        module with none, whose generic fallback was refused; a legacy weight-normed
+        Linear's ``weight_g`` and ``weight_v``), so the extensions would have nothing for
+        them. It comes in the backward, before the pass writes anything (a pass writes its
+        results at its end; a failed pass writes none)."""
+        raise unsupported_module_error()(
+            f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) has trainable parameter(s) {params} that "
+            f"{', '.join(map(repr, self.extensions))} cannot handle: jacmem has no exact "
+            f"{', '.join(e.savefield for e in self.extensions)} for them. Register a derivative with "
+            "jacmem.register(...) (docs: 'Adding a layer or a strategy'), or freeze them (requires_grad_(False))."
+        )
 
 
 def _recomputed_notice(label: str, fields: str) -> Callable[[list[str]], str]:

@@ -159,15 +159,15 @@ def test_a_broadcast_parameter_needs_no_recomputation():
 @pytest.mark.parametrize("cls", [WithBuffer, WithBatchNorm])
 def test_refused_in_training_mode_works_in_eval(cls):
     """A module that may mutate buffers or mix samples in training mode gets no fallback:
-    the block warns naming it (raises with strict=True); in eval mode the fallback applies."""
+    the backward raises UnsupportedModuleError naming it, strict or not, and writes
+    nothing (it warned and gave it nothing); in eval mode the fallback applies."""
     model = nn.Sequential(nn.Linear(F_, F_), cls()).double()
     X, y = torch.randn(N, F_, dtype=torch.float64), torch.randn(N, F_, dtype=torch.float64)
     assert lookup(model[1]) is None
-    with pytest.warns(UserWarning, match=rf"'1' \({cls.__name__}\)"):
-        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()])
-    assert not hasattr(model[1].weight, "grad_batch") and hasattr(model[0].weight, "grad_batch")
-    with pytest.raises(RuntimeError, match=rf"'1' \({cls.__name__}\)"):
-        run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()], strict=True)
+    for strict in (False, True):
+        with pytest.raises(jacmem.UnsupportedModuleError, match=rf"'1' \({cls.__name__}\).*cannot handle"):
+            run_jacmem(model, X, y, mse, "mean", [jacmem.BatchGrad()], strict=strict)
+        assert not any(hasattr(p, "grad_batch") for p in model.parameters()), "a failed backward wrote results"
     model.eval()
     assert lookup(model[1]) is not None
     reference = per_sample_grads(model, X, y, mse, "mean")

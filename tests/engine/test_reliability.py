@@ -11,8 +11,8 @@ Covered:
 - bad arguments: an unknown strategy name (a ValueError listing the valid ones,
   globally and per layer by type or name), a strategy the module does not offer (a
   ValueError naming the module), something that is not an extension;
-- a trainable module no extension can handle: a warning naming it, an error with
-  ``strict=True``;
+- a trainable module no extension can handle: UnsupportedModuleError naming it, strict
+  or not, with nothing written;
 - block misuse: an exception in the forward, in the backward (a tensor hook, an
   autograd Function, a tracked backward), inside a jacmem derivative;
   ``KeyboardInterrupt``; nested blocks; a second thread;
@@ -237,30 +237,57 @@ def unsupported_net():
     return model
 
 
+#: UnsupportedModuleError's words for RunningScale under BatchGrad and Variance
+UNSUPPORTED = (
+    r"module '1' \(RunningScale\) has trainable parameter\(s\) \['scale'\] that BatchGrad\(\), Variance\(\) "
+    r"cannot handle: jacmem has no exact grad_batch, variance for them\. Register a derivative with "
+    r"jacmem\.register\(\.\.\.\).*or freeze them \(requires_grad_\(False\)\)"
+)
+
+
+@pytest.mark.parametrize("strict", [False, True])
 @pytest.mark.parametrize("flow", ["inside", "track"])
-def test_unsupported_module_warns_naming_it(flow):
+def test_unsupported_module_raises_naming_it_and_writes_nothing(flow, strict):
+    """A trainable module no derivative covers, whose generic fallback is refused (it
+    moves a buffer in training mode), raises UnsupportedModuleError out of
+    ``loss.backward()``, naming the module, its parameter, the extensions and the fix,
+    with or without ``strict`` (which is about the exact-but-slow fallback): it warned
+    and gave that parameter nothing, a warning beside a missing result. The layer after
+    it, whose quantities the pass had computed before, gets nothing either (the pass
+    writes at its end), and the block leaves no hook and no active block. Frozen, the
+    module is no longer in the way, and the other layers are exact."""
     model = unsupported_net()
     X, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
-    with pytest.warns(UserWarning, match=r"'1'.*RunningScale.*scale"):
-        run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad(), jacmem.Variance()], flow)
-    assert not hasattr(model[1].scale, "grad_batch") and not hasattr(model[1].scale, "variance")
-    # the other layers are still right
+    state = State(model)
+    with pytest.raises(jacmem.UnsupportedModuleError, match=UNSUPPORTED):
+        run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad(), jacmem.Variance()], flow, strict=strict)
+    state.check()
+    no_fields(model)
+    model[1].scale.requires_grad_(False)
     model.eval()  # the reference loop must not move the running statistic
     reference = per_sample_grads(model, X, y, cross_entropy, "mean")
-    del reference[model[1].scale]
+    model.train()
+    clear(model)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad(), jacmem.Variance()], flow)
     check_against(model, reference, ["grad_batch", "variance"])
 
 
-@pytest.mark.parametrize("flow", ["inside", "track"])
-def test_unsupported_module_strict_raises(flow):
+def test_unsupported_module_a_backward_does_not_differentiate_is_no_error():
+    """``backward(inputs=...)`` that leaves the unsupported module's parameter out
+    computes the quantities of the parameters it names, and raises nothing: that
+    parameter gets no result because none was asked for."""
     model = unsupported_net()
     X, y = torch.randn(4, 4, dtype=torch.float64), torch.randint(0, 3, (4,))
-    before = global_hooks()
-    with pytest.raises(RuntimeError, match=r"'1'.*RunningScale"):
-        run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()], flow, strict=True)
-    assert jacmem.context._ACTIVE is None and global_hooks() == before
-    for p in model.parameters():
-        assert not hasattr(p, "grad_batch"), "a failed backward wrote results"
+    first = model[0].weight
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")[first]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with jacmem.extend(jacmem.BatchGrad()):
+            cross_entropy(model(X), y, "mean").backward(inputs=[first])
+    assert_close(first.grad_batch, reference, "the first Linear's weight")
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters() if p is not first)
 
 
 # -- block misuse -----------------------------------------------------------------
@@ -615,11 +642,18 @@ from tests.support.reference import assert_close, cross_entropy, per_sample_grad
 
 X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
 normed = nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(4, 3))).double()  # weight_g, weight_v, bias
-with pytest.warns(UserWarning, match=r"\\['weight_g', 'weight_v'\\] that BatchGrad\\(\\) cannot handle"):
+with pytest.raises(jacmem.UnsupportedModuleError, match=r"\\['weight_g', 'weight_v'\\] that BatchGrad\\(\\) cannot handle"):
     with jacmem.extend(jacmem.BatchGrad()):
         cross_entropy(normed(X), y, "mean").backward()
 bias = normed[0].bias
+assert not any(hasattr(p, "grad_batch") for p in normed.parameters()), "a failed backward wrote results"
+normed[0].weight_g.requires_grad_(False)
+normed[0].weight_v.requires_grad_(False)
+with jacmem.extend(jacmem.BatchGrad()):
+    cross_entropy(normed(X), y, "mean").backward()
 assert_close(bias.grad_batch, per_sample_grads(normed, X, y, cross_entropy)[bias], "the normed Linear's bias")
+normed[0].weight_g.requires_grad_(True)
+normed[0].weight_v.requires_grad_(True)
 with pytest.raises(RuntimeError, match=r"\\['weight_g', 'weight_v'\\] whose per-sample gradients"):
     with jacmem.extend(jacmem.ClipGrad(1.0)):
         cross_entropy(normed(X), y, "mean").backward()
@@ -638,8 +672,9 @@ def test_a_legacy_weight_normed_layer_met_first_leaves_the_layers_registrations_
     Linear with ``weight_g`` and ``weight_v`` and no parameter ``weight``. Met first in a
     process, Linear's name check took Linear's own registrations back, with an error
     about a misspelt registration: every plain Linear after it got no per-sample
-    gradients. Its two parameters are now unsupported like any (``BatchGrad`` warns,
-    ``ClipGrad`` refuses them), its bias is exact, and so is a plain Linear after it."""
+    gradients. Its two parameters are now unsupported like any (``BatchGrad`` and
+    ``ClipGrad`` raise, naming them), its bias is exact once they are frozen, and so is
+    a plain Linear after it."""
     root = Path(__file__).resolve().parents[2]
     subprocess.run([sys.executable, "-c", _LEGACY_WEIGHT_NORM_FIRST], check=True, cwd=root)
 
