@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench docs clean
+.PHONY: demo test conformance lint bench docs clean
 
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
@@ -24,6 +24,11 @@ demo: $(STAMP)
 
 test: $(STAMP) lint
 	$(PY) -m pytest -q
+
+# The whole conformance matrix (tests/conformance/): models x settings x quantities against one
+# float64 oracle; `make test` runs its cheap slice only (marker `conformance`).
+conformance: $(STAMP)
+	$(PY) -m pytest -q -m "conformance or conformance_full" tests/conformance
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -91,7 +91,7 @@ def check(model: str, setting: str, quantity: str, fresh: bool = False) -> str:
     AssertionError where the cell fails."""
     spec, s, q = MODELS[model], SETTINGS[setting], QUANTITIES[quantity]
     runs = outcomes(model, setting, fresh)[quantity]
-    declared = declarations.error(setting, quantity)
+    declared = declarations.error(setting, quantity, model)
     status = "exact"
     for rows, out in runs:
         where = f"[{model} x {setting} x {quantity}, rows {rows}]"

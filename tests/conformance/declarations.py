@@ -35,6 +35,18 @@ ERRORS: dict[tuple[tuple[str, ...], str], tuple[str, str]] = {
     (SECOND, "track"): ("RuntimeError", "need the forward pass inside the block"),
 }
 
+#: (models, quantities) -> (error class name, message fragment): a model's documented refusal,
+#: in every setting that runs the quantity (a setting's own error, above, comes first)
+TIED_LMS = ("gpt2", "lora_gpt2")
+TOKEN_MODELS = ("gpt2", "lora_gpt2", "llama")
+MODEL_ERRORS: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, str]] = {
+    # the logits reach the loss through a transpose ([N, T, V] -> [N, V, T]): no module knowledge for
+    # the Hessian's residual terms or KFRA's propagation through it
+    (TOKEN_MODELS, ("DiagHessian", "BatchDiagHessian", "HMP", "PCHMP", "KFRA")): ("ChainError", "TransposeBackward0"),
+    # GPT-2's tied wte/lm_head: the curvature's cross terms between the calls
+    (("gpt2",), ("GGNMP", "KFLR", "KFACEF", "EKFAC", "KFAC")): ("NotImplementedError", "used by more than one call"),
+}
+
 #: models that lack a setting's prerequisite: (model, setting) -> reason
 MODEL_NOT_APPLICABLE: dict[tuple[str, str], str] = {}
 BATCH_FIRST_MODELS = ("lstm", "gru", "transformer_encoder")
@@ -62,8 +74,15 @@ def not_applicable(model: str, setting: str, quantity: str) -> str | None:
     return MODEL_NOT_APPLICABLE.get((model, setting)) or _lookup(NOT_APPLICABLE, quantity, setting)
 
 
-def error(setting: str, quantity: str) -> tuple[str, str] | None:
-    return _lookup(ERRORS, quantity, setting)
+def error(setting: str, quantity: str, model: str | None = None) -> tuple[str, str] | None:
+    """The declared error of the cell: the setting's, else the model's."""
+    found = _lookup(ERRORS, quantity, setting)
+    if found or model is None:
+        return found
+    for (models, qs), value in MODEL_ERRORS.items():
+        if model in models and quantity in qs:
+            return value
+    return None
 
 
 def unchecked(model: str, quantity: str) -> str | None:

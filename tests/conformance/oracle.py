@@ -22,7 +22,7 @@ from tests.support import secondorder_ref
 from tests.support.clipping import expected as clipped_sums
 from tests.support.reference import variance
 from torch import Tensor, nn
-from torch.func import functional_call, jacrev
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 #: the directions the curvature-matrix products are applied to: ``K`` vectors per parameter
 K = 2
@@ -91,8 +91,9 @@ def curvature(model: nn.Module, lossf: nn.Module, X: Tensor, y: Tensor, axis: in
     if axis != 0:  # torch.func's reference slices axis 0: move the batch there and back
         model = _BatchAxis(model, axis)
         X = X.movedim(axis, 0)
-    ggn, hess = secondorder_ref.dense(model, lossf, X, y)
-    ggn_n, hess_n = secondorder_ref.dense(model, lossf, X, y, per_sample=True)
+    with sdpa_kernel(SDPBackend.MATH):  # forward-mode AD has no fused attention kernel
+        ggn, hess = secondorder_ref.dense(model, lossf, X, y)
+        ggn_n, hess_n = secondorder_ref.dense(model, lossf, X, y, per_sample=True)
     strip = _strip(model)
     return Curvature(
         ggn=strip(secondorder_ref.blocks(model, ggn)),
@@ -137,19 +138,6 @@ def empirical_block(grad_batch: dict[str, Tensor], name: str) -> Tensor:
     """Σ_n vec(g_n) vec(g_n)ᵀ: KFACEF's curvature block, [p, p]."""
     g = grad_batch[name].flatten(1)
     return g.T @ g
-
-
-def output_jacobian(model: nn.Module, X: Tensor) -> dict[str, Tensor]:
-    """name -> [out.numel(), p]: the Jacobian of the model's output w.r.t. each parameter."""
-    names = [n for n, p in model.named_parameters() if p.requires_grad]
-    params = {n: p.detach() for n, p in model.named_parameters()}
-
-    def f(sub):
-        return functional_call(model, {**params, **sub}, (X,))
-
-    jac = jacrev(f)({n: params[n] for n in names})
-    out = f({}).numel()
-    return {n: jac[n].reshape(out, -1) for n in names}
 
 
 #: the private step's learning rate
