@@ -57,7 +57,12 @@ UNCHECKED: dict[tuple[str, tuple[str, ...]], str] = {
 }
 
 #: known bugs of issue 36: (model or "*", setting or "*", quantity or "*") -> reason; strict xfail
-XFAIL: dict[tuple[str, str, str], str] = {}
+XFAIL: dict[tuple[str, str, str], str] = {
+    ("*", "process_group", "PrivacyEngine"): (
+        "issue 36 item 2: a plain model made private on each rank of a group gets the distributed optimizer "
+        "and its clipped sums all-reduced over WORLD"
+    ),
+}
 
 
 def _lookup(table, quantity: str, setting: str):

@@ -23,7 +23,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
-from tests.support import hf_models
 from torch import Tensor, nn
 
 import jacmem
@@ -131,6 +130,8 @@ def transformer_encoder(batch_first: bool):
 
 def _hf(name: str):
     def build(batch_first: bool):
+        from tests.support import hf_models  # transformers and timm: only where asked (a rank starts faster)
+
         model, X, y = hf_models.build(name)
         return model, X, y
 
@@ -138,6 +139,8 @@ def _hf(name: str):
 
 
 def lora_gpt2(batch_first: bool):
+    from tests.support import hf_models
+
     return hf_models.build_lora("gpt2")
 
 
@@ -158,8 +161,13 @@ class Model:
 
     def build(self, batch_first: bool = True):
         """A fresh ``(module, X, y)``, float64, eval mode, the same weights every call."""
-        torch.manual_seed(sum(map(ord, self.name)))
-        model, X, y = self.builder(batch_first)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(DT)  # the same numbers in every process (a rank starts in float32)
+        try:
+            torch.manual_seed(sum(map(ord, self.name)))
+            model, X, y = self.builder(batch_first)
+        finally:
+            torch.set_default_dtype(previous)
         model = model.to(DT).eval()
         return model, X.to(DT) if X.is_floating_point() else X, y
 
