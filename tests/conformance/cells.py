@@ -124,8 +124,10 @@ def _check_values(spec: Model, s: Setting, q: Quantity, rows: slice, out: Outcom
     e = expected(spec, s.batch_first, batch, q.one_sample)
     missing = sorted(set(e.shapes) - set(out.values))
     assert not missing, f"{where}: no {q.savefield} on {missing}"
-    exact = q.expect is not None and (not q.needs or getattr(spec, q.needs)) and not declarations.unchecked(
-        spec.name, q.name
+    exact = (
+        q.expect is not None
+        and (not q.needs or getattr(spec, q.needs))
+        and not declarations.unchecked(spec.name, q.name)
     )
     for name in e.shapes:
         got = out.values[name]

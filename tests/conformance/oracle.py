@@ -123,9 +123,7 @@ def directions(model: nn.Module) -> dict[str, Tensor]:
     """name -> [K, *p.shape]: fixed random directions for the curvature-matrix products."""
     g = torch.Generator().manual_seed(7)
     return {
-        n: torch.randn(K, *p.shape, generator=g, dtype=p.dtype)
-        for n, p in model.named_parameters()
-        if p.requires_grad
+        n: torch.randn(K, *p.shape, generator=g, dtype=p.dtype) for n, p in model.named_parameters() if p.requires_grad
     }
 
 

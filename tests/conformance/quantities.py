@@ -117,8 +117,12 @@ QUANTITIES: dict[str, Quantity] = {
         _mc(jacmem.DiagGGNMC, "diag_ggn_mc"),
         _mc(jacmem.BatchDiagGGNMC, "diag_ggn_mc_batch", per_sample=True),
         Quantity(
-            "SqrtGGNExact", "second", lambda c: [jacmem.SqrtGGNExact()], "sqrt_ggn_exact",
-            lambda e, n: e.curv.ggn[n], read=lambda v, n, e: v.flatten(0, 1).flatten(1).T @ v.flatten(0, 1).flatten(1),
+            "SqrtGGNExact",
+            "second",
+            lambda c: [jacmem.SqrtGGNExact()],
+            "sqrt_ggn_exact",
+            lambda e, n: e.curv.ggn[n],
+            read=lambda v, n, e: v.flatten(0, 1).flatten(1).T @ v.flatten(0, 1).flatten(1),
         ),  # fmt: skip
         _mc(jacmem.SqrtGGNMC, "sqrt_ggn_mc"),
         _product(jacmem.GGNMP, "ggnmp", lambda e: e.curv.ggn),
@@ -127,9 +131,7 @@ QUANTITIES: dict[str, Quantity] = {
         _kron_quantity("KFLR", lambda c: [jacmem.KFLR()], "kflr"),
         _kron_quantity("KFRA", lambda c: [jacmem.KFRA()], "kfra"),
         _kron_quantity("KFACEF", lambda c: [jacmem.KFACEF()], "kfac_ef", expect=lambda e, n: e.empirical[n]),
-        _kron_quantity(
-            "EKFAC", lambda c: [jacmem.EKFAC(fisher="exact")], "ekfac", read=lambda v, n, e: _ekfac(v)
-        ),
+        _kron_quantity("EKFAC", lambda c: [jacmem.EKFAC(fisher="exact")], "ekfac", read=lambda v, n, e: _ekfac(v)),
         _mc(jacmem.KFAC, "kfac", one_sample=True, read=lambda v, n, e: _kron(v)),
     ]
 }

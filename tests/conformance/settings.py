@@ -145,7 +145,9 @@ def run(model: nn.Module, lossf: nn.Module, q: Quantity, threshold: float, how: 
     out.warnings = jacmem_warnings(caught)
     if out.error is None:
         out.values = read(model, q, dirs)
-        out.grad = {n: _full(p.grad).detach().to(torch.float64) for n, p in model.named_parameters() if p.grad is not None}
+        out.grad = {
+            n: _full(p.grad).detach().to(torch.float64) for n, p in model.named_parameters() if p.grad is not None
+        }
     return out
 
 
