@@ -54,7 +54,7 @@ def first_order(grad_batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
     """savefield -> name -> BackPACK's quantity, from the per-sample gradients."""
     return {
         "grad_batch": grad_batch,
-        "batch_l2": {k: g.flatten(1).square().sum(1) for k, g in grad_batch.items()},
+        "batch_l2": {k: g.reshape(len(g), -1).square().sum(1) for k, g in grad_batch.items()},
         "sum_grad_squared": {k: g.square().sum(0) for k, g in grad_batch.items()},
         "variance": {k: variance(g) for k, g in grad_batch.items()},
         "grad": {k: g.sum(0) for k, g in grad_batch.items()},
@@ -64,7 +64,7 @@ def first_order(grad_batch: dict[str, Tensor]) -> dict[str, dict[str, Tensor]]:
 def median_threshold(grad_batch: dict[str, Tensor], n: int) -> float:
     """A flat threshold between the smallest and the largest per-sample norm (the mean's
     ``1/N`` undone, as Opacus defines them), so that some samples clip and some do not."""
-    total = torch.stack([(g * n).flatten(1).square().sum(1) for g in grad_batch.values()]).sum(0).sqrt()
+    total = torch.stack([(g * n).reshape(len(g), -1).square().sum(1) for g in grad_batch.values()]).sum(0).sqrt()
     lo, hi = total.min().item(), total.max().item()
     return (lo + hi) / 2
 
@@ -129,12 +129,12 @@ def directions(model: nn.Module) -> dict[str, Tensor]:
 
 def block_product(block: Tensor, mat: Tensor) -> Tensor:
     """[p, p] @ [K, *shape] -> [K, *shape]."""
-    return (mat.flatten(1) @ block.T).reshape(mat.shape)
+    return (mat.reshape(len(mat), -1) @ block.T).reshape(mat.shape)
 
 
 def empirical_block(grad_batch: dict[str, Tensor], name: str) -> Tensor:
     """Σ_n vec(g_n) vec(g_n)ᵀ: KFACEF's curvature block, [p, p]."""
-    g = grad_batch[name].flatten(1)
+    g = grad_batch[name].reshape(len(grad_batch[name]), -1)
     return g.T @ g
 
 

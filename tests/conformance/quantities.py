@@ -81,6 +81,12 @@ def _product(cls, field, block, needs=""):
     return Quantity(cls.__name__, "second", lambda c: [cls()], field, expect, read=read, needs=needs)
 
 
+def _gram(sqrt: Tensor) -> Tensor:
+    """``Sᵀ S`` of a square root ``[V, N, *shape]`` over its ``V·N`` rows: [p, p]."""
+    rows = sqrt.reshape(sqrt.shape[0] * sqrt.shape[1], -1)
+    return rows.T @ rows
+
+
 def _kron(factors) -> Tensor:
     out = factors[0]
     for f in factors[1:]:
@@ -91,6 +97,9 @@ def _kron(factors) -> Tensor:
 def _ekfac(value) -> Tensor:
     """EK-FAC's stored ``(U_G, U_A, Λ)`` (``U_A`` None for a diagonal A) as the dense
     ``(U_G ⊗ U_A) diag(vec Λ) (U_G ⊗ U_A)ᵀ``."""
+    if isinstance(value, torch.Tensor) or len(value) == 1:  # a diagonal factor (LayerNorm): Λ alone
+        lam = value if isinstance(value, torch.Tensor) else value[0]
+        return torch.diag(lam.flatten())
     *bases, lam = value
     bases = [b if b is not None else torch.eye(s, dtype=lam.dtype) for b, s in zip(bases, lam.shape)]
     U = _kron(bases)
@@ -122,7 +131,7 @@ QUANTITIES: dict[str, Quantity] = {
             lambda c: [jacmem.SqrtGGNExact()],
             "sqrt_ggn_exact",
             lambda e, n: e.curv.ggn[n],
-            read=lambda v, n, e: v.flatten(0, 1).flatten(1).T @ v.flatten(0, 1).flatten(1),
+            read=lambda v, n, e: _gram(v),
         ),  # fmt: skip
         _mc(jacmem.SqrtGGNMC, "sqrt_ggn_mc"),
         _product(jacmem.GGNMP, "ggnmp", lambda e: e.curv.ggn),

@@ -140,11 +140,14 @@ def run(model: nn.Module, lossf: nn.Module, q: Quantity, threshold: float, how: 
             out.leftovers = [n for n, p in model.named_parameters() if _stored(p, q.savefield) is not None]
             if q.savefield == "data":
                 out.leftovers = []
-            if _hook_count(model) != hooks:
+            if q.kind != "private" and _hook_count(model) != hooks:  # make_private's hooks stay, by design
                 out.leftovers.append(f"hooks: {hooks} -> {_hook_count(model)}")
     out.warnings = jacmem_warnings(caught)
     if out.error is None:
-        out.values = read(model, q, dirs)
+        try:
+            out.values = read(model, q, dirs)
+        except Exception as exc:  # noqa: BLE001 (a result the quantity's reader cannot take: the cell fails)
+            out.error = AssertionError(f"unreadable {q.savefield}: {type(exc).__name__}: {exc}")
         out.grad = {
             n: _full(p.grad).detach().to(torch.float64) for n, p in model.named_parameters() if p.grad is not None
         }
@@ -178,7 +181,7 @@ def _private(model, lossf, threshold, how: Pass, amp) -> None:
 
     X, y = how.batches[-1]
     opt = torch.optim.SGD(model.parameters(), lr=oracle.LR)
-    loader = DataLoader(TensorDataset(X, y), batch_size=len(y))
+    loader = DataLoader(TensorDataset(y), batch_size=len(y))  # its batch size and sampling only
     compiled = isinstance(how.forward, torch._dynamo.eval_frame.OptimizedModule) or how.forward is model
     wrapper = model if compiled else how.forward  # DDP or FSDP2 go to make_private, as users do
     private, opt, _ = PrivacyEngine().make_private(

@@ -20,7 +20,7 @@ def per_sample(model, X, y, loss, reduction) -> dict:
 
 
 def norms(grads: dict) -> Tensor:
-    return torch.stack([g.flatten(1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
+    return torch.stack([g.reshape(len(g), -1).square().sum(1) for g in grads.values()]).sum(0).sqrt()
 
 
 def expected(grads: dict, max_norm, clipping: str = "flat", stability: float = 0.01) -> dict:
@@ -33,7 +33,7 @@ def expected(grads: dict, max_norm, clipping: str = "flat", stability: float = 0
         elif clipping == "automatic":
             c = max_norm / (total + stability)
         else:
-            c = torch.clamp(max_norm[i] / (g.flatten(1).norm(dim=1) + 1e-6), max=1.0)
+            c = torch.clamp(max_norm[i] / (g.reshape(len(g), -1).norm(dim=1) + 1e-6), max=1.0)
         out[p] = (c.view(-1, *[1] * (g.dim() - 1)) * g).sum(0)
     return out
 
