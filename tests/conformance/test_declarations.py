@@ -40,3 +40,11 @@ def test_the_settings_table_has_every_cell_and_every_reason():
         assert reason in table
     assert "raises `NotImplementedError`" in table  # second order under FSDP2
     assert ".. jacmem-settings-table::" in (ROOT / "docs" / "guide" / "support.rst").read_text()
+
+
+def test_the_settings_table_renders_without_a_warning():
+    """The docs' directive converts the table as the support table's: docutils alone, any warning fails."""
+    from tests.docs.test_docs import DOCS, jacmem_docs, render
+
+    html = render(jacmem_docs.markdown_to_rst(declarations.settings_table(), DOCS, DOCS))
+    assert html.count("<tr") == len(QUANTITIES) + 1
