@@ -87,7 +87,8 @@ def _rows_for(setting: Setting, q: Quantity, rows: slice) -> tuple[slice, slice]
     global batch's first order, clipping and step (per-sample rows: the rank's own);
     second order, and every quantity of a plain model in a group, the rank's batch."""
     if setting.name in ("ddp", "fsdp2") and q.kind != "second":
-        return slice(None), rows if q.per_sample else slice(None)
+        whole = setting.name == "fsdp2" and q.savefield == "grad_batch"  # a DTensor over the global batch
+        return slice(None), rows if q.per_sample and not whole else slice(None)
     return rows, slice(None)
 
 
@@ -118,7 +119,8 @@ def _check_refused(out: Outcome, declared: tuple[str, str], where: str) -> None:
     cls, fragment = declared
     assert out.error is not None, f"{where}: expected {cls} ({fragment!r}), got a result"
     names = {c.__name__ for c in type(out.error).__mro__} | {getattr(out.error, "typename", "")}
-    assert cls in names, f"{where}: expected {cls}, got {type(out.error).__name__}: {out.error}"
+    got = getattr(out.error, "typename", type(out.error).__name__)
+    assert cls in names, f"{where}: expected {cls}, got {got}: {out.error}"
     assert fragment in str(out.error), f"{where}: {cls} without {fragment!r}: {out.error}"
     assert not out.leftovers, f"{where}: the error left results or hooks behind: {out.leftovers}"
 
@@ -141,7 +143,8 @@ def _check_values(spec: Model, s: Setting, q: Quantity, rows: slice, out: Outcom
         assert torch.isfinite(got).all(), f"{where} {name}: not finite"
         if not exact:
             if q.per_sample:
-                assert got.shape == (e.n if held == slice(None) else held.stop - held.start, *e.shapes[name])
+                rows = e.n if held == slice(None) else held.stop - held.start
+                assert got.shape == (rows, *e.shapes[name]), f"{where} {name}: shape {tuple(got.shape)}"
             continue
         want = wants[name]
         if q.per_sample:

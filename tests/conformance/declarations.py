@@ -33,7 +33,7 @@ NOT_APPLICABLE: dict[tuple[tuple[str, ...], str], str] = {
 
 #: (quantities, setting) -> (error class name, message fragment): raised before any result is written
 ERRORS: dict[tuple[tuple[str, ...], str], tuple[str, str]] = {
-    (SECOND, "fsdp2"): ("NotImplementedError", "FSDP"),
+    (SECOND, "fsdp2"): ("RuntimeError", "do not support FSDP"),
     (SECOND, "track"): ("RuntimeError", "need the forward pass inside the block"),
     (SECOND, "batch_first_false"): ("ValueError", "batch_first=False applies to first-order extensions"),
 }
@@ -109,6 +109,10 @@ XFAIL: dict[tuple, str] = {
     (("bert",), "autocast_bf16", ("ClipGrad",)): (
         "new (to confirm): BERT's ClipGrad under bfloat16 autocast: classifier.bias 2.0e-3 off, beyond the 5e-2 "
         "relative tolerance"
+    ),
+    (("mlp",), ("ddp", "fsdp2"), PRIVATE): (
+        "new (to confirm): one PrivacyEngine step under DDP or FSDP2 (2 ranks, 2 samples each) is 6.0e-2 off "
+        "one process's step on the 4 samples (the same figure under both)"
     ),
     (("bert",), "track", ("ClipGrad",)): (
         "new: BERT under jacmem.track with ClipGrad raises 'the loss reaches parameter of shape [8], in no model "
