@@ -6,7 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-slow lint bench docs clean
+.PHONY: demo test test-slow conformance lint bench docs clean
 
 # The torchvision shim goes in only where `import torchvision` fails for want of its C++
 # ops (PyPI's CUDA-linked wheel beside the CPU torch); see tools/torchvision_cpu_shim.py.
@@ -23,12 +23,18 @@ demo: $(STAMP)
 	$(PY) examples/plot_save_memory.py
 
 # `make test` is the cheap slice, on two workers (pytest-xdist); the tests marked slow (peers'
-# whole suites, several ranks, compiled models, benchmark processes) run in `make test-slow`.
+# whole suites, several ranks, compiled models, benchmark processes) run in `make test-slow`,
+# the conformance matrix beyond its slice in `make conformance`.
 test: $(STAMP) lint
-	$(PY) -m pytest -q -n 2 -m "not slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "not slow and not conformance_full"
 
 test-slow: $(STAMP)
-	$(PY) -m pytest -q -n 2 -m "slow"
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "slow"
+
+# The whole conformance matrix (tests/conformance/): models x settings x quantities against one
+# float64 oracle; `make test` runs its cheap slice only (marker `conformance`).
+conformance: $(STAMP)
+	$(PY) -m pytest -q -n 2 --dist loadgroup -m "conformance or conformance_full" tests/conformance
 
 lint: $(STAMP)
 	$(PY) -m ruff check .

@@ -4,6 +4,8 @@
   (headings, paragraphs, ``-`` lists, tables, fenced code, images, ``<details>``).
 * ``.. jacmem-support-table::``: the support table, from the registry
   (:func:`jacmem.support.generate`, the same Markdown the CLI prints).
+* ``.. jacmem-settings-table::``: the settings table, from the conformance matrix's
+  declarations (``tests/conformance/declarations.py``).
 * ``.. jacmem-api::``: an autodoc entry for every name of ``jacmem.__all__`` and of
   each public submodule (:func:`public_modules`), and nothing else.
 
@@ -145,6 +147,17 @@ class SupportTable(SphinxDirective):
         return _parse(self, markdown_to_rst(support.generate(), docdir, docdir))
 
 
+class SettingsTable(SphinxDirective):
+    """The settings table: quantity x setting, from the conformance matrix's declarations
+    (``tests/conformance/declarations.py``, :func:`settings_table`)."""
+
+    def run(self):
+        from tests.conformance import declarations
+
+        docdir = Path(self.env.doc2path(self.env.docname)).parent
+        return _parse(self, markdown_to_rst(declarations.settings_table(), docdir, docdir))
+
+
 # -- the API reference -------------------------------------------------------------------
 
 
@@ -229,6 +242,7 @@ class Api(SphinxDirective):
 def setup(app):
     app.add_directive("jacmem-markdown", Markdown)
     app.add_directive("jacmem-support-table", SupportTable)
+    app.add_directive("jacmem-settings-table", SettingsTable)
     app.add_directive("jacmem-api", Api)
     return {"parallel_read_safe": True, "parallel_write_safe": True}
 

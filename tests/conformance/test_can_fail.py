@@ -1,0 +1,68 @@
+"""The matrix can fail (issue 36, "What must hold" 3): each test plants one fault and
+shows that the matrix's own cell check, :func:`tests.conformance.cells.check`, catches
+it, after showing that the same cell passes without it (so the failure is the fault's).
+
+- a registered derivative off by 0.1 % (Linear's weight ``batch_grad``, every strategy);
+- one module's call not recorded (its hook dropped): a missing result, never a pass;
+- the compile setting compiled with ``aot_eager``, or not compiled at all: inductor,
+  the default backend, compiled no graph.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+from torch import nn
+
+from jacmem.derivatives import REGISTRY
+from jacmem.engine.recorder import Recorder
+
+from . import cells
+from .settings import SETTINGS, single
+
+pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.conformance]
+
+
+def _scaled(fn):
+    def off(*args, **kwargs):
+        out = fn(*args, **kwargs)
+        (out["batch_grad"] if isinstance(out, dict) else out).mul_(1.001)
+        return out
+
+    return off
+
+
+def test_a_perturbed_derivative_fails_the_cell(monkeypatch):
+    assert cells.check("mlp", "extend", "BatchGrad", fresh=True) == "exact"
+    table = REGISTRY[nn.Linear].strategies[("weight", "batch_grad")]
+    for name, strategy in list(table.items()):
+        monkeypatch.setitem(table, name, dataclasses.replace(strategy, fn=_scaled(strategy.fn)))
+    with pytest.raises(AssertionError, match="grad_batch"):
+        cells.check("mlp", "extend", "BatchGrad", fresh=True)
+
+
+def test_a_dropped_hook_fails_the_cell(monkeypatch):
+    assert cells.check("mlp", "extend", "BatchL2Grad", fresh=True) == "exact"
+    record = Recorder.record
+
+    def skip_last(self, module, args, kwargs, output, name):
+        return None if name == "2" else record(self, module, args, kwargs, output, name)
+
+    monkeypatch.setattr(Recorder, "record", skip_last)
+    with pytest.raises(AssertionError, match=r"\b2\.(weight|bias)|raised|warned"):
+        cells.check("mlp", "extend", "BatchL2Grad", fresh=True)
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", None])
+def test_another_backend_fails_the_compile_cell(monkeypatch, backend):
+    """``aot_eager`` is exact (issue 36 item 1) but not the setting; ``None``: not compiled."""
+    compile = "torch_compile" if backend else None
+    setting = SETTINGS["compile"]
+
+    def runner(m, qs, c, t):
+        return single(m, qs, c, compile=compile, backend=backend)
+
+    monkeypatch.setitem(SETTINGS, "compile", dataclasses.replace(setting, runner=runner))
+    with pytest.raises(AssertionError, match="inductor compiled no graph"):
+        cells.check("mlp", "compile", "BatchL2Grad", fresh=True)
