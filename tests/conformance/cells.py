@@ -10,6 +10,7 @@ declared error, having written nothing and left no hook.
 
 from __future__ import annotations
 
+import gc
 import tempfile
 from pathlib import Path
 
@@ -58,6 +59,8 @@ def outcomes(model: str, setting: str, fresh: str | None = None) -> dict:
     (``fresh``: only that quantity, run again, not kept)."""
     key = (model, setting)
     if fresh or key not in _RUNS:
+        if not fresh:
+            _forget_all_but(model)
         spec, s = MODELS[model], SETTINGS[setting]
         tmp = Path(tempfile.mkdtemp(prefix=f"conformance-{model}-{setting}-"))
         qs = [QUANTITIES[fresh]] if fresh else applicable(model, setting)
@@ -66,6 +69,16 @@ def outcomes(model: str, setting: str, fresh: str | None = None) -> dict:
             return result
         _RUNS[key] = result
     return _RUNS[key]
+
+
+def _forget_all_but(model: str) -> None:
+    """Drop the kept runs, and the other models' oracles: a worker runs one (model, setting)
+    pair's cells together (``xdist_group``), and resnet18's second-order results alone
+    take gigabytes, which every pair kept at once would multiply past the machine's memory."""
+    _RUNS.clear()
+    for key in [k for k in _EXPECTED if k[0] != model]:
+        del _EXPECTED[key]
+    gc.collect()
 
 
 def _close(actual: torch.Tensor, want: torch.Tensor, tol: float | None, what: str, scale: float = 0.0) -> None:
