@@ -223,6 +223,11 @@ def single(
     dirs = {k: v.to(next(model.parameters()).dtype) for k, v in oracle.directions(model).items()}
     kwargs = {} if batch_first else {"batch_first": False}
     compiled = {}
+    if compile:
+        # a fresh Dynamo per run: the models' shared code (nn.Sequential.forward) compiled for
+        # the earlier rows of this process would reach Dynamo's recompile limit, after which
+        # it runs eagerly and this setting would compile nothing
+        torch._dynamo.reset()
     start = _inductor_graphs()
     results = {}
     for q in qs:
