@@ -98,10 +98,13 @@ def _close(actual: torch.Tensor, want: torch.Tensor, tol: float | None, what: st
 def _rows_for(setting: Setting, q: Quantity, rows: slice) -> tuple[slice, slice]:
     """(the oracle's batch, the rows of it the rank holds). DDP and FSDP2 give the
     global batch's first order, clipping and step (per-sample rows: the rank's own);
-    second order, and every quantity of a plain model in a group, the rank's batch."""
+    second order, and every quantity of a plain model in a group, the rank's batch. The
+    global batch is the samples the two ranks hold, equal shares: of an odd batch (N = 3:
+    GPT-2, ResNet-18) the last sample is on no rank."""
     if setting.name in ("ddp", "fsdp2") and q.kind != "second":
         whole = setting.name == "fsdp2" and q.savefield == "grad_batch"  # a DTensor over the global batch
-        return slice(None), rows if q.per_sample and not whole else slice(None)
+        held = slice(0, 2 * (rows.stop - rows.start))
+        return held, rows if q.per_sample and not whole else slice(None)
     return rows, slice(None)
 
 

@@ -69,10 +69,6 @@ UNCHECKED: dict[tuple[str, tuple[str, ...]], str] = {
 #: xfail (a cell with a declared error is judged by it instead). "issue 36 item N": known, being
 #: fixed; "new": found by this matrix
 XFAIL: dict[tuple, str] = {
-    ("*", "process_group", PRIVATE): (
-        "issue 36 item 2: a plain model made private on each rank of a group gets the distributed optimizer "
-        "and its clipped sums all-reduced over WORLD"
-    ),
     (("transformer_encoder", "vit"), "*", SECOND): (
         "issue 36 item 3: second order skips nn.MultiheadAttention and root parameters (pos_embed, cls_token), "
         "with a warning"
@@ -109,10 +105,6 @@ XFAIL: dict[tuple, str] = {
     (("bert",), "autocast_bf16", ("ClipGrad",)): (
         "new (to confirm): BERT's ClipGrad under bfloat16 autocast: classifier.bias 2.0e-3 off, beyond the 5e-2 "
         "relative tolerance"
-    ),
-    (("mlp",), ("ddp", "fsdp2"), PRIVATE): (
-        "new (to confirm): one PrivacyEngine step under DDP or FSDP2 (2 ranks, 2 samples each) is 6.0e-2 off "
-        "one process's step on the 4 samples (the same figure under both)"
     ),
     (("bert",), "track", ("ClipGrad",)): (
         "new: BERT under jacmem.track with ClipGrad raises 'the loss reaches parameter of shape [8], in no model "
