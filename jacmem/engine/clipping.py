@@ -244,6 +244,9 @@ class ClippingEngine(FirstOrderEngine):
         params = self._params(rec)
         if not params:
             return {}
+        # whether autograd computes the call's parameter gradients too, for _check_recorded to
+        # compare with the call's own: under create_graph=True, ComputeOnce's backward is autograd's
+        computed = not rec.once or self.passes.current().create_graph
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
@@ -254,10 +257,10 @@ class ClippingEngine(FirstOrderEngine):
             per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
             factored = pname in rec.entry.ghost_factors
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
-                set() if rec.once or factored else {"grad"}
+                {"grad"} if computed and not factored else set()
             )
             values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
-            if not rec.once:
+            if computed:
                 key, probes = id(param), self._probes(run, param)
                 dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype, rec.autocast or torch.float64)
                 run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)

@@ -200,6 +200,33 @@ def test_two_backward_passes_accumulate_and_samples_count(path):
     assert ext.samples == 0
 
 
+@pytest.mark.parametrize("name", ["linear_sequence", "conv2d", "embedding", "attention", "lstm"])
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_create_graph_writes_the_clipped_sum_as_a_constant(name, flow, path):
+    """backward(create_graph=True): .grad gets the clipped sum, as without it, and holds no
+    graph (Opacus's clipped .grad is a constant too: its per-sample gradients come from
+    detached activations and output gradients); the input's gradient keeps its graph."""
+    model, X, y = family(name)
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    X = X.requires_grad_() if X.is_floating_point() else X
+    if flow == "track":
+        jacmem.track(model)
+    try:
+        loss = cross_entropy(model(X), y, "mean") if flow == "track" else None
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            loss = cross_entropy(model(X), y, "mean") if loss is None else loss
+            loss.backward(create_graph=True)
+    finally:
+        jacmem.untrack(model)
+    assert_grads(model, expected(grads, C), f"{name} {flow}")
+    assert not any(p.grad.requires_grad for p in trainable(model))
+    if X.is_floating_point():
+        assert X.grad.requires_grad
+    for p in model.parameters():
+        p.grad = None  # (create_graph's reference cycle through X.grad)
+
+
 def test_tied_and_frozen_parameters(path):
     """A weight used twice is clipped by the norm of its summed use; a frozen one gets nothing."""
 
@@ -353,13 +380,15 @@ def test_batchnorm_in_training_mode_is_refused_before_any_step(affine):
     assert no_hooks(model)
 
 
-def test_a_parameter_used_outside_every_recorded_call_is_refused():
-    """A parameter of the model that the loss reads directly: its clipped gradient is unknown."""
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_parameter_used_outside_every_recorded_call_is_refused(create_graph):
+    """A parameter of the model that the loss reads directly: its clipped gradient is unknown
+    (under create_graph=True too, where autograd computes its recorded calls' gradients)."""
     model, X, y = family("linear_sequence")
     extra = model[0].weight
     with pytest.raises(RuntimeError, match=r"outside every module call"):
         with jacmem.extend(jacmem.ClipGrad(1.0)):
-            (F.cross_entropy(model(X), y) + model[2].weight.square().sum()).backward()
+            (F.cross_entropy(model(X), y) + model[2].weight.square().sum()).backward(create_graph=create_graph)
     assert extra.grad is None or not extra.grad.any()
     assert no_hooks(model)
 
