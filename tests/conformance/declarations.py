@@ -110,10 +110,6 @@ XFAIL: dict[tuple, str] = {
         "new (to confirm): one PrivacyEngine step under DDP or FSDP2 (2 ranks, 2 samples each) is 6.0e-2 off "
         "one process's step on the 4 samples (the same figure under both)"
     ),
-    (("bert",), "track", ("ClipGrad",)): (
-        "new: BERT under jacmem.track with ClipGrad raises 'the loss reaches parameter of shape [8], in no model "
-        "the block ran or tracks'"
-    ),
 }
 
 
