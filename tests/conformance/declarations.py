@@ -102,10 +102,6 @@ XFAIL: dict[tuple, str] = {
         "new: curvature-matrix products under bfloat16 autocast are off by far more than bfloat16's rounding"
     ),
     (("cnn_bn",), "autocast_bf16", ("PCHMP",)): "new: PCHMP under bfloat16 autocast: as GGNMP",
-    (("bert",), "autocast_bf16", ("ClipGrad",)): (
-        "new (to confirm): BERT's ClipGrad under bfloat16 autocast: classifier.bias 2.0e-3 off, beyond the 5e-2 "
-        "relative tolerance"
-    ),
     (("mlp",), ("ddp", "fsdp2"), PRIVATE): (
         "new (to confirm): one PrivacyEngine step under DDP or FSDP2 (2 ranks, 2 samples each) is 6.0e-2 off "
         "one process's step on the 4 samples (the same figure under both)"
