@@ -148,7 +148,7 @@ class ClippingEngine(FirstOrderEngine):
             if torch.is_grad_enabled():
                 check_model_wide(module)
             self.roots[module] = None  # every parameter of a model, used in a call or not
-            self._guard((f"{self.name(module)}.{n}", p) for n, p in module.named_parameters())
+            self._guard_model(module)
         self.depth += 1
         if isinstance(module, nn.parallel.DistributedDataParallel) and module.require_backward_grad_sync:
             module.require_backward_grad_sync = False  # the block sums the clipped gradients itself
@@ -174,16 +174,23 @@ class ClippingEngine(FirstOrderEngine):
         backward the block cannot clip (another thread's) raises, even the first one;
         refuse what :func:`check_model_wide` refuses."""
         check_model_wide(model)
-        self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
+        self._guard_model(model)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         """Before a backward begins: guard every trainable parameter its graph reaches
         that no model of the block holds (a free ``nn.Parameter`` read in a functional op,
         or one of a model whose forward ran before the block, untracked). autograd would
         otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
-        meets :meth:`_check_recorded`, which raises."""
+        meets :meth:`_check_recorded`, which raises. Those of the tracked models are
+        guarded first, by their names (their forward ran before the block)."""
         super().on_backward(tensors, grad_tensors, alone, reached)
+        for model in self.models():
+            self._guard_model(model)
         self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
+
+    def _guard_model(self, model: nn.Module) -> None:
+        """:meth:`_guard` every parameter of ``model``, named in it."""
+        self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its
@@ -244,6 +251,9 @@ class ClippingEngine(FirstOrderEngine):
         params = self._params(rec)
         if not params:
             return {}
+        # whether autograd computes the call's parameter gradients too, for _check_recorded to
+        # compare with the call's own: under create_graph=True, ComputeOnce's backward is autograd's
+        computed = not rec.once or self.passes.current().create_graph
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
@@ -254,10 +264,10 @@ class ClippingEngine(FirstOrderEngine):
             per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
             factored = pname in rec.entry.ghost_factors
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
-                set() if rec.once or factored else {"grad"}
+                {"grad"} if computed and not factored else set()
             )
             values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
-            if not rec.once:
+            if computed:
                 key, probes = id(param), self._probes(run, param)
                 dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype, rec.autocast or torch.float64)
                 run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)
@@ -402,8 +412,14 @@ class ClippingEngine(FirstOrderEngine):
         ``sqrt(eps)`` of the norm,
         ``eps`` that of the narrowest dtype the calls ran in (the sums add in different
         orders; under autocast, autograd's in bfloat16): 1.5e-8 for float64, 3.5e-4 for
-        float32, 0.09 for bfloat16. Checked on the device (the host reads nothing): on
-        CUDA, a failure is a device-side assertion."""
+        float32, 0.09 for bfloat16; plus ``eps`` of the largest gradient norm of the pass: a
+        gradient that is zero in exact arithmetic (an attention key's bias: softmax ignores a
+        shift shared by every key) is rounding alone in both sums, which then differ by as much
+        as they hold, at the rounding error of the pass's scale. Checked on the device (the
+        host reads nothing): on CUDA, a failure is a device-side assertion."""
+        norms = {key: grad.norm() for key, grad in run.autograd.items()}
+        device = next((n.device for n in norms.values()), None)
+        largest = torch.stack([n.to(device, torch.float32) for n in norms.values()]).max() if norms else None
         for key, grad in run.autograd.items():
             recorded = run.recorded.get(key)
             diff = (
@@ -412,7 +428,7 @@ class ClippingEngine(FirstOrderEngine):
                 else (projections(grad, *run.probes[key]) - recorded).square().mean().sqrt()
             )
             eps = max(torch.finfo(dtype).eps for dtype in (grad.dtype, run.narrowest.get(key, grad.dtype)))
-            tol = eps**0.5 * grad.norm().clamp(min=1e-30)
+            tol = eps**0.5 * norms[key].clamp(min=1e-30) + eps * largest.to(norms[key])
             compat.assert_on_device(
                 (diff > tol).logical_not(),  # a NaN gradient is no use outside the calls: it passes
                 f"jacmem: ClipGrad: the loss reaches parameter {run.reached[key]!r} outside every module call "

@@ -81,12 +81,18 @@ def _forget_all_but(model: str) -> None:
     gc.collect()
 
 
-def _close(actual: torch.Tensor, want: torch.Tensor, tol: float | None, what: str, scale: float = 0.0) -> None:
+def _close(
+    actual: torch.Tensor, want: torch.Tensor, tol: float | None, what: str, scale: float = 0.0, slack=None
+) -> None:
     """``actual`` equals ``want``: float64's rtol 1e-9, or ``tol``; the absolute floor is
     relative to the largest entry of ``want`` or ``scale`` (the quantity's largest over
     every parameter: a gradient that is zero in exact arithmetic, as a key bias's, is
-    judged against the others)."""
+    judged against the others). ``slack`` (with ``tol``): what each entry may be off
+    beyond that (:func:`_clip_slack`)."""
     assert actual.shape == want.shape, f"{what}: shape {tuple(actual.shape)}, expected {tuple(want.shape)}"
+    if slack is not None and tol is not None:
+        diff = actual - want.to(actual.dtype)
+        actual = want.to(actual.dtype) + diff.sign() * (diff.abs() - slack.to(actual.dtype)).clamp(min=0)
     scale = max(want.abs().max().item() if want.numel() else 0.0, scale if tol is not None else 0.0, 1e-30)
     if tol is None:
         rtol, atol = 1e-9, 1e-11 * max(scale, 1.0)
@@ -169,8 +175,20 @@ def _check_values(spec: Model, s: Setting, q: Quantity, rows: slice, out: Outcom
             _check_accumulated(spec, q, e, out, name, where)
             if q.savefield == "grad":  # ClipGrad's result is .grad: the sum of both passes, checked above
                 continue
-        _close(got, want, tol, f"{where} {name} {q.savefield}", scale)
+        slack = _clip_slack(e, name) if q.kind == "clip" and s.name == "autocast_bf16" else None
+        _close(got, want, tol, f"{where} {name} {q.savefield}", scale, slack)
     return "exact" if exact else "structural"
+
+
+def _clip_slack(e: oracle.Expected, name: str) -> torch.Tensor:
+    """ClipGrad under bfloat16 autocast: what the clip factors' rounding may move each entry
+    of ``Σ_n c_n g_n`` by. The factors ``c_n`` come from norms of 16-bit products, within
+    bfloat16's ``eps`` (7.8e-3) of the float64 norms (BERT's: 1.4e-3), and an entry that
+    cancels over the samples moves by their error times ``Σ_n c_n |g_n|``, not its own
+    size. BERT's ``classifier.bias``: entries near 2e-3 that sum terms of 1.33, moved by
+    2.0e-3 (1.4e-3 x 1.33), beyond 5e-2 of the largest entry (0.035); the per-sample loop
+    under the same autocast is further off the float64 oracle (2.9e-3)."""
+    return torch.finfo(torch.bfloat16).eps * e.clipped_magnitude[name]
 
 
 def _check_accumulated(spec: Model, q: Quantity, e: oracle.Expected, out: Outcome, name: str, where: str) -> None:

@@ -93,23 +93,11 @@ XFAIL: dict[tuple, str] = {
         "new: GGNMP warns that a module called positionally 'was called with keyword or non-tensor arguments' "
         "and leaves it nothing"
     ),
-    ("*", "create_graph", ("ClipGrad",)): (
-        "new: ClipGrad under backward(create_graph=True) raises, naming the wrong cause ('the loss reaches "
-        "parameter ... outside every module call')"
-    ),
     (("bert",), "*", ("GGNMP",)): "new: BERT's GGNMP on word_embeddings is 1.4e-7 off in float64 (1.3e-2 relative)",
     (("mlp", "cnn_bn", "llama", "lora_gpt2"), "autocast_bf16", ("GGNMP", "HMP")): (
         "new: curvature-matrix products under bfloat16 autocast are off by far more than bfloat16's rounding"
     ),
     (("cnn_bn",), "autocast_bf16", ("PCHMP",)): "new: PCHMP under bfloat16 autocast: as GGNMP",
-    (("bert",), "autocast_bf16", ("ClipGrad",)): (
-        "new (to confirm): BERT's ClipGrad under bfloat16 autocast: classifier.bias 2.0e-3 off, beyond the 5e-2 "
-        "relative tolerance"
-    ),
-    (("bert",), "track", ("ClipGrad",)): (
-        "new: BERT under jacmem.track with ClipGrad raises 'the loss reaches parameter of shape [8], in no model "
-        "the block ran or tracks'"
-    ),
 }
 
 

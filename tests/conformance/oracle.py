@@ -172,6 +172,13 @@ class Expected:
         return self._once("clipped", lambda: clipped(self.grad_batch, self.threshold, self.n))
 
     @property
+    def clipped_magnitude(self) -> dict[str, Tensor]:
+        """name -> Σ_n c_n |g_n|: the size of the terms each entry of ``clipped`` sums (the
+        same factors: a norm ignores signs)."""
+        grads = {k: g.abs() for k, g in self.grad_batch.items()}
+        return self._once("clipped magnitude", lambda: clipped(grads, self.threshold, self.n))
+
+    @property
     def private_step(self) -> dict[str, Tensor]:
         params = dict(self.model.named_parameters())
         return {k: params[k].detach() - LR / self.n * c for k, c in self.clipped.items()}

@@ -200,6 +200,33 @@ def test_two_backward_passes_accumulate_and_samples_count(path):
     assert ext.samples == 0
 
 
+@pytest.mark.parametrize("name", ["linear_sequence", "conv2d", "embedding", "attention", "lstm"])
+@pytest.mark.parametrize("flow", ["inside", "track"])
+def test_create_graph_writes_the_clipped_sum_as_a_constant(name, flow, path):
+    """backward(create_graph=True): .grad gets the clipped sum, as without it, and holds no
+    graph (Opacus's clipped .grad is a constant too: its per-sample gradients come from
+    detached activations and output gradients); the input's gradient keeps its graph."""
+    model, X, y = family(name)
+    grads = per_sample(model, X, y, cross_entropy, "mean")
+    C = median_norm(grads)
+    X = X.requires_grad_() if X.is_floating_point() else X
+    if flow == "track":
+        jacmem.track(model)
+    try:
+        loss = cross_entropy(model(X), y, "mean") if flow == "track" else None
+        with jacmem.extend(jacmem.ClipGrad(C)):
+            loss = cross_entropy(model(X), y, "mean") if loss is None else loss
+            loss.backward(create_graph=True)
+    finally:
+        jacmem.untrack(model)
+    assert_grads(model, expected(grads, C), f"{name} {flow}")
+    assert not any(p.grad.requires_grad for p in trainable(model))
+    if X.is_floating_point():
+        assert X.grad.requires_grad
+    for p in model.parameters():
+        p.grad = None  # (create_graph's reference cycle through X.grad)
+
+
 def test_tied_and_frozen_parameters(path):
     """A weight used twice is clipped by the norm of its summed use; a frozen one gets nothing."""
 
@@ -272,11 +299,19 @@ def vit():
     return model, torch.randn(3, 3, 8, 8, dtype=DT), torch.randint(0, 3, (3,))
 
 
-@pytest.mark.parametrize("make", [gpt2, vit], ids=["gpt2", "vit"])
+def bert():
+    """BERT's attention key biases have gradients that are zero in exact arithmetic (softmax
+    ignores a shift shared by every key): rounding alone, ~1e-23, whatever sums them."""
+    from tests.support import hf_models
+
+    return hf_models.build("bert")
+
+
+@pytest.mark.parametrize("make", [gpt2, vit, bert], ids=["gpt2", "vit", "bert"])
 @pytest.mark.parametrize("flow", ["inside", "track"])
 def test_real_models(make, flow, path):
     """GPT-2 with its default [1, T] position ids and tied embeddings; ViT with its
-    cls_token and pos_embed, parameters of the model itself."""
+    cls_token and pos_embed, parameters of the model itself; BERT."""
     model, X, y = make()
     grads = per_sample(model, X, y, cross_entropy, "mean")
     C = median_norm(grads)
@@ -353,15 +388,30 @@ def test_batchnorm_in_training_mode_is_refused_before_any_step(affine):
     assert no_hooks(model)
 
 
-def test_a_parameter_used_outside_every_recorded_call_is_refused():
-    """A parameter of the model that the loss reads directly: its clipped gradient is unknown."""
+@pytest.mark.parametrize("create_graph", [False, True])
+def test_a_parameter_used_outside_every_recorded_call_is_refused(create_graph):
+    """A parameter of the model that the loss reads directly: its clipped gradient is unknown
+    (under create_graph=True too, where autograd computes its recorded calls' gradients)."""
     model, X, y = family("linear_sequence")
     extra = model[0].weight
     with pytest.raises(RuntimeError, match=r"outside every module call"):
         with jacmem.extend(jacmem.ClipGrad(1.0)):
-            (F.cross_entropy(model(X), y) + model[2].weight.square().sum()).backward()
+            (F.cross_entropy(model(X), y) + model[2].weight.square().sum()).backward(create_graph=create_graph)
     assert extra.grad is None or not extra.grad.any()
     assert no_hooks(model)
+
+
+def test_a_tracked_models_parameter_used_outside_its_calls_is_refused_by_its_name():
+    """The forward ran before the block, tracked: the error names the parameter in its model."""
+    model, X, y = family("linear_sequence")
+    jacmem.track(model)
+    try:
+        loss = F.cross_entropy(model(X), y) + model[2].weight.square().sum()
+        with pytest.raises(RuntimeError, match=r"parameter 'Sequential\.2\.weight' outside every module call"):
+            with jacmem.extend(jacmem.ClipGrad(1.0)):
+                loss.backward()
+    finally:
+        jacmem.untrack(model)
 
 
 @pytest.mark.parametrize("where", ["free parameter", "model run before the block", "only a model run before"])
