@@ -101,7 +101,6 @@ XFAIL: dict[tuple, str] = {
         "new: ClipGrad under backward(create_graph=True) raises, naming the wrong cause ('the loss reaches "
         "parameter ... outside every module call')"
     ),
-    (("bert",), "*", ("GGNMP",)): "new: BERT's GGNMP on word_embeddings is 1.4e-7 off in float64 (1.3e-2 relative)",
     (("mlp", "cnn_bn", "llama", "lora_gpt2"), "autocast_bf16", ("GGNMP", "HMP")): (
         "new: curvature-matrix products under bfloat16 autocast are off by far more than bfloat16's rounding"
     ),
