@@ -120,10 +120,15 @@ def _strip(model: nn.Module):
 
 
 def directions(model: nn.Module) -> dict[str, Tensor]:
-    """name -> [K, *p.shape]: fixed random directions for the curvature-matrix products."""
+    """name -> [K, *p.shape]: fixed random directions for the curvature-matrix products,
+    float64 whatever the model's dtype (a setting casts them): ``torch.randn`` draws other
+    numbers in float32 than in float64 from the same seed (its vectorised path, from 16
+    entries on), so a float32 model's own draw would not be the oracle's directions."""
     g = torch.Generator().manual_seed(7)
     return {
-        n: torch.randn(K, *p.shape, generator=g, dtype=p.dtype) for n, p in model.named_parameters() if p.requires_grad
+        n: torch.randn(K, *p.shape, generator=g, dtype=torch.float64)
+        for n, p in model.named_parameters()
+        if p.requires_grad
     }
 
 

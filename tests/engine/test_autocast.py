@@ -25,6 +25,8 @@ CUDA's float16 autocast is covered in ``test_cuda.py``.
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from tests.support.precision import FLOAT32_RTOL, Capture, per_sample
@@ -137,3 +139,31 @@ def test_low_precision_parameters_get_results_in_their_dtype():
                 assert got.dtype == torch.bfloat16
                 # only the final rounding to bfloat16 (8 significant bits) separates them
                 assert relative(got, expected) < 2**-7, f"{tuple(p.shape)} {field}"
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_curvature_matrix_products_are_computed_in_float32_wherever_called(dtype):
+    """GGNMP's function, from an autocast backward, multiplies in float32 whether it is
+    called inside the autocast region or outside (inside, it used to multiply in 16 bits:
+    ~1e-3 apart); and it is the dense float64 GGN block's product to the forward's 16-bit
+    rounding (``AGAINST_FLOAT32``)."""
+    from tests.support.secondorder_ref import blocks, dense
+
+    torch.manual_seed(0)
+    model = mlp()
+    X, y = data("mlp")
+    ggn = blocks(model, dense(copy.deepcopy(model).double(), nn.MSELoss(), X.double(), y.double(), hess=False)[0])
+    with jacmem.extend(jacmem.GGNMP()):
+        with torch.autocast("cpu", dtype=dtype):
+            out = model(X)
+        nn.MSELoss()(out.float(), y).backward()
+    for name, p in model.named_parameters():
+        mat = torch.randn(3, *p.shape)
+        outside = p.ggnmp(mat)
+        with torch.autocast("cpu", dtype=dtype):
+            inside = p.ggnmp(mat)
+        assert outside.dtype == inside.dtype == torch.float32
+        scale = outside.abs().max().item()
+        torch.testing.assert_close(inside, outside, rtol=FLOAT32_RTOL, atol=FLOAT32_RTOL * scale, msg=name)
+        exact = (mat.double().flatten(1) @ ggn[name]).reshape(mat.shape)
+        assert relative(outside, exact) < AGAINST_FLOAT32[dtype], name

@@ -126,6 +126,27 @@ def test_products_through_lean_layers_are_constants():
         torch.testing.assert_close(got.flatten(1), mat.flatten(1) @ ggn[pname], msg=pname)
 
 
+def test_embedding_products_give_the_padding_row_no_curvature():
+    """An Embedding's ``padding_idx`` row gets zero gradient from autograd, so its rows and
+    columns of the GGN (as ``.grad`` and DiagGGNExact have it) are zero. The product's
+    ``J_θ m`` is therefore autograd's, not forward mode's (which reads the padding row of
+    ``m`` where a sample looks it up): a direction's padding row changes nothing. It did
+    (the conformance matrix's BERT GGNMP on word_embeddings, 1.3e-2 relative). No
+    activation: PCHMP's block is the GGN's too (and a ReLU would hide the padding row: its
+    zero output has zero derivative)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(6, 3, padding_idx=0), nn.Flatten(), nn.Linear(12, 3)).to(DT)
+    X, y = torch.tensor([[1, 0, 2, 1], [0, 4, 4, 5], [3, 2, 0, 0]]), torch.tensor([0, 2, 1])
+    lossf = nn.CrossEntropyLoss()
+    run(model, lossf, X, y, GGNMP(), PCHMP())
+    ggn = blocks(model, dense(model, lossf, X, y, hess=False)[0])
+    mat = torch.randn(2, 6, 3, dtype=DT)
+    assert ggn["0.weight"][:3].abs().max() == 0  # the reference: row 0 gets nothing
+    for field in ("ggnmp", "pchmp"):
+        got = getattr(model[0].weight, field)(mat)
+        torch.testing.assert_close(got.flatten(1), mat.flatten(1) @ ggn["0.weight"], msg=field)
+
+
 ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ELU, nn.SiLU, nn.GELU)
 
 

@@ -8,11 +8,17 @@ loss (as reduced: summed over the samples of the batch, ``1/N`` for ``"mean"``).
 The block comes from the factors the engine (:mod:`jacmem.engine.secondorder.engine`) brings to the module's
 output ``z``, as DiagGGN and DiagHessian use them: a factor ``S [V, N, *z]`` of sign
 ``s`` adds ``s · Σ_n J_θ,nᵀ (Σ_v S[v, n] S[v, n]ᵀ) J_θ,n``. The function keeps the factors
-and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m`` (a
-Jacobian-vector product of the module's ``forward`` w.r.t. ``θ``, ``torch.func.jvp``),
-then the curvature w.r.t. ``z`` from the factors, then ``J_θᵀ`` (``torch.func.vjp``),
-for each of the ``K`` vectors (a loop: ``vmap``'s set-up does not pay for a few
-vectors). So the backward costs nothing beyond the factors, and a product costs about a forward and a backward of this one module.
+and the call's inputs, and multiplies as BackPACK's does, lazily: ``J_θ m``, then the
+curvature w.r.t. ``z`` from the factors, then ``J_θᵀ`` (``torch.func.vjp`` of the module's
+``forward`` w.r.t. ``θ``), for each of the ``K`` vectors (a loop: ``vmap``'s set-up does
+not pay for a few vectors). ``J_θ m`` is the transpose of that vjp (a vjp of the vjp),
+not forward mode's Jacobian-vector product: the block is of the Jacobian whose transpose
+autograd applies, the one ``.grad`` and the diagonals use, where a layer's backward is a
+convention rather than the derivative (an Embedding's ``padding_idx`` row gets zero
+gradient, so none of the block). So the backward costs nothing beyond the factors, and a
+product costs about a forward and two backwards of this one module. It multiplies in
+the parameter's dtype with autocast off, wherever it is called (the factors and inputs
+of an autocast forward are kept in float32, :mod:`jacmem.engine.precision`).
 
 * GGNMP: the loss Hessian's exact factor: the GGN block.
 * HMP: that, plus every elementwise activation's residual downstream (``f''(x) ⊙ g_out``,
@@ -69,14 +75,18 @@ def mat_prod(
                 f"jacmem: {ext} of {name!r} takes a matrix [K, *{tuple(primal.shape)}] (K vectors shaped like the "
                 f"parameter), got {tuple(mat.shape)}; use mat.unsqueeze(0) for a single vector"
             )
-        m = mat.to(primal.dtype)
-        out, vjp = torch.func.vjp(forward, primal)
-        u = torch.stack([torch.func.jvp(forward, (primal,), (v,))[1] for v in m]).flatten(2)  # [K, N, D]
-        G = torch.zeros_like(u)
-        for sign, S in roots:
-            S = S.flatten(2)  # [V, N, D]
-            G += sign * torch.einsum("kvn,vnd->knd", torch.einsum("vnd,knd->kvn", S, u), S)
-        return torch.stack([vjp(g.reshape(out.shape))[0] for g in G]).to(mat.dtype)
+        with torch.autocast(primal.device.type, enabled=False):  # in the parameter's dtype, wherever called
+            m = mat.to(primal.dtype)
+            out, vjp = torch.func.vjp(forward, primal)
+            # J_θ m: the transpose of autograd's J_θᵀ (the vjp of the vjp, linear in its cotangent, so
+            # taken at zero), not forward mode's (see the module's docstring)
+            _, jac = torch.func.vjp(lambda g: vjp(g)[0], torch.zeros_like(out))
+            u = torch.stack([jac(v)[0] for v in m]).flatten(2)  # [K, N, D]
+            G = torch.zeros_like(u)
+            for sign, S in roots:
+                S = S.flatten(2)  # [V, N, D]
+                G += sign * torch.einsum("kvn,vnd->knd", torch.einsum("vnd,knd->kvn", S, u), S)
+            return torch.stack([vjp(g.reshape(out.shape))[0] for g in G]).to(mat.dtype)
 
     return product
 
