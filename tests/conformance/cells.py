@@ -130,7 +130,10 @@ def check(model: str, setting: str, quantity: str, fresh: bool = False) -> str:
             continue
         if out.error is not None:
             raise AssertionError(f"{where}: raised {type(out.error).__name__}: {out.error}") from out.error
-        assert not out.warnings, f"{where}: jacmem warned: {out.warnings}"
+        # a notice that a module is recomputed per sample is about speed, beside an exact result;
+        # any other warning beside a result fails the cell
+        said = [w for w in out.warnings if "recomputed" not in w]
+        assert not said, f"{where}: jacmem warned: {said}"
         if s.compiled:
             assert out.inductor, f"{where}: inductor compiled no graph (another backend, or no graph at all)"
         status = _check_values(spec, s, q, rows, out, where)
