@@ -30,6 +30,18 @@ def compute_dtype(tensors: Iterable[Tensor]) -> torch.dtype:
     return dtype
 
 
+def is_low(obj) -> bool:
+    """Whether a floating tensor, alone or in (nested) tuples, lists and dicts, is 16-bit
+    (:data:`LOW`): what an autocast forward keeps."""
+    if isinstance(obj, Tensor):
+        return obj.dtype in LOW
+    if isinstance(obj, (tuple, list)):
+        return any(is_low(o) for o in obj)
+    if isinstance(obj, dict):
+        return any(is_low(v) for v in obj.values())
+    return False
+
+
 def cast(obj, dtype: torch.dtype):
     """Floating tensors, alone or in tuples, lists and dicts, detached and in ``dtype``;
     the rest passes."""

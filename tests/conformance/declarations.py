@@ -76,14 +76,6 @@ UNCHECKED: dict[tuple[str, tuple[str, ...]], str] = {
 #: xfail (also over a declared error the cell does not raise). "issue 36 item N": known, being
 #: fixed; "new": found by this matrix
 XFAIL: dict[tuple, str] = {
-    (
-        ("vit", "transformer_encoder"),
-        "autocast_bf16",
-        ("DiagGGNExact", "BatchDiagGGNExact", "DiagGGNMC", "BatchDiagGGNMC", "SqrtGGNExact", "SqrtGGNMC"),
-    ): (
-        "new: under bfloat16 autocast the autograd path's recomputation of the root (timm's pos_embed, cls_token) "
-        "and of nn.MultiheadAttention fails (a RuntimeError from torch.func: dtype mismatch), a refusal of valid input"
-    ),
     (("llama",), "autocast_bf16", HESSIAN + KRONECKER + ("GGNMP",)): (
         "new: under bfloat16 autocast LlamaRMSNorm's weight is not refused up front: the Kronecker kinds and GGNMP "
         "give it a result (checked against the oracle for GGNMP only), and the Hessian kinds raise ChainError at "

@@ -167,3 +167,25 @@ def test_curvature_matrix_products_are_computed_in_float32_wherever_called(dtype
         torch.testing.assert_close(inside, outside, rtol=FLOAT32_RTOL, atol=FLOAT32_RTOL * scale, msg=name)
         exact = (mat.double().flatten(1) @ ggn[name]).reshape(mat.shape)
         assert relative(outside, exact) < AGAINST_FLOAT32[dtype], name
+
+
+@pytest.mark.skipif(not autocast_supported(torch.bfloat16), reason="no CPU autocast to bfloat16 here")
+def test_ggn_diagonal_of_a_transformer_layer_under_bfloat16_autocast():
+    """The autograd path recomputes nn.MultiheadAttention's per-sample gradients from the
+    kept inputs: under a bf16 autocast backward that recomputation ran partly in bf16 and
+    failed ("expected scalar type BFloat16 but found Float"). Against the float64 GGN
+    diagonal of the same model without autocast, within the bf16 rounding of the pass."""
+    from tests.engine.test_secondorder_autograd import ggn_reference
+
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    model = nn.Sequential(nn.Linear(4, 8), layer, nn.Flatten(), nn.Linear(24, 3)).float()
+    X, y = torch.randn(4, 3, 4, dtype=torch.float32), torch.tensor([1, 2, 0, 1])
+    with jacmem.extend(jacmem.DiagGGNExact()):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = model(X)
+        nn.functional.cross_entropy(out.float(), y).backward()
+    exact = copy.deepcopy(model).double()
+    diag, _ = ggn_reference(exact, lambda: exact(X.double()), lambda z: nn.functional.cross_entropy(z, y))
+    for (name, p), want in zip(model.named_parameters(), diag.values()):
+        assert relative(p.diag_ggn_exact, want) < 5e-2, name

@@ -237,9 +237,7 @@ class SecondOrderEngine(Engine):
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
         self._first_order(node, args, kwargs, output)
         # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
-        node.kept_low_precision = output.dtype in precision.LOW
-        for x in inputs:
-            node.kept_low_precision = node.kept_low_precision or x.dtype in precision.LOW
+        node.kept_low_precision = precision.is_low((output, inputs))
         self.producer[output] = node
         if output.grad_fn is not None:
             output.grad_fn.metadata["jacmem"] = weakref.ref(node)
@@ -389,6 +387,8 @@ class SecondOrderEngine(Engine):
         node.out_shape = tuple(out.shape)
         self._first_order(node, args, kwargs, out, used=not layer)
         if node.params:
+            # what it keeps (its parameters' input) is 16-bit under autocast: cast on its first backward
+            node.kept_low_precision = precision.is_low((out, node.param_input))
             self.autograd.record(node, out)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:

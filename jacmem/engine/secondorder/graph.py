@@ -53,6 +53,10 @@ class Node:
         #: the module it is, or, for a functional op, the module whose output it follows
         self.site = name
         self.untracked_consumers: list[str] = []
+        #: what the call kept: none for a call only the autograd path follows (its parameters' input alone)
+        self.inputs: tuple = ()
+        self.out: Tensor | None = None
+        self.hp = None
         #: what it keeps is 16-bit (autocast), to cast to ``dtype`` on its first backward
         self.kept_low_precision = False
         #: the dtype it computes in, where that is not what autograd hands it
