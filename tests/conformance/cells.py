@@ -97,7 +97,7 @@ def _close(
     if tol is None:
         rtol, atol = 1e-9, 1e-11 * max(scale, 1.0)
     else:
-        rtol, atol = tol, tol * scale
+        rtol, atol = tol, max(tol * scale, 1e-11)  # the float64 floor too: a variance of one sample is 0
     torch.testing.assert_close(actual, want.to(actual.dtype), rtol=rtol, atol=atol, msg=lambda m: f"{what}: {m}")
 
 
