@@ -64,7 +64,15 @@ MODEL_ERRORS: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, str]] = {
 }
 
 #: models that lack a setting's prerequisite: (model, setting) -> reason
+_NO_RNN_GRAPH = (
+    "Dynamo does not trace nn.LSTM/nn.GRU (torch._dynamo.config.allow_rnn is off by default): the compiled "
+    "forward runs them eagerly, which the extend column covers"
+)
 MODEL_NOT_APPLICABLE: dict[tuple[str, str], str] = {
+    ("lstm", "compile"): _NO_RNN_GRAPH,
+    ("gru", "compile"): _NO_RNN_GRAPH,
+    ("lstm", "model_compile"): _NO_RNN_GRAPH,
+    ("gru", "model_compile"): _NO_RNN_GRAPH,
     ("zero_dim", "fsdp2"): "FSDP2's fully_shard refuses scalar parameters ('Change scale to a 1D tensor')",
 }
 BATCH_FIRST_MODELS = ("lstm", "gru", "transformer_encoder")
@@ -78,6 +86,14 @@ UNCHECKED: dict[tuple[str, tuple[str, ...]], str] = {
 #: xfail (also over a declared error the cell does not raise). "issue 36 item N": known, being
 #: fixed; "new": found by this matrix
 XFAIL: dict[tuple, str] = {
+    (("gpt2",), ("compile", "model_compile"), ("Variance",)): (
+        "new, silent: Variance of GPT-2's tied wte under inductor is 5.5e-3 off (13x relative) the float64 loop; "
+        "BatchGrad, BatchL2Grad and SumGradSquared on the same compiled model are exact"
+    ),
+    (("llama",), ("compile", "model_compile"), CLIP + PRIVATE): (
+        "new: ClipGrad on a compiled LLaMA refuses post_attention_layernorm.weight as used 'outside every module "
+        "call jacmem recorded': a refusal of valid input (eager is exact)"
+    ),
     (("lstm", "gru"), "fsdp2", FIRST + CLIP + PRIVATE): (
         "new: under FSDP2 the RNNs' fused strategy reads a parameter FSDP2 has resharded ('setStorage: ... out of "
         "bounds for storage of size 0'): an error naming the module, not a number, but a refusal of valid input"
