@@ -61,7 +61,6 @@ except ModuleNotFoundError as err:
     ) from err
 
 import jacmem
-from jacmem.errors import UnsupportedCurvatureError
 
 __all__ = ["JacmemInterface", "JacmemGGN", "JacmemEF"]
 
@@ -113,7 +112,9 @@ class JacmemInterface(CurvatureInterface):
             _, loss = self._loss(x, y)
             try:
                 got = self._run(loss, field, _zero_factors)
-            except UnsupportedCurvatureError as err:  # raised before the backward: those get their diagonal below
+            except (
+                jacmem.UnsupportedCurvatureError
+            ) as err:  # raised before the backward: those get their diagonal below
                 refused = {id(p) for p in err.params}
                 kron = iter(self._run(loss, field, _zero_factors, [p for p in self.params if id(p) not in refused]))
                 got = [None if id(p) in refused else next(kron) for p in self.params]

@@ -142,7 +142,7 @@ def run(model: nn.Module, lossf: nn.Module, q: Quantity, threshold: float, how: 
             out.leftovers = [n for n, p in model.named_parameters() if _stored(p, q.savefield) is not None]
             if q.savefield == "data":
                 out.leftovers = []
-            if q.kind != "private" and _hook_count(model) != hooks:  # make_private's hooks stay, by design
+            if _hook_count(model) != hooks:  # the private step detaches its engine too
                 out.leftovers.append(f"hooks: {hooks} -> {_hook_count(model)}")
     out.warnings = jacmem_warnings(caught)
     if out.error is None:
@@ -186,17 +186,21 @@ def _private(model, lossf, threshold, how: Pass, amp) -> None:
     loader = _loader(len(y), how.shared)
     compiled = isinstance(how.forward, torch._dynamo.eval_frame.OptimizedModule) or how.forward is model
     wrapper = model if compiled else how.forward  # DDP or FSDP2 go to make_private, as users do
-    private, opt, _ = PrivacyEngine().make_private(
+    engine = PrivacyEngine()
+    private, opt, _ = engine.make_private(
         module=wrapper, optimizer=opt, data_loader=loader, noise_multiplier=0.0, max_grad_norm=threshold,
         poisson_sampling=False, clipping="flat", batch_first=how.extend_kwargs.get("batch_first", True),
     )  # fmt: skip
     forward = how.forward
-    opt.zero_grad()
-    for Xb, yb in how.batches:
-        with amp:
-            loss = lossf(forward(Xb).float() if how.autocast else forward(Xb), yb)
-        loss.backward(create_graph=how.create_graph)
-    opt.step()
+    try:
+        opt.zero_grad()
+        for Xb, yb in how.batches:
+            with amp:
+                loss = lossf(forward(Xb).float() if how.autocast else forward(Xb), yb)
+            loss.backward(create_graph=how.create_graph)
+        opt.step()
+    finally:
+        engine.detach()  # the model is private for this cell only: later tests in the process find it plain
 
 
 def _loader(n: int, shared: bool) -> DataLoader:
