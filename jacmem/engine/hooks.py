@@ -621,8 +621,8 @@ class FusedHook:
     """The output-gradient hook of a record whose call a compiled graph runs through
     :class:`Fused`: ``hook(grad, x, needs_x)`` hands the record to ``on_grad`` (its
     :class:`TappedHook`, on the call's input ``x``) and returns the gradients of the call's
-    input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and parameters, or None
-    where ``on_grad`` gives none."""
+    input (where ``needs_x``: the layer's ``jac_t`` of ``grad``) and parameters (copies:
+    see :meth:`__call__`), or None where ``on_grad`` gives none."""
 
     def __init__(self, tapped: TappedHook, jac: Passthrough):
         self.tapped, self.jac = tapped, jac
@@ -634,8 +634,11 @@ class FusedHook:
             return None
         hp = self.jac.params(rec.module)
         gx = [self.jac.backprop((x,), None, grad.unsqueeze(0), hp)[0][0]] if needs_x else []
-        # zeros where the block gives none (ClipGrad writes its clipped sums at the end)
-        return gx + [grads[n] if n in grads else torch.zeros_like(p) for n, p in rec.params.items()]
+        # zeros where the block gives none (ClipGrad writes its clipped sums at the end); copies
+        # of the block's: what ``jacmem::fused`` returns is the graph's buffer, which inductor
+        # may write into (a tied weight's other gradient added in place), while the block
+        # keeps its summed gradients to the end of the pass (Variance's ``grad``)
+        return gx + [grads[n].clone() if n in grads else torch.zeros_like(p) for n, p in rec.params.items()]
 
 
 class ComputeOnce(torch.autograd.Function):

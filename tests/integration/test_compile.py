@@ -320,8 +320,12 @@ def test_the_default_backend_is_exact_on_a_tied_gpt2():
     jacmem's op): the records kept the forward's inputs and the backward's gradients
     themselves, so ClipGrad's ``.grad`` of GPT-2's second ``c_attn`` was off by 1.6 relative,
     with a threshold that clips nothing too. The records now keep copies, the inputs from
-    the backward. Every first-order extension, ClipGrad and two steps of a
-    PrivacyEngine, in float64, against the per-sample loop; one compile serves them all."""
+    the backward. The summed gradient ``jacmem::fused`` returns is inductor's buffer too,
+    which it added the tied embedding's gradient into: Variance of ``wte`` alone (its
+    second moments from the head's gradient and the embedding's index terms) counted the
+    embedding's part twice, 13x off. Every first-order extension together and Variance and
+    SumGradSquared alone, ClipGrad and two steps of a PrivacyEngine, in float64, against
+    the per-sample loop; one compile serves them all."""
     from tests.support.privacy import LR, loader, loop_step
 
     from jacmem.privacy import PrivacyEngine
@@ -342,6 +346,11 @@ def test_the_default_backend_is_exact_on_a_tied_gpt2():
     with jacmem.extend(*[e() for e in FIRST_ORDER.values()]):
         cross_entropy(compiled(X), y, "mean").backward()
     check_against(model, reference, FIRST_ORDER, "[gpt2 inductor]")
+    for field in ("variance", "sum_grad_squared"):  # no per-sample gradients: the tied wte's index terms
+        clear(model)
+        with jacmem.extend(FIRST_ORDER[field]()):
+            cross_entropy(compiled(X), y, "mean").backward()
+        check_against(model, reference, (field,), f"[gpt2 inductor, {field} alone]")
     assert _graphs() > graphs, "the model ran eagerly: Dynamo made no graph"
 
     clear(model)
