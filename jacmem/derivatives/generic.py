@@ -84,6 +84,11 @@ class SharedPass:
     def __init__(self, sizes: dict[str, int]):
         #: number of elements of each trainable parameter
         self.sizes = dict(sizes)
+        #: the narrowest floating dtype the recomputed forward computed in (HF's
+        #: ``LlamaRMSNorm`` runs in float32 inside a float64 model): its gradients, and
+        #: those of another program of the same forward (a compiled graph's), agree
+        #: only to that dtype's rounding; ``None`` before the first recomputation
+        self.narrowest: torch.dtype | None = None
         self.pending: list[tuple[Any, Any, dict[str, Tensor]]] = []
 
     def take(self, name: str, x, g, compute: Callable[[Any, Any, tuple[str, ...]], dict[str, Tensor]]) -> Tensor:
@@ -96,6 +101,10 @@ class SharedPass:
         if not entry[2]:
             self.pending = [e for e in self.pending if e is not entry]
         return value
+
+    def note(self, dtype: torch.dtype | None) -> None:
+        """Narrow :attr:`narrowest` to ``dtype``, a dtype a recomputation computed in."""
+        self.narrowest = _narrower(self.narrowest, dtype)
 
     def cost(self, name: str, cost: Cost | None, batch: int) -> Cost | None:
         """``cost`` of the whole pass, with the workspace of the other parameters'
@@ -243,6 +252,24 @@ def _keep_call(args: tuple, kwargs: dict):
     return batched, {"spec": spec, "leaves": shared}
 
 
+class _NarrowestDtype(torch.overrides.TorchFunctionMode):
+    """Within it, ``dtype``: the narrowest floating dtype of the tensors the torch
+    functions called returned (``None`` where none)."""
+
+    dtype: torch.dtype | None = None
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in compat.tree_flatten(out)[0]:
+            if isinstance(t, Tensor) and t.is_floating_point():
+                self.dtype = _narrower(self.dtype, t.dtype)
+        return out
+
+
+def _narrower(a: torch.dtype | None, b: torch.dtype | None) -> torch.dtype | None:
+    return b if a is None else a if b is None else max(a, b, key=lambda t: torch.finfo(t).eps)
+
+
 def _float_leaves(output: Any) -> list:
     return [t for t in compat.tree_flatten(output)[0] if isinstance(t, Tensor) and t.is_floating_point()]
 
@@ -251,10 +278,12 @@ def _fallback_batch_grad(x, g, *, param: str, module: nn.Module, shared: SharedP
     """Per-sample gradients of one of ``module``'s own parameters, by recomputation:
     x = (batched args [N, ...], call structure), g: output gradient(s) [N, ...]
     -> [N, *param.shape]; the module takes each sample's batch of one on ``axis``."""
-    return shared.take(param, x, g, partial(_fallback_all, module=module, axis=axis))
+    return shared.take(param, x, g, partial(_fallback_all, module=module, axis=axis, shared=shared))
 
 
-def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module, axis: int) -> dict[str, Tensor]:
+def _fallback_all(
+    x, g, names: tuple[str, ...], *, module: nn.Module, axis: int, shared: SharedPass
+) -> dict[str, Tensor]:
     batched, call = x
     gs = (g,) if isinstance(g, Tensor) else tuple(g)
     if batched and batched[0].shape[0] != gs[0].shape[0]:
@@ -268,7 +297,9 @@ def _fallback_all(x, g, names: tuple[str, ...], *, module: nn.Module, axis: int)
         it = iter(samples)
         leaves = [next(it).unsqueeze(axis) if t is _BATCHED else t for t in call["leaves"]]
         args, kwargs = compat.tree_unflatten(leaves, call["spec"])
-        outs = _float_leaves(functional_call(module, params, args, kwargs))
+        with _NarrowestDtype() as seen:
+            outs = _float_leaves(functional_call(module, params, args, kwargs))
+        shared.note(seen.dtype)
         if len(outs) != len(gs):
             raise RuntimeError(
                 f"it returns {len(outs)} floating-point tensors, of which {len(gs)} depend on its "

@@ -269,7 +269,13 @@ class ClippingEngine(FirstOrderEngine):
             values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
             if computed:
                 key, probes = id(param), self._probes(run, param)
-                dtypes = (run.narrowest.get(key, rec.grads[0].dtype), rec.grads[0].dtype, rec.autocast or torch.float64)
+                inside = getattr(rec.hp.get("shared"), "narrowest", None)  # a recomputed module's own casts
+                dtypes = (
+                    run.narrowest.get(key, rec.grads[0].dtype),
+                    rec.grads[0].dtype,
+                    rec.autocast or torch.float64,
+                    inside or torch.float64,
+                )
                 run.narrowest[key] = max(dtypes, key=lambda t: torch.finfo(t).eps)
                 seen = (
                     factor_projections(rec.entry.ghost_factors[pname](x, g, **rec.hp), *probes)
