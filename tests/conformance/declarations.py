@@ -86,14 +86,6 @@ UNCHECKED: dict[tuple[str, tuple[str, ...]], str] = {
 #: xfail (also over a declared error the cell does not raise). "issue 36 item N": known, being
 #: fixed; "new": found by this matrix
 XFAIL: dict[tuple, str] = {
-    (("gpt2",), ("compile", "model_compile"), ("Variance",)): (
-        "new, silent: Variance of GPT-2's tied wte under inductor is 5.5e-3 off (13x relative) the float64 loop; "
-        "BatchGrad, BatchL2Grad and SumGradSquared on the same compiled model are exact"
-    ),
-    (("llama",), ("compile", "model_compile"), CLIP + PRIVATE): (
-        "new: ClipGrad on a compiled LLaMA refuses post_attention_layernorm.weight as used 'outside every module "
-        "call jacmem recorded': a refusal of valid input (eager is exact)"
-    ),
     (("lstm", "gru"), "fsdp2", FIRST + CLIP + PRIVATE): (
         "new: under FSDP2 the RNNs' fused strategy reads a parameter FSDP2 has resharded ('setStorage: ... out of "
         "bounds for storage of size 0'): an error naming the module, not a number, but a refusal of valid input"
