@@ -182,12 +182,9 @@ def test_no_warning_where_the_block_saw_the_forward_or_the_model_is_tracked():
     assert model[0].weight.grad_batch.shape == (2, 3, 4)
 
 
-@pytest.mark.parametrize("extension", [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance()], ids=type)
-def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
-    """A parameter the loss reads outside every module's forward (CLIP's ``logit_scale``
-    applied in the loss; a free ``nn.Parameter``) gets ``.grad`` and none of the block's
-    results: the block says so, naming it, once, instead of leaving it silently without
-    (the model's other parameters get theirs)."""
+def _read_outside_every_module():
+    """A Linear whose container holds ``logit_scale``, and a free parameter, both read in
+    the loss (as CLIP's is): the model, the free parameter and the loss's maker."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 3)).to(DT)
     model.logit_scale = nn.Parameter(torch.tensor(0.5, dtype=DT))
@@ -196,6 +193,17 @@ def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
 
     def loss():
         return nn.functional.cross_entropy(model(X) * model.logit_scale.exp() + free, y)
+
+    return model, free, loss
+
+
+@pytest.mark.parametrize("extension", [jacmem.BatchGrad(), jacmem.BatchL2Grad(), jacmem.Variance()], ids=type)
+def test_a_parameter_read_outside_every_module_call_warns_naming_it(extension):
+    """A parameter the loss reads outside every module's forward (CLIP's ``logit_scale``
+    applied in the loss; a free ``nn.Parameter``) gets ``.grad`` and none of the block's
+    results: the block says so, naming it, once, instead of leaving it silently without
+    (the model's other parameters get theirs)."""
+    model, free, loss = _read_outside_every_module()
 
     with pytest.warns(UserWarning, match=r"reached .*got \.grad but none of the block's results.*nn\.Module") as said:
         with jacmem.extend(extension):
@@ -220,14 +228,7 @@ def test_a_parameter_read_outside_every_module_call_refuses_curvature():
     ``logit_scale`` (the generic recomputation of the root's call, which does not read
     it, gave it a GGN diagonal of 0) and the free parameter; asked only for the recorded
     parameters, it gives them theirs."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(4, 3)).to(DT)
-    model.logit_scale = nn.Parameter(torch.tensor(0.5, dtype=DT))
-    free = nn.Parameter(torch.randn(3, dtype=DT))
-    X, y = torch.randn(5, 4, dtype=DT), torch.tensor([0, 1, 2, 0, 1])
-
-    def loss():
-        return nn.functional.cross_entropy(model(X) * model.logit_scale.exp() + free, y)
+    model, free, loss = _read_outside_every_module()
 
     with pytest.raises(jacmem.UnsupportedCurvatureError) as err, jacmem.extend(jacmem.DiagGGNExact()):
         loss().backward()
