@@ -7,38 +7,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.conformance.models import ZeroDimScale
 from tests.support.clipping import assert_grads, expected, median_norm, per_sample
 from tests.support.reference import check_against, mse, per_sample_grads, run_jacmem
 from torch import Tensor, nn
 
 import jacmem
-from jacmem.derivatives import REGISTRY
 
 pytestmark = pytest.mark.usefixtures("float64_default")
-
-
-class Gain(nn.Module):
-    """y = x · gain, with a scalar ``gain``: [N, *] -> [N, *]."""
-
-    def __init__(self):
-        super().__init__()
-        self.gain = nn.Parameter(torch.tensor(1.3))
-
-    def forward(self, x: Tensor) -> Tensor:
-        return x * self.gain
-
-
-def gain_batch_grad(x: Tensor, g: Tensor) -> Tensor:
-    """Σ over every axis but the first of g ⊙ x: [N, *], [N, *] -> [N]"""
-    return (g * x).flatten(1).sum(1)
-
-
-@pytest.fixture(autouse=True)
-def _gain_registered():
-    jacmem.layer(Gain)
-    jacmem.register(Gain, "gain", "batch_grad", "elementwise")(gain_batch_grad)
-    yield
-    REGISTRY.pop(Gain, None)
 
 
 class LogitScale(nn.Module):
@@ -49,7 +25,7 @@ class LogitScale(nn.Module):
         super().__init__()
         self.proj = nn.Linear(4, 3)
         self.logit_scale = nn.Parameter(torch.tensor(0.2))
-        self.gain = Gain()
+        self.gain = ZeroDimScale()
 
     def forward(self, x: Tensor) -> Tensor:
         return self.gain(self.proj(x) * self.logit_scale.exp())
