@@ -105,6 +105,9 @@ class Block:
         self._late = hooks.LateBackward()
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+        #: whether one of them holds FSDP2 modules (whose calls :meth:`enter` unshards)
+        self._sharded = False
+        self._second_order = any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds)
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
         self.savefields = {e.savefield for e in extensions if not isinstance(e, ClipGrad) and e.savefield}
         #: the models whose forward ran since the last pass ended (:meth:`_ended`)
@@ -156,6 +159,7 @@ class Block:
             self._roots = []
             self._names = weakref.WeakKeyDictionary()
             self._fsdp_checked = weakref.WeakSet()
+            self._sharded = False
             self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
             self._depth = 0
             self.owner = None
@@ -257,7 +261,7 @@ class Block:
         """Raise where ``model`` is sharded by FSDP in a way the block cannot follow; once
         per model and block."""
         if model not in self._fsdp_checked:
-            fsdp.check(model, self.name, any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds))
+            self._sharded = fsdp.check(model, self.name, self._second_order) or self._sharded
             self._fsdp_checked.add(model)
 
     def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
@@ -290,7 +294,8 @@ class Block:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
             self._roots.append(weakref.ref(compat.uncompiled(module)))
         self._depth += 1
-        fsdp.unshard_own(module)
+        if self._sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
+            fsdp.unshard_own(module)
         for engine in self.engines:
             engine.on_enter(module)
 
@@ -312,7 +317,8 @@ class Block:
         replace the output (ComputeOnce), and the engines after it see the replacement."""
         if threading.get_ident() != self.owner:
             return None  # another thread's forward
-        self.recomputing()
+        if compat.current_graph_task_id() != -1:  # (:meth:`recomputing`, without the call)
+            self.passes.current()
         replaced = None
         for engine in self.engines:
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)

@@ -270,17 +270,22 @@ class FirstOrderEngine(Engine):
 
     def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
         supported = () if rec.entry is None else rec.entry.params
-        uncovered = [n for n in sorted(rec.params) if n not in supported]
-        reached = [n for n in uncovered if compat.will_engine_execute_node(rec.nodes[n])]
+        reached = []  # (a loop, not comprehensions: this runs for every call)
+        for n in sorted(rec.params):
+            if n not in supported and compat.will_engine_execute_node(rec.nodes[n]):
+                reached.append(n)
         if reached:  # (a backward(inputs=...) that leaves them out asks nothing of them)
             self._unsupported(rec, reached)
         if rec.entry is None:
             return {}
         if rec.entry.recomputed:
             self._recomputed(rec)
-        self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
+        if self.strategies.overrides:  # (none asked for: nothing to check)
+            self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
+        first = rec.grads[0]
+        device = first.device if isinstance(first, Tensor) else precision.device_of(rec.grads)
         try:
-            with precision.computing(precision.device_of(rec.grads)):
+            with precision.computing(device):
                 return self._compute(run, rec)
         except (ContractError, MixedBatchesError):
             raise
@@ -335,8 +340,11 @@ class FirstOrderEngine(Engine):
     @staticmethod
     def _params(rec: hooks.Record) -> dict[str, nn.Parameter]:
         """The call's parameters that its layer covers and this backward pass computes."""
-        supported = rec.entry.params
-        return {n: p for n, p in rec.params.items() if n in supported and compat.will_engine_execute_node(rec.nodes[n])}
+        supported, params = rec.entry.params, {}
+        for n, p in rec.params.items():
+            if n in supported and compat.will_engine_execute_node(rec.nodes[n]):
+                params[n] = p
+        return params
 
     def _stage(self, run: Staging, rec: hooks.Record, pname: str, param: nn.Parameter, n: int) -> _Staged:
         """The parameter's staging in this pass, made on its first call; a parameter
@@ -479,10 +487,15 @@ class FirstOrderEngine(Engine):
     def _quantities(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
         output gradient ``g`` (in ``dtype``), by the planned strategies."""
-        if batch_size(g) == 0:  # an empty batch: empty per-sample quantities, zero sums
+        first = g if isinstance(g, Tensor) else None
+        if (
+            batch_size(g) if first is None else first.shape[0]
+        ) == 0:  # an empty batch: empty per-sample quantities, zero sums
             return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
+        gs, size = (shapes(g), itemsize(g)) if first is None else (tuple(first.shape), first.element_size())
+        xs = tuple(x.shape) if isinstance(x, Tensor) else shapes(x)
         chosen = cached_plan(
-            self.strategies, rec.module, rec.name, rec.entry, rec.hp, shapes(x), shapes(g), itemsize(g), pname, param,
+            self.strategies, rec.module, rec.name, rec.entry, rec.hp, xs, gs, size, pname, param,
             wanted, x, g, self.chunk_bytes,
         )  # fmt: skip
         return execute(chosen, rec.entry, rec.hp, x, g, pname, param, self.chunk_bytes, rec.name)

@@ -77,9 +77,11 @@ def eager(hook: Callable) -> Callable:
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            if args and (compat.is_compiled_module(args[0]) or compat.compiled_in_place(args[0])):
+            wrapper = bool(args) and _is_wrapper(args[0])
+            # (the batch to reset is 1 outside compiled forwards: no need to ask)
+            if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
-            return _run(hook, False, args, kwargs)
+            return _run(hook, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
         module, margs, mkwargs, output = args
@@ -136,9 +138,25 @@ def _has_trainable(module: nn.Module) -> bool:
     return any(p.requires_grad for _, p in own_parameters(module))
 
 
+#: module type -> whether it is the wrapper ``torch.compile(model)`` returns (a type's answer
+#: never changes: kept, so that a module call asks once per type, not at each hook)
+_WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _is_wrapper(module: Any) -> bool:
+    """:func:`jacmem.compat.is_compiled_module`, kept per type."""
+    cls = type(module)
+    found = _WRAPPERS.get(cls)
+    if found is None:
+        found = _WRAPPERS[cls] = compat.is_compiled_module(module)
+    return found
+
+
 @torch.compiler.disable(reason="jacmem records this module call (jacmem.engine.hooks.eager)")
 def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
-    _COMPILED.append(compiled or bool(args) and compat.is_compiled_module(args[0]))
+    """``hook(*args, **kwargs)``, with :func:`compiled` saying ``compiled``: whether the
+    call comes from a forward torch.compile traces, or is a compiled model's wrapper's."""
+    _COMPILED.append(compiled)
     try:
         return hook(*args, **kwargs)
     finally:

@@ -68,12 +68,12 @@ def _first(g) -> Tensor:
 
 def batch_size(g) -> int:
     """N, from the output gradient(s)."""
-    return _first(g).shape[0]
+    return (g if isinstance(g, Tensor) else _first(g)).shape[0]
 
 
 def itemsize(g) -> int:
     """Bytes per entry of the output gradient(s)."""
-    return _first(g).element_size()
+    return (g if isinstance(g, Tensor) else _first(g)).element_size()
 
 
 def _batch_size_of(gs) -> int:
@@ -100,10 +100,10 @@ class Chunked:
     """
 
     def __init__(self, x, g, budget: float):
-        first = _first(g)
+        first = g if isinstance(g, Tensor) else _first(g)
         self.x, self.g = x, g
-        self.budget = chunk_budget(budget, first.device)
-        self.n = batch_size(g)
+        self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget  # (chunk_budget)
+        self.n = first.shape[0]
         self.itemsize = first.element_size()
         self.dtype, self.device = first.dtype, first.device
 
@@ -112,18 +112,18 @@ class Chunked:
         for start in range(0, self.n, size):
             yield slice(start, min(start + size, self.n))
 
-    def run(self, fn, per_sample_bytes: float, reduce: dict[str, str], into: Tensor | None = None):
-        """Call ``fn(x_chunk, g_chunk, out)`` per slice. ``reduce`` maps each output
-        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them.
-        ``into`` (``[N, *shape]``, or None) is where ``batch_grad`` goes: ``fn`` gets its
-        slice as ``out`` and writes there itself, so no chunk is copied."""
+    def run(self, fn, per_sample_bytes: float, into: Tensor | None = None):
+        """Call ``fn(x_chunk, g_chunk, out, n)`` per slice of ``n`` samples; ``fn`` returns
+        a dict of quantities, per-sample ones (:data:`PER_SAMPLE`) concatenated over the
+        slices, the others summed. ``into`` (``[N, *shape]``, or None) is where ``batch_grad``
+        goes: ``fn`` gets its slice as ``out`` and writes there itself, so no chunk is copied."""
         if per_sample_bytes * self.n <= self.budget:
-            return fn(self.x, self.g, into)
+            return fn(self.x, self.g, into, self.n)
         out: dict[str, Tensor] = {} if into is None else {"batch_grad": into}
         for sl in self.slices(per_sample_bytes):
-            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl])
+            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl], sl.stop - sl.start)
             for q, value in part.items():
-                if reduce[q] == "sum":
+                if q not in PER_SAMPLE:
                     out[q] = value if q not in out else out[q] + value
                     continue
                 if into is not None and q == "batch_grad":
@@ -244,13 +244,6 @@ class ContractError(RuntimeError):
     """A strategy's result has not the shape or dtype its quantity promises."""
 
 
-#: each quantity's shape, from the batch size and the parameter's shape
-_EXPECTED = {
-    "batch_grad": lambda n, shape: (n, *shape),
-    "batch_l2": lambda n, shape: (n,),
-    "sum_grad_squared": lambda n, shape: tuple(shape),
-    "grad": lambda n, shape: tuple(shape),
-}
 _SPELLED = {
     "batch_grad": "[N, *param.shape]",
     "batch_l2": "[N]",
@@ -264,8 +257,9 @@ def check_result(value, quantity: str, n: int, param: Tensor, dtype: torch.dtype
     tensor of shape ``[N, *param.shape]`` (``batch_grad``), ``[N]`` (``batch_l2``) or
     ``param.shape`` (the sums), in the compute dtype ``dtype``. Else a
     :class:`ContractError` naming ``where``: (module, parameter, strategy)."""
-    expected = _EXPECTED[quantity](n, param.shape)
-    if isinstance(value, Tensor) and tuple(value.shape) == expected and value.dtype == dtype:
+    shape = param.shape
+    expected = (n, *shape) if quantity == "batch_grad" else (n,) if quantity == "batch_l2" else tuple(shape)
+    if isinstance(value, Tensor) and value.shape == expected and value.dtype == dtype:
         return value
     module, pname, strategy = where
     got = f"shape {list(value.shape)} and dtype {value.dtype}" if isinstance(value, Tensor) else repr(type(value))
@@ -305,15 +299,16 @@ def execute(
     results: dict[str, Tensor] = {}
     for q, name, per_sample, riders in plan.direct:
         fn = entry.strategies[(param_name, q)][name].fn
-        reduce = {k: "cat" if k in PER_SAMPLE else "sum" for k in (q, *riders)}
         where = (module, param_name, name)
 
-        def direct(xc, gc, _, fn=fn, q=q, riders=riders, where=where):
+        def direct(xc, gc, _, n, fn=fn, q=q, riders=riders, where=where):
             out = fn(xc, gc, also=riders, **hp) if riders else {q: fn(xc, gc, **hp)}
-            return {k: check_result(v, k, batch_size(gc), param, dtype, where) for k, v in out.items()}
+            for k, v in out.items():
+                check_result(v, k, n, param, dtype, where)
+            return out
 
         try:
-            results.update(chunked.run(direct, per_sample, reduce))
+            results.update(chunked.run(direct, per_sample))
         except Exception as err:
             _blame(err, name)
             raise
@@ -328,15 +323,14 @@ def execute(
             into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
         elif "batch_grad" not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
-        reduce = {q: "cat" if q in PER_SAMPLE else "sum" for q in qs}
         where = (module, param_name, name)
 
-        def one(xc, gc, out, fn=strategy.fn, qs=qs, where=where):
+        def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
             bg = fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp)
-            return derive(check_result(bg, "batch_grad", batch_size(gc), param, dtype, where), qs)
+            return derive(check_result(bg, "batch_grad", n, param, dtype, where), qs)
 
         try:
-            results.update(chunked.run(one, per_sample, reduce, into))
+            results.update(chunked.run(one, per_sample, into))
         except Exception as err:
             _blame(err, name)
             raise
@@ -366,17 +360,27 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
     shapes, the hyper-parameters; ``None`` where a hyper-parameter or an entry of ``xs``
     is not a plain value (a tensor, a module, a dict), so that a plan kept under it could
     not be trusted."""
-    if not (_plain(xs) and _plain(gs) and all(_plain(v) for v in hp.values())):
+    if not _plain((xs, gs, *hp.values())):
         return None
-    tables = tuple(tuple(entry.strategies.get((param_name, q), {}).items()) for q in QUANTITIES)
-    return tables, tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, frozenset(quantities)
+    tables = []  # (a loop, not a generator: this runs for every parameter of every call)
+    for q in QUANTITIES:
+        tables.append(tuple(entry.strategies.get((param_name, q), _NONE).items()))
+    return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, frozenset(quantities)
+
+
+_NONE: dict = {}
 
 
 def _plain(value) -> bool:
-    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return value is None or isinstance(value, (int, float, str))
+    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them (nested)."""
+    todo = [value]
+    while todo:
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (int, float, str))):
+            return False
+    return True
 
 
 #: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
