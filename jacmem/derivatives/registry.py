@@ -228,7 +228,11 @@ class LayerDerivatives:
     @property
     def params(self) -> tuple[str, ...]:
         """Names of the parameters that have at least a ``batch_grad``."""
-        return tuple(p for p, q in self.strategies if q == "batch_grad")
+        names = []  # (a loop, not a generator: read at every recorded call)
+        for p, q in self.strategies:
+            if q == "batch_grad":
+                names.append(p)
+        return tuple(names)
 
     def names(self) -> set:
         """Every strategy name this layer offers, for any parameter and quantity."""
@@ -475,20 +479,22 @@ def _changed() -> None:
     _VERSION[0] += 1
 
 
-def own_parameters(module: nn.Module):
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of what ``module``'s forward reads itself: its own parameters,
     and those of its ``ParameterDict`` and ``ParameterList`` children by dotted name
     (``"lora_embedding_A.default"``: PEFT's ``lora.Embedding``), since a parameter
-    container is never called and its parameters are its parent's to use."""
-    seen = set()  # as named_parameters(recurse=False), which it is without the module walk
+    container is never called and its parameters are its parent's to use. (A list, not
+    a generator: it is read at every recorded call.)"""
+    found, seen = [], set()  # as named_parameters(recurse=False), which it is without the module walk
     for name, p in module._parameters.items():
         if p is not None and id(p) not in seen:
             seen.add(id(p))
-            yield name, p
+            found.append((name, p))
     for child_name, child in module._modules.items():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             for name, p in own_parameters(child):
-                yield f"{child_name}.{name}", p
+                found.append((f"{child_name}.{name}", p))
+    return found
 
 
 def _has_parameter(module: nn.Module, name: str) -> bool:

@@ -30,7 +30,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
-from jacmem.derivatives.registry import Cost, own_parameters
+from jacmem.derivatives.registry import REGISTRY, Cost, registered_type
 from jacmem.derivatives.tied import (
     add_index_terms,
     index_terms_cost,
@@ -205,11 +205,14 @@ class FirstOrderEngine(Engine):
 
     def on_enter(self, module):
         # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
-        if (next(own_parameters(module), None) is not None or hooks.compiled()) and tracked_name(module) is None:
+        if (hooks.may_read_parameters(module) or hooks.compiled()) and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):
-        self.recorder.leave(module, outermost)
+        recorder = self.recorder
+        # (nothing to undo or to reset: most calls, asked without a call)
+        if outermost or recorder.direct or recorder.compiled_start is not None:
+            recorder.leave(module, outermost)
 
     def on_call(self, model, args, kwargs, output):
         """Refuse calls behind a broadcast over the batch, and note the batch sizes the
@@ -228,6 +231,8 @@ class FirstOrderEngine(Engine):
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
+        if not hooks.may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+            return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
         if tracked_name(module) is not None:
             return None  # its tracker records it
         return self.recorder.record(module, args, kwargs, output, self.name(module))

@@ -57,7 +57,7 @@ def _release(keys: list[int]) -> None:
 _COMPILED: list[bool] = []
 
 
-def eager(hook: Callable) -> Callable:
+def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callable:
     """``hook``, a module hook of jacmem's (pre-hook ``(module, args)``, leave hook
     ``(module, args, output)`` or forward hook ``(module, args, kwargs, output)``), as a
     compiled forward calls it: traced, with no graph break. There, the forward hook of a
@@ -73,15 +73,22 @@ def eager(hook: Callable) -> Callable:
     A forward hook on other arguments (keyword arguments, non-tensors, a tuple output)
     runs eagerly: torch.compile breaks its graph there, with a reason that names jacmem,
     and compiles the module's forward on either side. While the hook runs,
-    :func:`compiled` says whether the forward is a compiled one."""
+    :func:`compiled` says whether the forward is a compiled one.
+
+    ``target``: a one-entry list; an eager call runs ``target[0]`` in place of ``hook``
+    while it is set (a block's own method, one call less than through a dispatcher),
+    while a compiled forward always traces ``hook``, so that its guards hold from one
+    block to the next."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            wrapper = bool(args) and _is_wrapper(args[0])
+            wrapper = _WRAPPERS.get(type(args[0])) if args else False
+            if wrapper is None:
+                wrapper = _is_wrapper(args[0])
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
             if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
-            return _run(hook, wrapper, args, kwargs)
+            return _run(hook if target is None or target[0] is None else target[0], wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
         module, margs, mkwargs, output = args
@@ -130,6 +137,22 @@ def spread(args: tuple, output: Tensor, n: int) -> tuple[tuple, Tensor]:
     if ids.is_floating_point() or ids.is_complex():
         return args, output
     return (ids.expand(n, *ids.shape[1:]),), output.expand(n, *output.shape[1:])
+
+
+#: the children whose parameters a module's forward reads itself (:func:`own_parameters`)
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
+def may_read_parameters(module: nn.Module) -> bool:
+    """Whether ``module``'s forward may read parameters of its own (:func:`own_parameters`),
+    asked without building them: its own, or a parameter container among its children."""
+    for p in module._parameters.values():
+        if p is not None:
+            return True
+    for child in module._modules.values():
+        if isinstance(child, _CONTAINERS):
+            return True
+    return False
 
 
 def _has_trainable(module: nn.Module) -> bool:
@@ -337,8 +360,13 @@ def compiled() -> bool:
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
     that ``entry`` declares by dotted name (those its forward uses itself)."""
-    params = {n: p for n, p in own_parameters(module) if p.requires_grad}
+    params = {}
+    for n, p in own_parameters(module):  # (loops, not comprehensions: this runs at every recorded call)
+        if p.requires_grad:
+            params[n] = p
     for name in entry.params if entry is not None else ():
+        if "." not in name:
+            continue  # (one of its own: found above, where trainable)
         owner, _, leaf = name.rpartition(".")
         p = getattr(module.get_submodule(owner), leaf, None) if owner else None
         if isinstance(p, nn.Parameter) and p.requires_grad:
@@ -369,7 +397,9 @@ class Record:
         self.take(x)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
-        self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        self.outputs = []
+        for t in outputs:
+            self.outputs.append((t.shape, t.dtype, t.device))
         self.grads: list[Tensor | None] = [None] * len(outputs)
         self.missing = len(outputs)
         #: the backward pass (graph task id) that the gradients in ``grads`` come from
@@ -394,7 +424,9 @@ class Record:
         self.batch_first = True
         #: the dtype autocast ran the call in, where it was on: its own ops may have been
         #: 16-bit where its output is not (PEFT's lora.Embedding, recomputed in float32)
-        self.autocast = _autocast_dtype(outputs[0].device.type) if outputs else None
+        self.autocast = None
+        if outputs and torch.is_autocast_enabled(outputs[0].device.type):
+            self.autocast = torch.get_autocast_dtype(outputs[0].device.type)
 
     def take(self, x: Any) -> None:
         """Keep ``x``, what the layer keeps of the call's inputs, arranged as its derivatives
@@ -446,10 +478,6 @@ class Record:
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
 
 
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
-
-
 def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
     """Whether a call recorded under ``batch_first`` by ``entry`` has its batch moved
     first: under ``batch_first=False``, unless the layer places it itself."""
@@ -487,19 +515,28 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
+    if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
         return None, output  # a container: the layers in it record their own calls
     entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
-    params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
+    params = trainable(module, entry)
+    for n in exclude:
+        params.pop(n, None)
     if not params:
         return None, output
-    outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
+    outputs = []  # (loops, not comprehensions: this runs at every recorded call)
+    for t in _output_tensors(entry, output):
+        if t.requires_grad:
+            outputs.append(t)
     if not outputs:
         return None, output
     n = layout.batch_size(module, name, args, kwargs, outputs) if _relaid(batch_first, entry) else None
-    needs_input = entry is None or any(p not in entry.input_free for p in params)
-    keep = functools.partial(_kept, entry if needs_input else None, n)
-    rec = Record(module, name, entry, params, keep(args, kwargs), outputs)
+    needs_input = entry is None
+    for p in params if entry is not None else ():
+        if p not in entry.input_free:
+            needs_input = True
+            break
+    kept = entry if needs_input else None
+    rec = Record(module, name, entry, params, _kept(kept, n, args, kwargs), outputs)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -507,12 +544,16 @@ def record(
         rec.x = compat.tree_map(_own_indices, rec.x)
         jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
         rec.once = jac is not None
+        keep = functools.partial(_kept, kept, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
         rec.once = True
-        rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
+        nodes = fused.grad_fn.next_functions
+        rec.nodes = {}
+        for i, pname in enumerate(params, 1):
+            rec.nodes[pname] = nodes[i][0]
         _mark(fused.grad_fn, rec)
         return rec, fused
     _hook(rec, outputs, on_grad, handles)
@@ -692,7 +733,10 @@ class ComputeOnce(torch.autograd.Function):
         if grads is None or create_graph:
             return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
         gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
-        return (None, None, None, None, gx, *(grads.get(name) for name in rec.params))
+        out = [None, None, None, None, gx]
+        for name in rec.params:
+            out.append(grads.get(name))
+        return tuple(out)
 
 
 def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tensor, needs) -> list:
@@ -720,10 +764,12 @@ def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
     entry = rec.entry
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
-    x, params = args[0], list(rec.params.values())
-    supported = entry.params
-    if any(p not in supported for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
-        return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
+    supported, dtype = entry.params, output.dtype
+    if args[0].dtype != dtype:
+        return None  # autocast (casts sit between the parameters and the layer)
+    for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
+        if pname not in supported or p.dtype != dtype:
+            return None  # a parameter jacmem cannot handle; autocast, as above
     jac = lookup_passthrough(rec.module)
     return None if jac is None or jac.jac_t is None else jac
 
