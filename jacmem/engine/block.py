@@ -48,6 +48,8 @@ ENGINES = (
 )
 
 Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
+#: the kinds of extension
+_KINDS = tuple(kind for kind, _ in ENGINES)
 
 
 class Block:
@@ -68,16 +70,22 @@ class Block:
     ):
         extensions = _checked(extensions)
         #: the extensions of each engine, in :data:`ENGINES` order (those it has)
-        self.kinds = [(cls, [e for e in extensions if isinstance(e, kind)]) for kind, cls in ENGINES]
-        self.kinds = [(cls, exts) for cls, exts in self.kinds if exts]
+        self.kinds = []
+        for kind, cls in ENGINES:  # (loops, not comprehensions: a block is made at every step)
+            exts = []
+            for e in extensions:
+                if isinstance(e, kind):
+                    exts.append(e)
+            if exts:
+                self.kinds.append((cls, exts))
         alone = [exts for cls, exts in self.kinds if getattr(cls, "exclusive", False)]
         if alone and len(self.kinds) > 1:
             raise ValueError(
                 f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
                 "block; put the other extensions in a block of their own."
             )
-        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
-        if not batch_first and second_order:
+        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)] if not batch_first else None
+        if second_order:
             raise ValueError(
                 f"jacmem: batch_first=False applies to first-order extensions and ClipGrad, not to "
                 f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
@@ -109,7 +117,10 @@ class Block:
         self._sharded = False
         self._second_order = any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds)
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
-        self.savefields = {e.savefield for e in extensions if not isinstance(e, ClipGrad) and e.savefield}
+        self.savefields = set()
+        for e in extensions:
+            if not isinstance(e, ClipGrad) and e.savefield:
+                self.savefields.add(e.savefield)
         #: the models whose forward ran since the last pass ended (:meth:`_ended`)
         self._ran: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the tracked models whose forward may have run before the block, once each
@@ -251,7 +262,12 @@ class Block:
         return {key: p for sharding in self.shardings() for key, p in sharding.sharded.items()}
 
     def _roots_and_models(self) -> list[nn.Module]:
-        return [m for m in (ref() for ref in self._roots) if m is not None] + self.models()
+        models = []
+        for ref in self._roots:  # (a loop, not a generator: asked at every pass's end)
+            m = ref()
+            if m is not None:
+                models.append(m)
+        return models + self.models()
 
     def shardings(self) -> list[fsdp.Sharding]:
         """The FSDP2 parameters of the models called in the block and the tracked ones."""
@@ -383,7 +399,6 @@ class Block:
 
 def _checked(extensions: tuple) -> tuple[Extension, ...]:
     """``extensions`` without repeats; anything else raises, naming the fix."""
-    kinds = tuple(kind for kind, _ in ENGINES)
     for ext in extensions:
         if isinstance(ext, nn.Module):
             raise TypeError(
@@ -392,7 +407,7 @@ def _checked(extensions: tuple) -> tuple[Extension, ...]:
                 "needed only where the forward runs before the block. Write "
                 "`with jacmem.extend(jacmem.BatchGrad()): loss = lossfunc(model(X), y); loss.backward()`."
             )
-        if not isinstance(ext, kinds):
+        if not isinstance(ext, _KINDS):
             raise TypeError(f"not a jacmem extension: {ext!r}; e.g. jacmem.BatchGrad()")
     return tuple(dict.fromkeys(extensions))
 

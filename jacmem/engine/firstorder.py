@@ -19,6 +19,7 @@ in the backward would wait for the device), with one warning for the block.
 
 from __future__ import annotations
 
+import itertools
 import warnings
 import weakref
 from collections import Counter
@@ -172,7 +173,10 @@ def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
 def _places_batch_second(model: nn.Module) -> bool:
     """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
     attention's ``batch_first=False``)."""
-    return any(getattr(m, "batch_first", True) is False for m in model.modules())
+    for m in model.modules():  # (a loop, not a generator)
+        if getattr(m, "batch_first", True) is False:
+            return True
+    return False
 
 
 class FirstOrderEngine(Engine):
@@ -180,9 +184,11 @@ class FirstOrderEngine(Engine):
 
     def __init__(self, extensions: list[FirstOrderExtension], setup: Setup):
         self.extensions = extensions
-        self.quantities = {q for ext in extensions for q in ext.quantities}
         #: quantity -> how many of the extensions read it
-        self.readers = Counter(q for ext in extensions for q in ext.quantities)
+        self.readers = Counter()
+        for ext in extensions:
+            self.readers.update(ext.quantities)
+        self.quantities = set(self.readers)
         self.strategies, self.chunk_bytes = setup.strategies, setup.chunk_bytes
         self.passes, self.notices, self.name, self.groups = setup.passes, setup.notices, setup.name, setup.groups
         self.owner: int | None = setup.owner
@@ -508,22 +514,20 @@ class FirstOrderEngine(Engine):
     def finish(self, run: Staging) -> list[Write]:
         """End of the backward pass: finish the partial records and the summed
         parameters, sum over the ranks what is global; the results, unwritten."""
-        self._finish_partial(run)
+        if run.partial:
+            self._finish_partial(run)
         staged, run.staged = run.staged, {}
-        for s in staged.values():
-            self._resolve_tied(s)
-        quantities = {
-            key: derive(s.quantities["batch_grad"], self.quantities)
-            if s.summed and "batch_grad" in s.quantities
-            else dict(s.quantities)
-            for key, s in staged.items()
-        }
-        sizes = {key: s.batch_size for key, s in staged.items()}
+        quantities, sizes, grads, params, batch = {}, {}, {}, {}, 0
+        for key, s in staged.items():  # (one loop, not five comprehensions)
+            if s.calls:
+                self._resolve_tied(s)
+            summed = s.summed and "batch_grad" in s.quantities
+            quantities[key] = derive(s.quantities["batch_grad"], self.quantities) if summed else dict(s.quantities)
+            sizes[key], grads[key], params[key] = s.batch_size, s.grad, s.param
+            batch = max(batch, s.batch_size)
         self._check_batch_sizes(run.names, sizes)
         self._check_one_row(run.names, sizes)
-        self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
-        params = {key: s.param for key, s in staged.items()}
-        batch = max((s.batch_size for s in staged.values()), default=0)
+        self._flag_nonfinite(run.names, quantities, grads)
         for group, members in self.groups():
             params.update(
                 (id(p), p) for p in distributed.synchronize(group, members, self.quantities, quantities, sizes, batch)
@@ -541,7 +545,7 @@ class FirstOrderEngine(Engine):
     def _handed(self, ext: FirstOrderExtension, quantities: dict[str, Tensor]) -> dict[str, Tensor]:
         """``quantities`` for ``ext.finalize``, with a copy of each that it overwrites and
         another extension of the block reads too."""
-        shared = [q for q in ext.overwrites if self.readers[q] > 1]
+        shared = [q for q in ext.overwrites if self.readers[q] > 1] if ext.overwrites else None
         return {**quantities, **{q: quantities[q].clone() for q in shared}} if shared else quantities
 
     def _finish_partial(self, run: Staging) -> None:
@@ -572,8 +576,10 @@ class FirstOrderEngine(Engine):
         compiled forward, PEFT's prompt tuning with the rest of the model frozen), so
         their quantities would be the batch's sums."""
         inputs = self._unoffered(1)
+        if inputs is None:
+            return
         ones = [names[key] for key, n in sizes.items() if n == 1]
-        if not ones or inputs is None:
+        if not ones:
             return
         raise RuntimeError(
             f"jacmem: module(s) {listing(ones)} ran on a batch of one, but no input of the model's call has an axis "
@@ -643,16 +649,17 @@ class FirstOrderEngine(Engine):
                     candidates.append(grads[k])
                 sums.append(min(candidates, key=Tensor.numel).sum())
             bad = torch.stack(sums).isfinite().logical_not_()
-            flags = self.nonfinite.setdefault((bad.device, tuple(names[k] for k in keys)), bad)
+            flags = self.nonfinite.setdefault((bad.device, tuple(map(names.__getitem__, keys))), bad)
             if flags is not bad:
                 flags.logical_or_(bad)
 
     def _warn_nonfinite(self, flagged: dict[tuple[torch.device, tuple[str, ...]], Tensor]) -> None:
         """One warning, naming the modules that :meth:`_flag_nonfinite` flagged in any
         pass of the block; one transfer per entry, after the block."""
-        modules = list(
-            dict.fromkeys(m for (_, names), bad in flagged.items() for m, b in zip(names, bad.tolist()) if b)
-        )
+        modules: dict[str, None] = {}  # (in order, once each; a loop, not a generator)
+        for (_, names), bad in flagged.items():
+            modules.update(dict.fromkeys(itertools.compress(names, bad.tolist())))
+        modules = list(modules)
         if not modules:
             return
         notices.warn(

@@ -384,9 +384,9 @@ def _plain(value) -> bool:
 
 
 #: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
-#: itemsize -> (the plan, the decisions it took): a parameter's strategies are chosen
+#: itemsize -> (the plan, the decisions it took, as ``StrategyChoices.decisions`` keeps them): a parameter's strategies are chosen
 #: once per call shape, not at every step of every block
-_PLANS: dict[tuple, tuple[Plan, tuple[Decision, ...]]] = {}
+_PLANS: dict[tuple, tuple[Plan, dict[tuple[str, str, str], Decision]]] = {}
 #: how many plans ``_PLANS`` holds before it starts over
 _MAX_PLANS = 4096
 
@@ -444,10 +444,12 @@ def cached_plan(
     shape = tuple(param.shape)
     key = plan_key(entry, hp, xs, gs, size, pname, shape, quantities)
     if key is not None:
-        key += (name, strategies.requested(module, name), param.element_size(), param.device, strategies.autotune)
+        # (where no module has a strategy of its own, the block's default, without asking)
+        requested = strategies.requested(module, name) if strategies.overrides else (strategies.default, False)
+        key += (name, requested, param.element_size(), param.device, strategies.autotune)
         cached = _PLANS.get(key)
         if cached is not None:
-            strategies.remember(cached[1])
+            strategies.decisions.update(cached[1])  # (the decisions taken then, as explain()'s)
             return cached[0]
     made: list[Decision] = []
     timed = strategies.autotune and x is not None and g is not None
@@ -464,5 +466,5 @@ def cached_plan(
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = (result, tuple(made))
+        _PLANS[key] = (result, {(d.module, d.param, d.quantity): d for d in made})
     return result
