@@ -25,6 +25,7 @@ __all__ = [
     "assert_on_device",
     "autograd_inside_op",
     "current_graph_task_id",
+    "dynamo_callback",
     "fsdp_parameters",
     "functorch_transforms_active",
     "fused_recurrence",
@@ -70,10 +71,10 @@ def autograd_inside_op():
     return torch._C._ForceDispatchKeyGuard(*_DISPATCH_KEYS)
 
 
-def current_graph_task_id() -> int:
-    """The id of the backward pass (autograd "graph task") running in this thread, or
-    -1 outside any backward. ``torch._C._current_graph_task_id``, since torch 2.0."""
-    return torch._C._current_graph_task_id()
+#: ``current_graph_task_id() -> int``: the id of the backward pass (autograd "graph task")
+#: running in this thread, or -1 outside any backward. ``torch._C._current_graph_task_id``,
+#: since torch 2.0, itself: asked at every module call, it costs no Python frame.
+current_graph_task_id = torch._C._current_graph_task_id
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -108,11 +109,20 @@ def grad_captures(node) -> bool:
     return False
 
 
-def functorch_transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp...) is running: forward calls
-    inside one are a derivative's own recomputation, not the user's.
-    ``torch._C._are_functorch_transforms_active``, since torch 2.0."""
-    return torch._C._are_functorch_transforms_active()
+#: ``functorch_transforms_active() -> bool``: whether a torch.func transform (vmap, grad,
+#: jvp...) is running: forward calls inside one are a derivative's own recomputation, not
+#: the user's. ``torch._C._are_functorch_transforms_active``, since torch 2.0, itself (no
+#: Python frame: asked at every recorded call).
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+
+#: ``dynamo_callback()``: the frame callback torch.compile has set in this thread, or None
+#: where none is (no frame that starts now would be compiled: a module hook may then run
+#: without ``torch.compiler.disable`` around it).
+#: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``, since torch 2.1, itself (no
+#: Python frame: asked at every module hook); where torch lacks it, never None.
+dynamo_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", lambda: True
+)
 
 
 def is_backward_hook_node(fn) -> bool:

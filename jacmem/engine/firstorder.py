@@ -211,7 +211,7 @@ class FirstOrderEngine(Engine):
 
     def on_enter(self, module):
         # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
-        if (hooks.may_read_parameters(module) or hooks.compiled()) and tracked_name(module) is None:
+        if hooks.recordable(module) and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):

@@ -88,7 +88,10 @@ def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callab
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
             if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
-            return _run(hook if target is None or target[0] is None else target[0], wrapper, args, kwargs)
+            fn = hook if target is None or target[0] is None else target[0]
+            if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
+                return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
+            return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
         module, margs, mkwargs, output = args
@@ -153,6 +156,13 @@ def may_read_parameters(module: nn.Module) -> bool:
         if isinstance(child, _CONTAINERS):
             return True
     return False
+
+
+def recordable(module: nn.Module) -> bool:
+    """Whether a call of ``module`` that begins now may be recorded: its forward may read
+    parameters of its own (:func:`may_read_parameters`), or it runs in a compiled forward
+    (:func:`compiled`; a compiled model's wrapper, which has none)."""
+    return (bool(_COMPILED) and _COMPILED[-1]) or may_read_parameters(module)
 
 
 def _has_trainable(module: nn.Module) -> bool:
