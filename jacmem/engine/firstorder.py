@@ -166,8 +166,13 @@ def _one_row(rec: hooks.Record) -> RuntimeError:
 def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
     """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
     tensor among them, and axis 1 where ``second``."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
-    return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
+    sizes = set()  # (a loop, not comprehensions: this runs at every model call)
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, Tensor) and t.dim():
+            sizes.add(t.shape[0])
+            if second and t.dim() > 1:
+                sizes.add(t.shape[1])
+    return sizes
 
 
 def _places_batch_second(model: nn.Module) -> bool:
@@ -280,7 +285,7 @@ class FirstOrderEngine(Engine):
             rec.reset()
 
     def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
-        supported = () if rec.entry is None else rec.entry.params
+        supported = rec.supported
         reached = []  # (a loop, not comprehensions: this runs for every call)
         for n in sorted(rec.params):
             if n not in supported and compat.will_engine_execute_node(rec.nodes[n]):
@@ -330,10 +335,11 @@ class FirstOrderEngine(Engine):
             return grads
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
-        n = batch_size(g)
+        n = g.shape[0] if isinstance(g, Tensor) else batch_size(g)
         for pname, param in params.items():
             staged = self._stage(run, rec, pname, param, n)
-            kept = self._keep(staged, rec, pname, x, g, dtype)
+            # (most parameters are used once: not kept, asked without a call)
+            kept = staged.summed and staged.calls is not None and self._keep(staged, rec, pname, x, g, dtype)
             if kept and self._first_dense(staged):
                 grads.update(self._early(staged, rec, pname, dtype))
                 continue
@@ -345,13 +351,16 @@ class FirstOrderEngine(Engine):
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
                 staged.grad = grads[pname] if staged.grad is None else staged.grad + grads[pname]
-            staged.add(values)
+            if staged.quantities:
+                staged.add(values)
+            else:  # (the first: nothing to add to)
+                staged.quantities.update(values)
         return grads
 
     @staticmethod
     def _params(rec: hooks.Record) -> dict[str, nn.Parameter]:
         """The call's parameters that its layer covers and this backward pass computes."""
-        supported, params = rec.entry.params, {}
+        supported, params = rec.supported, {}
         for n, p in rec.params.items():
             if n in supported and compat.will_engine_execute_node(rec.nodes[n]):
                 params[n] = p
@@ -537,7 +546,13 @@ class FirstOrderEngine(Engine):
             params.update((id(p), p) for p in sharding.synchronize(self.quantities, quantities, sizes, batch))
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
-            _write(ext, param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))
+            _write(
+                ext,
+                param,
+                key,
+                ext.finalize(self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]),
+                sharded.get(key),
+            )
             for key, param in params.items()
             for ext in self.extensions
         ]
@@ -545,7 +560,7 @@ class FirstOrderEngine(Engine):
     def _handed(self, ext: FirstOrderExtension, quantities: dict[str, Tensor]) -> dict[str, Tensor]:
         """``quantities`` for ``ext.finalize``, with a copy of each that it overwrites and
         another extension of the block reads too."""
-        shared = [q for q in ext.overwrites if self.readers[q] > 1] if ext.overwrites else None
+        shared = [q for q in ext.overwrites if self.readers[q] > 1]
         return {**quantities, **{q: quantities[q].clone() for q in shared}} if shared else quantities
 
     def _finish_partial(self, run: Staging) -> None:

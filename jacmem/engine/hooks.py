@@ -367,14 +367,19 @@ def compiled() -> bool:
     return bool(_COMPILED) and _COMPILED[-1]
 
 
-def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
+def trainable(
+    module: nn.Module, entry: LayerDerivatives | None = None, supported: tuple[str, ...] | None = None
+) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
-    that ``entry`` declares by dotted name (those its forward uses itself)."""
+    that ``entry`` declares by dotted name (those its forward uses itself); ``supported``:
+    ``entry.params``, where the caller has it."""
     params = {}
     for n, p in own_parameters(module):  # (loops, not comprehensions: this runs at every recorded call)
         if p.requires_grad:
             params[n] = p
-    for name in entry.params if entry is not None else ():
+    if supported is None:
+        supported = () if entry is None else entry.params
+    for name in supported:
         if "." not in name:
             continue  # (one of its own: found above, where trainable)
         owner, _, leaf = name.rpartition(".")
@@ -389,13 +394,15 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "once", "broadcast", "void", "batch_first", "autocast", "__weakref__",
+        "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], supported: tuple | None = None):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
+        #: the names of the parameters the layer covers (``entry.params``; none without an entry)
+        self.supported: tuple[str, ...] = (() if entry is None else entry.params) if supported is None else supported
         #: the derivatives' keyword arguments, read off the module at forward time
         self.hp: dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: dict[str, nn.Parameter] = params
@@ -484,7 +491,7 @@ class Record:
     def g(self):
         """The output gradient(s), batch axis first, as the derivatives take them."""
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
-        g = layout.front(g) if self.relaid else g
+        g = layout.front(g) if not self.batch_first and _relaid(False, self.entry) else g
         return g if self.entry is None else self.entry.arrange(g, **self.hp)
 
 
@@ -528,7 +535,8 @@ def record(
     if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
         return None, output  # a container: the layers in it record their own calls
     entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
-    params = trainable(module, entry)
+    supported = () if entry is None else entry.params
+    params = trainable(module, entry, supported)
     for n in exclude:
         params.pop(n, None)
     if not params:
@@ -539,14 +547,14 @@ def record(
             outputs.append(t)
     if not outputs:
         return None, output
-    n = layout.batch_size(module, name, args, kwargs, outputs) if _relaid(batch_first, entry) else None
+    n = layout.batch_size(module, name, args, kwargs, outputs) if not batch_first and _relaid(False, entry) else None
     needs_input = entry is None
     for p in params if entry is not None else ():
         if p not in entry.input_free:
             needs_input = True
             break
     kept = entry if needs_input else None
-    rec = Record(module, name, entry, params, _kept(kept, n, args, kwargs), outputs)
+    rec = Record(module, name, entry, params, _kept(kept, n, args, kwargs), outputs, supported)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -774,7 +782,7 @@ def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
     entry = rec.entry
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
-    supported, dtype = entry.params, output.dtype
+    supported, dtype = rec.supported, output.dtype
     if args[0].dtype != dtype:
         return None  # autocast (casts sit between the parameters and the layer)
     for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
@@ -836,8 +844,10 @@ class LateBackward:
         """``output``: what an outermost module call in the block returned (any pytree)."""
         if compat.functorch_transforms_active():
             return  # a torch.func transform's own graph, not the user's
-        leaves = compat.tree_flatten(output)[0]
-        nodes = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+        nodes = set()  # (a loop, not a comprehension)
+        for t in compat.tree_flatten(output)[0]:
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                nodes.add(t.grad_fn)
         reached = [False]
 
         def prehook(grad_outputs):

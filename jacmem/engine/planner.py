@@ -116,9 +116,8 @@ class Chunked:
         """Call ``fn(x_chunk, g_chunk, out, n)`` per slice of ``n`` samples; ``fn`` returns
         a dict of quantities, per-sample ones (:data:`PER_SAMPLE`) concatenated over the
         slices, the others summed. ``into`` (``[N, *shape]``, or None) is where ``batch_grad``
-        goes: ``fn`` gets its slice as ``out`` and writes there itself, so no chunk is copied."""
-        if per_sample_bytes * self.n <= self.budget:
-            return fn(self.x, self.g, into, self.n)
+        goes: ``fn`` gets its slice as ``out`` and writes there itself, so no chunk is copied.
+        (Where the whole batch fits ``budget``, :func:`execute` calls ``fn`` once itself.)"""
         out: dict[str, Tensor] = {} if into is None else {"batch_grad": into}
         for sl in self.slices(per_sample_bytes):
             part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl], sl.stop - sl.start)
@@ -308,7 +307,8 @@ def execute(
             return out
 
         try:
-            results.update(chunked.run(direct, per_sample))
+            whole = per_sample * chunked.n <= chunked.budget
+            results.update(direct(x, g, None, chunked.n) if whole else chunked.run(direct, per_sample))
         except Exception as err:
             _blame(err, name)
             raise
@@ -330,7 +330,8 @@ def execute(
             return derive(check_result(bg, "batch_grad", n, param, dtype, where), qs)
 
         try:
-            results.update(chunked.run(one, per_sample, into))
+            whole = per_sample * chunked.n <= chunked.budget
+            results.update(one(x, g, into, chunked.n) if whole else chunked.run(one, per_sample, into))
         except Exception as err:
             _blame(err, name)
             raise
@@ -360,8 +361,13 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
     shapes, the hyper-parameters; ``None`` where a hyper-parameter or an entry of ``xs``
     is not a plain value (a tensor, a module, a dict), so that a plan kept under it could
     not be trusted."""
-    if not _plain((xs, gs, *hp.values())):
-        return None
+    todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
+    while todo:  # (a loop, not a recursion: this runs for every parameter of every call)
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (int, float, str))):
+            return None
     tables = []  # (a loop, not a generator: this runs for every parameter of every call)
     for q in QUANTITIES:
         tables.append(tuple(entry.strategies.get((param_name, q), _NONE).items()))
@@ -369,18 +375,6 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
 
 
 _NONE: dict = {}
-
-
-def _plain(value) -> bool:
-    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them (nested)."""
-    todo = [value]
-    while todo:
-        v = todo.pop()
-        if isinstance(v, tuple):
-            todo.extend(v)
-        elif not (v is None or isinstance(v, (int, float, str))):
-            return False
-    return True
 
 
 #: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
