@@ -418,7 +418,11 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
     entry = REGISTRY[cls]
     if entry.for_module is not None:
         entry = entry.for_module(module)
-    parametrized = sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
+    parametrized = (
+        sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
+        if parametrize.is_parametrized(module)  # (most modules have none: one question, not one per name)
+        else ()
+    )
     if parametrized:  # before the names' check, which would take the layer's registrations back
         raise ParametrizedError(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
     key = (type(module), id(entry))

@@ -270,8 +270,9 @@ class Block:
         return models + self.models()
 
     def shardings(self) -> list[fsdp.Sharding]:
-        """The FSDP2 parameters of the models called in the block and the tracked ones."""
-        return fsdp.shardings(self._roots_and_models())
+        """The FSDP2 parameters of the models called in the block and the tracked ones
+        (none where :meth:`_check_fsdp` found no FSDP2 module in them: no walk of the models)."""
+        return fsdp.shardings(self._roots_and_models()) if self._sharded else []
 
     def _check_fsdp(self, model: nn.Module) -> None:
         """Raise where ``model`` is sharded by FSDP in a way the block cannot follow; once
