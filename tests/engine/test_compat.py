@@ -2,6 +2,8 @@
 the torch installed here (a torch upgrade that moves one fails here first).
 ``fsdp_parameters`` needs a process group: tests/integration/test_fsdp.py checks it."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -148,3 +150,24 @@ def test_swap_parameters_puts_tensors_in_for_the_forward_and_back():
     restore()
     assert lin.weight is weight and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert weight.grad is None and lin.bias.grad is not None
+
+
+def test_dynamo_callback_is_none_but_where_a_compiled_frame_runs():
+    """``dynamo_callback()``: None in eager code (a module hook may then run without
+    ``torch.compiler.disable``), set in the eager part of a frame torch.compile runs (where
+    a new frame would be compiled)."""
+    seen = []
+
+    def probe():
+        seen.append(compat.dynamo_callback())
+
+    @torch.compile(backend="eager")
+    def f(x):
+        probe()  # (an unknown C function: a graph break, run eagerly in the compiled frame)
+        return x * 2
+
+    probe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(torch.ones(2))
+    assert seen[0] is None and seen[1] is not None

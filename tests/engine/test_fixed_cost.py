@@ -96,7 +96,7 @@ def test_a_warm_step_calls_jacmem_at_most_eight_times_as_often_as_opacus():
     strict=True,
     reason="the issue's target, not reached yet: the module hooks of a block see every module call (a "
     "parameter-free one too), and the two graph walks that refuse broadcasts and find the parameters a "
-    "backward reaches run per step; see BENCHMARKS.md",
+    "backward reaches run per step (each visits every node of the graph)",
 )
 def test_a_warm_step_calls_jacmem_at_most_twice_as_often_as_opacus():
     ours, theirs = _counts()
