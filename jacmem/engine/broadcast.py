@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from jacmem import compat
+from jacmem import compat, walker
 
 #: elementwise ops that broadcast their tensor operands against each other
 _BROADCASTING = frozenset(
@@ -207,22 +207,15 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
     A watched origin (:func:`watch`) is expanded before it meets the batch: its call
     is behind ``expand``, whose broadcast :class:`Origin` answers for (where it has a
     use: one that met the batch only through an op jacmem cannot follow has none)."""
-    todo = [(t.grad_fn, False) for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
-    seen: set = set()
-    behind: dict = {}
-    while todo:
-        fn, crossed = todo.pop()
-        if (fn, crossed) in seen:
-            continue
-        seen.add((fn, crossed))
-        if crossed:
-            behind[fn] = None
+
+    def step(item: tuple) -> list[tuple]:
+        fn, crossed = item
         rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
         rank = len(_shape(fn, 0) or ())
-        for nxt, nr in fn.next_functions:
-            if nxt is not None:
-                todo.append((nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1))
-    return list(behind)
+        return [(nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1) for nxt, nr in walker.edges(fn)]
+
+    reached = walker.Walk([(fn, False) for fn in walker.roots(tensors)], step)
+    return list(dict.fromkeys(fn for fn, crossed in reached if crossed))
 
 
 #: the autograd nodes of ops that broadcast their operands against each other

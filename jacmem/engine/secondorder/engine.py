@@ -12,20 +12,18 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections import deque
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from jacmem import compat
+from jacmem import compat, walker
 from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
-from jacmem.engine.recorder import reached_parameters
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -258,7 +256,7 @@ class SecondOrderEngine(Engine):
             fo = lookup(module, first, output)
             node.params = _trainable(module, fo)
             if used and node.params:
-                ids = set(map(id, reached_parameters(output)))
+                ids = set(map(id, walker.parameters(output)))
                 node.params = {n: p for n, p in node.params.items() if id(p) in ids}
             if node.params:
                 node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
@@ -318,28 +316,26 @@ class SecondOrderEngine(Engine):
         fn, index = x.grad_fn, x.output_nr
         while node is None and compat.is_backward_hook_node(fn):
             fn, index = fn.next_functions[index]
-            ref = fn.metadata.get("jacmem") if fn is not None else None
-            node = ref() if ref is not None else None
+            node = _tracked(fn) if fn is not None else None
         return node
 
-    def _mark_untracked_path(self, fn, consumer: Node) -> None:
-        """Tell the tracked nodes above ``fn`` (through untracked operations) who
+    def _mark_untracked_path(self, start, consumer: Node) -> None:
+        """Tell the tracked nodes above autograd node ``start`` (through untracked operations) who
         consumes their output, through which unsupported module, and which operation
         (its ``grad_fn``) took their output, for the error."""
-        seen, queue = set(), deque([(fn, None, None)])
-        while queue and len(seen) < _SEARCH_NODES:
-            fn, via, op = queue.popleft()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            ref = fn.metadata.get("jacmem")
-            node = ref() if ref is not None else None
+
+        def step(item: tuple) -> list[tuple]:
+            fn, via, _ = item
+            if _tracked(fn) is not None:
+                return []  # a tracked call's output: the path ends there
+            via = via or fn.metadata.get("jacmem_unsupported")
+            return [(f, via, fn.name()) for f in walker.children(fn)]
+
+        for fn, via, op in walker.Walk([(start, None, None)], step, limit=_SEARCH_NODES, breadth=True, key=_node_of):
+            node = _tracked(fn)
             if node is not None:
                 through = f"module {via}" if via else f"the operation {op}"
                 node.untracked_consumers.append(f"{consumer.name!r} (through {through})")
-                continue
-            via = via or fn.metadata.get("jacmem_unsupported")
-            queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """A module that nothing here can pass through. A layer (a leaf, or a module of a
@@ -672,21 +668,29 @@ def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tup
     ``taps``, searched from the call's output ``fn`` down to its inputs' grad_fns
     (``stop``) and tracked outputs; ``None`` past ``_TAP_NODES`` nodes."""
     edges: dict[object, list[tuple[int, int]]] = {}
-    seen, todo = set(), [fn]
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        if len(seen) > _TAP_NODES:
-            return None
+
+    def step(fn) -> list:
+        following = []
         for k, (nxt, nr) in enumerate(fn.next_functions):
             i = taps.get((nxt, nr))
             if i is not None:
                 edges.setdefault(fn, []).append((k, i))
             elif nxt is not None and nxt not in stop and "jacmem" not in nxt.metadata:
-                todo.append(nxt)
-    return edges
+                following.append(nxt)
+        return following
+
+    return edges if walker.Walk([fn], step, limit=_TAP_NODES).run() else None
+
+
+def _tracked(fn) -> Node | None:
+    """The live node whose call's output autograd node ``fn`` is, or None."""
+    ref = fn.metadata.get("jacmem")
+    return ref() if ref is not None else None
+
+
+def _node_of(item: tuple):
+    """The autograd node of a walk's item ``(node, ...)``: what counts as visited."""
+    return item[0]
 
 
 def _shape_of(x: Tensor) -> Tensor:
