@@ -328,6 +328,22 @@ def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[
     return params
 
 
+def counted(
+    module: nn.Module, first: Any, output: Any, batch_axis: int = 0
+) -> tuple[LayerDerivatives | None, dict[str, nn.Parameter]]:
+    """The one rule for which module calls count, for every engine (first order, clipping,
+    second order): a call of a module with parameters of its own (its forward reads them),
+    or of a registered type (MultiheadAttention reads its ``out_proj``'s itself), given its
+    first input ``first`` and ``output``; its batch on ``batch_axis``. Returns its first-order
+    derivatives and its trainable parameters (:func:`trainable`), ``(None, {})`` for a
+    container: the layers in it count their own calls. Broadcasts and direct uses of a
+    parameter are recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
+    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
+        return None, {}
+    entry = lookup(module, first, output, batch_axis)
+    return entry, trainable(module, entry)
+
+
 class Record:
     """One call of one module, from its forward to its backward."""
 
@@ -469,10 +485,8 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
-        return None, output  # a container: the layers in it record their own calls
-    entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
-    params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
+    entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+    params = {n: p for n, p in params.items() if n not in exclude}
     if not params:
         return None, output
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]

@@ -193,3 +193,81 @@ def test_attention_with_the_batch_second_raises_naming_the_fix():
     with pytest.raises(UnsupportedCurvatureError, match=msg), jacmem.extend(DiagGGNExact()):
         lossf(model(X), y).backward()
     assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")
+def test_attention_with_its_input_projection_frozen_is_exact_in_both_orders():
+    """MultiheadAttention with ``in_proj_*`` frozen (LoRA-style fine-tuning) reads its
+    ``out_proj``'s parameters itself: the one rule counts the call (a registered type), in
+    first order as in second. Second order used to count only modules with trainable
+    parameters of their own, and raised naming ``out_proj``'s parameters as read outside
+    every module, where first order gave them their per-sample gradients."""
+    model, (X, y) = Encoder().eval(), _data()
+    attn = model.enc.self_attn
+    attn.in_proj_weight.requires_grad_(False)
+    attn.in_proj_bias.requires_grad_(False)
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        lossf(model(X), y).backward()
+    ggn, _ = dense(model, lossf, X, y, hess=False)
+    ggn_n, _ = dense(model, lossf, X, y, per_sample=True, hess=False)
+    want, want_n = diagonals(model, ggn), diagonals(model, ggn_n)
+    for name in ("enc.self_attn.out_proj.weight", "enc.self_attn.out_proj.bias"):
+        p = model.get_parameter(name)
+        torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, want_n[name], rtol=1e-9, atol=1e-12, msg=name)
+    with jacmem.extend(jacmem.BatchGrad()):
+        lossf(model(X), y).backward()
+    assert attn.out_proj.weight.grad_batch.shape == (N, D, D)
+
+
+V = 7
+
+
+class Everything(nn.Module):
+    """Each kind of call the one rule counts: an embedding whose weight the head shares (a
+    tied weight, two calls), a position embedding called on ``[1, T]`` ids (a broadcast over
+    the batch), a parameter read in the root's forward, and MultiheadAttention (its own
+    parameters and its ``out_proj``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.shift = nn.Parameter(torch.randn(1, 1, D) / 3)
+        self.att = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos(torch.arange(ids.shape[1])[None]) + self.shift
+        h, _ = self.att(h, h, h, need_weights=False)
+        return self.head(h).flatten(1)
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")
+def test_first_and_second_order_count_the_same_calls():
+    """Both engines count each call of :class:`Everything` (issue 37, item 1): every
+    trainable parameter gets its per-sample gradient (against a loop of per-sample
+    backwards) and its GGN diagonal, whole and per sample (against torch.func's dense GGN),
+    the tied weight summed over its two calls, the broadcast and the root's parameter per
+    sample."""
+    from tests.support.reference import cross_entropy, per_sample_grads
+
+    torch.manual_seed(0)
+    model = Everything()
+    ids, y = torch.randint(0, V, (N, T)), torch.randint(0, T * V, (N,))
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        lossf(model(ids), y).backward()
+    ggn, _ = dense(model, lossf, ids, y, hess=False)
+    ggn_n, _ = dense(model, lossf, ids, y, per_sample=True, hess=False)
+    want, want_n = diagonals(model, ggn), diagonals(model, ggn_n)
+    grads = per_sample_grads(model, ids, y, cross_entropy)
+    model.zero_grad()
+    with jacmem.extend(jacmem.BatchGrad()):
+        lossf(model(ids), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, grads[p], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.diag_ggn_exact_batch, want_n[name], rtol=1e-9, atol=1e-12, msg=name)

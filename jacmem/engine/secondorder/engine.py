@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, walker
-from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
+from jacmem.derivatives import detached, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
@@ -233,7 +233,7 @@ class SecondOrderEngine(Engine):
                 self._mark_untracked_path(x.grad_fn, node)
                 self.autograd.untracked = True
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
-        self._first_order(node, args, kwargs, output)
+        self._first_order(node, hooks.counted(module, first, output), args, kwargs, output)
         # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
         node.kept_low_precision = precision.is_low((output, inputs))
         self.producer[output] = node
@@ -243,28 +243,25 @@ class SecondOrderEngine(Engine):
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
-    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor, used: bool = False) -> None:
-        """``node.params``: the module's trainable parameters (its own, and a submodule's
-        its forward uses itself) that its first-order entry covers, with what that entry
-        keeps; the backward refuses the others (:meth:`on_backward`). ``used``: only those
-        ``output`` depends on (a container's own: a ``logit_scale`` it holds but the loss
-        reads is no part of its call)."""
+    def _first_order(self, node: Node, counted: tuple, args: tuple, kwargs: dict, output: Tensor, used=False) -> None:
+        """``node.params``: the call's trainable parameters as the one rule counts them for
+        every engine (``counted``: :func:`jacmem.engine.hooks.counted`'s first-order entry and
+        parameters) that the entry covers, with what it keeps; the backward refuses the
+        others (:meth:`on_backward`). ``used``: only those ``output`` depends on (a
+        container's own: a ``logit_scale`` it holds but the loss reads is no part of its call)."""
         module = node.module
-        first = args[0] if args else None
-        node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
+        fo, params = counted
+        node.params = _trainable(module, fo, params)
+        if used and node.params:
+            ids = set(map(id, walker.parameters(output)))
+            node.params = {n: p for n, p in node.params.items() if id(p) in ids}
         if node.params:
-            fo = lookup(module, first, output)
-            node.params = _trainable(module, fo)
-            if used and node.params:
-                ids = set(map(id, walker.parameters(output)))
-                node.params = {n: p for n, p in node.params.items() if id(p) in ids}
-            if node.params:
-                node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
-                x = fo.keep(args, kwargs)
-                node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
-                self._mark_tied(node)
-                self.covered.update(map(id, node.params.values()))
-                self._check(node)
+            node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
+            x = fo.keep(args, kwargs)
+            node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
+            self._mark_tied(node)
+            self.covered.update(map(id, node.params.values()))
+            self._check(node)
 
     def _check(self, node: Node) -> None:
         """Notes ``node``'s parameters in :attr:`refused` where an extension of the block
@@ -347,9 +344,9 @@ class SecondOrderEngine(Engine):
         recorder records it. Any other parameter the backward reaches makes it raise
         (:meth:`on_backward`)."""
         first = args[0] if args else None
-        own = any(p.requires_grad for _, p in own_parameters(module))
         layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
-        fo = lookup(module, first, output) if own or layer else None
+        fo, params = hooks.counted(module, first, output)
+        fo = fo if params or layer else None  # (a container's frozen own parameters: no call of its)
         out = output if fo is None else fo.outputs(output)
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]  # (the generic recomputation's outputs: a list of one)
@@ -373,7 +370,7 @@ class SecondOrderEngine(Engine):
             )
         if why is not None:  # a backward that reaches its parameters raises (on_backward)
             exts = ", ".join(map(repr, self.extensions))
-            self._refuse(exts, why, _trainable(module, fo), f"{self.name(module)!r} ({type(module).__name__})")
+            self._refuse(exts, why, _trainable(module, fo, params), f"{self.name(module)!r} ({type(module).__name__})")
             return
         if not isinstance(out, Tensor) or not out.requires_grad:
             return
@@ -381,7 +378,7 @@ class SecondOrderEngine(Engine):
         self.autograd.untracked = True  # its parameters' curvature comes by the path alone
         node = Node(module, self.name(module), None, None)
         node.out_shape = tuple(out.shape)
-        self._first_order(node, args, kwargs, out, used=not layer)
+        self._first_order(node, (fo, params), args, kwargs, out, used=not layer)
         if node.params:
             # what it keeps (its parameters' input) is 16-bit under autocast: cast on its first backward
             node.kept_low_precision = precision.is_low((out, node.param_input))
@@ -638,16 +635,15 @@ class _Functional(TorchFunctionMode):
         return self.engine.on_function(func, build, args, kwargs)
 
 
-def _trainable(module: nn.Module, fo) -> dict[str, nn.Parameter]:
-    """The trainable parameters of ``module``'s call (its own, and a submodule's its
-    forward uses itself) that its first-order entry ``fo`` has derivatives for (the
-    others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a submodule
-    holds as its own (HF BERT's prediction head's bias, its decoder's): that submodule's
-    call records it, as in first order."""
+def _trainable(module: nn.Module, fo, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """Of the trainable parameters the one rule counts for ``module``'s call (``params``:
+    :func:`jacmem.engine.hooks.counted`), those its first-order entry ``fo`` has derivatives
+    for (the others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a
+    submodule holds as its own (HF BERT's prediction head's bias, its decoder's): that
+    submodule's call records it, as first order's direct uses leave it to it."""
     if fo is None:
         return {}
     held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
-    params = hooks.trainable(module, fo)
     return {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
 
 
