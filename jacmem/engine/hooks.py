@@ -332,13 +332,17 @@ def counted(
     module: nn.Module, first: Any, output: Any, batch_axis: int = 0
 ) -> tuple[LayerDerivatives | None, dict[str, nn.Parameter]]:
     """The one rule for which module calls count, for every engine (first order, clipping,
-    second order): a call of a module with parameters of its own (its forward reads them),
-    or of a registered type (MultiheadAttention reads its ``out_proj``'s itself), given its
-    first input ``first`` and ``output``; its batch on ``batch_axis``. Returns its first-order
-    derivatives and its trainable parameters (:func:`trainable`), ``(None, {})`` for a
-    container: the layers in it count their own calls. Broadcasts and direct uses of a
-    parameter are recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
-    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
+    second order): a call of a module with trainable parameters of its own (its forward
+    reads them), or of a registered type with trainable parameters (MultiheadAttention
+    reads its ``out_proj``'s itself), given its first input ``first`` and ``output``; its
+    batch on ``batch_axis``. Returns its first-order derivatives and its trainable
+    parameters (:func:`trainable`); ``(None, {})`` for a container (the layers in it count
+    their own calls) and for a frozen module (nothing to compute: not even its derivatives
+    are looked up, which may refuse it). Broadcasts and direct uses of a parameter are
+    recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
+    if not _has_trainable(module) and (
+        registered_type(REGISTRY, type(module)) is None or not any(p.requires_grad for p in module.parameters())
+    ):
         return None, {}
     entry = lookup(module, first, output, batch_axis)
     return entry, trainable(module, entry)

@@ -525,7 +525,7 @@ def _multiple_of(root: GradientEdge, edge: GradientEdge) -> bool:
     for _ in range(16):
         if fn is edge.node and nr == edge.output_nr:
             return True
-        following = [e for e in fn.next_functions if e[0] is not None]
+        following = walker.edges(fn)
         if fn.name() not in _SCALINGS or len(following) != 1:
             return False
         fn, nr = following[0]
@@ -667,7 +667,7 @@ def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
 
     def step(fn) -> list:
         following = []
-        for nxt, nr in fn.next_functions:
+        for nxt, nr in walker.edges(fn):
             hit = [k for k, e in enumerate(edges) if nxt is e.node and nr == e.output_nr]
             for k in hit:
                 users[k].append(fn)
