@@ -44,54 +44,61 @@ def roots(tensors) -> list:
 
 
 class Walk:
-    """The items reached from ``starts``, each once, as an iterator: depth first (the last
-    found first), or ``breadth`` first. An item is an autograd node, or a pair of a node and
-    what the walk carries along the path to it (then ``key`` says what counts as visited:
-    the whole item by default). ``step(item)`` gives the items it leads to (by default, a
-    node's :func:`children`), each computed once the caller has taken the item; ``None``
-    items are skipped. ``limit``: at most that many items; :attr:`cut` is then True where
-    more were left."""
+    """The items reached from ``starts``, each once, in the order visited: depth first (the
+    last found first), or ``breadth`` first. An item is an autograd node, or a pair of a
+    node and what the walk carries along the path to it (then ``key`` says what counts as
+    visited: the whole item by default). ``step(item)`` gives the items it leads to; by
+    default, a node's :func:`children`. ``None`` items are skipped. ``limit``: at most that
+    many items; :attr:`cut` is then True where more were left.
+
+    The walk runs whole when made (one Python call, and one per item where ``step`` is
+    given: it runs on each backward); iterate over it, or read :attr:`items`."""
+
+    __slots__ = ("items", "cut")
 
     def __init__(
         self,
         starts: Iterable,
-        step: Callable[[Any], Iterable] = children,
+        step: Callable[[Any], Iterable] | None = None,
         *,
         limit: int | None = None,
         breadth: bool = False,
         key: Callable[[Any], Hashable] | None = None,
     ):
-        self.starts, self.step, self.limit, self.breadth, self.key = starts, step, limit, breadth, key
+        #: the items, in the order visited
+        self.items: list = []
         #: whether the walk stopped at ``limit`` with items left
         self.cut = False
-
-    def __iter__(self) -> Iterator:
-        todo = deque(self.starts)
-        take = todo.popleft if self.breadth else todo.pop
-        seen: set = set()
+        todo = deque(starts)
+        take = todo.popleft if breadth else todo.pop
+        seen: set = set()  # (held while the walk runs: no id is reused)
         while todo:
             item = take()
-            mark = item if self.key is None else self.key(item)
-            if item is None or mark is None or mark in seen:
+            mark = item if key is None or item is None else key(item)
+            if mark is None or mark in seen:
                 continue
-            if self.limit is not None and len(seen) >= self.limit:
+            if limit is not None and len(seen) >= limit:
                 self.cut = True
                 return
             seen.add(mark)
-            yield item
-            todo.extend(self.step(item))
+            self.items.append(item)
+            if step is not None:
+                todo.extend(step(item))
+                continue
+            for nxt, _ in item.next_functions:
+                if nxt is not None:
+                    todo.append(nxt)
 
-    def run(self) -> bool:
-        """Walk to the end (the work is ``step``'s); whether nothing was cut."""
-        for _ in self:
-            pass
-        return not self.cut
+    def __iter__(self) -> Iterator:
+        return iter(self.items)
 
 
-def parameters(tensors) -> Iterator[nn.Parameter]:
+def parameters(tensors) -> list[nn.Parameter]:
     """The ``nn.Parameter`` leaves whose ``AccumulateGrad`` nodes the graph of ``tensors``
-    (a tensor or a sequence of them) reaches, as the walk finds them."""
+    (a tensor or a sequence of them) reaches, in the order the walk finds them."""
+    found = []
     for fn in Walk(roots(tensors)):
-        variable = leaf(fn)
+        variable = getattr(fn, "variable", None)  # (as leaf(fn), without the call per node)
         if isinstance(variable, nn.Parameter):
-            yield variable
+            found.append(variable)
+    return found

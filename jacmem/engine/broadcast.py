@@ -212,10 +212,17 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
         fn, crossed = item
         rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
         rank = len(_shape(fn, 0) or ())
-        return [(nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1) for nxt, nr in walker.edges(fn)]
+        following = []
+        for nxt, nr in fn.next_functions:
+            if nxt is not None:
+                following.append((nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1))
+        return following
 
-    reached = walker.Walk([(fn, False) for fn in walker.roots(tensors)], step)
-    return list(dict.fromkeys(fn for fn, crossed in reached if crossed))
+    behind: dict = {}
+    for fn, crossed in walker.Walk([(fn, False) for fn in walker.roots(tensors)], step):
+        if crossed:
+            behind[fn] = None
+    return list(behind)
 
 
 #: the autograd nodes of ops that broadcast their operands against each other

@@ -45,8 +45,8 @@ def test_parameters_are_the_reached_accumulate_grad_leaves_of_parameter_type():
     z = (v * 2).sum()
     assert [id(p) for p in walker.parameters(y)] == [id(w)]  # w once, though used twice
     assert {id(p) for p in walker.parameters([y, z, torch.ones(1)])} == {id(w), id(v)}
-    assert list(walker.parameters(torch.ones(2))) == []
-    assert list(walker.parameters(w)) == []  # a leaf has no graph
+    assert walker.parameters(torch.ones(2)) == []
+    assert walker.parameters(w) == []  # a leaf has no graph
 
 
 def test_step_stops_the_walk_below_an_item_and_carries_state_along_paths():
@@ -78,10 +78,9 @@ def test_limit_cuts_the_walk_and_says_so():
     for _ in range(10):
         y = y * 2
     walk = walker.Walk([y.grad_fn], limit=4)
-    assert len(list(walk)) == 4 and walk.cut
-    walk = walker.Walk([y.grad_fn], limit=11)  # ten products and a's AccumulateGrad
-    assert walk.run() and not walk.cut
-    assert not walker.Walk([y.grad_fn], limit=10).run()
+    assert len(list(walk)) == len(walk.items) == 4 and walk.cut
+    assert not walker.Walk([y.grad_fn], limit=11).cut  # ten products and a's AccumulateGrad
+    assert walker.Walk([y.grad_fn], limit=10).cut
 
 
 def test_none_starts_and_tensors_without_a_graph_are_skipped():

@@ -675,7 +675,7 @@ def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
                 following.append(nxt)
         return following
 
-    walker.Walk([z.node], step).run()
+    walker.Walk([z.node], step)
     return [
         GradientEdge(u[0], 0)
         if len(u) == 1 and u[0].name() == "AddBackward0" and getattr(u[0], "_saved_alpha", None) == 1

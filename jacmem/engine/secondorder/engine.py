@@ -19,7 +19,7 @@ from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
 from jacmem import compat, walker
-from jacmem.derivatives import detached, lookup_loss, lookup_passthrough
+from jacmem.derivatives import lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
@@ -257,8 +257,7 @@ class SecondOrderEngine(Engine):
             node.params = {n: p for n, p in node.params.items() if id(p) in ids}
         if node.params:
             node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
-            x = fo.keep(args, kwargs)
-            node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
+            node.param_input = fo.arrange_input(hooks.kept(fo, None, args, kwargs), **node.param_hyperparams)
             self._mark_tied(node)
             self.covered.update(map(id, node.params.values()))
             self._check(node)
@@ -675,7 +674,7 @@ def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tup
                 following.append(nxt)
         return following
 
-    return edges if walker.Walk([fn], step, limit=_TAP_NODES).run() else None
+    return None if walker.Walk([fn], step, limit=_TAP_NODES).cut else edges
 
 
 def _tracked(fn) -> Node | None:
