@@ -367,19 +367,14 @@ def compiled() -> bool:
     return bool(_COMPILED) and _COMPILED[-1]
 
 
-def trainable(
-    module: nn.Module, entry: LayerDerivatives | None = None, supported: tuple[str, ...] | None = None
-) -> dict[str, nn.Parameter]:
+def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
-    that ``entry`` declares by dotted name (those its forward uses itself); ``supported``:
-    ``entry.params``, where the caller has it."""
+    that ``entry`` declares by dotted name (those its forward uses itself)."""
     params = {}
     for n, p in own_parameters(module):  # (loops, not comprehensions: this runs at every recorded call)
         if p.requires_grad:
             params[n] = p
-    if supported is None:
-        supported = () if entry is None else entry.params
-    for name in supported:
+    for name in () if entry is None else entry.params:
         if "." not in name:
             continue  # (one of its own: found above, where trainable)
         owner, _, leaf = name.rpartition(".")
@@ -387,6 +382,29 @@ def trainable(
         if isinstance(p, nn.Parameter) and p.requires_grad:
             params[name] = p
     return params
+
+
+def counted(
+    module: nn.Module, first: Any, output: Any, batch_axis: int = 0
+) -> tuple[LayerDerivatives | None, dict[str, nn.Parameter]]:
+    """The one rule for which module calls count, for every engine (first order, clipping,
+    second order): a call of a module with trainable parameters of its own (its forward
+    reads them), or of a registered type with trainable parameters (MultiheadAttention
+    reads its ``out_proj``'s itself), given its first input ``first`` and ``output``; its
+    batch on ``batch_axis``. Returns its first-order derivatives and its trainable
+    parameters (:func:`trainable`); ``(None, {})`` for a container (the layers in it count
+    their own calls) and for a module whose parameters are all frozen (nothing to compute:
+    its derivatives are not even looked up, which may refuse it). Broadcasts and direct uses of a parameter are
+    recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
+    for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
+        if p.requires_grad:
+            break
+    else:
+        return None, {}  # frozen whole
+    if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+        return None, {}  # a container
+    entry = lookup(module, first, output, batch_axis)
+    return entry, trainable(module, entry)
 
 
 class Record:
@@ -397,12 +415,12 @@ class Record:
         "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], supported: tuple | None = None):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
         #: the names of the parameters the layer covers (``entry.params``; none without an entry)
-        self.supported: tuple[str, ...] = (() if entry is None else entry.params) if supported is None else supported
+        self.supported: tuple[str, ...] = () if entry is None else entry.params
         #: the derivatives' keyword arguments, read off the module at forward time
         self.hp: dict[str, Any] = {} if entry is None else entry.hyperparams(module)
         self.params: dict[str, nn.Parameter] = params
@@ -532,11 +550,7 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
-        return None, output  # a container: the layers in it record their own calls
-    entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
-    supported = () if entry is None else entry.params
-    params = trainable(module, entry, supported)
+    entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
     for n in exclude:
         params.pop(n, None)
     if not params:
@@ -549,12 +563,12 @@ def record(
         return None, output
     n = layout.batch_size(module, name, args, kwargs, outputs) if not batch_first and _relaid(False, entry) else None
     needs_input = entry is None
-    for p in params if entry is not None else ():
+    for p in params if entry is not None else ():  # (a loop, not a generator)
         if p not in entry.input_free:
             needs_input = True
             break
-    kept = entry if needs_input else None
-    rec = Record(module, name, entry, params, _kept(kept, n, args, kwargs), outputs, supported)
+    keeps = entry if needs_input else None
+    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -562,7 +576,7 @@ def record(
         rec.x = compat.tree_map(_own_indices, rec.x)
         jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
         rec.once = jac is not None
-        keep = functools.partial(_kept, kept, n)
+        keep = functools.partial(kept, keeps, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     fused = _compute_once(rec, args, output, on_grad) if once else None
@@ -580,10 +594,11 @@ def record(
     return rec, output
 
 
-def _kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
-    """What a record keeps of a call's inputs: its layer's ``keep`` of them, detached, with
-    axis 1 moved first where ``n`` (the batch size there) is given; None without ``entry``
-    (no parameter of the call needs them)."""
+def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
+    """What a record keeps of a call's inputs, for every engine (first order's records,
+    second order's nodes): its layer's ``keep`` of them, detached, with axis 1 moved first
+    where ``n`` (the batch size there) is given; None without ``entry`` (no parameter of
+    the call needs them)."""
     if entry is None:
         return None
     if n is not None:  # the derivatives take the batch first
