@@ -113,9 +113,9 @@ _REPLANNING = {
     ("engine/strategies.py", "choose"),
     ("derivatives/registry.py", "missing_names"),
 }
-#: the graph walks a step may make, once per model call or backward: the broadcast check
-#: and the parameters a backward reaches
-_WALKS = {("engine/broadcast.py", "behind_broadcasts"), ("engine/recorder.py", "reached_parameters")}
+#: the graph walks a step may make (:class:`jacmem.walker.Walk`), once per model call or
+#: backward: the broadcast check and the parameters a backward reaches
+_WALKS = {("walker.py", "__init__"), ("engine/broadcast.py", "behind_broadcasts"), ("walker.py", "parameters")}
 
 
 def _replanning(calls: Counter) -> set:
@@ -133,8 +133,9 @@ def test_a_warm_step_reuses_its_plan_and_a_new_shape_plans_again():
     # the graph walks: the broadcast check of each outermost call (the model, the loss), one
     # reach per backward; never one per module call or parameter
     assert {key: len(f) for key, f in walks.items()} == {
+        ("walker.py", "__init__"): 3,  # each walk of the graph, and no other
         ("engine/broadcast.py", "behind_broadcasts"): 2,
-        ("engine/recorder.py", "reached_parameters"): 1,
+        ("walker.py", "parameters"): 1,
     }
     walks.clear()
     # a new batch size is a new shape: the first step on it plans (cost model included)
