@@ -396,11 +396,15 @@ def counted(
     their own calls) and for a module whose parameters are all frozen (nothing to compute:
     its derivatives are not even looked up, which may refuse it). Broadcasts and direct uses of a parameter are
     recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
-    for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
-        if p.requires_grad:
+    for p in module._parameters.values():  # (its own first: no walk of its submodules where one trains)
+        if p is not None and p.requires_grad:
             break
     else:
-        return None, {}  # frozen whole
+        for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
+            if p.requires_grad:
+                break
+        else:
+            return None, {}  # frozen whole
     if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
         return None, {}  # a container
     entry = lookup(module, first, output, batch_axis)
