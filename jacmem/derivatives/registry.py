@@ -46,7 +46,7 @@ from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
 from jacmem.derivatives.jacobians import vjp_generic
-from jacmem.derivatives.quantities import QUANTITIES
+from jacmem.derivatives.quantities import QUANTITIES, Quantity, as_quantity
 
 
 @dataclass(frozen=True)
@@ -307,15 +307,18 @@ def layer(
 def register(
     module_type: type,
     param: str,
-    quantity: str = "batch_grad",
+    quantity: str | type[Quantity] = "batch_grad",
     strategy: str = "default",
     *,
     cost: Callable[..., Cost | None] | None = None,
     writes_out: bool = False,
     also: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
-    parameter ``param`` of ``module_type``.
+    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` (a registered
+    quantity's name or class, :mod:`.quantities`) for the parameter ``param`` of
+    ``module_type``. A quantity with parameters hands them to ``fn`` and ``cost`` as
+    keyword arguments, beside the layer's hyper-parameters: one strategy serves every
+    parameterisation.
 
     This is also the public way to teach jacmem a module of your own, see
     ``examples/plot_custom_module.py``. Declare the module's hyper-parameters and what to
@@ -327,8 +330,10 @@ def register(
     registrations under that name that no instance has confirmed yet are withdrawn, so
     the registry is as it was before them and a corrected registration works.
     """
+    quantity = quantity.name if isinstance(quantity, type) and issubclass(quantity, Quantity) else quantity
     if quantity not in QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
+    also = tuple(map(as_quantity, also))
 
     def decorate(fn: Callable) -> Callable:
         _changed()

@@ -22,6 +22,7 @@ from torch.overrides import TorchFunctionMode
 from jacmem import compat
 from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
+from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
@@ -59,7 +60,8 @@ class SecondOrderEngine(Engine):
 
     def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
         self.extensions = extensions
-        self.kinds = {k for ext in extensions for k in ext.kinds}
+        #: the factor kinds the extensions ask for, read once (:func:`~jacmem.derivatives.quantities.factor_kind`)
+        self.kinds = {factor_kind(k) for ext in extensions for k in ext.kinds}
         self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
         self.passes = setup.passes
         self.handles = hooks.Handles()
@@ -525,7 +527,7 @@ class SecondOrderEngine(Engine):
                     B = root_vjps(call, f, pname)
                 tied.add(key, f.kind, f.sign, B)
 
-    def gather_column(self, run: PassState, node: Node, kind: str, G: Tensor, per_sample: bool) -> None:
+    def gather_column(self, run: PassState, node: Node, kind: FactorKind, G: Tensor, per_sample: bool) -> None:
         """:meth:`gather` for the autograd path's next column ``G [1, N, *out]`` of ``kind``
         (every call gets the columns in the same order: the key is the column's index)."""
         tied = run.tied.setdefault(id(node.params[min(node.tied)]), Tied(node.params[min(node.tied)]))
