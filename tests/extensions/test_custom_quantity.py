@@ -1,0 +1,124 @@
+"""A quantity of one's own, with parameters, defined as ``docs/guide/custom.rst`` says.
+
+``GradSketch(dim, seed)`` is each sample's gradient projected on ``dim`` fixed random
+directions drawn from ``seed``, ``[N, dim]``: one registration (:func:`jacmem.derivatives.quantity`),
+a direct strategy for ``nn.Linear``'s weight (a contraction of ``x`` and ``g``, no
+per-sample gradient), and from per-sample gradients for every other parameter. Each is
+checked in float64 against the per-sample autograd loop of ``tests/support/reference.py``,
+projected with the same directions; two parameterisations in turn must get two plans
+(a plan keeps the quantities it computes: one shared would compute the first seed's).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from tests.support.reference import assert_close, mse, per_sample_grads, trainable
+from torch import Tensor, nn
+
+import jacmem
+from jacmem.derivatives import QUANTITIES, REGISTRY, Quantity, quantity, register
+from jacmem.engine import planner
+from jacmem.extensions.firstorder import FirstOrderExtension
+
+
+def directions(numel: int, dim: int, seed: int, like: Tensor) -> Tensor:
+    """``[numel, dim]`` standard normal directions drawn from ``seed``, over ``√dim``."""
+    gen = torch.Generator().manual_seed(seed)
+    return (torch.randn(numel, dim, generator=gen, dtype=torch.float64) / dim**0.5).to(like)
+
+
+def define():
+    """The quantity, its Linear strategy and its extension, as the guide writes them."""
+
+    @quantity
+    class GradSketch(Quantity):
+        """Per-sample gradients on ``dim`` random directions of ``seed``: ``[N, dim]``."""
+
+        name, parameters, spelled = "grad_sketch", ("dim", "seed"), "[N, dim]"
+        per_sample, linear, degree = True, True, 1
+
+        def shape(self, n, param_shape):
+            return (n, self.dim)
+
+        def from_batch_grad(self, batch_grad):
+            flat = batch_grad.flatten(1)  # [n, P]
+            return flat @ directions(flat.shape[1], self.dim, self.seed, flat)
+
+    @register(nn.Linear, "weight", "grad_sketch", "contract")
+    def linear_weight_sketch(x, g, *, dim, seed):
+        """x [N, *, I], g [N, *, O] -> [N, dim], without the [N, O, I] per-sample gradients."""
+        x, g = x.reshape(len(x), -1, x.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
+        R = directions(g.shape[-1] * x.shape[-1], dim, seed, x).view(g.shape[-1], x.shape[-1], dim)
+        return torch.einsum("nto,nti,oik->nk", g, x, R)
+
+    class BatchGradSketch(FirstOrderExtension):
+        """``param.grad_sketch``: ``[N, dim]``."""
+
+        savefield = "grad_sketch"
+
+        def __init__(self, dim: int, seed: int):
+            self.quantities = (GradSketch(dim=dim, seed=seed),)
+
+        def finalize(self, q, batch_size):
+            return q[self.quantities[0]]
+
+    return GradSketch, BatchGradSketch
+
+
+@pytest.fixture
+def sketch():
+    """The quantity registered for the test, and taken back after it."""
+    strategies = dict(REGISTRY[nn.Linear].strategies)
+    planner._PLANS.clear()
+    yield define()
+    QUANTITIES.pop("grad_sketch")
+    REGISTRY[nn.Linear].strategies = strategies
+    planner._PLANS.clear()
+
+
+def model_and_batch():
+    """Linear (the direct strategy), Conv1d (from per-sample gradients), float64."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv1d(2, 3, 3), nn.Tanh(), nn.Flatten(), nn.Linear(12, 2)).double()
+    return model, torch.randn(5, 2, 6, dtype=torch.float64), torch.randn(5, 2, dtype=torch.float64)
+
+
+def check(model, X, y, extension, dim: int, seed: int) -> None:
+    """One block with ``extension``; every parameter's ``grad_sketch`` against the loop's."""
+    reference = per_sample_grads(model, X, y, mse)
+    with jacmem.extend(extension):
+        mse(model(X), y, "mean").backward()
+    for p in trainable(model):
+        flat = reference[p].flatten(1)
+        assert_close(p.grad_sketch, flat @ directions(flat.shape[1], dim, seed, flat), f"grad_sketch {tuple(p.shape)}")
+        del p.grad_sketch
+
+
+def test_a_quantity_with_parameters_against_the_loop(sketch):
+    GradSketch, BatchGradSketch = sketch
+    model, X, y = model_and_batch()
+    check(model, X, y, BatchGradSketch(dim=4, seed=0), dim=4, seed=0)
+    # the Linear weight's came from the registered strategy, the Conv1d's from per-sample gradients
+    plans = [p for p, _ in planner._PLANS.values()]
+    assert any(step[1] == "contract" for p in plans for step in p.direct)
+    assert any(GradSketch(dim=4, seed=0) in qs for p in plans for _, qs, _ in p.passes)
+
+
+def test_two_parameterisations_get_two_plans(sketch):
+    GradSketch, BatchGradSketch = sketch
+    model, X, y = model_and_batch()
+    check(model, X, y, BatchGradSketch(dim=4, seed=0), dim=4, seed=0)
+    first = len(planner._PLANS)
+    check(model, X, y, BatchGradSketch(dim=4, seed=1), dim=4, seed=1)
+    assert len(planner._PLANS) == 2 * first
+    assert GradSketch(dim=4, seed=0) != GradSketch(dim=4, seed=1)
+
+
+def test_a_quantity_takes_its_parameters_by_keyword(sketch):
+    GradSketch, _ = sketch
+    with pytest.raises(TypeError, match="takes the parameters"):
+        GradSketch(dim=4)
+    with pytest.raises(TypeError, match="unhashable"):
+        GradSketch(dim=4, seed=[0])
+    assert repr(GradSketch(dim=4, seed=0)) == "GradSketch(dim=4, seed=0)"
