@@ -32,6 +32,7 @@ from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
 from jacmem.derivatives.registry import Cost, own_parameters
 from jacmem.derivatives.tied import (
+    FROM_FACTORS,
     add_index_terms,
     index_terms_cost,
     per_sample_cost,
@@ -364,7 +365,7 @@ class FirstOrderEngine(Engine):
         stage per-sample gradients, those of the calls kept so far first."""
         if not staged.summed or staged.calls is None:
             return False
-        if "batch_grad" not in self.quantities and pname in rec.entry.ghost_factors:
+        if self.quantities <= FROM_FACTORS and pname in rec.entry.ghost_factors:
             staged.calls.append(_Kept.of(rec, pname, x, g, dtype))
             return True
         self._materialise(staged)

@@ -122,3 +122,24 @@ def test_a_quantity_takes_its_parameters_by_keyword(sketch):
     with pytest.raises(TypeError, match="unhashable"):
         GradSketch(dim=4, seed=[0])
     assert repr(GradSketch(dim=4, seed=0)) == "GradSketch(dim=4, seed=0)"
+
+
+class TiedLM(nn.Module):
+    """An embedding tied to its head: [N, T] tokens -> [N, T, V] (the tied weight's
+    calls have ghost factors, which give only the built-in sums)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.mix, self.head = nn.Embedding(7, 3), nn.Linear(3, 3), nn.Linear(3, 7, bias=False)
+        self.head.weight = self.emb.weight
+
+    def forward(self, tokens):
+        return self.head(torch.tanh(self.mix(self.emb(tokens))))
+
+
+def test_a_tied_parameter_gets_the_quantity_from_its_summed_per_sample_gradients(sketch):
+    _, BatchGradSketch = sketch
+    torch.manual_seed(0)
+    model = TiedLM().double()
+    X, y = torch.randint(0, 7, (4, 5)), torch.randn(4, 5, 7, dtype=torch.float64)
+    check(model, X, y, BatchGradSketch(dim=3, seed=2), dim=3, seed=2)
