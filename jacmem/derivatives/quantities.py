@@ -198,8 +198,6 @@ class SummedGradient(Quantity):
 
 
 BATCH_GRAD, BATCH_L2, SUM_GRAD_SQUARED, GRAD = PerSampleGradients(), SquaredNorms(), SecondMoment(), SummedGradient()
-#: one row per sample, ``[N, ...]``: chunks are concatenated
-PER_SAMPLE = (BATCH_GRAD, BATCH_L2)
 #: quantities that add up over the calls of a module (weight tying, loops)
 LINEAR_QUANTITIES = (BATCH_GRAD, GRAD)
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import LINEAR_QUANTITIES, PER_SAMPLE, derive
+from jacmem.derivatives.quantities import LINEAR_QUANTITIES, as_quantity, derive
 from jacmem.derivatives.registry import Cost, own_parameters
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
@@ -716,6 +716,6 @@ def _write(
     target = sharding.sharded[key]
     if "batch_grad" in ext.quantities:
         return target, ext.savefield, sharding.dtensor(key, value, dim=1)
-    if set(ext.quantities) <= set(PER_SAMPLE):
+    if all(as_quantity(q).per_sample for q in ext.quantities):
         return target, ext.savefield, precision.result(value, target)
     return target, ext.savefield, sharding.dtensor(key, value)

@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 import jacmem
 from jacmem.derivatives import QUANTITIES, REGISTRY, Quantity, quantity, register
-from jacmem.engine import planner
+from jacmem.engine import distributed, planner
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 
@@ -143,3 +143,23 @@ def test_a_tied_parameter_gets_the_quantity_from_its_summed_per_sample_gradients
     model = TiedLM().double()
     X, y = torch.randint(0, 7, (4, 5)), torch.randn(4, 5, 7, dtype=torch.float64)
     check(model, X, y, BatchGradSketch(dim=3, seed=2), dim=3, seed=2)
+
+
+def test_the_ranks_refuse_a_sum_of_ones_own_they_would_not_sum(sketch):
+    """Under DDP or FSDP2 a quantity without rows per sample must be summed over the
+    ranks, which jacmem does for its own sums only: it raises, not each rank's sum."""
+    GradSketch, _ = sketch
+
+    @quantity
+    class SketchSum(GradSketch):
+        name, per_sample, spelled = "sketch_sum", False, "[dim]"
+
+        def shape(self, n, param_shape):
+            return (self.dim,)
+
+    try:
+        distributed.check_summed({"grad", "batch_l2", GradSketch(dim=2, seed=0)})
+        with pytest.raises(NotImplementedError, match="sketch_sum"):
+            distributed.check_summed({"grad", SketchSum(dim=2, seed=0)})
+    finally:
+        QUANTITIES.pop("sketch_sum")
