@@ -262,8 +262,10 @@ def derive(batch_grad: Tensor, quantities: Iterable[str | Quantity]) -> dict[Qua
         out[SUM_GRAD_SQUARED], total = sum_of_squares(batch_grad, with_sum=GRAD in wanted)
         if total is not None:
             out[GRAD] = total
-    if BATCH_GRAD in wanted:
+    if BATCH_GRAD in wanted:  # (the built-in ones inline: this runs at every step)
         out[BATCH_GRAD] = batch_grad
+    if GRAD in wanted and GRAD not in out:
+        out[GRAD] = batch_grad.sum(0)
     for q in wanted.difference(out):
         q = q if isinstance(q, Quantity) else as_quantity(q)
         out[q] = q.from_batch_grad(batch_grad)

@@ -302,7 +302,7 @@ def execute(
     for q, name, per_sample, riders in plan.direct:
         fn = entry.strategies[(param_name, q.name)][name].fn
         reduce = {k: "cat" if k.per_sample else "sum" for k in (q, *riders)}
-        where, kw = (module, param_name, name), _keywords(q, hp)
+        where, kw = (module, param_name, name), {**q.arguments(), **hp} if q.parameters else hp  # (_keywords)
 
         def direct(xc, gc, _, fn=fn, q=q, riders=riders, where=where, kw=kw):
             out = fn(xc, gc, also=riders, **kw) if riders else {q: fn(xc, gc, **kw)}
@@ -366,9 +366,13 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
     if not (_plain(xs) and _plain(gs) and all(_plain(v) for v in hp.values())):
         return None
     wanted = frozenset(quantities)
-    names = sorted({BATCH_GRAD, *(q.name if isinstance(q, Quantity) else q for q in wanted)})
-    tables = tuple(tuple(entry.strategies.get((param_name, q), {}).items()) for q in names)
-    return tables, tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, wanted
+    names = {BATCH_GRAD}
+    for q in wanted:  # (loops, not comprehensions: this runs at every step)
+        names.add(q.name if isinstance(q, Quantity) else q)
+    tables = []
+    for q in sorted(names):
+        tables.append(tuple(entry.strategies.get((param_name, q), {}).items()))
+    return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, wanted
 
 
 def _plain(value) -> bool:
