@@ -45,14 +45,14 @@ from torch import Tensor
 class Quantity(str):
     """One quantity of one parameter (module docstring). A quantity *is* its key, a
     ``str``: its name, followed by its parameters where it has any
-    (``grad_dot(dim=4, seed=0)``), so that the dicts and sets the engine keys by
+    (``grad_sketch(dim=4, seed=0)``), so that the dicts and sets the engine keys by
     quantities cost what dicts of names cost, and a name given for a quantity without
     parameters finds it.
 
     A subclass sets the class attributes below, declares its parameters' names in
     :attr:`parameters`, defines :meth:`shape` and :meth:`from_batch_grad`, and is
     registered with :func:`quantity`. An instance is made with its parameters by keyword
-    (``GradDot(dim=4, seed=0)``); they are read as attributes (``q.seed``) and handed to
+    (``GradSketch(dim=4, seed=0)``, ``docs/guide/custom.rst``); they are read as attributes (``q.seed``) and handed to
     its direct strategies as keyword arguments (:meth:`arguments`). A parameter is a
     hashable value whose ``repr`` tells it apart (an int, a float, a string, a tuple of
     them): two parameterisations are two keys, hence two plans.
@@ -62,8 +62,8 @@ class Quantity(str):
     name: ClassVar[str] = ""
     #: the names of its parameters, in the order the key spells them
     parameters: ClassVar[tuple[str, ...]] = ()
-    #: one row per sample (``[N, ...]``): chunks over the batch are concatenated, the
-    #: calls of a parameter concatenated never; otherwise a sum over the samples
+    #: one row per sample (``[N, ...]``): chunks of the batch are concatenated; otherwise
+    #: it is a sum over the samples, and chunks add
     per_sample: ClassVar[bool] = False
     #: it adds up over the calls of a parameter (weight tying, loops)
     linear: ClassVar[bool] = False
