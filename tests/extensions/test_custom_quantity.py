@@ -11,59 +11,40 @@ projected with the same directions; two parameterisations in turn must get two p
 
 from __future__ import annotations
 
+import re
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 from tests.support.reference import assert_close, mse, per_sample_grads, trainable
 from torch import Tensor, nn
 
 import jacmem
-from jacmem.derivatives import QUANTITIES, REGISTRY, Quantity, quantity, register
+from jacmem.derivatives import QUANTITIES, REGISTRY, quantity
 from jacmem.engine import distributed, planner
-from jacmem.extensions.firstorder import FirstOrderExtension
 
-
-def directions(numel: int, dim: int, seed: int, like: Tensor) -> Tensor:
-    """``[numel, dim]`` standard normal directions drawn from ``seed``, over ``√dim``."""
-    gen = torch.Generator().manual_seed(seed)
-    return (torch.randn(numel, dim, generator=gen, dtype=torch.float64) / dim**0.5).to(like)
+GUIDE = Path(__file__).parents[2] / "docs" / "guide" / "custom.rst"
 
 
 def define():
-    """The quantity, its Linear strategy and its extension, as the guide writes them."""
+    """The quantity, its Linear strategy and its extension: the guide's Python blocks,
+    run as written."""
+    text = GUIDE.read_text()
+    blocks = re.findall(r"^( *)\.\. code-block:: python\n\n((?:\1   .*\n|\n)+)", text, re.M)
+    assert len(blocks) == 3, "custom.rst walks through the quantity in three Python blocks"
+    namespace: dict = {}
+    for _, code in blocks:
+        exec(compile(textwrap.dedent(code), str(GUIDE), "exec"), namespace)
+    return namespace["GradSketch"], namespace["BatchGradSketch"]
 
-    @quantity
-    class GradSketch(Quantity):
-        """Per-sample gradients on ``dim`` random directions of ``seed``: ``[N, dim]``."""
 
-        name, parameters, spelled = "grad_sketch", ("dim", "seed"), "[N, dim]"
-        per_sample, linear, degree = True, True, 1
-
-        def shape(self, n, param_shape):
-            return (n, self.dim)
-
-        def from_batch_grad(self, batch_grad):
-            flat = batch_grad.flatten(1)  # [n, P]
-            return flat @ directions(flat.shape[1], self.dim, self.seed, flat)
-
-    @register(nn.Linear, "weight", "grad_sketch", "contract")
-    def linear_weight_sketch(x, g, *, dim, seed):
-        """x [N, *, I], g [N, *, O] -> [N, dim], without the [N, O, I] per-sample gradients."""
-        x, g = x.reshape(len(x), -1, x.shape[-1]), g.reshape(len(g), -1, g.shape[-1])
-        R = directions(g.shape[-1] * x.shape[-1], dim, seed, x).view(g.shape[-1], x.shape[-1], dim)
-        return torch.einsum("nto,nti,oik->nk", g, x, R)
-
-    class BatchGradSketch(FirstOrderExtension):
-        """``param.grad_sketch``: ``[N, dim]``."""
-
-        savefield = "grad_sketch"
-
-        def __init__(self, dim: int, seed: int):
-            self.quantities = (GradSketch(dim=dim, seed=seed),)
-
-        def finalize(self, q, batch_size):
-            return q[self.quantities[0]]
-
-    return GradSketch, BatchGradSketch
+def projected(reference: Tensor, dim: int, seed: int) -> Tensor:
+    """The loop's per-sample gradients ``[N, *p.shape]`` on the quantity's directions,
+    drawn here as its definition says: ``[N, dim]``."""
+    flat = reference.flatten(1)
+    gen = torch.Generator().manual_seed(seed)
+    return flat @ (torch.randn(flat.shape[1], dim, generator=gen, dtype=torch.float64) / dim**0.5)
 
 
 @pytest.fixture
@@ -90,8 +71,7 @@ def check(model, X, y, extension, dim: int, seed: int) -> None:
     with jacmem.extend(extension):
         mse(model(X), y, "mean").backward()
     for p in trainable(model):
-        flat = reference[p].flatten(1)
-        assert_close(p.grad_sketch, flat @ directions(flat.shape[1], dim, seed, flat), f"grad_sketch {tuple(p.shape)}")
+        assert_close(p.grad_sketch, projected(reference[p], dim, seed), f"grad_sketch {tuple(p.shape)}")
         del p.grad_sketch
 
 
