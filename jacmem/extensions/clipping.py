@@ -55,6 +55,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.derivatives.quantities import BATCH_L2
 from jacmem.derivatives.registry import ParametrizedError, own_parameters
 from jacmem.errors import unsupported_module_error
 
@@ -77,7 +78,7 @@ class ClipGrad:
     """
 
     #: what the engine's messages call the result, and the quantity it stages per call
-    savefield, quantities = "grad", ("batch_l2",)
+    savefield, quantities = "grad", (BATCH_L2,)
 
     def __init__(
         self,
