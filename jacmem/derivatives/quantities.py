@@ -96,9 +96,10 @@ class Quantity(str):
         return _rebuild, (type(self), self.arguments())
 
     def __repr__(self) -> str:
-        return (
-            str.__str__(self) if not self.parameters else f"{type(self).__name__}{str.__str__(self)[len(self.name) :]}"
-        )
+        """A quantity without parameters as its name's (messages quote it as before);
+        one with parameters as its constructor call, ``GradSketch(dim=4, seed=0)``."""
+        key = str.__str__(self)
+        return str.__repr__(key) if not self.parameters else f"{type(self).__name__}{key[len(self.name) :]}"
 
     def arguments(self) -> dict:
         """Its parameters by name: the keyword arguments of its direct strategies and their costs."""
