@@ -49,12 +49,15 @@ def projected(reference: Tensor, dim: int, seed: int) -> Tensor:
 
 @pytest.fixture
 def sketch():
-    """The quantity registered for the test, and taken back after it."""
-    strategies = dict(REGISTRY[nn.Linear].strategies)
+    """The quantity registered for the test, and taken back after it (the strategy
+    tables in place: entries that stand for Linear share them)."""
+    tables = REGISTRY[nn.Linear].strategies
+    before = set(tables)
     planner._PLANS.clear()
     yield define()
     QUANTITIES.pop("grad_sketch")
-    REGISTRY[nn.Linear].strategies = strategies
+    for key in set(tables) - before:
+        del tables[key]
     planner._PLANS.clear()
 
 
