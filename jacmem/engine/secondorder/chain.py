@@ -234,7 +234,7 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
     out = {}
     for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
         if bool(part.any()):
-            out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
+            out[(RESIDUAL, id(node), sign)] = Factor(RESIDUAL, sign, diagonal_factor(part.sqrt()))
     return out
 
 
