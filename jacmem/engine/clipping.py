@@ -1,8 +1,9 @@
 """The clipping engine: clipped per-sample gradients summed into ``.grad``, in the one
 backward pass (:class:`jacmem.ClipGrad`; the math is in :mod:`jacmem.extensions.clipping`).
 
-It is the first-order engine (:mod:`jacmem.engine.firstorder`: the same records,
-strategies and staging) with another end of pass. While the backward runs, each call
+It holds a :class:`jacmem.engine.staging.Stager`, as the first-order engine does (the
+same records, strategies and staging), and stages each call its own way, with another
+end of pass. While the backward runs, each call
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
 parameter whose per-sample gradients take no more memory than ``x`` and ``g`` (a bias, a
@@ -55,11 +56,11 @@ from jacmem.derivatives import Cost, entries
 from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
-from jacmem.engine.base import Setup, Write
+from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.cost_model import keep_budget
-from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
+from jacmem.engine.staging import Stager, Staging
 from jacmem.extensions.clipping import ClipGrad, check_model_wide
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
@@ -117,17 +118,32 @@ class ClipStaging(Staging):
         self.kept = 0.0
 
 
-class ClippingEngine(FirstOrderEngine):
+class ClippingEngine(Engine):
     """:class:`ClipGrad` for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     #: the engine takes over ``.grad``: no other engine may share its block
     exclusive = True
 
-    def __init__(self, extensions: list[ClipGrad], setup: Setup):
+    def __init__(self, extensions: list[ClipGrad], context: Context):
         if len(extensions) != 1:
             raise ValueError(f"jacmem: one ClipGrad per block, not {len(extensions)}")
-        super().__init__(extensions, setup)
         self.clip = extensions[0]
+        self.stager = Stager(
+            self, extensions, set(self.clip.quantities), context, self._compute, self._unsupported, self._refuse
+        )
+        self.recorder = self.stager.recorder
+        self.on_forward, self.on_call, self.on_record = (
+            self.stager.on_forward,
+            self.stager.on_call,
+            self.stager.on_record,
+        )
+        self.passes, self.strategies, self.chunk_bytes = context.passes, context.strategies, context.chunk_bytes
+        self.name, self.models, self.groups, self.shardings = (
+            context.name,
+            context.models,
+            context.groups,
+            context.shardings,
+        )
         #: id(parameter) -> the handles of its two hooks (see :meth:`_guard`)
         self.guarded: dict[int, tuple[torch.utils.hooks.RemovableHandle, ...]] = {}
         #: the gradient accumulators (autograd's nodes) of the guarded parameters: a
@@ -153,11 +169,15 @@ class ClippingEngine(FirstOrderEngine):
         if isinstance(module, nn.parallel.DistributedDataParallel) and module.require_backward_grad_sync:
             module.require_backward_grad_sync = False  # the block sums the clipped gradients itself
             self.unsynced.append(module)
-        super().on_enter(module)
+        self.stager.on_enter(module)
 
     def on_leave(self, module, outermost):
         self.depth = 0 if outermost else max(self.depth - 1, 0)
-        super().on_leave(module, outermost)
+        self.stager.on_leave(module, outermost)
+
+    @property
+    def handles(self) -> list:
+        return self.recorder.tensor_handles
 
     def close(self) -> None:
         hooks.remove([handle for pair in self.guarded.values() for handle in pair])
@@ -167,7 +187,7 @@ class ClippingEngine(FirstOrderEngine):
             module.require_backward_grad_sync = True
         self.unsynced = []
         self.roots = weakref.WeakKeyDictionary()
-        super().close()
+        self.stager.close()
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
@@ -183,7 +203,7 @@ class ClippingEngine(FirstOrderEngine):
         otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
         meets :meth:`_check_recorded`, which raises. Those of the tracked models are
         guarded first, by their names (their forward ran before the block)."""
-        super().on_backward(tensors, grad_tensors, alone, reached)
+        self.stager.on_backward(tensors, grad_tensors, alone, reached)
         for model in self.models():
             self._guard_model(model)
         self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
@@ -231,24 +251,24 @@ class ClippingEngine(FirstOrderEngine):
             self.on_track(model)
         return ClipStaging()
 
-    def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
-        """Raise, as it is (no other strategy helps), where the call's per-sample
+    def _refuse(self, rec: hooks.Record) -> None:
+        """Before a call is computed: raise, as it is (no other strategy helps), where the call's per-sample
         gradients are shares that the other samples change (clipping them bounds nothing),
         or where ``torch.autograd.grad`` asks for one of its parameters' gradients (the
         block's is the clipped sum, into ``.grad``)."""
-        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self._params(rec) else None
+        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self.stager.params(rec) else None
         if shared:
             raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
         captured = [pname for pname in rec.params if compat.grad_captures(rec.nodes[pname])]
         if captured:
             raise RuntimeError(_CAPTURED.format(name=f"{rec.name}.{captured[0]}"))
-        return super()._process(run, rec)
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's squared per-sample norms (per-sample gradients, for a
         parameter that several calls share) and keep its ``x`` and ``g``; returns no
         gradient for a call through ComputeOnce, so that autograd accumulates none."""
-        params = self._params(rec)
+        stager = self.stager
+        params = stager.params(rec)
         if not params:
             return {}
         # whether autograd computes the call's parameter gradients too, for _check_recorded to
@@ -259,14 +279,14 @@ class ClippingEngine(FirstOrderEngine):
         n = batch_size(g)
         for pname, param in params.items():
             self._guard([(f"{rec.name}.{pname}", param)])
-            staged = self._stage(run, rec, pname, param, n)
-            kept = self._keep(staged, rec, pname, x, g, dtype)
+            staged = stager.stage(run, rec, pname, param, n)
+            kept = stager.keep(staged, rec, pname, x, g, dtype)
             per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
             factored = pname in rec.entry.ghost_factors
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
                 {"grad"} if computed and not factored else set()
             )
-            values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
+            values = stager.compute(rec, pname, param, wanted, x, g, dtype) if wanted else {}
             if computed:
                 key, probes = id(param), self._probes(run, param)
                 inside = getattr(rec.hp.get("shared"), "narrowest", None)  # a recomputed module's own casts
@@ -347,10 +367,7 @@ class ClippingEngine(FirstOrderEngine):
     def finish(self, run: ClipStaging) -> list[Write]:
         """End of the backward pass: the clip factors from every parameter's norms, the
         clipped sums, summed over the ranks under DDP; ``.grad`` gets them added."""
-        self._finish_partial(run)
-        staged, run.staged = run.staged, {}
-        for s in staged.values():
-            self._resolve_tied(s)
+        staged = self.stager.settle(run)
         self._check_recorded(run)
         run.autograd.clear()  # checked: autograd's gradients, which the clipped sums need no more
         run.recorded.clear()
@@ -461,7 +478,7 @@ class ClippingEngine(FirstOrderEngine):
     def _batch_size(self, names: dict[int, str], sizes: dict[int, int]) -> int:
         """The pass's one batch size; modules that disagree raise (a module whose axis 0
         is not the batch would be clipped per row, not per sample)."""
-        self._check_batch_sizes(names, sizes)  # a batch of one among larger ones: its own message
+        self.stager.check_batch_sizes(names, sizes)  # a batch of one among larger ones: its own message
         if len(set(sizes.values())) > 1:
             seen = {n: [names[k] for k, m in sizes.items() if m == n] for n in set(sizes.values())}
             raise RuntimeError(
@@ -479,7 +496,7 @@ class ClippingEngine(FirstOrderEngine):
         (HF's ``*ForMultipleChoice`` flattens ``[N, K, T]`` into ``[N·K, T]``) or runs its
         layers sequence-first, so every layer sees the same wrong batch and would be
         clipped per row, not per sample."""
-        inputs = self._unoffered(n)
+        inputs = self.stager.unoffered(n)
         if inputs is None:
             return
         raise RuntimeError(
@@ -513,7 +530,7 @@ class ClippingEngine(FirstOrderEngine):
                 scaled = compat.tree_map(
                     lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
                 )
-                grad = self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
+                grad = self.stager.compute(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
             total = grad if total is None else total + grad
         return total
 

@@ -24,7 +24,7 @@ from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
-from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.recorder import reached_parameters
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
@@ -57,7 +57,7 @@ class SecondOrderEngine(Engine):
     """Second-order extensions for one block (the interface is
     :class:`jacmem.engine.base.Engine`)."""
 
-    def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
+    def __init__(self, extensions: list[SecondOrderExtension], setup: Context):
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
         self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
