@@ -385,7 +385,7 @@ class ClippingEngine(Engine):
             self.clip.bind(p for model in [*self.roots, *self.models()] for p in model.parameters())
         shardings = self.shardings()
         user = {key: id(sharding.sharded[key]) for sharding in shardings for key in sharding.sharded}
-        factors, norms = self._factors(squared, run.names, user)
+        factors, norms, threshold = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
         params = {key: s.param for key, s in staged.items()}
@@ -404,6 +404,8 @@ class ClippingEngine(Engine):
         writes.append((self.clip, "samples", self.clip.samples + count))
         if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
             writes.append((self.clip, "passes", self.clip.passes + 1))
+            if self.clip.held is None:
+                writes.append((self.clip, "held", threshold))
         for key, param in params.items():
             if key in sums:
                 value = precision.result(sums[key], param)
@@ -412,16 +414,18 @@ class ClippingEngine(Engine):
 
     def _factors(
         self, squared: dict[int, Tensor], names: dict[int, str], user: dict[int, int]
-    ) -> tuple[dict[int, Tensor], Tensor]:
-        """The clip factors and norms of ``squared`` (``id(param) -> [N]``); ``user`` maps
-        an FSDP2 unsharded parameter's id to its sharded one's, the parameter that per-layer
-        thresholds name."""
+    ) -> tuple[dict[int, Tensor], Tensor, float | dict[int, float] | None]:
+        """The clip factors and norms of ``squared`` (``id(param) -> [N]``), and the
+        threshold they were clipped at (:meth:`ClipGrad.threshold`, read once per pass;
+        None where nothing was clipped); ``user`` maps an FSDP2 unsharded parameter's id
+        to its sharded one's, the parameter that per-layer thresholds name."""
         if not squared:
-            return {}, torch.zeros(0)
+            return {}, torch.zeros(0), None
+        threshold = self.clip.threshold()
         factors, norms = self.clip.factors(
-            {user.get(k, k): v for k, v in squared.items()}, {user.get(k, k): v for k, v in names.items()}
+            {user.get(k, k): v for k, v in squared.items()}, {user.get(k, k): v for k, v in names.items()}, threshold
         )
-        return {k: factors[user.get(k, k)] for k in squared}, norms
+        return {k: factors[user.get(k, k)] for k in squared}, norms, threshold
 
     def _check_recorded(self, run: ClipStaging) -> None:
         """Raise where autograd's gradient of a parameter is not the sum of its recorded

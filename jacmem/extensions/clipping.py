@@ -117,10 +117,17 @@ class ClipGrad:
         #: backward passes since the last :meth:`reset` that reached a trainable
         #: parameter (one to the inputs alone, ``torch.autograd.grad(loss, x)``, clips nothing)
         self.passes = 0
+        #: the threshold the first of those passes was clipped at (:meth:`threshold`'s
+        #: form), None before it: a private optimizer hands its threshold down only while
+        #: this is None, and its step checks the passes against it
+        self.held: float | dict[int, float] | None = None
 
-    def reset(self) -> None:
-        """Start counting samples and passes afresh (after an optimizer step)."""
+    def reset(self, keep_threshold: bool = False) -> None:
+        """Start counting samples and passes afresh (after an optimizer step); the threshold
+        held too, unless ``keep_threshold`` (a skipped step's passes are the next step's)."""
         self.samples = self.unclipped = self.passes = 0
+        if not keep_threshold:
+            self.held = None
 
     def __repr__(self) -> str:
         return f"ClipGrad(clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r})"
@@ -163,13 +170,14 @@ class ClipGrad:
         c = next(iter(factors.values()))
         return self.unclipped + (len(c) - (c < 1).sum())
 
-    def factors(self, squared: dict[int, Tensor], names: dict[int, str]) -> tuple[dict[int, Tensor], Tensor]:
+    def factors(
+        self, squared: dict[int, Tensor], names: dict[int, str], max_norm: float | dict[int, float]
+    ) -> tuple[dict[int, Tensor], Tensor]:
         """The clip factors and the total norms, from each parameter's squared per-sample
         norms ``squared: id(param) -> [N]`` (of the per-sample gradients as defined in
-        the module docstring); ``names`` for errors. Returns ``id(param) -> c [N]`` and
-        ``‖g_i‖ [N]``."""
+        the module docstring) and the pass's threshold ``max_norm`` (:meth:`threshold`);
+        ``names`` for errors. Returns ``id(param) -> c [N]`` and ``‖g_i‖ [N]``."""
         total = torch.stack(list(squared.values())).sum(0).sqrt()
-        max_norm = self.threshold()
         if self.clipping == "flat":
             c = (max_norm / (total + EPSILON)).clamp(max=1.0)
             return dict.fromkeys(squared, c), total
