@@ -132,18 +132,10 @@ class ClippingEngine(Engine):
             self, extensions, set(self.clip.quantities), context, self._compute, self._unsupported, self._refuse
         )
         self.recorder = self.stager.recorder
-        self.on_forward, self.on_call, self.on_record = (
-            self.stager.on_forward,
-            self.stager.on_call,
-            self.stager.on_record,
-        )
-        self.passes, self.strategies, self.chunk_bytes = context.passes, context.strategies, context.chunk_bytes
-        self.name, self.models, self.groups, self.shardings = (
-            context.name,
-            context.models,
-            context.groups,
-            context.shardings,
-        )
+        for hook in ("on_forward", "on_call", "on_record"):  # the stager's as they are, with no call between
+            setattr(self, hook, getattr(self.stager, hook))
+        #: what the engine knows of its block
+        self.context = context
         #: id(parameter) -> the handles of its two hooks (see :meth:`_guard`)
         self.guarded: dict[int, tuple[torch.utils.hooks.RemovableHandle, ...]] = {}
         #: the gradient accumulators (autograd's nodes) of the guarded parameters: a
@@ -204,13 +196,13 @@ class ClippingEngine(Engine):
         meets :meth:`_check_recorded`, which raises. Those of the tracked models are
         guarded first, by their names (their forward ran before the block)."""
         self.stager.on_backward(tensors, grad_tensors, alone, reached)
-        for model in self.models():
+        for model in self.context.models():
             self._guard_model(model)
         self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
 
     def _guard_model(self, model: nn.Module) -> None:
         """:meth:`_guard` every parameter of ``model``, named in it."""
-        self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
+        self._guard((f"{self.context.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its
@@ -240,22 +232,22 @@ class ClippingEngine(Engine):
             raise RuntimeError(_CAPTURED.format(name=name))
         if grad.is_sparse:
             raise RuntimeError(_SPARSE.format(name=name))
-        run = self.passes.state(self)
+        run = self.context.passes.state(self)
         run.reached[key], run.autograd[key] = name, grad
         return grad.new_zeros(()).expand_as(grad)
 
     # -- backward ------------------------------------------------------------------
 
     def new_state(self) -> ClipStaging:
-        for model in self.models():  # their forwards ran outside the block
+        for model in self.context.models():  # their forwards ran outside the block
             self.on_track(model)
         return ClipStaging()
 
     def _refuse(self, rec: hooks.Record) -> None:
-        """Before a call is computed: raise, as it is (no other strategy helps), where the call's per-sample
-        gradients are shares that the other samples change (clipping them bounds nothing),
-        or where ``torch.autograd.grad`` asks for one of its parameters' gradients (the
-        block's is the clipped sum, into ``.grad``)."""
+        """Before a call is computed: raise, as it is (no other strategy helps), where the
+        call's per-sample gradients are shares that the other samples change (clipping them
+        bounds nothing), or where ``torch.autograd.grad`` asks for one of its parameters'
+        gradients (the block's is the clipped sum, into ``.grad``)."""
         shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self.stager.params(rec) else None
         if shared:
             raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
@@ -273,7 +265,7 @@ class ClippingEngine(Engine):
             return {}
         # whether autograd computes the call's parameter gradients too, for _check_recorded to
         # compare with the call's own: under create_graph=True, ComputeOnce's backward is autograd's
-        computed = not rec.once or self.passes.current().create_graph
+        computed = not rec.once or self.context.passes.current().create_graph
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
@@ -343,10 +335,10 @@ class ClippingEngine(Engine):
             return False
         keep, recompute = costs
         options = {
-            "per-sample gradients kept": keep if run.kept + extra <= keep_budget(self.chunk_bytes) else None,
+            "per-sample gradients kept": keep if run.kept + extra <= keep_budget(self.context.chunk_bytes) else None,
             "norms, then the clipped sum from x and g": recompute,
         }
-        chosen = self.strategies.choose(
+        chosen = self.context.strategies.choose(
             rec.module, rec.name, rec.entry.names(), pname, "clipped sum", options, itemsize(g), param.device
         )
         if chosen != "per-sample gradients kept":
@@ -382,14 +374,14 @@ class ClippingEngine(Engine):
         }
         squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
         if self.clip.clipping == "per_layer":
-            self.clip.bind(p for model in [*self.roots, *self.models()] for p in model.parameters())
-        shardings = self.shardings()
+            self.clip.bind(p for model in [*self.roots, *self.context.models()] for p in model.parameters())
+        shardings = self.context.shardings()
         user = {key: id(sharding.sharded[key]) for sharding in shardings for key in sharding.sharded}
         factors, norms, threshold = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
         params = {key: s.param for key, s in staged.items()}
-        for group, members in self.groups():  # every group holds the same samples: each gives the global count
+        for group, members in self.context.groups():  # every group holds the same samples: each gives the global count
             sums, count = distributed.sum_over_ranks(group, members, sums, n)
             params.update((id(p), p) for p in members if id(p) in sums)  # with those only other ranks reached
         writes: list[Write] = [
@@ -469,7 +461,7 @@ class ClippingEngine(Engine):
         """A tracked DDP model whose forward ran outside the block with DDP's gradient
         synchronisation on: DDP would overwrite ``.grad`` with the average of autograd's
         gradients after this pass, so it raises instead."""
-        for model in map(compat.uncompiled, self.models()):
+        for model in map(compat.uncompiled, self.context.models()):
             if isinstance(model, nn.parallel.DistributedDataParallel) and model.require_backward_grad_sync:
                 if any(id(p) in staged for p in model.parameters()):
                     raise RuntimeError(

@@ -34,7 +34,8 @@ After each backward pass, ``ext.norms`` holds the pass's per-sample total norms 
 (under DDP, those of every rank) and ``ext.passes`` the backward passes that reached a
 trainable parameter; with flat clipping, ``ext.unclipped`` counts those of
 them that the clip left as they were (``c_i = 1``: the count that adaptive clipping
-needs; a tensor on the device, this rank's alone). Several backward passes add up in
+needs; a tensor on the device, this rank's alone); ``ext.held`` is the threshold the
+first of those passes was clipped at (a private optimizer's passes share it). Several backward passes add up in
 ``.grad`` (virtual batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
 works: ``loss.backward()`` on its loss (NaN under ``"mean"``, the mean of nothing) adds
 zeros to ``.grad`` and no samples to ``ext.samples``.
