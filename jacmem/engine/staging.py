@@ -7,7 +7,7 @@ other). Its :class:`jacmem.engine.recorder.Recorder` records every call of a mod
 trainable parameters inside the block; calls of tracked models come from their tracker
 (:meth:`Stager.on_record`). When a call's output gradients have arrived, the stager
 checks it (what no derivative covers raises, by the engine's own words), and hands it to
-its engine's ``compute``, which stages its parameters' quantities with the stager's
+its engine's ``stage_call``, which stages its parameters' quantities with the stager's
 :meth:`Stager.stage`, :meth:`Stager.keep` and :meth:`Stager.compute` (the strategies the
 planner chose, :mod:`jacmem.engine.planner`, in the dtype of :mod:`jacmem.engine.precision`).
 A parameter used by several calls (a module called twice, tied weights) sums its
@@ -177,10 +177,11 @@ def _places_batch_second(model: nn.Module) -> bool:
 class Stager:
     """A first-order engine's calls, from record to staged quantities (see the module
     docstring). ``engine``: the engine that holds it, the key of its state in each pass
-    (:meth:`jacmem.engine.base.Pass.state`); its ``compute(run, rec)`` stages one call's
-    quantities and returns the summed gradients of a call through ComputeOnce;
-    ``unsupported(rec, params)`` raises for parameters of a call that no derivative covers;
-    ``check(rec)``, where given, refuses a call before it is computed."""
+    (:meth:`jacmem.engine.base.Pass.state`); the engine's own steps, handed down:
+    ``stage_call(run, rec)`` stages one call's quantities (with :meth:`stage`,
+    :meth:`keep`, :meth:`compute`) and returns the summed gradients of a call through
+    ComputeOnce; ``unsupported(rec, params)`` raises for parameters of a call that no
+    derivative covers; ``check(rec)``, where given, refuses a call before it is computed."""
 
     def __init__(
         self,
@@ -188,12 +189,12 @@ class Stager:
         extensions: list,
         quantities: set[str],
         context: Context,
-        compute: Callable[[Any, hooks.Record], dict[str, Tensor]],
+        stage_call: Callable[[Any, hooks.Record], dict[str, Tensor]],
         unsupported: Callable[[hooks.Record, list[str]], None],
         check: Callable[[hooks.Record], None] | None = None,
     ):
         self.engine, self.extensions, self.quantities = engine, extensions, quantities
-        self.compute_call, self.unsupported, self.check = compute, unsupported, check
+        self.stage_call, self.unsupported, self.check = stage_call, unsupported, check
         self.strategies, self.chunk_bytes = context.strategies, context.chunk_bytes
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
         self.owner: int | None = context.owner
@@ -278,7 +279,7 @@ class Stager:
         self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
         try:
             with precision.computing(precision.device_of(rec.grads)):
-                return self.compute_call(run, rec)
+                return self.stage_call(run, rec)
         except (ContractError, MixedBatchesError):
             raise
         except Exception as err:
