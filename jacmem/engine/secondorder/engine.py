@@ -57,11 +57,11 @@ class SecondOrderEngine(Engine):
     """Second-order extensions for one block (the interface is
     :class:`jacmem.engine.base.Engine`)."""
 
-    def __init__(self, extensions: list[SecondOrderExtension], setup: Context):
+    def __init__(self, extensions: list[SecondOrderExtension], context: Context):
         self.extensions = extensions
         self.kinds = {k for ext in extensions for k in ext.kinds}
-        self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
-        self.passes = setup.passes
+        self.name, self.budget, self.strategies = context.name, context.chunk_bytes, context.strategies
+        self.passes = context.passes
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
         #: the modules whose forward the engine saw
