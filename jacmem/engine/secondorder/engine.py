@@ -24,7 +24,7 @@ from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLo
 from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
-from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -56,12 +56,12 @@ class SecondOrderEngine(Engine):
     """Second-order extensions for one block (the interface is
     :class:`jacmem.engine.base.Engine`)."""
 
-    def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
+    def __init__(self, extensions: list[SecondOrderExtension], context: Context):
         self.extensions = extensions
         #: the factor kinds the extensions ask for, read once (:func:`~jacmem.derivatives.quantities.factor_kind`)
         self.kinds = {factor_kind(k) for ext in extensions for k in ext.kinds}
-        self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
-        self.passes = setup.passes
+        self.name, self.budget, self.strategies = context.name, context.chunk_bytes, context.strategies
+        self.passes = context.passes
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
         #: the modules whose forward the engine saw
