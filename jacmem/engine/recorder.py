@@ -63,6 +63,8 @@ class Recorder:
         self.once = once
         self.batch_first = batch_first
         self.tensor_handles = hooks.Handles()
+        #: the live records of this recorder, by parameter: which weights its calls tie
+        self.uses = hooks.Uses()
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
@@ -148,7 +150,7 @@ class Recorder:
 
     @property
     def _sink(self) -> tuple:
-        return self.on_grad, self.tensor_handles
+        return self.on_grad, self.tensor_handles, self.uses
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
         """Record one call; returns the output to use (new where it runs through
@@ -157,9 +159,7 @@ class Recorder:
         given = output
         if self.batch_first and self.compiled and not hooks.compiled() and isinstance(output, Tensor):
             args, output = hooks.spread(args, output, self.batch)  # an eager call in a compiled forward, as traced ones
-        rec, new = hooks.record(
-            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
-        )
+        rec, new = hooks.record(module, args, kwargs, output, name, *self._sink, self.once, exclude, self.batch_first)
         if rec is None:
             return None
         self.made += 1
