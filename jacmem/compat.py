@@ -11,7 +11,9 @@ below is from torch's history, not from a test).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -40,6 +42,7 @@ __all__ = [
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "watch_autograd",
     "will_engine_execute_node",
     "without_function_mode",
 ]
@@ -268,3 +271,66 @@ def fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter 
     if group is None:
         return []
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
+
+
+#: the functions of ``torch.autograd`` that :func:`watch_autograd` replaces -> where their
+#: arguments are, by (position, counting the tensors first; name): the tensors the pass
+#: starts from, their gradients, ``inputs`` and ``create_graph`` (torch's signatures)
+_AUTOGRAD_CALLS = {
+    "backward": ((0, "tensors"), (1, "grad_tensors"), (5, "inputs"), (3, "create_graph")),
+    "grad": ((0, "outputs"), (2, "grad_outputs"), (1, "inputs"), (4, "create_graph")),
+}
+
+#: the attribute that marks a replacement of :func:`watch_autograd` taken off
+_OFF = "_jacmem_off"
+
+#: ``around(run, tensors, grad_tensors, inputs, create_graph)``: see :func:`watch_autograd`
+Around = Callable[[Callable[[], Any], Any, Any, Any, bool], Any]
+
+
+def watch_autograd(around: Around) -> Callable[[], None]:
+    """Route each call of ``torch.autograd.backward`` and ``torch.autograd.grad``
+    (``Tensor.backward`` calls the former) through ``around(run, tensors, grad_tensors,
+    inputs, create_graph)``, which returns what ``run()``, the call itself, returns
+    (``grad_tensors``: ``grad``'s ``grad_outputs``; None where not given); returns the
+    function that ends it. Replaces the two attributes of ``torch.autograd``, which every
+    torch release has had.
+
+    Watches nest, and end in any order: an ended watch whose replacement another
+    one (or anyone's) wraps stays there as a plain call of what it wrapped, and is taken
+    out when the one over it ends; once every watch has ended, torch's own functions are
+    back."""
+    ends = [_watch(name, around) for name in _AUTOGRAD_CALLS]
+
+    def end() -> None:
+        for one in ends:
+            one()
+
+    return end
+
+
+def _watch(name: str, around: Around) -> Callable[[], None]:
+    original = getattr(torch.autograd, name)
+    where = _AUTOGRAD_CALLS[name]
+
+    @functools.wraps(original)
+    def watched(*args, **kwargs):
+        def run():
+            return original(*args, **kwargs)
+
+        if getattr(watched, _OFF, False):
+            return run()
+        tensors, grads, inputs, create_graph = (args[i] if len(args) > i else kwargs.get(k) for i, k in where)
+        return around(run, tensors, grads, inputs, bool(create_graph))
+
+    setattr(torch.autograd, name, watched)
+
+    def end() -> None:
+        setattr(watched, _OFF, True)
+        if getattr(torch.autograd, name) is watched:
+            target = original
+            while getattr(target, _OFF, False):  # an ended watch under this one
+                target = target.__wrapped__
+            setattr(torch.autograd, name, target)
+
+    return end

@@ -494,66 +494,54 @@ class BackwardWatch:
         self.warned = False
         #: ids of the parameters already named in a warning
         self.missed: set[int] = set()
-        self.originals: tuple | None = None
+        #: ends the watch of ``torch.autograd.backward`` and ``grad`` (:func:`compat.watch_autograd`)
+        self.unwatch: Callable[[], None] | None = None
         #: the hooks of :meth:`_refuse_through`, taken off when the block ends
         self.refusals: list = []
 
     def open(self, owner: int) -> None:
         self.owner = owner
-        self.originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors", 4, 2)
-        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs", 0, 3)
+        self.unwatch = compat.watch_autograd(self._around)
 
     def close(self) -> None:
         for handle in self.refusals:
             handle.remove()
         self.refusals = []
-        if self.originals is None:
-            return
-        for attr, original in zip(("backward", "grad"), self.originals):
-            if getattr(getattr(torch.autograd, attr), "__wrapped__", None) is original:
-                setattr(torch.autograd, attr, original)
-        self.originals, self.owner = None, None
+        if self.unwatch is not None:
+            self.unwatch()
+        self.unwatch, self.owner = None, None
 
-    def _wrap(self, original, at: int, keyword: str, inputs_at: int, create_graph_at: int):
-        """``original``, watched; its output gradients are argument ``at`` (after the
-        tensors) or ``keyword``, its ``inputs`` argument ``inputs_at`` or ``inputs``, and
-        its ``create_graph`` argument ``create_graph_at`` or ``create_graph``."""
-
-        @functools.wraps(original)
-        def watched(tensors, *args, **kwargs):
-            if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
-                return original(tensors, *args, **kwargs)
-            reached = list(reached_parameters(tensors))
-            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-            if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
-                wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
-                reached = [p for p in reached if id(p) in wanted]
-            if self.on_backward is not None:
-                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
-            create_graph = bool(args[create_graph_at] if len(args) > create_graph_at else kwargs.get("create_graph"))
-            started = self.passes.started
-            self.passes.written.clear()
-            self.passes.create_graph = create_graph
-            try:
-                out = original(tensors, *args, **kwargs)
-            finally:
-                self.passes.create_graph = False
-            if create_graph:
-                given = [inputs] if isinstance(inputs, torch.Tensor) else inputs
-                results = list(out) if out is not None else [t.grad for t in (reached if given is None else given)]
-                self._refuse_through(results)
-            if self.warned:
-                return out
-            if self.passes.started == started:
-                if reached:
-                    self._untracked()
-            else:
-                said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
-                self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
+    def _around(self, run: Callable, tensors, grad_tensors, inputs, create_graph: bool):
+        """A call of ``torch.autograd.backward`` or ``grad`` (:func:`compat.watch_autograd`):
+        ``run()`` makes it."""
+        if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
+            return run()
+        reached = list(reached_parameters(tensors))
+        if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
+            wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
+            reached = [p for p in reached if id(p) in wanted]
+        if self.on_backward is not None:
+            self.on_backward(tensors, grad_tensors, reached)
+        started = self.passes.started
+        self.passes.written.clear()
+        self.passes.create_graph = create_graph
+        try:
+            out = run()
+        finally:
+            self.passes.create_graph = False
+        if create_graph:
+            given = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+            results = list(out) if out is not None else [t.grad for t in (reached if given is None else given)]
+            self._refuse_through(results)
+        if self.warned:
             return out
-
-        return watched
+        if self.passes.started == started:
+            if reached:
+                self._untracked()
+        else:
+            said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
+            self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
+        return out
 
     def _refuse_through(self, gradients: list) -> None:
         """Hooks on ``gradients``, the results (``.grad``, or ``torch.autograd.grad``'s)
@@ -573,7 +561,7 @@ class BackwardWatch:
             "model jacmem does not track, so no extension gets anything. Call jacmem.track(model) before "
             "that forward (BackPACK's extend(model)), or run the forward inside the block.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _missed(self, params: list[nn.Parameter]) -> None:
@@ -590,7 +578,7 @@ class BackwardWatch:
             "model.logit_scale` in the loss). Read it inside a module's forward: move the op into the "
             "model's forward, or wrap it in a small nn.Module.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
 

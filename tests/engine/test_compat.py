@@ -148,3 +148,91 @@ def test_swap_parameters_puts_tensors_in_for_the_forward_and_back():
     restore()
     assert lin.weight is weight and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert weight.grad is None and lin.bias.grad is not None
+
+
+def _originals():
+    return torch.autograd.backward, torch.autograd.grad
+
+
+def test_watch_autograd_hands_over_each_call_normalised():
+    """``around`` gets the tensors, their gradients, ``inputs`` and ``create_graph``
+    of each call, however they were passed, and returns what the call returns."""
+    seen = []
+
+    def around(run, tensors, grads, inputs, create_graph):
+        seen.append((tensors, grads, inputs, create_graph))
+        return run()
+
+    w = nn.Parameter(torch.ones(2))
+    end = compat.watch_autograd(around)
+    try:
+        y = (w * 3).sum()
+        v = torch.ones(())
+        y.backward(v, retain_graph=True, inputs=[w])  # Tensor.backward goes through torch.autograd.backward
+        torch.autograd.backward([y], None, True, False, None, [w])
+        (g,) = torch.autograd.grad(y, [w], v, create_graph=True)
+        (h,) = torch.autograd.grad(outputs=y, inputs=w, grad_outputs=v, retain_graph=True)
+    finally:
+        end()
+    assert [s[0] is y or s[0] == [y] for s in seen] == [True] * 4
+    assert [s[1] is v for s in seen] == [True, False, True, True] and seen[1][1] is None
+    assert seen[0][2] == [w] and seen[1][2] == [w] and seen[2][2] == [w] and seen[3][2] is w
+    assert [s[3] for s in seen] == [False, False, True, False]
+    torch.testing.assert_close(g, torch.full((2,), 3.0))
+    torch.testing.assert_close(h, torch.full((2,), 3.0))
+    torch.testing.assert_close(w.grad, torch.full((2,), 6.0))
+
+
+def test_watch_autograd_ends_with_torchs_own_functions_after_an_error():
+    originals = _originals()
+
+    def around(run, *args):
+        raise KeyError("from around")
+
+    end = compat.watch_autograd(around)
+    try:
+        assert _originals() != originals
+        with pytest.raises(KeyError, match="from around"):
+            (nn.Parameter(torch.ones(2)) * 2).sum().backward()
+    finally:
+        end()
+    assert _originals() == originals
+    end()  # a second end changes nothing
+    assert _originals() == originals
+
+
+def test_a_block_that_raises_leaves_torchs_autograd_functions():
+    import jacmem
+
+    originals = _originals()
+    with pytest.raises(KeyError), jacmem.extend(jacmem.BatchGrad()):
+        assert _originals() != originals
+        raise KeyError
+    assert _originals() == originals
+
+
+@pytest.mark.parametrize("order", ["inner first", "outer first"])
+def test_watch_autograd_nests_and_ends_in_any_order(order):
+    originals, calls = _originals(), []
+
+    def watching(tag):
+        def around(run, *args):
+            calls.append(tag)
+            return run()
+
+        return around
+
+    w = nn.Parameter(torch.ones(2))
+    outer = compat.watch_autograd(watching("outer"))
+    inner = compat.watch_autograd(watching("inner"))
+    (w * 2).sum().backward()
+    assert calls == ["inner", "outer"], "the later watch runs around the earlier"
+    first, second = (inner, outer) if order == "inner first" else (outer, inner)
+    first()
+    calls.clear()
+    (w * 2).sum().backward()
+    assert calls == ["outer" if order == "inner first" else "inner"], "an ended watch is not called"
+    second()
+    calls.clear()
+    (w * 2).sum().backward()
+    assert calls == [] and _originals() == originals
