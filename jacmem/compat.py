@@ -300,37 +300,33 @@ def watch_autograd(around: Around) -> Callable[[], None]:
     one (or anyone's) wraps stays there as a plain call of what it wrapped, and is taken
     out when the one over it ends; once every watch has ended, torch's own functions are
     back."""
-    ends = [_watch(name, around) for name in _AUTOGRAD_CALLS]
+    backward, grad = _watched("backward", around), _watched("grad", around)
+    torch.autograd.backward, torch.autograd.grad = backward, grad
 
     def end() -> None:
-        for one in ends:
-            one()
+        for name, watched in (("backward", backward), ("grad", grad)):
+            setattr(watched, _OFF, True)
+            if getattr(torch.autograd, name) is watched:
+                target = watched.__wrapped__
+                while getattr(target, _OFF, False):  # an ended watch under this one
+                    target = target.__wrapped__
+                setattr(torch.autograd, name, target)
 
     return end
 
 
-def _watch(name: str, around: Around) -> Callable[[], None]:
+def _watched(name: str, around: Around) -> Callable:
+    """``torch.autograd``'s function ``name`` as it is now, through ``around`` (:func:`watch_autograd`)."""
     original = getattr(torch.autograd, name)
     where = _AUTOGRAD_CALLS[name]
 
     @functools.wraps(original)
     def watched(*args, **kwargs):
-        def run():
-            return original(*args, **kwargs)
-
         if getattr(watched, _OFF, False):
-            return run()
-        tensors, grads, inputs, create_graph = (args[i] if len(args) > i else kwargs.get(k) for i, k in where)
-        return around(run, tensors, grads, inputs, bool(create_graph))
+            return original(*args, **kwargs)
+        n, ((i, a), (j, b), (k, c), (m, d)) = len(args), where  # (no comprehension: a call per backward)
+        tensors, grads = args[i] if n > i else kwargs.get(a), args[j] if n > j else kwargs.get(b)
+        inputs, create_graph = args[k] if n > k else kwargs.get(c), args[m] if n > m else kwargs.get(d)
+        return around(functools.partial(original, *args, **kwargs), tensors, grads, inputs, bool(create_graph))
 
-    setattr(torch.autograd, name, watched)
-
-    def end() -> None:
-        setattr(watched, _OFF, True)
-        if getattr(torch.autograd, name) is watched:
-            target = original
-            while getattr(target, _OFF, False):  # an ended watch under this one
-                target = target.__wrapped__
-            setattr(torch.autograd, name, target)
-
-    return end
+    return watched

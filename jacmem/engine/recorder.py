@@ -65,6 +65,8 @@ class Recorder:
         self.tensor_handles = hooks.Handles()
         #: the live records of this recorder, by parameter: which weights its calls tie
         self.uses = hooks.Uses()
+        #: what each record is made with: ``(on_grad, handles, uses)``
+        self._sink = (on_grad, self.tensor_handles, self.uses)
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
@@ -147,10 +149,6 @@ class Recorder:
         _void([rec for rec in uses if next(iter(rec.params)) not in exact])
         self.records.update(rec for rec in uses if next(iter(rec.params)) in exact)
         return exact
-
-    @property
-    def _sink(self) -> tuple:
-        return self.on_grad, self.tensor_handles, self.uses
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
         """Record one call; returns the output to use (new where it runs through
