@@ -26,6 +26,8 @@ __all__ = [
     "WeakTensorKeyDictionary",
     "assert_on_device",
     "autograd_inside_op",
+    "buffer_slots",
+    "child_slots",
     "current_graph_task_id",
     "fsdp_parameters",
     "functorch_transforms_active",
@@ -36,9 +38,14 @@ __all__ = [
     "grad_captures",
     "is_compiled_module",
     "never_compile_alone",
+    "node_output_shape",
+    "parameter_slots",
     "plain_torch_function",
     "queue_callback",
+    "saved_names",
+    "saved_value",
     "swap_parameters",
+    "tensor_version",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
@@ -258,6 +265,63 @@ def swap_parameters(module: nn.Module, tensors: dict[str, Tensor]) -> Callable[[
         module._parameters.update(saved)
 
     return restore
+
+
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameters by name, the dict its forward reads them from (None for a
+    name registered empty); writing it changes what the forward uses. Faster than
+    ``named_parameters(recurse=False)``, which walks the module tree to list it.
+    ``nn.Module._parameters``, which every torch release has had."""
+    return module._parameters
+
+
+def buffer_slots(module: nn.Module) -> dict[str, Tensor | None]:
+    """``module``'s own buffers by name, the dict its forward reads them from (None for a
+    name registered empty); writing it changes what the forward uses.
+    ``nn.Module._buffers``, which every torch release has had."""
+    return module._buffers
+
+
+def child_slots(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s direct submodules by name, in registration order (None for a name
+    registered empty). ``nn.Module._modules``, which every torch release has had."""
+    return module._modules
+
+
+def tensor_version(t: Tensor) -> int:
+    """``t``'s version counter: it grows with each in-place write to ``t`` (or to a view
+    of its storage), which is how autograd tells that a saved tensor changed.
+    ``Tensor._version``, since torch 0.4."""
+    return t._version
+
+
+#: the prefix of the attributes through which an autograd node of a built-in op shows what
+#: it saved for its backward (``MulBackward0._saved_other``)
+_SAVED = "_saved_"
+
+
+def saved_names(node) -> list[str]:
+    """The names of what the autograd ``node`` of a built-in op saved for its backward
+    (``["self", "other"]`` for ``MulBackward0``), for :func:`saved_value`; none for a
+    custom Function's node (its ``saved_tensors`` holds them). The ``_saved_<name>``
+    attributes of autograd's generated nodes, since torch 1.10."""
+    return [a[len(_SAVED) :] for a in dir(node) if a.startswith(_SAVED)]
+
+
+def saved_value(node, name: str, default: Any = None) -> Any:
+    """What the autograd ``node`` of a built-in op saved under ``name`` for its backward
+    (a tensor, unpacked as its backward would: a saved-tensor hook's unpack runs; or a
+    number, as ``AddBackward0``'s ``alpha``), ``default`` where it saved nothing of that
+    name. Its attribute ``_saved_<name>``, since torch 1.10."""
+    return getattr(node, _SAVED + name, default)
+
+
+def node_output_shape(node, index: int) -> tuple[int, ...] | None:
+    """The shape of output ``index`` of the forward op whose autograd node is ``node``,
+    the gradient it takes there (None where torch keeps none). The node's
+    ``_input_metadata``, since torch 2.1."""
+    meta = getattr(node, "_input_metadata", None)
+    return tuple(meta[index].shape) if meta is not None and index < len(meta) else None
 
 
 def fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter | None]]:

@@ -106,7 +106,7 @@ def eager(hook: Callable) -> Callable:
             return None
         margs, output = _spread(margs, output)  # (it spreads integer ids only: never a fused call's input)
         slot = _slot(hook, module)
-        params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        params = [p for p in compat.parameter_slots(module).values() if p is not None and p.requires_grad]
         if len(margs) == 1 and all(t.dtype == output.dtype for t in (*margs, *params)) and _fusable(module):
             token = torch.ops.jacmem.tap(slot, list(margs), output, True)
             return Fused.apply(slot, token, margs[0], [output.detach()], *params)

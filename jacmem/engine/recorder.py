@@ -101,7 +101,7 @@ class Recorder:
         where a BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled() or compat.compiled_in_place(module)
         if compat.is_compiled_module(module):
-            self.compiled_root, self.compiled_start = module._orig_mod, self.made
+            self.compiled_root, self.compiled_start = compat.uncompiled(module), self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
@@ -133,7 +133,7 @@ class Recorder:
         if compat.is_compiled_module(module) and self.compiled_start is not None:
             start, self.compiled_start = self.compiled_start, None
             if self.made == start and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
-                raise RuntimeError(_STALE_COMPILED.format(type=type(module._orig_mod).__name__))
+                raise RuntimeError(_STALE_COMPILED.format(type=type(compat.uncompiled(module)).__name__))
         if outermost:
             self.batch, self.first, self.compiled, self.one_row = 1, None, False, None
 
