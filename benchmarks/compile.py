@@ -12,7 +12,7 @@ alike. It reports each step's median time and the medians of the per-round ratio
 compiled / eager (same method), eager jacmem / eager plain and compiled jacmem /
 compiled plain; and for each compiled step the graphs Dynamo made, its graph breaks
 (with their reasons, listed under the table) and the frames it compiled again during the
-timed rounds (recompiles). It writes the table to BENCHMARKS.md between
+timed rounds (recompiles). It writes the table to benchmarks/details/compile.md between
 ``<!-- compile:start -->`` and ``<!-- compile:end -->``. ``--quick``: tiny sizes, one
 round after one warm-up step, the ``aot_eager`` backend (no C++ build), written to
 ``out/compile-quick.md`` only; it checks the harness.
@@ -243,7 +243,9 @@ def main(argv=None) -> None:
     args.repeats = args.repeats or (1 if args.quick else 30)
     args.warmup = args.warmup or (1 if args.quick else 3)
     args.backend = "aot_eager" if args.quick else "inductor"
-    markdown = args.markdown or (ROOT / "out" / "compile-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
+    markdown = args.markdown or (
+        ROOT / "out" / "compile-quick.md" if args.quick else ROOT / "benchmarks" / "details" / "compile.md"
+    )
     args.load_before = " ".join(harness.load())
     args.started = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     results = []

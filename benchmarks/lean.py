@@ -25,7 +25,7 @@ machine; CPU time of the process on CPU, wall time on CUDA. Figures are medians 
 the repeats (the time ratio: the median of the per-pair ratios, with their quartiles,
 which show how much the load of a shared machine moved them). ``--quick`` runs
 everything in this process, for smoke tests. The full run rewrites the block between
-``<!-- lean:start -->`` and ``<!-- lean:end -->`` in BENCHMARKS.md.
+``<!-- lean:start -->`` and ``<!-- lean:end -->`` in benchmarks/details/lean.md.
 """
 
 from __future__ import annotations
@@ -492,8 +492,8 @@ def machine(args) -> str:
     )
 
 
-def write_block(lines: list[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
-    """Replace (or append) the lean block of BENCHMARKS.md, leaving the rest as it is."""
+def write_block(lines: list[str], path: Path = ROOT / "benchmarks" / "details" / "lean.md") -> None:
+    """Replace (or append) the lean block of benchmarks/details/lean.md, leaving the rest as it is."""
     text = path.read_text() if path.exists() else ""
     block = "\n".join([START, *lines, END])
     if START in text and END in text:
@@ -506,7 +506,7 @@ def write_block(lines: list[str], path: Path = ROOT / "BENCHMARKS.md") -> None:
 
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.lean", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="small models and batches, 2 repeats; no BENCHMARKS.md")
+    parser.add_argument("--quick", action="store_true", help="small models and batches, 2 repeats; no details file")
     parser.add_argument("--repeats", type=int, default=None, help="steps measured per case (default 9, quick 2)")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--device", default="cpu")
@@ -516,7 +516,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--write",
         action=argparse.BooleanOptionalAction,
         default=None,
-        help="rewrite the lean block of BENCHMARKS.md (default: on for full runs)",
+        help="rewrite the lean block of benchmarks/details/lean.md (default: on for full runs)",
     )
     parser.add_argument("--case", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -4,7 +4,7 @@
 one that times jacmem and BackPACK alternately, step by step (the machine may be
 shared: a paired ratio, the median of the per-step ratios, is what survives its
 noise), and one per library for its memory; plus a plain forward/backward per model.
-It then writes the table to BENCHMARKS.md between ``<!-- secondorder:start -->`` and
+It then writes the table to benchmarks/details/second-order.md between ``<!-- secondorder:start -->`` and
 ``<!-- secondorder:end -->`` (the rest of the file is left alone). ``--quick``: tiny
 sizes, one step after one warm-up, the table printed and written to
 ``out/second-order-quick.md`` only; it checks the harness.
@@ -463,7 +463,9 @@ def main(argv=None) -> None:
     args.repeats = args.repeats or (1 if args.quick else 5)
     args.warmup = 1
     args.seconds = 0.0 if args.quick else args.seconds
-    markdown = args.markdown or (ROOT / "out" / "second-order-quick.md" if args.quick else ROOT / "BENCHMARKS.md")
+    markdown = args.markdown or (
+        ROOT / "out" / "second-order-quick.md" if args.quick else ROOT / "benchmarks" / "details" / "second-order.md"
+    )
     cases = []
     for model in args.models:
         cases.append(dict(model=model, lib="plain", ext="-"))

@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-from jacmem import compat
+from jacmem import compat, walker
 
 #: elementwise ops that broadcast their tensor operands against each other
 _BROADCASTING = frozenset(
@@ -207,21 +207,21 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
     A watched origin (:func:`watch`) is expanded before it meets the batch: its call
     is behind ``expand``, whose broadcast :class:`Origin` answers for (where it has a
     use: one that met the batch only through an op jacmem cannot follow has none)."""
-    todo = [(t.grad_fn, False) for t in tensors if isinstance(t, Tensor) and t.grad_fn is not None]
-    seen: set = set()
-    behind: dict = {}
-    while todo:
-        fn, crossed = todo.pop()
-        if (fn, crossed) in seen:
-            continue
-        seen.add((fn, crossed))
-        if crossed:
-            behind[fn] = None
+
+    def step(item: tuple) -> list[tuple]:
+        fn, crossed = item
         rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
         rank = len(compat.node_output_shape(fn, 0) or ())
+        following = []
         for nxt, nr in fn.next_functions:
             if nxt is not None:
-                todo.append((nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1))
+                following.append((nxt, crossed or rows > 1 and _leading(nxt, nr, rank) == 1))
+        return following
+
+    behind: dict = {}
+    for fn, crossed in walker.Walk([(fn, False) for fn in walker.roots(tensors)], step):
+        if crossed:
+            behind[fn] = None
     return list(behind)
 
 

@@ -345,6 +345,29 @@ def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[
     return params
 
 
+def counted(
+    module: nn.Module, first: Any, output: Any, batch_axis: int = 0
+) -> tuple[LayerDerivatives | None, dict[str, nn.Parameter]]:
+    """The one rule for which module calls count, for every engine (first order, clipping,
+    second order): a call of a module with trainable parameters of its own (its forward
+    reads them), or of a registered type with trainable parameters (MultiheadAttention
+    reads its ``out_proj``'s itself), given its first input ``first`` and ``output``; its
+    batch on ``batch_axis``. Returns its first-order derivatives and its trainable
+    parameters (:func:`trainable`); ``(None, {})`` for a container (the layers in it count
+    their own calls) and for a module whose parameters are all frozen (nothing to compute:
+    its derivatives are not even looked up, which may refuse it). Broadcasts and direct uses of a parameter are
+    recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
+    for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
+        if p.requires_grad:
+            break
+    else:
+        return None, {}  # frozen whole
+    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
+        return None, {}  # a container
+    entry = lookup(module, first, output, batch_axis)
+    return entry, trainable(module, entry)
+
+
 class Record:
     """One call of one module, from its forward to its backward."""
 
@@ -486,10 +509,9 @@ def record(
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
-        return None, output  # a container: the layers in it record their own calls
-    entry = lookup(module, args[0] if args else None, output, 0 if batch_first else 1)
-    params = {n: p for n, p in trainable(module, entry).items() if n not in exclude}
+    entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+    if exclude:
+        params = {n: p for n, p in params.items() if n not in exclude}
     if not params:
         return None, output
     outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
@@ -497,7 +519,7 @@ def record(
         return None, output
     n = layout.batch_size(module, name, args, kwargs, outputs) if _relaid(batch_first, entry) else None
     needs_input = entry is None or any(p not in entry.input_free for p in params)
-    keep = functools.partial(_kept, entry if needs_input else None, n)
+    keep = functools.partial(kept, entry if needs_input else None, n)
     rec = Record(module, name, entry, params, keep(args, kwargs), outputs, uses)
     rec.batch_first = batch_first
 
@@ -520,10 +542,11 @@ def record(
     return rec, output
 
 
-def _kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
-    """What a record keeps of a call's inputs: its layer's ``keep`` of them, detached, with
-    axis 1 moved first where ``n`` (the batch size there) is given; None without ``entry``
-    (no parameter of the call needs them)."""
+def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
+    """What a record keeps of a call's inputs, for every engine (first order's records,
+    second order's nodes): its layer's ``keep`` of them, detached, with axis 1 moved first
+    where ``n`` (the batch size there) is given; None without ``entry`` (no parameter of
+    the call needs them)."""
     if entry is None:
         return None
     if n is not None:  # the derivatives take the batch first

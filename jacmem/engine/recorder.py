@@ -15,13 +15,13 @@ import functools
 import threading
 import warnings
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
-from jacmem import compat
+from jacmem import compat, walker
 from jacmem.derivatives import REGISTRY, registered_type
 from jacmem.derivatives.expanded import use_entry
 from jacmem.derivatives.generic import normalises_over_batch
@@ -514,7 +514,7 @@ class BackwardWatch:
         ``run()`` makes it."""
         if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
             return run()
-        reached = list(reached_parameters(tensors))
+        reached = list(walker.parameters(tensors))
         if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
             wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
             reached = [p for p in reached if id(p) in wanted]
@@ -578,22 +578,3 @@ class BackwardWatch:
             UserWarning,
             stacklevel=5,
         )
-
-
-def reached_parameters(tensors) -> Iterator[nn.Parameter]:
-    """The ``nn.Parameter`` leaves whose AccumulateGrad nodes the graph of ``tensors`` (a
-    tensor or a sequence of them) reaches, as the walk finds them."""
-    roots = (
-        [tensors] if isinstance(tensors, torch.Tensor) else list(tensors) if isinstance(tensors, (tuple, list)) else []
-    )
-    todo = [t.grad_fn for t in roots if isinstance(t, torch.Tensor) and t.grad_fn is not None]
-    seen: set = set()
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        variable = getattr(fn, "variable", None)
-        if isinstance(variable, nn.Parameter):
-            yield variable
-        todo.extend(f for f, _ in fn.next_functions if f is not None)

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
-from jacmem import compat
+from jacmem import compat, walker
 from jacmem.memory.lean import LEAN, STOCK
 
 Key = tuple[str, int, int]
@@ -484,12 +484,7 @@ class _Recorder:
 
     def walk(self, roots) -> None:
         """Name the op and slot of every saved tensor reachable from ``roots``."""
-        seen, stack = set(), [r for r in roots if r is not None]
-        while stack:
-            node = stack.pop()
-            if node in seen:
-                continue
-            seen.add(node)
+        for node in walker.Walk(roots):
             if isinstance(node, torch.autograd.function.BackwardCFunction):
                 slots = self._read(node, "saved_tensors")
             else:
@@ -498,7 +493,6 @@ class _Recorder:
                 entry = self.entries[idx]
                 entry.op, entry.slot = node.name(), slot
                 self._needs(node, entry)
-            stack.extend(n for n, _ in node.next_functions if n is not None)
 
     def _describe(self, node) -> str:
         """Whose gradient flows into ``node``: a parameter's name, or 'input'."""
@@ -506,7 +500,7 @@ class _Recorder:
             node = node.next_functions[0][0]
         if node is None:
             return "?"
-        variable = getattr(node, "variable", None)
+        variable = walker.leaf(node)
         if variable is not None:
             return self.param_names.get(id(variable), f"leaf {list(variable.shape)}")
         return "input"

@@ -628,6 +628,22 @@ def test_a_parametrized_layer_is_refused_and_leaves_the_layers_registrations_who
     check_against(plain, reference, ["grad_batch"])
 
 
+def test_a_frozen_parametrized_layer_is_no_call_to_count():
+    """A frozen layer has nothing to compute: the one rule for which calls count
+    (:func:`jacmem.engine.hooks.counted`) skips it before looking up its derivatives, in
+    first order as in second. First order used to look them up for any module with
+    parameters, frozen or not, and refused a frozen weight-normed Linear (a frozen
+    backbone's) that second order passed, instead of the exact per-sample gradients of
+    the layers after it."""
+    model = nn.Sequential(torch.nn.utils.parametrizations.weight_norm(nn.Linear(4, 4)), nn.Tanh(), nn.Linear(4, 3))
+    model = model.double().requires_grad_(False)
+    model[2].requires_grad_(True)
+    X, y = torch.randn(5, 4, dtype=torch.float64), torch.randint(0, 3, (5,))
+    reference = per_sample_grads(model, X, y, cross_entropy, "mean")
+    run_jacmem(model, X, y, cross_entropy, "mean", [jacmem.BatchGrad()])
+    check_against(model, reference, ["grad_batch"])
+
+
 #: run in a process of its own: the first Linear of the process is legacy-weight-normed
 _LEGACY_WEIGHT_NORM_FIRST = """
 import warnings

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.support.reference import cross_entropy, per_sample_grads
 from tests.support.secondorder_ref import blocks, dense, diagonals
 from torch import nn
 
@@ -60,6 +61,21 @@ def _data():
     return torch.randn(N, T, D), torch.randint(0, C, (N,))
 
 
+def _check_ggn_diagonals(model: nn.Module, X, y) -> None:
+    """DiagGGNExact and BatchDiagGGNExact of every trainable parameter, after one backward
+    of the mean cross-entropy, against torch.func's dense GGN, whole and per sample."""
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
+        lossf(model(X), y).backward()
+    ggn, _ = dense(model, lossf, X, y, hess=False)
+    ggn_n, _ = dense(model, lossf, X, y, per_sample=True, hess=False)
+    want, want_n = diagonals(model, ggn), diagonals(model, ggn_n)
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(p.diag_ggn_exact_batch, want_n[name], rtol=1e-9, atol=1e-12, msg=name)
+
+
 def test_a_parameter_no_call_covers_raises_before_any_result():
     """DiagHessian follows module Jacobians only: the root's ``pos`` has none, so the
     backward raises, naming it and its module, and nothing is written (it used to give
@@ -79,15 +95,7 @@ def test_stock_encoder_layer_and_a_root_position_parameter_are_exact():
     and per sample, through the autograd path: they used to get nothing (the second-order
     engine skipped every module with children)."""
     model, (X, y) = Encoder().eval(), _data()
-    lossf = nn.CrossEntropyLoss()
-    with jacmem.extend(DiagGGNExact(), BatchDiagGGNExact()):
-        lossf(model(X), y).backward()
-    ggn, _ = dense(model, lossf, X, y, hess=False)
-    ggn_n, _ = dense(model, lossf, X, y, per_sample=True, hess=False)
-    want, want_n = diagonals(model, ggn), diagonals(model, ggn_n)
-    for name, p in model.named_parameters():
-        torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
-        torch.testing.assert_close(p.diag_ggn_exact_batch, want_n[name], rtol=1e-9, atol=1e-12, msg=name)
+    _check_ggn_diagonals(model, X, y)
 
 
 def test_a_parameter_read_outside_every_module_raises():
@@ -193,3 +201,65 @@ def test_attention_with_the_batch_second_raises_naming_the_fix():
     with pytest.raises(UnsupportedCurvatureError, match=msg), jacmem.extend(DiagGGNExact()):
         lossf(model(X), y).backward()
     assert not any(hasattr(p, "diag_ggn_exact") for p in model.parameters())
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")
+def test_attention_with_its_input_projection_frozen_is_exact_in_both_orders():
+    """MultiheadAttention with ``in_proj_*`` frozen (LoRA-style fine-tuning) reads its
+    ``out_proj``'s parameters itself: the one rule counts the call (a registered type), in
+    first order as in second. Second order used to count only modules with trainable
+    parameters of their own, and raised naming ``out_proj``'s parameters as read outside
+    every module, where first order gave them their per-sample gradients."""
+    model, (X, y) = Encoder().eval(), _data()
+    attn = model.enc.self_attn
+    attn.in_proj_weight.requires_grad_(False)
+    attn.in_proj_bias.requires_grad_(False)
+    _check_ggn_diagonals(model, X, y)
+    grads = per_sample_grads(model, X, y, cross_entropy)
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.CrossEntropyLoss()(model(X), y).backward()
+    for p in (attn.out_proj.weight, attn.out_proj.bias):
+        torch.testing.assert_close(p.grad_batch, grads[p], rtol=1e-9, atol=1e-12)
+
+
+V = 7
+
+
+class Everything(nn.Module):
+    """Each kind of call the one rule counts: an embedding whose weight the head shares (a
+    tied weight, two calls), a position embedding called on ``[1, T]`` ids (a broadcast over
+    the batch), a parameter read in the root's forward, and MultiheadAttention (its own
+    parameters and its ``out_proj``'s)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(V, D)
+        self.pos = nn.Embedding(T, D)
+        self.shift = nn.Parameter(torch.randn(1, 1, D) / 3)
+        self.att = nn.MultiheadAttention(D, 2, batch_first=True)
+        self.head = nn.Linear(D, V)
+        self.head.weight = self.emb.weight
+
+    def forward(self, ids):
+        h = self.emb(ids) + self.pos(torch.arange(ids.shape[1])[None]) + self.shift
+        h, _ = self.att(h, h, h, need_weights=False)
+        return self.head(h).flatten(1)
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")
+def test_first_and_second_order_count_the_same_calls():
+    """Both engines count each call of :class:`Everything` (issue 37, item 1): every
+    trainable parameter gets its per-sample gradient (against a loop of per-sample
+    backwards) and its GGN diagonal, whole and per sample (against torch.func's dense GGN),
+    the tied weight summed over its two calls, the broadcast and the root's parameter per
+    sample."""
+    torch.manual_seed(0)
+    model = Everything()
+    ids, y = torch.randint(0, V, (N, T)), torch.randint(0, T * V, (N,))
+    _check_ggn_diagonals(model, ids, y)
+    grads = per_sample_grads(model, ids, y, cross_entropy)
+    model.zero_grad()
+    with jacmem.extend(jacmem.BatchGrad()):
+        nn.CrossEntropyLoss()(model(ids), y).backward()
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad_batch, grads[p], rtol=1e-9, atol=1e-12, msg=name)

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from jacmem import compat
+from jacmem import compat, walker
 from jacmem.derivatives import LOSSES
 from jacmem.derivatives.functional import StandInLoss
 from jacmem.engine import hooks, precision
@@ -456,22 +456,18 @@ def _expected(split: Split, records: list, g_z: Tensor, losses: list) -> dict:
 def _only_through(out: GradientEdge, z: GradientEdge) -> bool:
     """Whether every path of autograd's graph from ``out`` down ends at ``z`` (or at a
     tensor that needs no gradient), within :data:`_LOSS_NODES` nodes."""
-    seen, todo = set(), [out.node]
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        if len(seen) > _LOSS_NODES:
+
+    def elsewhere(nxt, nr: int) -> bool:  # another output of z's node, or a leaf (a parameter)
+        return nxt is z.node and nr != z.output_nr or nxt is not z.node and not nxt.next_functions
+
+    def step(fn) -> list:
+        return [nxt for nxt, nr in walker.edges(fn) if nxt is not z.node]
+
+    walk = walker.Walk([out.node], step, limit=_LOSS_NODES)
+    for fn in walk:
+        if any(elsewhere(nxt, nr) for nxt, nr in walker.edges(fn)):
             return False
-        for nxt, nr in fn.next_functions:
-            if nxt is z.node and nr == z.output_nr:
-                continue
-            if nxt is z.node or (nxt is not None and not nxt.next_functions):
-                return False  # another output of z's node, or a leaf (a parameter)
-            if nxt is not None:
-                todo.append(nxt)
-    return True
+    return not walk.cut
 
 
 def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tensor:
@@ -531,7 +527,7 @@ def _multiple_of(root: GradientEdge, edge: GradientEdge) -> bool:
     for _ in range(16):
         if fn is edge.node and nr == edge.output_nr:
             return True
-        following = [e for e in fn.next_functions if e[0] is not None]
+        following = walker.edges(fn)
         if fn.name() not in _SCALINGS or len(following) != 1:
             return False
         fn, nr = following[0]
@@ -670,18 +666,18 @@ def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
     walking autograd's graph back from ``z``), ``None`` where there is no such one. Its
     other operand carries the batch: its gradient is the shared output's, per sample."""
     users: list[list] = [[] for _ in edges]
-    seen, stack = {}, [z.node]
-    while stack:
-        fn = stack.pop()
-        if fn is None or id(fn) in seen:
-            continue
-        seen[id(fn)] = fn  # held, so that no id is reused during the walk
-        for nxt, nr in fn.next_functions:
+
+    def step(fn) -> list:
+        following = []
+        for nxt, nr in walker.edges(fn):
             hit = [k for k, e in enumerate(edges) if nxt is e.node and nr == e.output_nr]
             for k in hit:
                 users[k].append(fn)
             if not hit:
-                stack.append(nxt)
+                following.append(nxt)
+        return following
+
+    walker.Walk([z.node], step)
     return [
         GradientEdge(u[0], 0)
         if len(u) == 1 and u[0].name() == "AddBackward0" and compat.saved_value(u[0], "alpha") == 1

@@ -12,20 +12,18 @@ from __future__ import annotations
 import copy
 import functools
 import weakref
-from collections import deque
 from dataclasses import replace
 
 import torch
 from torch import Tensor, nn
 from torch.overrides import TorchFunctionMode
 
-from jacmem import compat
-from jacmem.derivatives import detached, lookup, lookup_loss, lookup_passthrough
+from jacmem import compat, walker
+from jacmem.derivatives import lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
 from jacmem.engine.base import Engine, Setup, Write
-from jacmem.engine.recorder import reached_parameters
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -235,7 +233,7 @@ class SecondOrderEngine(Engine):
                 self._mark_untracked_path(x.grad_fn, node)
                 self.autograd.untracked = True
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
-        self._first_order(node, args, kwargs, output)
+        self._first_order(node, hooks.counted(module, first, output), args, kwargs, output)
         # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
         node.kept_low_precision = precision.is_low((output, inputs))
         self.producer[output] = node
@@ -245,28 +243,24 @@ class SecondOrderEngine(Engine):
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
-    def _first_order(self, node: Node, args: tuple, kwargs: dict, output: Tensor, used: bool = False) -> None:
-        """``node.params``: the module's trainable parameters (its own, and a submodule's
-        its forward uses itself) that its first-order entry covers, with what that entry
-        keeps; the backward refuses the others (:meth:`on_backward`). ``used``: only those
-        ``output`` depends on (a container's own: a ``logit_scale`` it holds but the loss
-        reads is no part of its call)."""
+    def _first_order(self, node: Node, counted: tuple, args: tuple, kwargs: dict, output: Tensor, used=False) -> None:
+        """``node.params``: the call's trainable parameters as the one rule counts them for
+        every engine (``counted``: :func:`jacmem.engine.hooks.counted`'s first-order entry and
+        parameters) that the entry covers, with what it keeps; the backward refuses the
+        others (:meth:`on_backward`). ``used``: only those ``output`` depends on (a
+        container's own: a ``logit_scale`` it holds but the loss reads is no part of its call)."""
         module = node.module
-        first = args[0] if args else None
-        node.params = {n: p for n, p in own_parameters(module) if p.requires_grad}
+        fo, params = counted
+        node.params = _trainable(module, fo, params)
+        if used and node.params:
+            ids = set(map(id, walker.parameters(output)))
+            node.params = {n: p for n, p in node.params.items() if id(p) in ids}
         if node.params:
-            fo = lookup(module, first, output)
-            node.params = _trainable(module, fo)
-            if used and node.params:
-                ids = set(map(id, reached_parameters(output)))
-                node.params = {n: p for n, p in node.params.items() if id(p) in ids}
-            if node.params:
-                node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
-                x = fo.keep(args, kwargs)
-                node.param_input = fo.arrange_input(detached(x), **node.param_hyperparams)
-                self._mark_tied(node)
-                self.covered.update(map(id, node.params.values()))
-                self._check(node)
+            node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
+            node.param_input = fo.arrange_input(hooks.kept(fo, None, args, kwargs), **node.param_hyperparams)
+            self._mark_tied(node)
+            self.covered.update(map(id, node.params.values()))
+            self._check(node)
 
     def _check(self, node: Node) -> None:
         """Notes ``node``'s parameters in :attr:`refused` where an extension of the block
@@ -318,28 +312,26 @@ class SecondOrderEngine(Engine):
         fn, index = x.grad_fn, x.output_nr
         while node is None and compat.is_backward_hook_node(fn):
             fn, index = fn.next_functions[index]
-            ref = fn.metadata.get("jacmem") if fn is not None else None
-            node = ref() if ref is not None else None
+            node = _tracked(fn) if fn is not None else None
         return node
 
-    def _mark_untracked_path(self, fn, consumer: Node) -> None:
-        """Tell the tracked nodes above ``fn`` (through untracked operations) who
+    def _mark_untracked_path(self, start, consumer: Node) -> None:
+        """Tell the tracked nodes above autograd node ``start`` (through untracked operations) who
         consumes their output, through which unsupported module, and which operation
         (its ``grad_fn``) took their output, for the error."""
-        seen, queue = set(), deque([(fn, None, None)])
-        while queue and len(seen) < _SEARCH_NODES:
-            fn, via, op = queue.popleft()
-            if fn is None or fn in seen:
-                continue
-            seen.add(fn)
-            ref = fn.metadata.get("jacmem")
-            node = ref() if ref is not None else None
+
+        def step(item: tuple) -> list[tuple]:
+            fn, via, _ = item
+            if _tracked(fn) is not None:
+                return []  # a tracked call's output: the path ends there
+            via = via or fn.metadata.get("jacmem_unsupported")
+            return [(f, via, fn.name()) for f in walker.children(fn)]
+
+        for fn, via, op in walker.Walk([(start, None, None)], step, limit=_SEARCH_NODES, breadth=True, key=_node_of):
+            node = _tracked(fn)
             if node is not None:
                 through = f"module {via}" if via else f"the operation {op}"
                 node.untracked_consumers.append(f"{consumer.name!r} (through {through})")
-                continue
-            via = via or fn.metadata.get("jacmem_unsupported")
-            queue.extend((f, via, fn.name()) for f, _ in fn.next_functions)
 
     def _untracked(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """A module that nothing here can pass through. A layer (a leaf, or a module of a
@@ -351,9 +343,9 @@ class SecondOrderEngine(Engine):
         recorder records it. Any other parameter the backward reaches makes it raise
         (:meth:`on_backward`)."""
         first = args[0] if args else None
-        own = any(p.requires_grad for _, p in own_parameters(module))
         layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
-        fo = lookup(module, first, output) if own or layer else None
+        fo, params = hooks.counted(module, first, output)
+        fo = fo if params or layer else None  # (a container's frozen own parameters: no call of its)
         out = output if fo is None else fo.outputs(output)
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]  # (the generic recomputation's outputs: a list of one)
@@ -377,7 +369,7 @@ class SecondOrderEngine(Engine):
             )
         if why is not None:  # a backward that reaches its parameters raises (on_backward)
             exts = ", ".join(map(repr, self.extensions))
-            self._refuse(exts, why, _trainable(module, fo), f"{self.name(module)!r} ({type(module).__name__})")
+            self._refuse(exts, why, _trainable(module, fo, params), f"{self.name(module)!r} ({type(module).__name__})")
             return
         if not isinstance(out, Tensor) or not out.requires_grad:
             return
@@ -385,7 +377,7 @@ class SecondOrderEngine(Engine):
         self.autograd.untracked = True  # its parameters' curvature comes by the path alone
         node = Node(module, self.name(module), None, None)
         node.out_shape = tuple(out.shape)
-        self._first_order(node, args, kwargs, out, used=not layer)
+        self._first_order(node, (fo, params), args, kwargs, out, used=not layer)
         if node.params:
             # what it keeps (its parameters' input) is 16-bit under autocast: cast on its first backward
             node.kept_low_precision = precision.is_low((out, node.param_input))
@@ -642,16 +634,15 @@ class _Functional(TorchFunctionMode):
         return self.engine.on_function(func, build, args, kwargs)
 
 
-def _trainable(module: nn.Module, fo) -> dict[str, nn.Parameter]:
-    """The trainable parameters of ``module``'s call (its own, and a submodule's its
-    forward uses itself) that its first-order entry ``fo`` has derivatives for (the
-    others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a submodule
-    holds as its own (HF BERT's prediction head's bias, its decoder's): that submodule's
-    call records it, as in first order."""
+def _trainable(module: nn.Module, fo, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:
+    """Of the trainable parameters the one rule counts for ``module``'s call (``params``:
+    :func:`jacmem.engine.hooks.counted`), those its first-order entry ``fo`` has derivatives
+    for (the others stay uncovered: :meth:`SecondOrderEngine.on_backward`), but one a
+    submodule holds as its own (HF BERT's prediction head's bias, its decoder's): that
+    submodule's call records it, as first order's direct uses leave it to it."""
     if fo is None:
         return {}
     held = {id(q) for m in module.modules() if m is not module for _, q in own_parameters(m)}
-    params = hooks.trainable(module, fo)
     return {n: p for n, p in params.items() if n in fo.params and ("." in n or id(p) not in held)}
 
 
@@ -672,21 +663,29 @@ def _input_edges(fn, taps: dict[tuple, int], stop: set) -> dict[object, list[tup
     ``taps``, searched from the call's output ``fn`` down to its inputs' grad_fns
     (``stop``) and tracked outputs; ``None`` past ``_TAP_NODES`` nodes."""
     edges: dict[object, list[tuple[int, int]]] = {}
-    seen, todo = set(), [fn]
-    while todo:
-        fn = todo.pop()
-        if fn in seen:
-            continue
-        seen.add(fn)
-        if len(seen) > _TAP_NODES:
-            return None
+
+    def step(fn) -> list:
+        following = []
         for k, (nxt, nr) in enumerate(fn.next_functions):
             i = taps.get((nxt, nr))
             if i is not None:
                 edges.setdefault(fn, []).append((k, i))
             elif nxt is not None and nxt not in stop and "jacmem" not in nxt.metadata:
-                todo.append(nxt)
-    return edges
+                following.append(nxt)
+        return following
+
+    return None if walker.Walk([fn], step, limit=_TAP_NODES).cut else edges
+
+
+def _tracked(fn) -> Node | None:
+    """The live node whose call's output autograd node ``fn`` is, or None."""
+    ref = fn.metadata.get("jacmem")
+    return ref() if ref is not None else None
+
+
+def _node_of(item: tuple):
+    """The autograd node of a walk's item ``(node, ...)``: what counts as visited."""
+    return item[0]
 
 
 def _shape_of(x: Tensor) -> Tensor:
