@@ -45,6 +45,7 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from jacmem import compat
 from jacmem.derivatives.jacobians import vjp_generic
 from jacmem.derivatives.quantities import QUANTITIES, Quantity, as_quantity
 
@@ -486,11 +487,11 @@ def own_parameters(module: nn.Module):
     (``"lora_embedding_A.default"``: PEFT's ``lora.Embedding``), since a parameter
     container is never called and its parameters are its parent's to use."""
     seen = set()  # as named_parameters(recurse=False), which it is without the module walk
-    for name, p in module._parameters.items():
+    for name, p in compat.parameter_slots(module).items():
         if p is not None and id(p) not in seen:
             seen.add(id(p))
             yield name, p
-    for child_name, child in module._modules.items():
+    for child_name, child in compat.child_slots(module).items():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             for name, p in own_parameters(child):
                 yield f"{child_name}.{name}", p

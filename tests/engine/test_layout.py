@@ -146,8 +146,9 @@ def test_no_file_imports_another_files_private_names():
 def test_the_public_add_ons_import_public_names_only():
     """privacy, laplace and memory import the package's public names, the block
     (:class:`jacmem.engine.block.Block`) and the public extensions, nothing else of the
-    engine; and the one graph walker (:mod:`jacmem.walker`), which the memory report's walk uses."""
-    allowed = {"jacmem", "jacmem.engine.block", "jacmem.extensions.clipping", "jacmem.walker"}
+    engine; :mod:`jacmem.compat`, the one way to a private torch API for every layer; and the one
+    graph walker (:mod:`jacmem.walker`), which the memory report's walk uses."""
+    allowed = {"jacmem", "jacmem.compat", "jacmem.engine.block", "jacmem.extensions.clipping", "jacmem.walker"}
     wrong = []
     for name, path in MODULES.items():
         if _package_of(name) not in ("jacmem.privacy", "jacmem.laplace", "jacmem.memory"):

@@ -49,7 +49,7 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from jacmem import walker
+from jacmem import compat, walker
 from jacmem.derivatives import LOSSES
 from jacmem.derivatives.functional import StandInLoss
 from jacmem.derivatives.quantities import EMPIRICAL, EXACT, FactorKind
@@ -470,7 +470,9 @@ def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tens
     through the linear links: ``[M, N, *z]``."""
     loss, edge, links = sampler
     (c,) = torch.autograd.grad([root], [edge], [g_root], retain_graph=True)
-    torch._assert_async(c >= 0, "jacmem: the loss enters the backward with a negative weight; the GGN needs it >= 0")
+    compat.assert_on_device(
+        c >= 0, "jacmem: the loss enters the backward with a negative weight; the GGN needs it >= 0"
+    )
     x, y = loss.inputs[0], loss.inputs[1] if len(loss.inputs) > 1 else None
     hp = {k: v for k, v in loss.hp.items() if k != "forward"}
     S = loss.loss.sampled(x, y, m, **hp) * c.sqrt()
@@ -671,7 +673,7 @@ def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
     walker.Walk([z.node], step)
     return [
         GradientEdge(u[0], 0)
-        if len(u) == 1 and u[0].name() == "AddBackward0" and getattr(u[0], "_saved_alpha", None) == 1
+        if len(u) == 1 and u[0].name() == "AddBackward0" and compat.saved_value(u[0], "alpha") == 1
         else None
         for u in users
     ]
