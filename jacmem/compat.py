@@ -11,7 +11,9 @@ below is from torch's history, not from a test).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -24,6 +26,8 @@ __all__ = [
     "WeakTensorKeyDictionary",
     "assert_on_device",
     "autograd_inside_op",
+    "buffer_slots",
+    "child_slots",
     "current_graph_task_id",
     "dynamo_callback",
     "fsdp_parameters",
@@ -35,12 +39,18 @@ __all__ = [
     "grad_captures",
     "is_compiled_module",
     "never_compile_alone",
+    "node_output_shape",
+    "parameter_slots",
     "plain_torch_function",
     "queue_callback",
+    "saved_names",
+    "saved_value",
     "swap_parameters",
+    "tensor_version",
     "tree_flatten",
     "tree_map",
     "tree_unflatten",
+    "watch_autograd",
     "will_engine_execute_node",
     "without_function_mode",
 ]
@@ -267,6 +277,63 @@ def swap_parameters(module: nn.Module, tensors: dict[str, Tensor]) -> Callable[[
     return restore
 
 
+def parameter_slots(module: nn.Module) -> dict[str, nn.Parameter | None]:
+    """``module``'s own parameters by name, the dict its forward reads them from (None for a
+    name registered empty); writing it changes what the forward uses. Faster than
+    ``named_parameters(recurse=False)``, which walks the module tree to list it.
+    ``nn.Module._parameters``, which every torch release has had."""
+    return module._parameters
+
+
+def buffer_slots(module: nn.Module) -> dict[str, Tensor | None]:
+    """``module``'s own buffers by name, the dict its forward reads them from (None for a
+    name registered empty); writing it changes what the forward uses.
+    ``nn.Module._buffers``, which every torch release has had."""
+    return module._buffers
+
+
+def child_slots(module: nn.Module) -> dict[str, nn.Module | None]:
+    """``module``'s direct submodules by name, in registration order (None for a name
+    registered empty). ``nn.Module._modules``, which every torch release has had."""
+    return module._modules
+
+
+def tensor_version(t: Tensor) -> int:
+    """``t``'s version counter: it grows with each in-place write to ``t`` (or to a view
+    of its storage), which is how autograd tells that a saved tensor changed.
+    ``Tensor._version``, since torch 0.4."""
+    return t._version
+
+
+#: the prefix of the attributes through which an autograd node of a built-in op shows what
+#: it saved for its backward (``MulBackward0._saved_other``)
+_SAVED = "_saved_"
+
+
+def saved_names(node) -> list[str]:
+    """The names of what the autograd ``node`` of a built-in op saved for its backward
+    (``["self", "other"]`` for ``MulBackward0``), for :func:`saved_value`; none for a
+    custom Function's node (its ``saved_tensors`` holds them). The ``_saved_<name>``
+    attributes of autograd's generated nodes, since torch 1.10."""
+    return [a[len(_SAVED) :] for a in dir(node) if a.startswith(_SAVED)]
+
+
+def saved_value(node, name: str, default: Any = None) -> Any:
+    """What the autograd ``node`` of a built-in op saved under ``name`` for its backward
+    (a tensor, unpacked as its backward would: a saved-tensor hook's unpack runs; or a
+    number, as ``AddBackward0``'s ``alpha``), ``default`` where it saved nothing of that
+    name. Its attribute ``_saved_<name>``, since torch 1.10."""
+    return getattr(node, _SAVED + name, default)
+
+
+def node_output_shape(node, index: int) -> tuple[int, ...] | None:
+    """The shape of output ``index`` of the forward op whose autograd node is ``node``,
+    the gradient it takes there (None where torch keeps none). The node's
+    ``_input_metadata``, since torch 2.1."""
+    meta = getattr(node, "_input_metadata", None)
+    return tuple(meta[index].shape) if meta is not None and index < len(meta) else None
+
+
 def fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter | None]]:
     """The parameters an FSDP2 module (``fully_shard``) manages itself, not those of
     the FSDP2 modules inside it: (sharded parameter, the user's ``DTensor``; unsharded
@@ -278,3 +345,62 @@ def fsdp_parameters(module: nn.Module) -> list[tuple[nn.Parameter, nn.Parameter 
     if group is None:
         return []
     return [(fp.sharded_param, getattr(fp, "_unsharded_param", None)) for fp in group.fsdp_params]
+
+
+#: the functions of ``torch.autograd`` that :func:`watch_autograd` replaces -> where their
+#: arguments are, by (position, counting the tensors first; name): the tensors the pass
+#: starts from, their gradients, ``inputs`` and ``create_graph`` (torch's signatures)
+_AUTOGRAD_CALLS = {
+    "backward": ((0, "tensors"), (1, "grad_tensors"), (5, "inputs"), (3, "create_graph")),
+    "grad": ((0, "outputs"), (2, "grad_outputs"), (1, "inputs"), (4, "create_graph")),
+}
+
+#: the attribute that marks a replacement of :func:`watch_autograd` taken off
+_OFF = "_jacmem_off"
+
+#: ``around(run, tensors, grad_tensors, inputs, create_graph)``: see :func:`watch_autograd`
+Around = Callable[[Callable[[], Any], Any, Any, Any, bool], Any]
+
+
+def watch_autograd(around: Around) -> Callable[[], None]:
+    """Route each call of ``torch.autograd.backward`` and ``torch.autograd.grad``
+    (``Tensor.backward`` calls the former) through ``around(run, tensors, grad_tensors,
+    inputs, create_graph)``, which returns what ``run()``, the call itself, returns
+    (``grad_tensors``: ``grad``'s ``grad_outputs``; None where not given); returns the
+    function that ends it. Replaces the two attributes of ``torch.autograd``, which every
+    torch release has had.
+
+    Watches nest, and end in any order: an ended watch whose replacement another
+    one (or anyone's) wraps stays there as a plain call of what it wrapped, and is taken
+    out when the one over it ends; once every watch has ended, torch's own functions are
+    back."""
+    backward, grad = _watched("backward", around), _watched("grad", around)
+    torch.autograd.backward, torch.autograd.grad = backward, grad
+
+    def end() -> None:
+        for name, watched in (("backward", backward), ("grad", grad)):
+            setattr(watched, _OFF, True)
+            if getattr(torch.autograd, name) is watched:
+                target = watched.__wrapped__
+                while getattr(target, _OFF, False):  # an ended watch under this one
+                    target = target.__wrapped__
+                setattr(torch.autograd, name, target)
+
+    return end
+
+
+def _watched(name: str, around: Around) -> Callable:
+    """``torch.autograd``'s function ``name`` as it is now, through ``around`` (:func:`watch_autograd`)."""
+    original = getattr(torch.autograd, name)
+    where = _AUTOGRAD_CALLS[name]
+
+    @functools.wraps(original)
+    def watched(*args, **kwargs):
+        if getattr(watched, _OFF, False):
+            return original(*args, **kwargs)
+        n, ((i, a), (j, b), (k, c), (m, d)) = len(args), where  # (no comprehension: a call per backward)
+        tensors, grads = args[i] if n > i else kwargs.get(a), args[j] if n > j else kwargs.get(b)
+        inputs, create_graph = args[k] if n > k else kwargs.get(c), args[m] if n > m else kwargs.get(d)
+        return around(functools.partial(original, *args, **kwargs), tensors, grads, inputs, bool(create_graph))
+
+    return watched

@@ -133,34 +133,33 @@ class _ClippedSum:
     divisor ``B·k``, as Opacus's per-sample optimizers count them; a parameter no sample
     reached (an empty Poisson batch) has a zero clipped sum and gets noise alone.
 
-    The clipping threshold is the optimizer's: the block's :class:`ClipGrad` reads it
-    from :meth:`clip_threshold` in every backward pass, so that what Opacus's grad-clip
-    schedulers (or adaptive clipping) set between steps clips the next step's passes,
-    and the noise of a step has the ``C`` its passes were clipped at."""
+    The clipping threshold is the optimizer's, handed down to the block's :class:`ClipGrad`
+    (:meth:`_hand_down`) whenever it changes while no pass of the step has been clipped,
+    and after each step: what Opacus's grad-clip schedulers (or adaptive clipping) set
+    between steps clips the next step's passes, and the noise of a step has the ``C`` its
+    passes were clipped at (the clip holds it, :attr:`ClipGrad.held`). The engine never
+    reads the optimizer."""
 
     private: _Private
-    #: per_layer: one threshold per parameter of ``_threshold_params``, in its order (as
-    #: Opacus's ``DPPerLayerOptimizer`` keeps them); None for one threshold
-    max_grad_norms: list[float] | None = None
+    #: per_layer: one threshold per parameter of ``_threshold_params`` (:attr:`max_grad_norms`)
+    _max_grad_norms: list[float] | None = None
     #: per_layer: the optimizer's parameters trainable at make_private, which the
     #: thresholds belong to (``self.params`` is those trainable now: one frozen since
     #: would shift every later threshold onto the next parameter)
     _threshold_params: Sequence[nn.Parameter] = ()
-    #: the threshold the passes since the last step were clipped at (None before the first)
-    _held: float | list[float] | None = None
 
     def _own_threshold(
         self, private: _Private, optimizer: optim.Optimizer, max_grad_norm: float | Sequence[float]
     ) -> float:
         """Take the block's clipping threshold over (before Opacus's ``__init__``, to which
-        it returns the noise's ``C``); per-layer thresholds belong to ``optimizer``'s
-        trainable parameters, in its order."""
+        it returns the noise's ``C``, and which sets :attr:`max_grad_norm`, handing it
+        down); per-layer thresholds belong to ``optimizer``'s trainable parameters, in its
+        order."""
         self.private = private
-        private.clip.max_norm = self.clip_threshold
         if isinstance(max_grad_norm, numbers.Real):
             return max_grad_norm
-        self.max_grad_norms = [float(c) for c in max_grad_norm]
         self._threshold_params = [p for group in optimizer.param_groups for p in group["params"] if p.requires_grad]
+        self._max_grad_norms = [float(c) for c in max_grad_norm]
         return self.max_grad_norm
 
     @property
@@ -178,28 +177,44 @@ class _ClippedSum:
     def max_grad_norm(self, value: float) -> None:
         if self.max_grad_norms is None:
             self._max_grad_norm = value
+            self._hand_down()
         else:
             scale = value / self.max_grad_norm
             self.max_grad_norms = [c * scale for c in self.max_grad_norms]
 
-    def _threshold_now(self) -> float | list[float]:
-        return self.max_grad_norm if self.max_grad_norms is None else list(self.max_grad_norms)
+    @property
+    def max_grad_norms(self) -> list[float] | None:
+        """per_layer: one threshold per parameter trainable at make_private, in the
+        optimizer's order (as Opacus's ``DPPerLayerOptimizer`` keeps them); None for one
+        threshold. Setting them sets the next backward pass's thresholds."""
+        return self._max_grad_norms
 
-    def clip_threshold(self) -> float | dict[nn.Parameter, float]:
-        """The threshold of a backward pass: the optimizer's at the first pass since the
-        last step, for every pass until the next step (they share one noise)."""
-        if self._held is None:
-            self._held = self._threshold_now()
+    @max_grad_norms.setter
+    def max_grad_norms(self, value: Sequence[float]) -> None:
+        self._max_grad_norms = list(value)
+        self._hand_down()
+
+    def _hand_down(self) -> None:
+        """Set the block's :class:`ClipGrad` to the optimizer's threshold, for the next
+        backward passes; not once a pass of this step was clipped (the clip holds its
+        threshold: the step's passes share one noise)."""
+        if self.private.clip.held is None:
+            self.private.clip.max_norm = self._threshold_now(by=lambda p: p)
+
+    def _threshold_now(self, by: Callable = id) -> float | dict:
+        """The optimizer's threshold: one float, or per layer ``by(param) -> C_p``."""
         if self.max_grad_norms is None:
-            return self._held
-        return dict(zip(self._threshold_params, self._held))
+            return self.max_grad_norm
+        return {by(p): c for p, c in zip(self._threshold_params, self.max_grad_norms)}
 
     def _check_threshold(self) -> None:
         """Raise where the threshold changed after this step's first backward pass: its
         passes were clipped at the old one, and the noise would take the new one."""
-        if self._held is not None and self._held != self._threshold_now():
+        held, now = self.private.clip.held, self._threshold_now()
+        if held is not None and held != now:
+            was = held if self.max_grad_norms is None else [held.get(id(p)) for p in self._threshold_params]
             raise RuntimeError(
-                f"jacmem: max_grad_norm changed from {self._held} to {self._threshold_now()} after the backward "
+                f"jacmem: max_grad_norm changed from {was} to {self.max_grad_norms or now} after the backward "
                 "passes of this step were clipped at the former, so the noise would not match their sensitivity. "
                 "Change it between optimizer.step() and the next backward pass (as Opacus's grad-clip schedulers "
                 "do when they step after the optimizer), or set it back before this step."
@@ -212,9 +227,10 @@ class _ClippedSum:
         return max(1, self.private.clip.passes)
 
     def _restart(self) -> None:
-        self.private.clip.reset()
-        if not self._is_last_step_skipped:  # a skipped step's passes are the next step's
-            self._held = None
+        """After a step (or ``zero_grad``): the clip counts afresh, and takes the
+        optimizer's threshold now; a skipped step's passes are the next step's, and keep theirs."""
+        self.private.clip.reset(keep_threshold=self._is_last_step_skipped)
+        self._hand_down()
 
     def accumulate(self) -> None:
         """Opacus's, with zeros for a gradient no sample gave (in place, so that a

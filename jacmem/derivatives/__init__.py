@@ -22,6 +22,7 @@ from jacmem.derivatives import (
     rnn,
     shape,
 )
+from jacmem.derivatives.quantities import FactorKind, MonteCarlo, Quantity, factor_kind, quantity
 from jacmem.derivatives.registry import (
     LOSSES,
     PASSTHROUGH,
@@ -59,6 +60,9 @@ __all__ = [
     "QUANTITIES",
     "REGISTRY",
     "Cost",
+    "FactorKind",
+    "MonteCarlo",
+    "Quantity",
     "Kronecker",
     "LayerDerivatives",
     "LossHessian",
@@ -72,6 +76,7 @@ __all__ = [
     "detached",
     "entries",
     "embedding",
+    "factor_kind",
     "forward_of",
     "functional",
     "generic",
@@ -86,6 +91,7 @@ __all__ = [
     "passthrough",
     "pooling",
     "quantities",
+    "quantity",
     "qualified_name",
     "recognised",
     "register",

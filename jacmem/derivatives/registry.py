@@ -45,8 +45,9 @@ from typing import Any
 from torch import Tensor, nn
 from torch.nn.utils import parametrize
 
+from jacmem import compat
 from jacmem.derivatives.jacobians import vjp_generic
-from jacmem.derivatives.quantities import QUANTITIES
+from jacmem.derivatives.quantities import QUANTITIES, Quantity, as_quantity
 
 
 @dataclass(frozen=True)
@@ -311,15 +312,18 @@ def layer(
 def register(
     module_type: type,
     param: str,
-    quantity: str = "batch_grad",
+    quantity: str | type[Quantity] = "batch_grad",
     strategy: str = "default",
     *,
     cost: Callable[..., Cost | None] | None = None,
     writes_out: bool = False,
     also: tuple[str, ...] = (),
 ) -> Callable[[Callable], Callable]:
-    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` for the
-    parameter ``param`` of ``module_type``.
+    """Decorator: register ``fn`` as strategy ``strategy`` of ``quantity`` (a registered
+    quantity's name or class, :mod:`.quantities`) for the parameter ``param`` of
+    ``module_type``. A quantity with parameters hands them to ``fn`` and ``cost`` as
+    keyword arguments, beside the layer's hyper-parameters: one strategy serves every
+    parameterisation.
 
     This is also the public way to teach jacmem a module of your own, see
     ``examples/plot_custom_module.py``. Declare the module's hyper-parameters and what to
@@ -331,8 +335,10 @@ def register(
     registrations under that name that no instance has confirmed yet are withdrawn, so
     the registry is as it was before them and a corrected registration works.
     """
+    quantity = quantity.name if isinstance(quantity, type) and issubclass(quantity, Quantity) else quantity
     if quantity not in QUANTITIES:
         raise ValueError(f"unknown quantity {quantity!r}; valid: {', '.join(QUANTITIES)}")
+    also = tuple(map(as_quantity, also))
 
     def decorate(fn: Callable) -> Callable:
         _changed()
@@ -490,11 +496,11 @@ def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     container is never called and its parameters are its parent's to use. (A list, not
     a generator: it is read at every recorded call.)"""
     found, seen = [], set()  # as named_parameters(recurse=False), which it is without the module walk
-    for name, p in module._parameters.items():
+    for name, p in compat.parameter_slots(module).items():
         if p is not None and id(p) not in seen:
             seen.add(id(p))
             found.append((name, p))
-    for child_name, child in module._modules.items():
+    for child_name, child in compat.child_slots(module).items():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             for name, p in own_parameters(child):
                 found.append((f"{child_name}.{name}", p))

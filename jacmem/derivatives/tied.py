@@ -17,8 +17,11 @@ import torch
 from torch import Tensor
 
 from jacmem.derivatives.embedding import add_rows
-from jacmem.derivatives.quantities import add_moments
+from jacmem.derivatives.quantities import BATCH_L2, GRAD, SUM_GRAD_SQUARED, add_moments
 from jacmem.derivatives.registry import Cost
+
+#: the quantities :func:`summed_moments` gives from the ghost factors of a parameter's calls
+FROM_FACTORS = frozenset((BATCH_L2, SUM_GRAD_SQUARED, GRAD))
 
 
 def _row_gram(r: Tensor, s: Tensor) -> Tensor:

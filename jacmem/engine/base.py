@@ -15,14 +15,13 @@ from __future__ import annotations
 import threading
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.engine import precision
+from jacmem.engine import distributed, fsdp, precision, recorder
 
 #: (object, attribute, value): one result to write at the end of a pass
 Write = tuple[Any, str, Any]
@@ -228,26 +227,85 @@ class Passes:
         self._live = weakref.WeakValueDictionary()
 
 
-@dataclass(frozen=True)
-class Setup:
-    """What a block gives each engine it starts: ``engine_class(extensions, setup)``."""
+class Context:
+    """What the engines of one block know of it, handed down to each engine it starts
+    (``engine_class(extensions, context)``) and read by them in every pass: the engines
+    never call up into the block. The block fills in what its forward calls show
+    (:attr:`names`, :attr:`roots`); the models, groups and shardings follow from those and
+    from what is tracked, read when a pass needs them.
 
-    #: the block's :class:`jacmem.engine.strategies.StrategyChoices`
-    strategies: Any
-    #: temporary memory a strategy may use at once
-    chunk_bytes: float
-    passes: Passes
-    #: the block's :class:`jacmem.engine.notices.Notices`
-    notices: Any
-    #: ``name(module)``: the module's qualified name
-    name: Callable
-    #: ``groups()``: (process group, its parameters) to sum global quantities over
-    groups: Callable
-    #: the thread that entered the block
-    owner: int
-    #: ``models()``: the tracked models whose calls reach the block
-    models: Callable
-    #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
-    batch_first: bool = True
-    #: ``shardings()``: the FSDP2 parameters of the block's models (:mod:`jacmem.engine.fsdp`)
-    shardings: Callable = list
+    ``route``: the key the recorder routes tracked models' calls by (the block; only
+    compared, never called)."""
+
+    __slots__ = (
+        "strategies", "chunk_bytes", "passes", "notices", "batch_first", "process_group", "route", "owner", "names",
+        "roots", "sharded",
+    )  # fmt: skip
+
+    def __init__(
+        self, strategies, chunk_bytes: float, passes: Passes, notices, batch_first: bool, process_group: Any, route
+    ):
+        #: the block's :class:`jacmem.engine.strategies.StrategyChoices`
+        self.strategies = strategies
+        #: temporary memory a strategy may use at once
+        self.chunk_bytes = chunk_bytes
+        self.passes = passes
+        #: the block's :class:`jacmem.engine.notices.Notices`
+        self.notices = notices
+        #: whether the block's calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
+        self.batch_first = batch_first
+        #: the process group to sum global quantities over (None: that of a DDP model, if any)
+        self.process_group = process_group
+        self.route = route
+        #: the thread that opened the block (None while it is closed)
+        self.owner: int | None = None
+        #: module -> its qualified name in the model called at depth 0 in the block
+        self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        #: the models called at depth 0 in the block, as weak references, in order
+        self.roots: list[weakref.ref] = []
+        #: whether a model called in the block holds FSDP2 modules (the block's check says)
+        self.sharded = False
+
+    def clear(self) -> None:
+        """The block closed: forget its thread, models and names."""
+        self.owner = None
+        self.names = weakref.WeakKeyDictionary()
+        self.roots = []
+        self.sharded = False
+
+    def name(self, module: nn.Module) -> str:
+        """``module``'s qualified name in a model called in the block or tracked, or its type's."""
+        return self.names.get(module) or recorder.tracked_name(module) or type(module).__name__
+
+    def models(self) -> list[nn.Module]:
+        """The tracked models whose calls reach the block."""
+        return recorder.routed_to(self.route)
+
+    def roots_and_models(self) -> list[nn.Module]:
+        """The models called in the block, then the tracked ones."""
+        models = []
+        for ref in self.roots:  # (a loop, not a generator: asked at every pass's end)
+            m = ref()
+            if m is not None:
+                models.append(m)
+        return models + self.models()
+
+    def shardings(self) -> list[fsdp.Sharding]:
+        """The FSDP2 parameters of the models called in the block and the tracked ones
+        (none where no model called holds FSDP2 modules (:attr:`sharded`): no walk of the models)."""
+        return fsdp.shardings(self.roots_and_models()) if self.sharded else []
+
+    def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
+        """(process group, its parameters in model order) for the models called in the
+        block and the tracked ones: :attr:`process_group`, or that of a
+        ``DistributedDataParallel`` model; FSDP2's parameters are :meth:`shardings`'."""
+        groups: list[tuple[Any, list[nn.Parameter]]] = []
+        seen = set()
+        for model in self.roots_and_models():
+            group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
+            if group is None:
+                continue
+            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen and not fsdp.sharded(p)]
+            seen.update(map(id, params))
+            groups.append((group, params))
+        return groups

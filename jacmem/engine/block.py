@@ -27,8 +27,8 @@ from typing import Any
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.engine import distributed, fsdp, hooks, recorder
-from jacmem.engine.base import Engine, Passes, Setup
+from jacmem.engine import fsdp, hooks, recorder
+from jacmem.engine.base import Context, Engine, Passes
 from jacmem.engine.clipping import ClippingEngine
 from jacmem.engine.firstorder import FirstOrderEngine
 from jacmem.engine.notices import Notices
@@ -91,30 +91,21 @@ class Block:
                 f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
                 "Feed the model [N, T, ...] (e.g. nn.LSTM(..., batch_first=True)) and leave batch_first=True."
             )
-        #: whether the calls take their batch on axis 0 (else 1: :mod:`jacmem.engine.layout`)
-        self.batch_first = batch_first
         self.plan = StrategyChoices(strategy, autotune=autotune)
-        self.chunk_bytes = chunk_bytes
-        self.process_group = process_group
         self.engines: list[Engine] = []
         #: name -> type of the modules of a compiled model that ran eagerly, from the
         #: engines' recorders (:mod:`jacmem.engine.recorder`), kept past close for explain()
         self.eager: dict[str, str] = {}
         #: the engines' notes (:attr:`jacmem.engine.base.Engine.notes`), kept past close for explain()
         self.notes: list[str] = []
-        #: the thread that opened the block (None while closed)
-        self.owner: int | None = None
         self.notices = Notices(strict)
         self.passes = Passes(self._ended)
-        self._names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
+        #: what the engines know of the block, handed down to them
+        self.context = Context(self.plan, chunk_bytes, self.passes, self.notices, batch_first, process_group, self)
         self._depth = 0
-        #: the models called at depth 0 in the block, as weak references, in order
-        self._roots: list[weakref.ref] = []
         self._late = hooks.LateBackward()
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        #: whether one of them holds FSDP2 modules (whose calls :meth:`enter` unshards)
-        self._sharded = False
         self._second_order = any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds)
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
         self.savefields = set()
@@ -130,23 +121,11 @@ class Block:
 
     def open(self) -> Block:
         """Start the engines, in the calling thread."""
-        self.owner = threading.get_ident()
+        self.context.owner = threading.get_ident()
         self._late = hooks.LateBackward()
-        setup = Setup(
-            self.plan,
-            self.chunk_bytes,
-            self.passes,
-            self.notices,
-            self.name,
-            self.groups,
-            self.owner,
-            self.models,
-            self.batch_first,
-            self.shardings,
-        )
         self.eager, self.notes = {}, []
         try:
-            self.engines = [cls(exts, setup) for cls, exts in self.kinds]
+            self.engines = [cls(exts, self.context) for cls, exts in self.kinds]
         except BaseException:
             self.close()
             raise
@@ -167,13 +146,10 @@ class Block:
         finally:
             self._late.close()
             self.engines = []
-            self._roots = []
-            self._names = weakref.WeakKeyDictionary()
             self._fsdp_checked = weakref.WeakSet()
-            self._sharded = False
             self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
             self._depth = 0
-            self.owner = None
+            self.context.clear()
         self.notices.flush()
 
     def _ended(self, written: set[int]) -> None:
@@ -188,6 +164,11 @@ class Block:
                     for field in self.savefields.intersection(vars(p)):
                         delattr(p, field)
         self.notices.flush()
+
+    @property
+    def owner(self) -> int | None:
+        """The thread that opened the block (None while it is closed)."""
+        return self.context.owner
 
     @property
     def once(self) -> bool:
@@ -223,7 +204,7 @@ class Block:
         """Record ``model``'s calls for this block alone, wherever they run, until
         :meth:`untrack` or :meth:`close`; the engines see the model at once."""
         self._check_fsdp(model)
-        recorder.track(model, self.batch_first, owner=self)
+        recorder.track(model, self.context.batch_first, owner=self)
         for engine in self.engines:
             engine.on_track(model)
 
@@ -242,97 +223,61 @@ class Block:
         its tracking (a private model's) rather than :func:`jacmem.track`."""
         return [(model, recorder.owner(model) is not None) for model in recorder.tracked_models()]
 
-    def models(self) -> list[nn.Module]:
-        """The tracked models whose calls reach this block."""
-        return recorder.routed_to(self)
-
-    def name(self, module: nn.Module) -> str:
-        return self._names.get(module) or recorder.tracked_name(module) or type(module).__name__
-
     def parameter_name(self, param: nn.Parameter) -> str:
         """``param``'s qualified name in a model called in the block or tracked, or its shape."""
-        for model in self._roots_and_models():
+        for model in self.context.roots_and_models():
             for n, p in model.named_parameters():
                 if p is param:
-                    return repr(f"{self.name(model)}.{n}")
+                    return repr(f"{self.context.name(model)}.{n}")
         return f"a parameter of shape {list(param.shape)}"
 
     def shards(self) -> dict[int, nn.Parameter]:
-        """``id(unsharded) -> sharded`` for the FSDP2 parameters of :meth:`shardings`."""
-        return {key: p for sharding in self.shardings() for key, p in sharding.sharded.items()}
-
-    def _roots_and_models(self) -> list[nn.Module]:
-        models = []
-        for ref in self._roots:  # (a loop, not a generator: asked at every pass's end)
-            m = ref()
-            if m is not None:
-                models.append(m)
-        return models + self.models()
-
-    def shardings(self) -> list[fsdp.Sharding]:
-        """The FSDP2 parameters of the models called in the block and the tracked ones
-        (none where :meth:`_check_fsdp` found no FSDP2 module in them: no walk of the models)."""
-        return fsdp.shardings(self._roots_and_models()) if self._sharded else []
+        """``id(unsharded) -> sharded`` for the FSDP2 parameters of the context's shardings."""
+        return {key: p for sharding in self.context.shardings() for key, p in sharding.sharded.items()}
 
     def _check_fsdp(self, model: nn.Module) -> None:
         """Raise where ``model`` is sharded by FSDP in a way the block cannot follow; once
         per model and block."""
         if model not in self._fsdp_checked:
-            self._sharded = fsdp.check(model, self.name, self._second_order) or self._sharded
+            self.context.sharded = fsdp.check(model, self.context.name, self._second_order) or self.context.sharded
             self._fsdp_checked.add(model)
-
-    def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
-        """(process group, its parameters in model order) for the models called in the
-        block and the tracked ones: the ``process_group`` argument, or that of a
-        ``DistributedDataParallel`` model; FSDP2's parameters are :meth:`shardings`'."""
-        models = self._roots_and_models()
-        groups: list[tuple[Any, list[nn.Parameter]]] = []
-        seen = set()
-        for model in models:
-            group = self.process_group if self.process_group is not None else distributed.process_group_of(model)
-            if group is None:
-                continue
-            params = [p for p in model.parameters() if p.requires_grad and id(p) not in seen and not fsdp.sharded(p)]
-            seen.update(map(id, params))
-            groups.append((group, params))
-        return groups
 
     # -- forward (from module hooks) ------------------------------------------------
 
     def enter(self, module: nn.Module, args: tuple) -> None:
         """A module's forward is about to run."""
-        if threading.get_ident() != self.owner:
+        if threading.get_ident() != self.context.owner:
             return
-        if self._depth == 0 and module not in self._names:
+        if self._depth == 0 and module not in self.context.names:
             for name, sub in module.named_modules():
-                self._names.setdefault(sub, name or type(sub).__name__)
+                self.context.names.setdefault(sub, name or type(sub).__name__)
             self._check_fsdp(module)
             # (the model under torch.compile's wrapper, which may be gone by the backward:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
-            self._roots.append(weakref.ref(compat.uncompiled(module)))
+            self.context.roots.append(weakref.ref(compat.uncompiled(module)))
         self._depth += 1
-        if self._sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
+        if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
             fsdp.unshard_own(module)
         for engine in self.engines:
             engine.on_enter(module)
 
     def leave(self, module: nn.Module, args: tuple, output) -> None:
         """A module's forward ended, returning or raising."""
-        if threading.get_ident() != self.owner:
+        if threading.get_ident() != self.context.owner:
             return
         self._depth = max(self._depth - 1, 0)
         for engine in self.engines:
             engine.on_leave(module, self._depth == 0)
         err = sys.exc_info()[1]
         if output is None and err is not None:  # the forward raised: say why, where we can
-            _explain_dtype(self.name(module), module, args, err)
+            _explain_dtype(self.context.name(module), module, args, err)
         if self._depth == 0 and self.notices.pending:
             self.notices.flush()  # the forward's warnings, one per kind
 
     def forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> Any:
         """A module's forward returned: each engine sees the call, in order; one may
         replace the output (ComputeOnce), and the engines after it see the replacement."""
-        if threading.get_ident() != self.owner:
+        if threading.get_ident() != self.context.owner:
             return None  # another thread's forward
         if compat.current_graph_task_id() != -1:  # (:meth:`recomputing`, without the call)
             self.passes.current()
@@ -350,7 +295,7 @@ class Block:
         """A model's outermost forward returned (called in the block, or tracked): its
         inputs and output, to every engine; the next pass's end drops its stale results
         (:meth:`_ended`)."""
-        if threading.get_ident() != self.owner:
+        if threading.get_ident() != self.context.owner:
             return
         self._ran.add(compat.uncompiled(model))
         for engine in self.engines:
@@ -370,7 +315,7 @@ class Block:
     def backward(self, tensors, grad_tensors, reached: list[nn.Parameter]) -> None:
         """A backward of the block's thread is about to begin, reaching the trainable
         parameters ``reached``: to every engine."""
-        for model in self.models():  # tracked: their forwards may have run before the block
+        for model in self.context.models():  # tracked: their forwards may have run before the block
             self._check_fsdp(model)
             if model not in self._tracked:
                 self._tracked.add(model)
@@ -381,12 +326,12 @@ class Block:
     def record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A tracked call's output gradients arrived: to every engine. Returns the summed
         gradients where an engine computed them."""
-        if rec.thread != self.owner:
+        if rec.thread != self.context.owner:
             return None  # a graph another thread built: not this block's
-        if rec.batch_first != self.batch_first:
+        if rec.batch_first != self.context.batch_first:
             raise ValueError(
                 f"jacmem: module {rec.name!r} ({type(rec.module).__name__}) was recorded by jacmem.track with "
-                f"batch_first={rec.batch_first}, but the block has batch_first={self.batch_first}: one of them "
+                f"batch_first={rec.batch_first}, but the block has batch_first={self.context.batch_first}: one of them "
                 f"misreads the batch axis. Pass the same value to both: jacmem.track(model, batch_first=...) and "
                 "jacmem.extend(..., batch_first=...)."
             )

@@ -211,7 +211,7 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
     def step(item: tuple) -> list[tuple]:
         fn, crossed = item
         rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
-        rank = len(_shape(fn, 0) or ())
+        rank = len(compat.node_output_shape(fn, 0) or ())
         following = []
         for nxt, nr in fn.next_functions:
             if nxt is not None:
@@ -231,16 +231,10 @@ _BROADCAST_NODES = frozenset(
 )
 
 
-def _shape(fn, index: int) -> tuple | None:
-    """The shape of output ``index`` of ``fn``'s forward op; None where unknown."""
-    meta = getattr(fn, "_input_metadata", None)
-    return tuple(meta[index].shape) if meta is not None and index < len(meta) else None
-
-
 def _leading(fn, index: int, rank: int = 0) -> int:
     """The size of the leading axis of output ``index`` of ``fn``'s forward op, 1 where it
     has fewer than ``rank`` axes (it broadcasts there); 0 where unknown."""
-    shape = _shape(fn, index)
+    shape = compat.node_output_shape(fn, index)
     if shape is None:
         return 0
     return 1 if len(shape) < rank else shape[0] if shape else 0

@@ -1,8 +1,9 @@
 """The clipping engine: clipped per-sample gradients summed into ``.grad``, in the one
 backward pass (:class:`jacmem.ClipGrad`; the math is in :mod:`jacmem.extensions.clipping`).
 
-It is the first-order engine (:mod:`jacmem.engine.firstorder`: the same records,
-strategies and staging) with another end of pass. While the backward runs, each call
+It holds a :class:`jacmem.engine.staging.Stager`, as the first-order engine does (the
+same records, strategies and staging), and stages each call its own way, with another
+end of pass. While the backward runs, each call
 of a module stages its parameters' squared per-sample norms (ghost norms where the
 planner finds them cheaper) and keeps its input ``x`` and output gradient ``g``; a
 parameter whose per-sample gradients take no more memory than ``x`` and ``g`` (a bias, a
@@ -55,11 +56,11 @@ from jacmem.derivatives import Cost, entries
 from jacmem.derivatives.quantities import squared_norms
 from jacmem.derivatives.tied import add_clipped_sum, factor_projections, projections
 from jacmem.engine import distributed, hooks, precision
-from jacmem.engine.base import Setup, Write
+from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.cost_model import keep_budget
-from jacmem.engine.firstorder import FirstOrderEngine, Staging
 from jacmem.engine.notices import listing
 from jacmem.engine.planner import batch_size, itemsize, shapes
+from jacmem.engine.staging import Stager, Staging
 from jacmem.extensions.clipping import ClipGrad, check_model_wide
 
 #: random probes of :meth:`ClippingEngine._check_recorded`: a difference of 10 times its
@@ -117,17 +118,24 @@ class ClipStaging(Staging):
         self.kept = 0.0
 
 
-class ClippingEngine(FirstOrderEngine):
+class ClippingEngine(Engine):
     """:class:`ClipGrad` for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
     #: the engine takes over ``.grad``: no other engine may share its block
     exclusive = True
 
-    def __init__(self, extensions: list[ClipGrad], setup: Setup):
+    def __init__(self, extensions: list[ClipGrad], context: Context):
         if len(extensions) != 1:
             raise ValueError(f"jacmem: one ClipGrad per block, not {len(extensions)}")
-        super().__init__(extensions, setup)
         self.clip = extensions[0]
+        self.stager = Stager(
+            self, extensions, set(self.clip.quantities), context, self._compute, self._unsupported, self._refuse
+        )
+        self.recorder = self.stager.recorder
+        for hook in ("on_forward", "on_call", "on_record"):  # the stager's as they are, with no call between
+            setattr(self, hook, getattr(self.stager, hook))
+        #: what the engine knows of its block
+        self.context = context
         #: id(parameter) -> the handles of its two hooks (see :meth:`_guard`)
         self.guarded: dict[int, tuple[torch.utils.hooks.RemovableHandle, ...]] = {}
         #: the gradient accumulators (autograd's nodes) of the guarded parameters: a
@@ -153,11 +161,15 @@ class ClippingEngine(FirstOrderEngine):
         if isinstance(module, nn.parallel.DistributedDataParallel) and module.require_backward_grad_sync:
             module.require_backward_grad_sync = False  # the block sums the clipped gradients itself
             self.unsynced.append(module)
-        super().on_enter(module)
+        self.stager.on_enter(module)
 
     def on_leave(self, module, outermost):
         self.depth = 0 if outermost else max(self.depth - 1, 0)
-        super().on_leave(module, outermost)
+        self.stager.on_leave(module, outermost)
+
+    @property
+    def handles(self) -> list:
+        return self.recorder.tensor_handles
 
     def close(self) -> None:
         hooks.remove([handle for pair in self.guarded.values() for handle in pair])
@@ -167,7 +179,7 @@ class ClippingEngine(FirstOrderEngine):
             module.require_backward_grad_sync = True
         self.unsynced = []
         self.roots = weakref.WeakKeyDictionary()
-        super().close()
+        self.stager.close()
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a
@@ -183,14 +195,14 @@ class ClippingEngine(FirstOrderEngine):
         otherwise accumulate its unclipped gradient into ``.grad``; guarded, its gradient
         meets :meth:`_check_recorded`, which raises. Those of the tracked models are
         guarded first, by their names (their forward ran before the block)."""
-        super().on_backward(tensors, grad_tensors, alone, reached)
-        for model in self.models():
+        self.stager.on_backward(tensors, grad_tensors, alone, reached)
+        for model in self.context.models():
             self._guard_model(model)
         self._guard((_UNHELD.format(shape=list(p.shape)), p) for p in reached)
 
     def _guard_model(self, model: nn.Module) -> None:
         """:meth:`_guard` every parameter of ``model``, named in it."""
-        self._guard((f"{self.name(model)}.{n}", p) for n, p in model.named_parameters())
+        self._guard((f"{self.context.name(model)}.{n}", p) for n, p in model.named_parameters())
 
     def _guard(self, named) -> None:
         """Hook each trainable parameter of ``named`` ((name, parameter) pairs) once: its
@@ -220,53 +232,53 @@ class ClippingEngine(FirstOrderEngine):
             raise RuntimeError(_CAPTURED.format(name=name))
         if grad.is_sparse:
             raise RuntimeError(_SPARSE.format(name=name))
-        run = self.passes.state(self)
+        run = self.context.passes.state(self)
         run.reached[key], run.autograd[key] = name, grad
         return grad.new_zeros(()).expand_as(grad)
 
     # -- backward ------------------------------------------------------------------
 
     def new_state(self) -> ClipStaging:
-        for model in self.models():  # their forwards ran outside the block
+        for model in self.context.models():  # their forwards ran outside the block
             self.on_track(model)
         return ClipStaging()
 
-    def _process(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
-        """Raise, as it is (no other strategy helps), where the call's per-sample
-        gradients are shares that the other samples change (clipping them bounds nothing),
-        or where ``torch.autograd.grad`` asks for one of its parameters' gradients (the
-        block's is the clipped sum, into ``.grad``)."""
-        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self._params(rec) else None
+    def _refuse(self, rec: hooks.Record) -> None:
+        """Before a call is computed: raise, as it is (no other strategy helps), where the
+        call's per-sample gradients are shares that the other samples change (clipping them
+        bounds nothing), or where ``torch.autograd.grad`` asks for one of its parameters'
+        gradients (the block's is the clipped sum, into ``.grad``)."""
+        shared = rec.entry.shared(**rec.hp) if rec.entry is not None and self.stager.params(rec) else None
         if shared:
             raise RuntimeError(f"jacmem: ClipGrad: module {rec.name!r} ({type(rec.module).__name__}) {shared}.")
         captured = [pname for pname in rec.params if compat.grad_captures(rec.nodes[pname])]
         if captured:
             raise RuntimeError(_CAPTURED.format(name=f"{rec.name}.{captured[0]}"))
-        return super()._process(run, rec)
 
     def _compute(self, run: ClipStaging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's squared per-sample norms (per-sample gradients, for a
         parameter that several calls share) and keep its ``x`` and ``g``; returns no
         gradient for a call through ComputeOnce, so that autograd accumulates none."""
-        params = self._params(rec)
+        stager = self.stager
+        params = stager.params(rec)
         if not params:
             return {}
         # whether autograd computes the call's parameter gradients too, for _check_recorded to
         # compare with the call's own: under create_graph=True, ComputeOnce's backward is autograd's
-        computed = not rec.once or self.passes.current().create_graph
+        computed = not rec.once or self.context.passes.current().create_graph
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
         n = batch_size(g)
         for pname, param in params.items():
             self._guard([(f"{rec.name}.{pname}", param)])
-            staged = self._stage(run, rec, pname, param, n)
-            kept = self._keep(staged, rec, pname, x, g, dtype)
+            staged = stager.stage(run, rec, pname, param, n)
+            kept = stager.keep(staged, rec, pname, x, g, dtype)
             per_sample = not kept and (staged.summed or self._per_sample(run, rec, pname, param, n, x, g))
             factored = pname in rec.entry.ghost_factors
             wanted = (set() if kept else {"batch_grad"} if per_sample else {"batch_l2"}) | (
                 {"grad"} if computed and not factored else set()
             )
-            values = self._quantities(rec, pname, param, wanted, x, g, dtype) if wanted else {}
+            values = stager.compute(rec, pname, param, wanted, x, g, dtype) if wanted else {}
             if computed:
                 key, probes = id(param), self._probes(run, param)
                 inside = getattr(rec.hp.get("shared"), "narrowest", None)  # a recomputed module's own casts
@@ -323,10 +335,10 @@ class ClippingEngine(FirstOrderEngine):
             return False
         keep, recompute = costs
         options = {
-            "per-sample gradients kept": keep if run.kept + extra <= keep_budget(self.chunk_bytes) else None,
+            "per-sample gradients kept": keep if run.kept + extra <= keep_budget(self.context.chunk_bytes) else None,
             "norms, then the clipped sum from x and g": recompute,
         }
-        chosen = self.strategies.choose(
+        chosen = self.context.strategies.choose(
             rec.module, rec.name, rec.entry.names(), pname, "clipped sum", options, itemsize(g), param.device
         )
         if chosen != "per-sample gradients kept":
@@ -347,10 +359,7 @@ class ClippingEngine(FirstOrderEngine):
     def finish(self, run: ClipStaging) -> list[Write]:
         """End of the backward pass: the clip factors from every parameter's norms, the
         clipped sums, summed over the ranks under DDP; ``.grad`` gets them added."""
-        self._finish_partial(run)
-        staged, run.staged = run.staged, {}
-        for s in staged.values():
-            self._resolve_tied(s)
+        staged = self.stager.settle(run)
         self._check_recorded(run)
         run.autograd.clear()  # checked: autograd's gradients, which the clipped sums need no more
         run.recorded.clear()
@@ -365,14 +374,14 @@ class ClippingEngine(FirstOrderEngine):
         }
         squared = {key: sq.to(torch.promote_types(sq.dtype, torch.float32)) * scale**2 for key, sq in squared.items()}
         if self.clip.clipping == "per_layer":
-            self.clip.bind(p for model in [*self.roots, *self.models()] for p in model.parameters())
-        shardings = self.shardings()
+            self.clip.bind(p for model in [*self.roots, *self.context.models()] for p in model.parameters())
+        shardings = self.context.shardings()
         user = {key: id(sharding.sharded[key]) for sharding in shardings for key in sharding.sharded}
-        factors, norms = self._factors(squared, run.names, user)
+        factors, norms, threshold = self._factors(squared, run.names, user)
         sums = {key: self._clipped_sum(run, s, factors[key] * scale) for key, s in staged.items()}
         count = n
         params = {key: s.param for key, s in staged.items()}
-        for group, members in self.groups():  # every group holds the same samples: each gives the global count
+        for group, members in self.context.groups():  # every group holds the same samples: each gives the global count
             sums, count = distributed.sum_over_ranks(group, members, sums, n)
             params.update((id(p), p) for p in members if id(p) in sums)  # with those only other ranks reached
         writes: list[Write] = [
@@ -387,6 +396,8 @@ class ClippingEngine(FirstOrderEngine):
         writes.append((self.clip, "samples", self.clip.samples + count))
         if staged:  # a pass to the inputs alone reached no parameter: it clipped nothing
             writes.append((self.clip, "passes", self.clip.passes + 1))
+            if self.clip.held is None:
+                writes.append((self.clip, "held", threshold))
         for key, param in params.items():
             if key in sums:
                 value = precision.result(sums[key], param)
@@ -395,16 +406,18 @@ class ClippingEngine(FirstOrderEngine):
 
     def _factors(
         self, squared: dict[int, Tensor], names: dict[int, str], user: dict[int, int]
-    ) -> tuple[dict[int, Tensor], Tensor]:
-        """The clip factors and norms of ``squared`` (``id(param) -> [N]``); ``user`` maps
-        an FSDP2 unsharded parameter's id to its sharded one's, the parameter that per-layer
-        thresholds name."""
+    ) -> tuple[dict[int, Tensor], Tensor, float | dict[int, float] | None]:
+        """The clip factors and norms of ``squared`` (``id(param) -> [N]``), and the
+        threshold they were clipped at (:meth:`ClipGrad.threshold`, read once per pass;
+        None where nothing was clipped); ``user`` maps an FSDP2 unsharded parameter's id
+        to its sharded one's, the parameter that per-layer thresholds name."""
         if not squared:
-            return {}, torch.zeros(0)
+            return {}, torch.zeros(0), None
+        threshold = self.clip.threshold()
         factors, norms = self.clip.factors(
-            {user.get(k, k): v for k, v in squared.items()}, {user.get(k, k): v for k, v in names.items()}
+            {user.get(k, k): v for k, v in squared.items()}, {user.get(k, k): v for k, v in names.items()}, threshold
         )
-        return {k: factors[user.get(k, k)] for k in squared}, norms
+        return {k: factors[user.get(k, k)] for k in squared}, norms, threshold
 
     def _check_recorded(self, run: ClipStaging) -> None:
         """Raise where autograd's gradient of a parameter is not the sum of its recorded
@@ -448,7 +461,7 @@ class ClippingEngine(FirstOrderEngine):
         """A tracked DDP model whose forward ran outside the block with DDP's gradient
         synchronisation on: DDP would overwrite ``.grad`` with the average of autograd's
         gradients after this pass, so it raises instead."""
-        for model in map(compat.uncompiled, self.models()):
+        for model in map(compat.uncompiled, self.context.models()):
             if isinstance(model, nn.parallel.DistributedDataParallel) and model.require_backward_grad_sync:
                 if any(id(p) in staged for p in model.parameters()):
                     raise RuntimeError(
@@ -461,7 +474,7 @@ class ClippingEngine(FirstOrderEngine):
     def _batch_size(self, names: dict[int, str], sizes: dict[int, int]) -> int:
         """The pass's one batch size; modules that disagree raise (a module whose axis 0
         is not the batch would be clipped per row, not per sample)."""
-        self._check_batch_sizes(names, sizes)  # a batch of one among larger ones: its own message
+        self.stager.check_batch_sizes(names, sizes)  # a batch of one among larger ones: its own message
         if len(set(sizes.values())) > 1:
             seen = {n: [names[k] for k, m in sizes.items() if m == n] for n in set(sizes.values())}
             raise RuntimeError(
@@ -479,7 +492,7 @@ class ClippingEngine(FirstOrderEngine):
         (HF's ``*ForMultipleChoice`` flattens ``[N, K, T]`` into ``[N·K, T]``) or runs its
         layers sequence-first, so every layer sees the same wrong batch and would be
         clipped per row, not per sample."""
-        inputs = self._unoffered(n)
+        inputs = self.stager.unoffered(n)
         if inputs is None:
             return
         raise RuntimeError(
@@ -513,7 +526,7 @@ class ClippingEngine(FirstOrderEngine):
                 scaled = compat.tree_map(
                     lambda t: t * c.to(t.dtype).view(-1, *[1] * (t.dim() - 1)) if isinstance(t, Tensor) else t, g
                 )
-                grad = self._quantities(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
+                grad = self.stager.compute(rec, pname, staged.param, {"grad"}, x, scaled, dtype)["grad"]
             total = grad if total is None else total + grad
         return total
 

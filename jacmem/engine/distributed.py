@@ -32,11 +32,24 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
+from jacmem.derivatives.quantities import GRAD, SUM_GRAD_SQUARED, as_quantity
 
-#: the quantities that are summed over the ranks; the others stay local
-GLOBAL_QUANTITIES = ("sum_grad_squared", "grad")
-#: the power of 1/W each quantity carries
-SCALE_POWER = {"batch_grad": 1, "grad": 1, "batch_l2": 2, "sum_grad_squared": 2}
+#: the quantities that are summed over the ranks; the others (one row per sample) stay
+#: local. A quantity carries ``1/W`` to the power of its degree (``Quantity.degree``).
+GLOBAL_QUANTITIES = (SUM_GRAD_SQUARED, GRAD)
+
+
+def check_summed(wanted: Iterable[str]) -> None:
+    """Raise where ``wanted`` holds a quantity without a row per sample that the ranks do
+    not sum (one of the user's own: only :data:`GLOBAL_QUANTITIES` are summed), rather
+    than write each rank's own sum as the global batch's."""
+    bad = sorted(str(q) for q in wanted if q not in GLOBAL_QUANTITIES and not as_quantity(q).per_sample)
+    if bad:
+        raise NotImplementedError(
+            f"jacmem: quantity {bad[0]} is a sum over the samples, and across the ranks of DistributedDataParallel "
+            "or FSDP2 jacmem sums only sum_grad_squared and grad: each rank would write its own samples' sum. "
+            "Make it a per-sample quantity (per_sample = True) and sum its rows yourself, or compute it in one process"
+        )
 
 
 def process_group_of(module: nn.Module) -> Any | None:
@@ -73,11 +86,12 @@ def synchronize(
     one flag per parameter, made only where this rank lacks some of ``params``). Returns
     those parameters, whose quantities are now in ``quantities`` and ``sizes``.
     """
+    check_summed(wanted)
     world = torch.distributed.get_world_size(group)
     for key, q in quantities.items():
         if key in {id(p) for p in params}:
             for name, value in q.items():
-                q[name] = value / world ** SCALE_POWER[name]
+                q[name] = value / world ** as_quantity(name).degree
     if not params or not any(name in GLOBAL_QUANTITIES for name in wanted):
         return []  # the same decision on every rank, so that all or none call the collective
     dtype = torch.float64 if any(p.dtype == torch.float64 for p in params) else torch.float32
@@ -113,8 +127,9 @@ def synchronize(
 
 def zeros(p: nn.Parameter, n: int, wanted: Iterable[str], dtype: torch.dtype) -> dict[str, Tensor]:
     """The ``wanted`` quantities of a parameter with zero per-sample gradients on ``n`` samples."""
-    shapes = {"batch_grad": (n, *p.shape), "batch_l2": (n,), "grad": p.shape, "sum_grad_squared": p.shape}
-    return {name: torch.zeros(shapes[name], dtype=dtype, device=p.device) for name in wanted}
+    return {
+        name: torch.zeros(as_quantity(name).shape(n, tuple(p.shape)), dtype=dtype, device=p.device) for name in wanted
+    }
 
 
 def sum_over_ranks(

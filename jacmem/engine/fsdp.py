@@ -52,7 +52,8 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.engine.distributed import GLOBAL_QUANTITIES, SCALE_POWER, anywhere, host_values, zeros
+from jacmem.derivatives.quantities import as_quantity
+from jacmem.engine.distributed import GLOBAL_QUANTITIES, anywhere, check_summed, host_values, zeros
 
 if torch.distributed.is_available():
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
@@ -242,6 +243,7 @@ class Sharding:
         is a host read of one flag per parameter, made only where this rank lacks some);
         returns those parameters."""
         wanted = set(wanted)
+        check_summed(wanted)
         dtype, device = self._dtype(), self.params[0].device
         n = next((sizes[id(p)] for p in self.params if id(p) in sizes), batch)
         had = [float(id(p) in quantities) for p in self.params]
@@ -252,7 +254,7 @@ class Sharding:
             quantities[id(p)] = zeros(p, n, wanted, dtype)
         for p in self.params:
             for name, value in quantities.get(id(p), {}).items():
-                quantities[id(p)][name] = value / self.world ** SCALE_POWER[name]
+                quantities[id(p)][name] = value / self.world ** as_quantity(name).degree
         if "batch_grad" in wanted:
             batches = {id(p): quantities[id(p)]["batch_grad"] for p in self.params if id(p) in quantities}
             for key, value in self._gather_samples(batches, n).items():

@@ -30,26 +30,43 @@ from jacmem.derivatives.registry import REGISTRY, Passthrough, own_parameters, r
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 
-#: id(parameter) -> number of records alive that will contribute to it. A parameter
-#: with more than one (a module called twice, tied weights) needs its per-sample
-#: gradients summed over calls before any norm or square is taken.
-_LIVE: Counter = Counter()
-#: id(parameter) -> the records alive that will contribute to it (while ``_LIVE`` counts
-#: any; a record taken out of ``_LIVE`` early may still be listed until it is freed)
-_USERS: dict[int, weakref.WeakSet] = {}
-
-
 #: what a record's owner does when the output gradients of a call have arrived; for a
 #: :class:`ComputeOnce` call it returns the parameters' summed gradients (or None)
 OnGrad = Callable[["Record"], dict[str, Tensor] | None]
 
 
-def _release(keys: list[int]) -> None:
-    for key in keys:
-        _LIVE[key] -= 1
-        if _LIVE[key] <= 0:
-            del _LIVE[key]
-            _USERS.pop(key, None)
+class Uses:
+    """The live records of one recorder, by parameter: a parameter with more than one (a
+    module called twice, tied weights) needs its per-sample gradients summed over calls
+    before any norm or square is taken. The recorder that makes the records owns it, so
+    that the calls of another recorder (another block's, a tracked model's) never count.
+    Keyed by ``id(parameter)``: a record holds its parameters, so an id counted here is
+    not reused while it is."""
+
+    __slots__ = ("live", "users")
+
+    def __init__(self):
+        #: id(parameter) -> the number of records alive that will contribute to it
+        self.live: Counter = Counter()
+        #: id(parameter) -> those records (while ``live`` counts any; a record released
+        #: early may still be listed until it is freed)
+        self.users: dict[int, weakref.WeakSet] = {}
+
+    def add(self, rec: Record) -> weakref.finalize:
+        """Count ``rec`` for each of its parameters; returns what takes it out again (run
+        when it is freed, or called earlier)."""
+        keys = [id(p) for p in rec.params.values()]
+        self.live.update(keys)
+        for key in keys:
+            self.users.setdefault(key, weakref.WeakSet()).add(rec)
+        return weakref.finalize(rec, self._release, keys)
+
+    def _release(self, keys: list[int]) -> None:
+        for key in keys:
+            self.live[key] -= 1
+            if self.live[key] <= 0:
+                del self.live[key]
+                self.users.pop(key, None)
 
 
 #: whether the module hook running now was called from a forward that torch.compile
@@ -101,7 +118,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callab
             return None
         margs, output = _spread(margs, output)  # (it spreads integer ids only: never a fused call's input)
         slot = _slot(hook, module)
-        params = [p for p in module._parameters.values() if p is not None and p.requires_grad]
+        params = [p for p in compat.parameter_slots(module).values() if p is not None and p.requires_grad]
         if len(margs) == 1 and all(t.dtype == output.dtype for t in (*margs, *params)) and _fusable(module):
             token = torch.ops.jacmem.tap(slot, list(margs), output, True)
             return Fused.apply(slot, token, margs[0], [output.detach()], *params)
@@ -149,10 +166,10 @@ _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
 def may_read_parameters(module: nn.Module) -> bool:
     """Whether ``module``'s forward may read parameters of its own (:func:`own_parameters`),
     asked without building them: its own, or a parameter container among its children."""
-    for p in module._parameters.values():
+    for p in compat.parameter_slots(module).values():
         if p is not None:
             return True
-    for child in module._modules.values():
+    for child in compat.child_slots(module).values():
         if isinstance(child, _CONTAINERS):
             return True
     return False
@@ -396,7 +413,7 @@ def counted(
     their own calls) and for a module whose parameters are all frozen (nothing to compute:
     its derivatives are not even looked up, which may refuse it). Broadcasts and direct uses of a parameter are
     recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
-    for p in module._parameters.values():  # (its own first: no walk of its submodules where one trains)
+    for p in compat.parameter_slots(module).values():  # (its own first: no walk of its submodules where one trains)
         if p is not None and p.requires_grad:
             break
     else:
@@ -416,10 +433,10 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
+        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor]):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
@@ -445,13 +462,11 @@ class Record:
         self.task: int | None = None
         #: the thread that ran the forward: a block extends only its own thread's graphs
         self.thread = threading.get_ident()
-        keys = [id(p) for p in params.values()]
-        _LIVE.update(keys)
-        for key in keys:
-            _USERS.setdefault(key, weakref.WeakSet()).add(self)
-        #: take this record out of ``_LIVE`` now (it happens anyway when it is freed);
+        #: the live records of the recorder that made this one, by parameter
+        self.uses = uses
+        #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
-        self.release = weakref.finalize(self, _release, keys)
+        self.release = uses.add(self)
         #: whether the call runs through :class:`ComputeOnce`
         self.once = False
         #: a call on a batch of one whose output is watched (:mod:`jacmem.engine.broadcast`):
@@ -479,13 +494,13 @@ class Record:
         return _relaid(self.batch_first, self.entry)
 
     def shared(self, param: nn.Parameter) -> bool:
-        """Whether another live record will also contribute to ``param``."""
-        return _LIVE[id(param)] > 1
+        """Whether another live record of the same recorder will also contribute to ``param``."""
+        return self.uses.live[id(param)] > 1
 
     def others(self, param: nn.Parameter) -> list[Record]:
-        """The other records alive that contribute to ``param`` (those of this pass's
-        calls among them)."""
-        return [rec for rec in _USERS.get(id(param), ()) if rec is not self]
+        """The other live records of the same recorder that contribute to ``param`` (those
+        of this pass's calls among them)."""
+        return [rec for rec in self.uses.users.get(id(param), ()) if rec is not self]
 
     def complete(self) -> None:
         """Zeros for the gradients that did not arrive."""
@@ -538,6 +553,7 @@ def record(
     name: str,
     on_grad: OnGrad,
     handles: Handles | list[RemovableHandle],
+    uses: Uses,
     once: bool = False,
     exclude: Collection[str] = (),
     batch_first: bool = True,
@@ -547,7 +563,8 @@ def record(
     record (or None), and the output, which is new where ``once`` lets the layer run
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
     gradients, or None). ``batch_first=False``: the call takes its batch on axis 1,
-    unless its layer places it itself (:mod:`jacmem.engine.layout`).
+    unless its layer places it itself (:mod:`jacmem.engine.layout`). ``uses``: the
+    recorder's :class:`Uses`, which counts the record.
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
@@ -572,7 +589,7 @@ def record(
             needs_input = True
             break
     keeps = entry if needs_input else None
-    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs)
+    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs, uses)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -641,12 +658,13 @@ def record_use(
     expanded: Tensor,
     on_grad: OnGrad,
     handles: Handles | list[RemovableHandle],
+    uses: Uses,
 ) -> Record:
     """A record of one use of a tensor broadcast over the batch (:mod:`jacmem.engine.broadcast`):
     a parameter of ``module`` read directly, or the output of a call on a batch of one
     (``x``: that call's kept input, arranged, expanded to the batch); its per-sample
     gradient arrives at ``expanded``."""
-    rec = Record(module, name, entry, params, None, [expanded])
+    rec = Record(module, name, entry, params, None, [expanded], uses)
     rec.x = x
     _hook(rec, [expanded], on_grad, handles)
     return rec

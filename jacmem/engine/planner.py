@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from jacmem.derivatives import Cost, LayerDerivatives, Strategy
-from jacmem.derivatives.quantities import PER_SAMPLE, QUANTITIES, derive
+from jacmem.derivatives.quantities import BATCH_GRAD, GRAD, QUANTITIES, Quantity, as_quantity, derive
 from jacmem.engine import alloc
 from jacmem.engine.strategies import Decision, StrategyChoices
 
@@ -114,18 +114,19 @@ class Chunked:
 
     def run(self, fn, per_sample_bytes: float, into: Tensor | None = None):
         """Call ``fn(x_chunk, g_chunk, out, n)`` per slice of ``n`` samples; ``fn`` returns
-        a dict of quantities, per-sample ones (:data:`PER_SAMPLE`) concatenated over the
-        slices, the others summed. ``into`` (``[N, *shape]``, or None) is where ``batch_grad``
-        goes: ``fn`` gets its slice as ``out`` and writes there itself, so no chunk is copied.
-        (Where the whole batch fits ``budget``, :func:`execute` calls ``fn`` once itself.)"""
-        out: dict[str, Tensor] = {} if into is None else {"batch_grad": into}
+        a dict of quantities, per-sample ones (:attr:`~jacmem.derivatives.quantities.Quantity.per_sample`)
+        concatenated over the slices, the others summed. ``into`` (``[N, *shape]``, or None)
+        is where ``batch_grad`` goes: ``fn`` gets its slice as ``out`` and writes there
+        itself, so no chunk is copied. (Where the whole batch fits ``budget``, :func:`execute`
+        calls ``fn`` once itself.)"""
+        out: dict[str, Tensor] = {} if into is None else {BATCH_GRAD: into}
         for sl in self.slices(per_sample_bytes):
             part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl], sl.stop - sl.start)
             for q, value in part.items():
-                if q not in PER_SAMPLE:
+                if not q.per_sample:
                     out[q] = value if q not in out else out[q] + value
                     continue
-                if into is not None and q == "batch_grad":
+                if into is not None and q == BATCH_GRAD:
                     continue  # written in place
                 if q not in out:
                     out[q] = alloc.empty((self.n, *value.shape[1:]), value.dtype, value.device)
@@ -136,6 +137,12 @@ class Chunked:
 def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Cost | None:
     """A strategy's cost on these shapes; one without a cost model counts as free."""
     return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
+
+
+def _keywords(q: Quantity, hp: dict) -> dict:
+    """What a direct strategy of ``q`` takes by keyword: ``q``'s parameters and the
+    layer's hyper-parameters ``hp``."""
+    return {**q.arguments(), **hp} if q.parameters else hp
 
 
 @dataclass(frozen=True)
@@ -176,9 +183,9 @@ def plan(
     more (``auto`` weighs that against their direct strategies; a direct strategy
     asked for by name is used).
     """
-    wanted = set(quantities)
+    wanted = {as_quantity(q) for q in quantities}
     n = _batch_size_of(gs)
-    bg_table = entry.strategies[(param_name, "batch_grad")]
+    bg_table = entry.strategies[(param_name, BATCH_GRAD)]
     bg_costs = {name: _estimate(s, xs, gs, hp) for name, s in bg_table.items()}
     # a pass also writes the per-sample gradients and reads them back to reduce them
     result = n * prod(param_shape)
@@ -190,39 +197,43 @@ def plan(
     def per_sample_bytes(c: Cost) -> float:
         return c.workspace * item_bytes / max(n, 1)
 
-    def applicable_direct(q: str) -> int:
-        table = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
-        return sum(_estimate(s, xs, gs, hp) is not None for s in table.values())
+    def applicable_direct(q: Quantity) -> int:
+        table = {} if q == BATCH_GRAD else entry.strategies.get((param_name, q.name), {})
+        return sum(_estimate(s, xs, gs, _keywords(q, hp)) is not None for s in table.values())
 
     # Quantities that need a pass plan it first, so the others can ride along. The
     # summed gradient comes last: a pass gives it for free, so a direct strategy for
     # another quantity leaves it to be computed on its own (its FLOPs count against that
     # strategy). Planned first, it would take its own direct strategy before a pass that
     # could have given it with the rest.
+    # (ties in the quantities' order of registration, then in their keys)
+    registered = list(QUANTITIES)
     order = sorted(
-        (q for q in QUANTITIES if q in wanted), key=lambda q: (q != "batch_grad", q == "grad", applicable_direct(q))
+        wanted,
+        key=lambda q: (q != BATCH_GRAD, q == GRAD, applicable_direct(q), registered.index(q.name), str.__str__(q)),
     )
     grad_flops = 0
-    if "grad" in wanted:
-        grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, "grad"), {}).values()]
+    if GRAD in wanted:
+        grad_costs = [_estimate(s, xs, gs, hp) for s in entry.strategies.get((param_name, GRAD), {}).values()]
         grad_flops = min((c.flops for c in grad_costs if c is not None), default=0)
     passes: dict[str, list[str]] = {}
     direct_steps: list[list] = []  # [quantity, strategy name, bytes per sample, quantities along]
     for q in order:
-        direct = {} if q == "batch_grad" else entry.strategies.get((param_name, q), {})
+        direct = {} if q == BATCH_GRAD else entry.strategies.get((param_name, q.name), {})
         direct = {name: s for name, s in direct.items() if name not in passes}
+        kw = _keywords(q, hp)
         if passes:  # reducing the pass's per-sample gradients once more reads them
             options = {name: Option(0, result, kind="reuse", reuses=tuple(qs)) for name, qs in passes.items()}
         else:
             options = dict(pass_options)
         for name, s in direct.items():
-            c = _estimate(s, xs, gs, hp)
-            unshared = 0 if passes or q == "grad" or "grad" in s.also else grad_flops
+            c = _estimate(s, xs, gs, kw)
+            unshared = 0 if passes or q == GRAD or GRAD in s.also else grad_flops
             options[name] = None if c is None else Option(c.flops + unshared, c.workspace)
         along = {
             step[1]: step
             for step in direct_steps
-            if q in entry.strategies[(param_name, step[0])][step[1]].also
+            if q in entry.strategies[(param_name, step[0].name)][step[1]].also
         }  # fmt: skip
         for name, step in along.items():  # the same work gives it: nothing more to pay
             options[name] = Option(0, 0, kind="along", reuses=(step[0],))
@@ -243,28 +254,20 @@ class ContractError(RuntimeError):
     """A strategy's result has not the shape or dtype its quantity promises."""
 
 
-_SPELLED = {
-    "batch_grad": "[N, *param.shape]",
-    "batch_l2": "[N]",
-    "sum_grad_squared": "param.shape",
-    "grad": "param.shape",
-}
-
-
-def check_result(value, quantity: str, n: int, param: Tensor, dtype: torch.dtype, where: tuple[str, str, str]):
+def check_result(value, quantity: Quantity, n: int, param: Tensor, dtype: torch.dtype, where: tuple[str, str, str]):
     """``value`` if it is what ``quantity`` promises for ``n`` samples of ``param``: a
-    tensor of shape ``[N, *param.shape]`` (``batch_grad``), ``[N]`` (``batch_l2``) or
-    ``param.shape`` (the sums), in the compute dtype ``dtype``. Else a
-    :class:`ContractError` naming ``where``: (module, parameter, strategy)."""
-    shape = param.shape
-    expected = (n, *shape) if quantity == "batch_grad" else (n,) if quantity == "batch_l2" else tuple(shape)
-    if isinstance(value, Tensor) and value.shape == expected and value.dtype == dtype:
+    tensor of its shape (:meth:`~jacmem.derivatives.quantities.Quantity.shape`:
+    ``[N, *param.shape]`` for ``batch_grad``, ``[N]`` for ``batch_l2``, ``param.shape``
+    for the sums), in the compute dtype ``dtype``. Else a :class:`ContractError` naming
+    ``where``: (module, parameter, strategy)."""
+    expected = quantity.shape(n, tuple(param.shape))
+    if isinstance(value, Tensor) and tuple(value.shape) == expected and value.dtype == dtype:
         return value
     module, pname, strategy = where
     got = f"shape {list(value.shape)} and dtype {value.dtype}" if isinstance(value, Tensor) else repr(type(value))
     raise ContractError(
         f"jacmem: strategy {strategy!r} for {quantity} of parameter {pname!r} of module {module!r} returned {got}; "
-        f"{quantity} must be {_SPELLED[quantity]} = {list(expected)} in the compute dtype {dtype}. "
+        f"{quantity} must be {quantity.spelled} = {list(expected)} in the compute dtype {dtype}. "
         "Fix the function registered with jacmem.register (or use another strategy)."
     )
 
@@ -297,14 +300,15 @@ def execute(
     dtype = chunked.dtype
     results: dict[str, Tensor] = {}
     for q, name, per_sample, riders in plan.direct:
-        fn = entry.strategies[(param_name, q)][name].fn
-        where = (module, param_name, name)
+        fn = entry.strategies[(param_name, q.name)][name].fn
+        where, kw = (module, param_name, name), {**q.arguments(), **hp} if q.parameters else hp  # (_keywords)
 
-        def direct(xc, gc, _, n, fn=fn, q=q, riders=riders, where=where):
-            out = fn(xc, gc, also=riders, **hp) if riders else {q: fn(xc, gc, **hp)}
-            for k, v in out.items():
-                check_result(v, k, n, param, dtype, where)
-            return out
+        def direct(xc, gc, _, n, fn=fn, q=q, riders=riders, where=where, kw=kw):
+            out = fn(xc, gc, also=riders, **kw) if riders else {q: fn(xc, gc, **kw)}
+            checked = {q: check_result(out[q], q, n, param, dtype, where)}
+            for k in riders:  # (a loop, not a comprehension: this runs at every step)
+                checked[k] = check_result(out[k], k, n, param, dtype, where)
+            return checked
 
         try:
             whole = per_sample * chunked.n <= chunked.budget
@@ -314,20 +318,20 @@ def execute(
             raise
 
     for name, qs, per_sample in plan.passes:
-        strategy = entry.strategies[(param_name, "batch_grad")][name]
+        strategy = entry.strategies[(param_name, BATCH_GRAD)][name]
         # Chunks of per-sample gradients are temporaries (reduced, or copied into the
         # result), so they count, unless the result is asked for and the strategy
         # writes into it, or needs no workspace (then one call writes the result).
         into = None
-        if "batch_grad" in qs and strategy.writes_out:
+        if BATCH_GRAD in qs and strategy.writes_out:
             into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
-        elif "batch_grad" not in qs or per_sample > 0:
+        elif BATCH_GRAD not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
         where = (module, param_name, name)
 
         def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
             bg = fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp)
-            return derive(check_result(bg, "batch_grad", n, param, dtype, where), qs)
+            return derive(check_result(bg, BATCH_GRAD, n, param, dtype, where), qs)
 
         try:
             whole = per_sample * chunked.n <= chunked.budget
@@ -358,9 +362,10 @@ def compute(
 
 def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_name: str, param_shape, quantities):
     """Everything :func:`plan` depends on but ``choose``: the parameter's strategies, the
-    shapes, the hyper-parameters; ``None`` where a hyper-parameter or an entry of ``xs``
-    is not a plain value (a tensor, a module, a dict), so that a plan kept under it could
-    not be trusted."""
+    shapes, the hyper-parameters, the quantities (each with its parameters: a quantity is
+    its key, :class:`~jacmem.derivatives.quantities.Quantity`, so two parameterisations
+    are two plans); ``None`` where a hyper-parameter or an entry of ``xs`` is not a plain
+    value (a tensor, a module, a dict), so that a plan kept under it could not be trusted."""
     todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
     while todo:  # (a loop, not a recursion: this runs for every parameter of every call)
         v = todo.pop()
@@ -368,10 +373,14 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
             todo.extend(v)
         elif not (v is None or isinstance(v, (int, float, str))):
             return None
-    tables = []  # (a loop, not a generator: this runs for every parameter of every call)
-    for q in QUANTITIES:
+    wanted = frozenset(quantities)
+    names = {BATCH_GRAD}
+    for q in wanted:  # (loops, not comprehensions: this runs at every step)
+        names.add(q.name if isinstance(q, Quantity) else q)
+    tables = []
+    for q in sorted(names):
         tables.append(tuple(entry.strategies.get((param_name, q), _NONE).items()))
-    return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, frozenset(quantities)
+    return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, wanted
 
 
 _NONE: dict = {}

@@ -63,6 +63,10 @@ class Recorder:
         self.once = once
         self.batch_first = batch_first
         self.tensor_handles = hooks.Handles()
+        #: the live records of this recorder, by parameter: which weights its calls tie
+        self.uses = hooks.Uses()
+        #: what each record is made with: ``(on_grad, handles, uses)``
+        self._sink = (on_grad, self.tensor_handles, self.uses)
         self.records: weakref.WeakSet[hooks.Record] = weakref.WeakSet()
         #: the batch of the latest call on more than one sample, in the running forward of
         #: the outermost module (a call on a batch of one after it may be broadcast)
@@ -97,7 +101,7 @@ class Recorder:
         where a BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled() or compat.compiled_in_place(module)
         if compat.is_compiled_module(module):
-            self.compiled_root, self.compiled_start = module._orig_mod, self.made
+            self.compiled_root, self.compiled_start = compat.uncompiled(module), self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
             _void(stale[2])
@@ -129,7 +133,7 @@ class Recorder:
         if compat.is_compiled_module(module) and self.compiled_start is not None:
             start, self.compiled_start = self.compiled_start, None
             if self.made == start and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
-                raise RuntimeError(_STALE_COMPILED.format(type=type(module._orig_mod).__name__))
+                raise RuntimeError(_STALE_COMPILED.format(type=type(compat.uncompiled(module)).__name__))
         if outermost:
             self.batch, self.first, self.compiled, self.one_row = 1, None, False, None
 
@@ -146,10 +150,6 @@ class Recorder:
         self.records.update(rec for rec in uses if next(iter(rec.params)) in exact)
         return exact
 
-    @property
-    def _sink(self) -> tuple:
-        return self.on_grad, self.tensor_handles
-
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
         """Record one call; returns the output to use (new where it runs through
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
@@ -157,9 +157,7 @@ class Recorder:
         given = output
         if self.batch_first and self.compiled and not hooks.compiled() and isinstance(output, Tensor):
             args, output = hooks.spread(args, output, self.batch)  # an eager call in a compiled forward, as traced ones
-        rec, new = hooks.record(
-            module, args, kwargs, output, name, self.on_grad, self.tensor_handles, self.once, exclude, self.batch_first
-        )
+        rec, new = hooks.record(module, args, kwargs, output, name, *self._sink, self.once, exclude, self.batch_first)
         if rec is None:
             return None
         self.made += 1
@@ -494,66 +492,54 @@ class BackwardWatch:
         self.warned = False
         #: ids of the parameters already named in a warning
         self.missed: set[int] = set()
-        self.originals: tuple | None = None
+        #: ends the watch of ``torch.autograd.backward`` and ``grad`` (:func:`compat.watch_autograd`)
+        self.unwatch: Callable[[], None] | None = None
         #: the hooks of :meth:`_refuse_through`, taken off when the block ends
         self.refusals: list = []
 
     def open(self, owner: int) -> None:
         self.owner = owner
-        self.originals = (torch.autograd.backward, torch.autograd.grad)
-        torch.autograd.backward = self._wrap(self.originals[0], 0, "grad_tensors", 4, 2)
-        torch.autograd.grad = self._wrap(self.originals[1], 1, "grad_outputs", 0, 3)
+        self.unwatch = compat.watch_autograd(self._around)
 
     def close(self) -> None:
         for handle in self.refusals:
             handle.remove()
         self.refusals = []
-        if self.originals is None:
-            return
-        for attr, original in zip(("backward", "grad"), self.originals):
-            if getattr(getattr(torch.autograd, attr), "__wrapped__", None) is original:
-                setattr(torch.autograd, attr, original)
-        self.originals, self.owner = None, None
+        if self.unwatch is not None:
+            self.unwatch()
+        self.unwatch, self.owner = None, None
 
-    def _wrap(self, original, at: int, keyword: str, inputs_at: int, create_graph_at: int):
-        """``original``, watched; its output gradients are argument ``at`` (after the
-        tensors) or ``keyword``, its ``inputs`` argument ``inputs_at`` or ``inputs``, and
-        its ``create_graph`` argument ``create_graph_at`` or ``create_graph``."""
-
-        @functools.wraps(original)
-        def watched(tensors, *args, **kwargs):
-            if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
-                return original(tensors, *args, **kwargs)
-            reached = list(walker.parameters(tensors))
-            inputs = args[inputs_at] if len(args) > inputs_at else kwargs.get("inputs")
-            if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
-                wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
-                reached = [p for p in reached if id(p) in wanted]
-            if self.on_backward is not None:
-                self.on_backward(tensors, args[at] if len(args) > at else kwargs.get(keyword), reached)
-            create_graph = bool(args[create_graph_at] if len(args) > create_graph_at else kwargs.get("create_graph"))
-            started = self.passes.started
-            self.passes.written.clear()
-            self.passes.create_graph = create_graph
-            try:
-                out = original(tensors, *args, **kwargs)
-            finally:
-                self.passes.create_graph = False
-            if create_graph:
-                given = [inputs] if isinstance(inputs, torch.Tensor) else inputs
-                results = list(out) if out is not None else [t.grad for t in (reached if given is None else given)]
-                self._refuse_through(results)
-            if self.warned:
-                return out
-            if self.passes.started == started:
-                if reached:
-                    self._untracked()
-            else:
-                said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
-                self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
+    def _around(self, run: Callable, tensors, grad_tensors, inputs, create_graph: bool):
+        """A call of ``torch.autograd.backward`` or ``grad`` (:func:`compat.watch_autograd`):
+        ``run()`` makes it."""
+        if threading.get_ident() != self.owner or compat.current_graph_task_id() != -1:
+            return run()
+        reached = list(walker.parameters(tensors))
+        if inputs is not None:  # the parameters it accumulates into, or returns the gradients of
+            wanted = {id(t) for t in ([inputs] if isinstance(inputs, torch.Tensor) else inputs)}
+            reached = [p for p in reached if id(p) in wanted]
+        if self.on_backward is not None:
+            self.on_backward(tensors, grad_tensors, reached)
+        started = self.passes.started
+        self.passes.written.clear()
+        self.passes.create_graph = create_graph
+        try:
+            out = run()
+        finally:
+            self.passes.create_graph = False
+        if create_graph:
+            given = [inputs] if isinstance(inputs, torch.Tensor) else inputs
+            results = list(out) if out is not None else [t.grad for t in (reached if given is None else given)]
+            self._refuse_through(results)
+        if self.warned:
             return out
-
-        return watched
+        if self.passes.started == started:
+            if reached:
+                self._untracked()
+        else:
+            said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
+            self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
+        return out
 
     def _refuse_through(self, gradients: list) -> None:
         """Hooks on ``gradients``, the results (``.grad``, or ``torch.autograd.grad``'s)
@@ -573,7 +559,7 @@ class BackwardWatch:
             "model jacmem does not track, so no extension gets anything. Call jacmem.track(model) before "
             "that forward (BackPACK's extend(model)), or run the forward inside the block.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )
 
     def _missed(self, params: list[nn.Parameter]) -> None:
@@ -590,5 +576,5 @@ class BackwardWatch:
             "model.logit_scale` in the loss). Read it inside a module's forward: move the op into the "
             "model's forward, or wrap it in a small nn.Module.",
             UserWarning,
-            stacklevel=4,
+            stacklevel=5,
         )

@@ -34,7 +34,8 @@ After each backward pass, ``ext.norms`` holds the pass's per-sample total norms 
 (under DDP, those of every rank) and ``ext.passes`` the backward passes that reached a
 trainable parameter; with flat clipping, ``ext.unclipped`` counts those of
 them that the clip left as they were (``c_i = 1``: the count that adaptive clipping
-needs; a tensor on the device, this rank's alone). Several backward passes add up in
+needs; a tensor on the device, this rank's alone); ``ext.held`` is the threshold the
+first of those passes was clipped at (a private optimizer's passes share it). Several backward passes add up in
 ``.grad`` (virtual batches), as autograd's gradients do. A batch of no samples (an empty Poisson batch)
 works: ``loss.backward()`` on its loss (NaN under ``"mean"``, the mean of nothing) adds
 zeros to ``.grad`` and no samples to ``ext.samples``.
@@ -55,6 +56,7 @@ from torch import Tensor, nn
 
 from jacmem.derivatives import lookup
 from jacmem.derivatives.generic import normalises_over_batch
+from jacmem.derivatives.quantities import BATCH_L2
 from jacmem.derivatives.registry import ParametrizedError, own_parameters
 from jacmem.errors import unsupported_module_error
 
@@ -77,7 +79,7 @@ class ClipGrad:
     """
 
     #: what the engine's messages call the result, and the quantity it stages per call
-    savefield, quantities = "grad", ("batch_l2",)
+    savefield, quantities = "grad", (BATCH_L2,)
 
     def __init__(
         self,
@@ -117,10 +119,17 @@ class ClipGrad:
         #: backward passes since the last :meth:`reset` that reached a trainable
         #: parameter (one to the inputs alone, ``torch.autograd.grad(loss, x)``, clips nothing)
         self.passes = 0
+        #: the threshold the first of those passes was clipped at (:meth:`threshold`'s
+        #: form), None before it: a private optimizer hands its threshold down only while
+        #: this is None, and its step checks the passes against it
+        self.held: float | dict[int, float] | None = None
 
-    def reset(self) -> None:
-        """Start counting samples and passes afresh (after an optimizer step)."""
+    def reset(self, keep_threshold: bool = False) -> None:
+        """Start counting samples and passes afresh (after an optimizer step); the threshold
+        held too, unless ``keep_threshold`` (a skipped step's passes are the next step's)."""
         self.samples = self.unclipped = self.passes = 0
+        if not keep_threshold:
+            self.held = None
 
     def __repr__(self) -> str:
         return f"ClipGrad(clipping={self.clipping!r}, loss_reduction={self.loss_reduction!r})"
@@ -163,13 +172,14 @@ class ClipGrad:
         c = next(iter(factors.values()))
         return self.unclipped + (len(c) - (c < 1).sum())
 
-    def factors(self, squared: dict[int, Tensor], names: dict[int, str]) -> tuple[dict[int, Tensor], Tensor]:
+    def factors(
+        self, squared: dict[int, Tensor], names: dict[int, str], max_norm: float | dict[int, float]
+    ) -> tuple[dict[int, Tensor], Tensor]:
         """The clip factors and the total norms, from each parameter's squared per-sample
         norms ``squared: id(param) -> [N]`` (of the per-sample gradients as defined in
-        the module docstring); ``names`` for errors. Returns ``id(param) -> c [N]`` and
-        ``‖g_i‖ [N]``."""
+        the module docstring) and the pass's threshold ``max_norm`` (:meth:`threshold`);
+        ``names`` for errors. Returns ``id(param) -> c [N]`` and ``‖g_i‖ [N]``."""
         total = torch.stack(list(squared.values())).sum(0).sqrt()
-        max_norm = self.threshold()
         if self.clipping == "flat":
             c = (max_norm / (total + EPSILON)).clamp(max=1.0)
             return dict.fromkeys(squared, c), total

@@ -4,9 +4,10 @@ Names, shapes and scaling follow BackPACK 1.7.1: per-sample gradients are those 
 loss as reduced, so with ``reduction="mean"`` they carry its ``1/N`` and
 ``grad_batch.sum(0) == grad``.
 
-Each extension names the *quantities* (:mod:`jacmem.derivatives.quantities`) it needs;
-the first-order engine computes the union once per parameter, with the strategies that
-:mod:`jacmem.engine.planner` chooses.
+Each extension names the *quantities* (:mod:`jacmem.derivatives.quantities`: registered
+objects, or the names of ones without parameters) it needs; the first-order engine
+computes the union once per parameter, with the strategies that :mod:`jacmem.engine.planner`
+chooses, and hands ``finalize`` a dict keyed by them.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from collections.abc import Iterable
 import torch
 from torch import Tensor
 
+from jacmem.derivatives.quantities import BATCH_GRAD, BATCH_L2, GRAD, SUM_GRAD_SQUARED, Quantity
+
 
 class FirstOrderExtension:
     """Base class: ``savefield`` is the parameter attribute the result goes to.
@@ -23,10 +26,10 @@ class FirstOrderExtension:
     engine hands it a copy of one that another extension of the block reads too)."""
 
     savefield: str = ""
-    quantities: tuple[str, ...] = ()
-    overwrites: tuple[str, ...] = ()
+    quantities: tuple[Quantity, ...] = ()
+    overwrites: tuple[Quantity, ...] = ()
 
-    def finalize(self, q: dict[str, Tensor], batch_size: int) -> Tensor:
+    def finalize(self, q: dict[Quantity, Tensor], batch_size: int) -> Tensor:
         raise NotImplementedError
 
     def __repr__(self) -> str:
@@ -67,7 +70,7 @@ class BatchGrad(FirstOrderExtension):
     ``subsampling`` (a list of sample indices), those samples' only,
     ``[len(subsampling), *param.shape]``."""
 
-    savefield, quantities = "grad_batch", ("batch_grad",)
+    savefield, quantities = "grad_batch", (BATCH_GRAD,)
 
     def __init__(self, subsampling: Iterable[int] | None = None):
         self.subsampling = checked_subsampling(subsampling, "BatchGrad")
@@ -76,8 +79,8 @@ class BatchGrad(FirstOrderExtension):
 
     def finalize(self, q, batch_size):
         if self.subsampling is None:
-            return q["batch_grad"]
-        return subsample(q["batch_grad"], self.subsampling, indices=self._indices)
+            return q[BATCH_GRAD]
+        return subsample(q[BATCH_GRAD], self.subsampling, indices=self._indices)
 
     def __repr__(self) -> str:
         return "BatchGrad()" if self.subsampling is None else f"BatchGrad(subsampling={self.subsampling})"
@@ -86,19 +89,19 @@ class BatchGrad(FirstOrderExtension):
 class BatchL2Grad(FirstOrderExtension):
     """Squared norms of the per-sample gradients, ``param.batch_l2``: ``[N]``."""
 
-    savefield, quantities = "batch_l2", ("batch_l2",)
+    savefield, quantities = "batch_l2", (BATCH_L2,)
 
     def finalize(self, q, batch_size):
-        return q["batch_l2"]
+        return q[BATCH_L2]
 
 
 class SumGradSquared(FirstOrderExtension):
     """Sum of the squared per-sample gradients, ``param.sum_grad_squared``: ``param.shape``."""
 
-    savefield, quantities = "sum_grad_squared", ("sum_grad_squared",)
+    savefield, quantities = "sum_grad_squared", (SUM_GRAD_SQUARED,)
 
     def finalize(self, q, batch_size):
-        return q["sum_grad_squared"]
+        return q[SUM_GRAD_SQUARED]
 
 
 class Variance(FirstOrderExtension):
@@ -107,10 +110,10 @@ class Variance(FirstOrderExtension):
     ``sum_grad_squared / N - (grad / N)²``, with ``grad`` the summed gradient.
     """
 
-    savefield, quantities, overwrites = "variance", ("sum_grad_squared", "grad"), ("sum_grad_squared",)
+    savefield, quantities, overwrites = "variance", (SUM_GRAD_SQUARED, GRAD), (SUM_GRAD_SQUARED,)
 
     def finalize(self, q, batch_size):
         # (N Σg² - (Σg)²) / N², in the tensor of Σg²: nothing of p.shape is allocated (a
         # tied 50k-token embedding's is 154 MB in float32); an empty batch gives NaN (0/0)
-        sgs, grad = q["sum_grad_squared"], q["grad"]
+        sgs, grad = q[SUM_GRAD_SQUARED], q[GRAD]
         return sgs.mul_(batch_size).addcmul_(grad, grad, value=-1).div_(batch_size * batch_size)

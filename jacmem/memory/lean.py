@@ -72,6 +72,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn import functional as F
 
+from jacmem import compat
 from jacmem.memory.functions import (
     BatchNormEvalFunction,
     ConvFunction,
@@ -116,7 +117,7 @@ _READERS: weakref.WeakKeyDictionary[nn.Module, weakref.WeakSet] = weakref.WeakKe
 def _read(reader: nn.Module, input: Tensor) -> None:
     """Note that ``reader`` reads ``input``, if a lean ReLU made it."""
     tag = getattr(input, _PRODUCER, None)
-    if tag is not None and tag[1] == input._version:
+    if tag is not None and tag[1] == compat.tensor_version(input):
         relu = tag[0]
         readers = _READERS.get(relu)
         if readers is None:
@@ -245,7 +246,7 @@ class LeanReLU(nn.ReLU):
             out = super().forward(input)
         else:
             out = ReLUFunction.apply(input, self.inplace)
-        setattr(out, _PRODUCER, (self, out._version))
+        setattr(out, _PRODUCER, (self, compat.tensor_version(out)))
         return out
 
 
@@ -331,7 +332,7 @@ class _LeanNorm:
             out = NormFunction.apply(input, self.weight, bias, d, eps, self._rms, "output" if shared else "input")
         else:
             out = super().forward(input)
-        setattr(out, _PRODUCER, (self, out._version))
+        setattr(out, _PRODUCER, (self, compat.tensor_version(out)))
         return out
 
 
@@ -354,7 +355,9 @@ class _LeanActivation:
         _read(self, input)
         out = super().forward(input)
         if torch.is_grad_enabled() and input.requires_grad and out is not input:
-            setattr(out, _ACTIVATION, (input, self._function(), input._version, out._version))
+            setattr(
+                out, _ACTIVATION, (input, self._function(), compat.tensor_version(input), compat.tensor_version(out))
+            )
         return out
 
 
@@ -374,7 +377,7 @@ class _LeanLinear:
         tag = getattr(input, _ACTIVATION, None)
         if tag is not None and self.weight.requires_grad and torch.is_grad_enabled():
             pre, function, pre_version, version = tag
-            if pre._version == pre_version and input._version == version:
+            if compat.tensor_version(pre) == pre_version and compat.tensor_version(input) == version:
                 return LinearOfActFunction.apply(input, pre.detach(), function, self.weight, self.bias)
         return super().forward(input)
 

@@ -30,7 +30,7 @@ import torch
 from torch import Tensor, nn
 from torch.nn.modules import module as module_hooks
 
-from jacmem import walker
+from jacmem import compat, walker
 from jacmem.memory.lean import LEAN, STOCK
 
 Key = tuple[str, int, int]
@@ -46,7 +46,7 @@ NEEDS: dict[str, dict[str, Any]] = {
     "AddmmBackward0": {"mat1": (2,), "mat2": (1,)},
     "MulBackward0": {"self": (1,), "other": (0,)},
     "NativeBatchNormBackward0": {
-        "input": lambda node: (0, 1, 2) if getattr(node, "_saved_training", True) else (1,),
+        "input": lambda node: (0, 1, 2) if compat.saved_value(node, "training", True) else (1,),
         "weight": (0,),
     },
     "CudnnBatchNormBackward0": {"input": (0, 1, 2), "weight": (0,)},
@@ -362,8 +362,8 @@ class _State:
         for m in module.modules():
             if id(m) in self.modules:
                 continue
-            self.modules[id(m)] = (m, m.training, dict(m._parameters), dict(m._buffers))
-            for t in m._buffers.values():
+            self.modules[id(m)] = (m, m.training, dict(compat.parameter_slots(m)), dict(compat.buffer_slots(m)))
+            for t in compat.buffer_slots(m).values():
                 if t is not None and id(t) not in self.values:
                     self.values[id(t)] = (t, t.detach().clone())
 
@@ -374,10 +374,10 @@ class _State:
                     t.copy_(copy)
         for m, training, params, buffers in self.modules.values():
             m.training = training
-            m._parameters.clear()
-            m._parameters.update(params)
-            m._buffers.clear()
-            m._buffers.update(buffers)
+            compat.parameter_slots(m).clear()
+            compat.parameter_slots(m).update(params)
+            compat.buffer_slots(m).clear()
+            compat.buffer_slots(m).update(buffers)
         torch.random.set_rng_state(self.cpu_rng)
         if self.cuda_rng is not None:
             torch.cuda.set_rng_state_all(self.cuda_rng)
@@ -468,13 +468,13 @@ class _Recorder:
 
     # -- after the forward -------------------------------------------------------
 
-    def _read(self, node, attr: str) -> list[tuple[str, int]]:
-        """(slot, entry index) of the tensors that ``node.attr`` holds. Reading may unpack
-        other tensors too (a checkpointed region recomputes its forward from its saved
-        inputs): only those handed back as the attribute's value count."""
+    def _read(self, node, slot: str) -> list[tuple[str, int]]:
+        """(slot, entry index) of the tensors that ``node`` saved under ``slot`` (a custom
+        Function's: ``saved_tensors``). Reading may unpack other tensors too (a
+        checkpointed region recomputes its forward from its saved inputs): only those
+        handed back as the slot's value count."""
         self.unpacked.clear()
-        value = getattr(node, attr)
-        slot = attr[len("_saved_") :] if attr.startswith("_saved_") else attr
+        value = node.saved_tensors if slot == "saved_tensors" else compat.saved_value(node, slot)
         got = {ident: idx for idx, ident in self.unpacked}
         if isinstance(value, (tuple, list)):
             found = [(i, got.get(_ident(v))) for i, v in enumerate(value) if isinstance(v, Tensor)]
@@ -488,7 +488,7 @@ class _Recorder:
             if isinstance(node, torch.autograd.function.BackwardCFunction):
                 slots = self._read(node, "saved_tensors")
             else:
-                slots = [s for a in dir(node) if a.startswith("_saved_") for s in self._read(node, a)]
+                slots = [s for a in compat.saved_names(node) for s in self._read(node, a)]
             for slot, idx in slots:
                 entry = self.entries[idx]
                 entry.op, entry.slot = node.name(), slot

@@ -171,3 +171,223 @@ def test_dynamo_callback_is_none_but_where_a_compiled_frame_runs():
         warnings.simplefilter("ignore")
         f(torch.ones(2))
     assert seen[0] is None and seen[1] is not None
+
+
+def _originals():
+    return torch.autograd.backward, torch.autograd.grad
+
+
+def test_watch_autograd_hands_over_each_call_normalised():
+    """``around`` gets the tensors, their gradients, ``inputs`` and ``create_graph``
+    of each call, however they were passed, and returns what the call returns."""
+    seen = []
+
+    def around(run, tensors, grads, inputs, create_graph):
+        seen.append((tensors, grads, inputs, create_graph))
+        return run()
+
+    w = nn.Parameter(torch.ones(2))
+    end = compat.watch_autograd(around)
+    try:
+        y = (w * 3).sum()
+        v = torch.ones(())
+        y.backward(v, retain_graph=True, inputs=[w])  # Tensor.backward goes through torch.autograd.backward
+        torch.autograd.backward([y], None, True, False, None, [w])
+        (g,) = torch.autograd.grad(y, [w], v, create_graph=True)
+        (h,) = torch.autograd.grad(outputs=y, inputs=w, grad_outputs=v, retain_graph=True)
+    finally:
+        end()
+    assert [s[0] is y or s[0] == [y] for s in seen] == [True] * 4
+    assert [s[1] is v for s in seen] == [True, False, True, True] and seen[1][1] is None
+    assert seen[0][2] == [w] and seen[1][2] == [w] and seen[2][2] == [w] and seen[3][2] is w
+    assert [s[3] for s in seen] == [False, False, True, False]
+    torch.testing.assert_close(g, torch.full((2,), 3.0))
+    torch.testing.assert_close(h, torch.full((2,), 3.0))
+    torch.testing.assert_close(w.grad, torch.full((2,), 6.0))
+
+
+def test_watch_autograd_ends_with_torchs_own_functions_after_an_error():
+    originals = _originals()
+
+    def around(run, *args):
+        raise KeyError("from around")
+
+    end = compat.watch_autograd(around)
+    try:
+        assert _originals() != originals
+        with pytest.raises(KeyError, match="from around"):
+            (nn.Parameter(torch.ones(2)) * 2).sum().backward()
+    finally:
+        end()
+    assert _originals() == originals
+    end()  # a second end changes nothing
+    assert _originals() == originals
+
+
+def test_a_block_that_raises_leaves_torchs_autograd_functions():
+    import jacmem
+
+    originals = _originals()
+    with pytest.raises(KeyError), jacmem.extend(jacmem.BatchGrad()):
+        assert _originals() != originals
+        raise KeyError
+    assert _originals() == originals
+
+
+@pytest.mark.parametrize("order", ["inner first", "outer first"])
+def test_watch_autograd_nests_and_ends_in_any_order(order):
+    originals, calls = _originals(), []
+
+    def watching(tag):
+        def around(run, *args):
+            calls.append(tag)
+            return run()
+
+        return around
+
+    w = nn.Parameter(torch.ones(2))
+    outer = compat.watch_autograd(watching("outer"))
+    inner = compat.watch_autograd(watching("inner"))
+    (w * 2).sum().backward()
+    assert calls == ["inner", "outer"], "the later watch runs around the earlier"
+    first, second = (inner, outer) if order == "inner first" else (outer, inner)
+    first()
+    calls.clear()
+    (w * 2).sum().backward()
+    assert calls == ["outer" if order == "inner first" else "inner"], "an ended watch is not called"
+    second()
+    calls.clear()
+    (w * 2).sum().backward()
+    assert calls == [] and _originals() == originals
+
+
+def test_module_slots_are_the_dicts_the_forward_reads():
+    lin, seq = nn.Linear(2, 2), nn.Sequential(nn.Linear(2, 2), nn.BatchNorm1d(2))
+    assert list(compat.parameter_slots(lin)) == ["weight", "bias"] and compat.parameter_slots(lin)["bias"] is lin.bias
+    assert list(compat.child_slots(seq)) == ["0", "1"] and compat.child_slots(seq)["1"] is seq[1]
+    assert set(compat.buffer_slots(seq[1])) == {"running_mean", "running_var", "num_batches_tracked"}
+    compat.parameter_slots(lin)["bias"] = nn.Parameter(torch.full((2,), 5.0))
+    compat.buffer_slots(seq[1])["running_mean"] = torch.ones(2)
+    torch.testing.assert_close(lin(torch.zeros(1, 2)), torch.full((1, 2), 5.0))
+    assert torch.equal(seq[1].running_mean, torch.ones(2)), "writing them changes what the module holds"
+
+
+def test_tensor_version_counts_in_place_writes():
+    t = torch.zeros(3)
+    before = compat.tensor_version(t)
+    t.add_(1)
+    t[0:1].mul_(2)  # through a view
+    assert compat.tensor_version(t) == before + 2
+    t + 1
+    assert compat.tensor_version(t) == before + 2
+
+
+def test_saved_names_and_values_of_a_built_in_ops_node():
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3)
+    mul = (a * b).grad_fn
+    assert {"self", "other"} <= set(compat.saved_names(mul))
+    assert torch.equal(compat.saved_value(mul, "other"), b) and compat.saved_value(mul, "nothing", 7) == 7
+    assert compat.saved_value(torch.add(a, b, alpha=1).grad_fn, "alpha") == 1
+    assert compat.saved_value(torch.add(a, b, alpha=2).grad_fn, "alpha") == 2
+
+    class Double(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            ctx.save_for_backward(x)
+            return 2 * x
+
+        @staticmethod
+        def backward(ctx, g):
+            return 2 * g
+
+    assert compat.saved_names(Double.apply(a).grad_fn) == [], "a custom Function's are in saved_tensors"
+
+
+def test_node_output_shape_is_the_shape_of_the_forward_ops_output():
+    x = torch.randn(4, 3, requires_grad=True)
+    node = x.sum(0).grad_fn
+    assert compat.node_output_shape(node, 0) == (3,) and compat.node_output_shape(node, 1) is None
+    first, second = x.split([1, 3])
+    assert compat.node_output_shape(first.grad_fn, 0) == (1, 3)
+    assert compat.node_output_shape(second.grad_fn, 1) == (3, 3)
+
+
+def test_autograd_records_inside_a_custom_ops_kernel_only_where_asked():
+    seen = []
+
+    @torch.library.custom_op("jacmem_test::probe", mutates_args=())
+    def probe(x: torch.Tensor) -> torch.Tensor:
+        y = x.detach().requires_grad_()
+        plain = (y * 2).grad_fn is not None
+        with compat.autograd_inside_op(), torch.enable_grad():
+            inside = (y * 2).grad_fn is not None
+        seen.append((plain, inside))
+        return x.clone()
+
+    probe(torch.ones(2))
+    assert seen == [(False, True)]
+
+
+def test_global_module_hooks_run_for_every_module_under_the_same_ids():
+    calls = []
+
+    def pre(module, args):
+        calls.append(("pre", type(module).__name__))
+
+    def leave(module, args, output):
+        calls.append(("leave", type(module).__name__))
+
+    def forward(module, args, kwargs, output):
+        calls.append(("forward", type(module).__name__, kwargs))
+
+    handles = compat.global_module_hooks(pre, leave, forward)
+    try:
+        nn.Linear(2, 2)(torch.ones(1, 2))
+        with pytest.raises(RuntimeError):
+            nn.Linear(2, 2)(torch.ones(1, 3))
+    finally:
+        for handle in handles:
+            handle.remove()
+    nn.Linear(2, 2)(torch.ones(1, 2))
+    assert calls == [
+        ("pre", "Linear"),
+        ("leave", "Linear"),
+        ("forward", "Linear", {}),
+        ("pre", "Linear"),
+        ("leave", "Linear"),
+    ]
+    again = compat.global_module_hooks(pre, leave, forward)
+    for handle in again:
+        handle.remove()
+    assert [h.id for h in again] == [h.id for h in handles], "torch.compile guards on the ids"
+
+
+def test_compiled_modules_are_told_apart_and_unwrapped():
+    lin, other = nn.Linear(2, 2), nn.Linear(2, 2)
+    wrapped = torch.compile(lin)
+    assert compat.is_compiled_module(wrapped) and not compat.is_compiled_module(lin)
+    assert compat.uncompiled(wrapped) is lin and compat.uncompiled(lin) is lin
+    assert not compat.compiled_in_place(lin) and not compat.compiled_in_place(wrapped)
+    other.compile()
+    assert compat.compiled_in_place(other) and not compat.is_compiled_module(other)
+
+
+def test_never_compile_alone_still_traces_inline():
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append([n.target for n in gm.graph.nodes if n.op == "call_function"])
+        return gm.forward
+
+    def inner(x):
+        return torch.sin(x) + 1
+
+    def outer(x):
+        return inner(x) * 2
+
+    compat.never_compile_alone(inner)
+    x = torch.ones(3)
+    torch.testing.assert_close(torch.compile(inner, backend=backend)(x), torch.sin(x) + 1)
+    assert graphs == [], "where eager code calls it, its frame is not compiled"
+    torch.testing.assert_close(torch.compile(outer, backend=backend)(x), (torch.sin(x) + 1) * 2)
+    assert len(graphs) == 1 and torch.sin in graphs[0], "a compiled frame traces it inline"

@@ -18,6 +18,7 @@ LAYERS = {
     "jacmem.compat": 0,  # the private torch APIs, behind one function each: below everything
     "jacmem.derivatives": 0,
     "jacmem.errors": 0,
+    "jacmem.walker": 0,  # the one walk of autograd's graph, which the engine and the memory report use
     "jacmem.extensions": 1,
     "jacmem.nn": 1,
     "jacmem.engine": 2,
@@ -145,8 +146,9 @@ def test_no_file_imports_another_files_private_names():
 def test_the_public_add_ons_import_public_names_only():
     """privacy, laplace and memory import the package's public names, the block
     (:class:`jacmem.engine.block.Block`) and the public extensions, nothing else of the
-    engine."""
-    allowed = {"jacmem", "jacmem.engine.block", "jacmem.extensions.clipping"}
+    engine; :mod:`jacmem.compat`, the one way to a private torch API for every layer; and the one
+    graph walker (:mod:`jacmem.walker`), which the memory report's walk uses."""
+    allowed = {"jacmem", "jacmem.compat", "jacmem.engine.block", "jacmem.extensions.clipping", "jacmem.walker"}
     wrong = []
     for name, path in MODULES.items():
         if _package_of(name) not in ("jacmem.privacy", "jacmem.laplace", "jacmem.memory"):

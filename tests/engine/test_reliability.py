@@ -2,8 +2,7 @@
 
 "Nothing behind", checked after every case by :class:`State` (or :func:`assert_clean`,
 which also checks that every kept input is freed): no global module hook, no tensor
-hook on the outputs the block saw, no active block, ``jacmem.engine.hooks._LIVE`` as it was
-before, and no attribute written by a backward pass that failed (results are written at
+hook on the outputs the block saw, no active block, and no attribute written by a backward pass that failed (results are written at
 the end of a backward pass, all at once).
 
 Covered:
@@ -65,7 +64,6 @@ from torch.nn.modules import module as module_hooks
 import jacmem
 import jacmem.context
 from jacmem.derivatives import REGISTRY, LayerDerivatives, Strategy, all_strategy_names, lookup
-from jacmem.engine import hooks
 from jacmem.extensions.clipping import check
 
 FIRST_ORDER = (jacmem.BatchGrad, jacmem.BatchL2Grad, jacmem.SumGradSquared, jacmem.Variance)
@@ -104,7 +102,6 @@ class State:
 
     def __init__(self, model=None):
         self.hooks = global_hooks()
-        self.live = dict(hooks._LIVE)
         self.outputs = []
         self._handles = [] if model is None else [
             m.register_forward_hook(lambda m, a, out: self.outputs.extend(torch.utils._pytree.tree_leaves(out)))
@@ -117,7 +114,6 @@ class State:
         assert jacmem.context._ACTIVE is None, "a block is still active"
         after = global_hooks()
         assert after == self.hooks, f"global forward (pre-)hooks went from {self.hooks} to {after}"
-        assert dict(hooks._LIVE) == self.live, f"_LIVE went from {self.live} to {dict(hooks._LIVE)}"
         for out in self.outputs:
             assert not isinstance(out, torch.Tensor) or not out._backward_hooks, "a tensor hook stayed on an output"
 
@@ -1141,7 +1137,6 @@ def test_rss_stays_flat_over_100_steps(blocks):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     X, y = torch.randn(8, 2, 6, 6), torch.randint(0, 3, (8,))
     hooks_before = global_hooks()
-    live_before = dict(hooks._LIVE)
 
     def run(steps):
         if blocks == "one per step":
@@ -1161,4 +1156,3 @@ def test_rss_stays_flat_over_100_steps(blocks):
     assert growth < BOUND, f"RSS grew by {growth / 2**20:.1f} MB over {STEPS} steps ({blocks})"
     assert jacmem.context._ACTIVE is None
     assert global_hooks() == hooks_before
-    assert dict(hooks._LIVE) == live_before

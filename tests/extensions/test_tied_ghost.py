@@ -17,7 +17,7 @@ from torch import nn
 
 import jacmem
 import jacmem.derivatives.tied
-import jacmem.engine.firstorder
+import jacmem.engine.staging
 from jacmem.derivatives.registry import Cost
 
 DT = torch.float64
@@ -174,7 +174,7 @@ def _moments(name: str, exts: tuple, monkeypatch, way: str | None = None, chunk_
     per-sample loop, and what explain() says -> the chosen way"""
     if way is not None:
         cost = Cost(0, 0) if way == "tied index terms" else Cost(float("inf"), 0)
-        monkeypatch.setattr(jacmem.engine.firstorder, "index_terms_cost", lambda shapes: cost)
+        monkeypatch.setattr(jacmem.engine.staging, "index_terms_cost", lambda shapes: cost)
     model, X, y, tied = case(name)
     reference = per_sample_grads(model, X, y, cross_entropy, "mean")
     clear(model)
@@ -235,9 +235,9 @@ def test_gpt2_real_vocabulary_variance_without_per_sample_gradients():
 def test_per_sample_gradients_where_the_cost_model_prefers_them(monkeypatch):
     """Where materialising is estimated cheaper, the per-sample gradients summed over the
     calls give the same norms and clipped sums, and explain() says so."""
-    costs = jacmem.engine.firstorder.summed_norm_costs
+    costs = jacmem.engine.staging.summed_norm_costs
     monkeypatch.setattr(
-        jacmem.engine.firstorder, "summed_norm_costs", lambda *a: {**costs(*a), "per-sample gradients": Cost(0, 0)}
+        jacmem.engine.staging, "summed_norm_costs", lambda *a: {**costs(*a), "per-sample gradients": Cost(0, 0)}
     )
     model, X, y, tied = case("embedding_head")
     grads = {p: g * N for p, g in per_sample_grads(model, X, y, cross_entropy, "mean").items()}
@@ -294,16 +294,16 @@ def test_a_tied_heads_output_gradient_goes_at_its_call(gathered, monkeypatch):
     gathered at the embedding's token rows, and its output gradient [N, T, V] is let go
     (not held to the end of the pass); where the embedding's rows cannot be read ahead
     (forced here), the head's call is held and its factors give the same rows."""
-    engine = jacmem.engine.firstorder
+    engine = jacmem.engine.staging
     held = []
-    early = engine.FirstOrderEngine._early
+    early = engine.Stager.early
 
     def spy(self, staged, rec, pname, dtype):
         out = early(self, staged, rec, pname, dtype)
         held.append(staged.calls[-1].g is not None)
         return out
 
-    monkeypatch.setattr(engine.FirstOrderEngine, "_early", spy)
+    monkeypatch.setattr(engine.Stager, "early", spy)
     if not gathered:
         monkeypatch.setattr(engine, "_index_rows", lambda *a: None)
     assert _moments("gpt2_50257", (jacmem.Variance(),), None) == "tied index terms"

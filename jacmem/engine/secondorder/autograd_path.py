@@ -49,9 +49,10 @@ import torch
 from torch import Tensor
 from torch.autograd.graph import GradientEdge, get_gradient_edge
 
-from jacmem import walker
+from jacmem import compat, walker
 from jacmem.derivatives import LOSSES
 from jacmem.derivatives.functional import StandInLoss
+from jacmem.derivatives.quantities import EMPIRICAL, EXACT, FactorKind
 from jacmem.engine import hooks, precision
 from jacmem.engine.secondorder.graph import ChainError, Node, in_compute_dtype, several_losses, tolerance
 from jacmem.extensions.secondorder.base import Call, Factor, UnsupportedModule
@@ -59,14 +60,6 @@ from jacmem.extensions.secondorder.base import Call, Factor, UnsupportedModule
 #: the relative tolerance of the loss Hessian's checks at least: a loss computed in float32
 #: on float64 logits (HF's causal-LM loss upcasts with ``.float()``) rounds as float32
 _LOOSE = 1e-5
-
-
-def _is_ggn_kind(kind: str) -> bool:
-    return kind == "exact" or kind.startswith("mc")
-
-
-def _serves(kind: str) -> bool:
-    return _is_ggn_kind(kind) or kind == "empirical"
 
 
 class AutogradPath:
@@ -97,7 +90,7 @@ class AutogradPath:
 
     def serves(self) -> bool:
         """Whether the block's extensions are all GGN-type (else the chain runs)."""
-        return all(_serves(k) for k in self.engine.kinds)
+        return all(k.serves for k in self.engine.kinds)
 
     # -- forward -------------------------------------------------------------------
 
@@ -160,14 +153,14 @@ class AutogradPath:
             with torch.enable_grad(), precision.computing(g_root.device):
                 split = _split(root, records, losses)
                 kinds = self.engine.kinds
-                mc = any(k.startswith("mc") for k in kinds)
+                mc = any(k.samples for k in kinds)
                 sampler = self._sampler(root, split, losses)
                 self.notes = [_note(split, sampler, mc)]
-                if "exact" in kinds or (sampler is None and mc):
+                if EXACT in kinds or (sampler is None and mc):
                     L, g_z = self._loss_factor(root, g_root, split)
                 else:
                     L, g_z = None, self._gradient(root, g_root, split, create_graph=False)
-                empirical = self._empirical(root, g_root, split, losses) if "empirical" in kinds else None
+                empirical = self._empirical(root, g_root, split, losses) if EMPIRICAL in kinds else None
                 factors = self._factors(L, split.shape, sampler, root, g_root, empirical)
                 self._push(run, factors, g_z, split, records)
                 run.autograd = _expected(split, records, g_z, losses)
@@ -197,7 +190,7 @@ class AutogradPath:
         reaches through linear links only (casts, reshapes, slices: no curvature
         between ``z`` and the loss, so ``z``'s loss Hessian is the loss's, carried back).
         ``None`` otherwise: the Monte-Carlo kinds then sample the Hessian's factor."""
-        if len(losses) != 1 or not any(k.startswith("mc") for k in self.engine.kinds):
+        if len(losses) != 1 or not any(k.samples for k in self.engine.kinds):
             return None
         loss, edge, _ = losses[0]
         if split.node is None:
@@ -292,24 +285,24 @@ class AutogradPath:
 
     def _factors(
         self, L: Tensor | None, shape: tuple[int, ...], sampler, root: GradientEdge, g_root: Tensor, empirical
-    ) -> dict[str, Tensor]:
+    ) -> dict[FactorKind, Tensor]:
         """Each kind's factor at ``z``, ``[V, N, *z]`` (module docstring): the
         Monte-Carlo kinds' from the loss's own sampled labels where ``sampler`` (see
         :meth:`_sampler`), else from ``L``; ``empirical`` (:meth:`_empirical`) as it is."""
-        out = {} if empirical is None else {"empirical": empirical}
-        for kind in sorted(filter(_is_ggn_kind, self.engine.kinds)):
-            if kind == "exact":
+        out = {} if empirical is None else {EMPIRICAL: empirical}
+        for kind in sorted(k for k in self.engine.kinds if k.ggn):
+            if not kind.samples:
                 out[kind] = L.permute(2, 0, 1).reshape(L.shape[2], *shape)
             elif sampler is not None:
-                out[kind] = _sampled(sampler, int(kind[2:]), root, g_root).reshape(-1, *shape)
+                out[kind] = _sampled(sampler, kind.samples, root, g_root).reshape(-1, *shape)
             else:
                 n, _, k = L.shape
-                m = int(kind[2:])
+                m = kind.samples
                 eps = torch.randn(m, n, k, dtype=L.dtype, device=L.device)
                 out[kind] = torch.einsum("ndk,mnk->mnd", L, eps).div_(sqrt(m)).reshape(m, *shape)
         return out
 
-    def _push(self, run, factors: dict[str, Tensor], g_z: Tensor, split: Split, records: list) -> None:
+    def _push(self, run, factors: dict[FactorKind, Tensor], g_z: Tensor, split: Split, records: list) -> None:
         """Every kind's factor from ``z`` to each module's output, in slices of its ``V``
         columns under ``chunk_bytes`` (one batched backward each); the modules' results
         staged in ``run``. Where the columns come in more than one slice and an extension
@@ -360,7 +353,7 @@ class AutogradPath:
                 },
             )
 
-    def _call(self, node, kind: str, G: Tensor, shared: bool) -> Call:
+    def _call(self, node, kind: FactorKind, G: Tensor, shared: bool) -> Call:
         """What the extensions see of ``node`` with the slice ``G [v, N, *out]`` at its
         output. A shared call's ``G [v, N, 1, *out]`` is taken as the call repeated over
         the batch (:func:`_repeated`), so that sample ``n``'s gradient of its parameters
@@ -369,7 +362,7 @@ class AutogradPath:
         call = self.engine.call(node, [Factor(kind, 1.0, G.squeeze(2) if shared else G)], None)
         return _repeated(call, G.shape[1]) if shared else call
 
-    def _fit(self, nodes: list, shared: list, kind: str, exts: list, columns) -> list[dict]:
+    def _fit(self, nodes: list, shared: list, kind: FactorKind, exts: list, columns) -> list[dict]:
         """The first of two passes over the slices ``columns`` (:meth:`_push`): per node,
         ``{ext: its fit over all the slices}`` (:meth:`SecondOrderExtension.fit`, merged
         by ``merge_fit``); a module an extension has nothing for gets none (``compute``
@@ -390,7 +383,7 @@ class AutogradPath:
                     fits[i][ext] = part if have is None else {p: ext.merge_fit(have[p], v) for p, v in part.items()}
         return fits
 
-    def _compute(self, node, acc: dict, exts: list, kind: str, G: Tensor, shared: bool, fits: dict) -> None:
+    def _compute(self, node, acc: dict, exts: list, kind: FactorKind, G: Tensor, shared: bool, fits: dict) -> None:
         """The extensions' results for ``node`` from one slice ``G [v, N, *out]`` (a
         shared call's ``[v, N, 1, *out]``: :meth:`_call`), merged into ``acc``
         (``{param: {ext: result}}``), each with its fit over all the slices where it has
@@ -477,7 +470,9 @@ def _sampled(sampler: tuple, m: int, root: GradientEdge, g_root: Tensor) -> Tens
     through the linear links: ``[M, N, *z]``."""
     loss, edge, links = sampler
     (c,) = torch.autograd.grad([root], [edge], [g_root], retain_graph=True)
-    torch._assert_async(c >= 0, "jacmem: the loss enters the backward with a negative weight; the GGN needs it >= 0")
+    compat.assert_on_device(
+        c >= 0, "jacmem: the loss enters the backward with a negative weight; the GGN needs it >= 0"
+    )
     x, y = loss.inputs[0], loss.inputs[1] if len(loss.inputs) > 1 else None
     hp = {k: v for k, v in loss.hp.items() if k != "forward"}
     S = loss.loss.sampled(x, y, m, **hp) * c.sqrt()
@@ -546,7 +541,7 @@ def _check_cost(where: str, n: int, d: int, kinds) -> None:
         return
     fix = (
         f"use the Monte-Carlo kinds ({_MC_KINDS}), which sample the loss's labels and cost one backward per sample"
-        if "exact" in kinds
+        if EXACT in kinds
         else "the Monte-Carlo kinds sample the loss's labels only where the root is one loss (CrossEntropyLoss, "
         "MSELoss, BCEWithLogitsLoss, as a module or function) times a factor, on the model's output through casts, "
         "reshapes and slices: compute the loss that way"
@@ -678,7 +673,7 @@ def _broadcast_adds(z: GradientEdge, edges: list) -> list[GradientEdge | None]:
     walker.Walk([z.node], step)
     return [
         GradientEdge(u[0], 0)
-        if len(u) == 1 and u[0].name() == "AddBackward0" and getattr(u[0], "_saved_alpha", None) == 1
+        if len(u) == 1 and u[0].name() == "AddBackward0" and compat.saved_value(u[0], "alpha") == 1
         else None
         for u in users
     ]

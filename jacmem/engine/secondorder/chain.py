@@ -60,6 +60,7 @@ from torch import Tensor
 
 from jacmem.derivatives import Passthrough
 from jacmem.derivatives.jacobians import diagonal_factor, ea_jac_t_mat_jac, vjp_generic
+from jacmem.derivatives.quantities import DENSE, EMPIRICAL, EXACT, RESIDUAL
 from jacmem.engine import precision
 from jacmem.engine.secondorder.graph import (
     ChainError,
@@ -106,21 +107,22 @@ class Chain:
         hp = {k: v for k, v in node.hp.items() if k != "forward"}
         factors: dict[tuple, Factor] = {}
         dense = None
-        if "exact" in self.engine.kinds or "residual" in self.engine.kinds or "dense" in self.engine.kinds:
+        kinds = self.engine.kinds
+        if any(k.exact_root for k in kinds):
             S = node.loss.sqrt_hessian(x, y, **hp) * sqrt(c)
-            if "dense" in self.engine.kinds:
+            if DENSE in kinds:
                 flat = S.flatten(2)
                 dense = torch.einsum("vni,vnj->ij", flat, flat)
-            if "exact" in self.engine.kinds or "residual" in self.engine.kinds:
-                factors[("exact", id(node), 1)] = Factor("exact", 1.0, S)
-        for kind in sorted(k for k in self.engine.kinds if k.startswith("mc")):
-            S = node.loss.sampled(x, y, int(kind[2:]), **hp) * sqrt(c)
+            if EXACT in kinds or RESIDUAL in kinds:
+                factors[(EXACT, id(node), 1)] = Factor(EXACT, 1.0, S)
+        for kind in sorted(k for k in kinds if k.samples):
+            S = node.loss.sampled(x, y, kind.samples, **hp) * sqrt(c)
             factors[(kind, id(node), 1)] = Factor(kind, 1.0, S)
-        if "empirical" in self.engine.kinds:
+        if EMPIRICAL in kinds:
             run.empirical.append(node)
             if len(run.empirical) > 1:
                 raise several_losses(run.empirical)
-            factors[("empirical", id(node), 1)] = Factor("empirical", 1.0, _empirical(node, x, y, hp) * sqrt(c))
+            factors[(EMPIRICAL, id(node), 1)] = Factor(EMPIRICAL, 1.0, _empirical(node, x, y, hp) * sqrt(c))
         g = vjp_generic(node.hp["forward"], node.inputs, grad.reshape(1))[0][0] if node.grad_by_jacobian else None
         run.handover(node, 0, factors, g, dense, {})
 
@@ -148,7 +150,7 @@ class Chain:
                     run.deposit(node, i, key, f.kind, f.sign, S_in)
                 del f
             rows = entry.backprop(xs, node.out, grad.unsqueeze(0), hp) if node.grad_by_jacobian else [None] * len(xs)
-            residual = _residual(node, grad) if "residual" in self.engine.kinds else {}
+            residual = _residual(node, grad) if RESIDUAL in self.engine.kinds else {}
             dense_in = None if dense is None else ea_jac_t_mat_jac(entry, xs, node.out, node.out_shape, dense, hp)
         except (ChainError, NotImplementedError):
             raise
@@ -232,7 +234,7 @@ def _residual(node: Node, grad: Tensor) -> dict[tuple, Factor]:
     out = {}
     for sign, part in ((1.0, r.clamp(min=0)), (-1.0, (-r).clamp(min=0))):
         if bool(part.any()):
-            out[("residual", id(node), sign)] = Factor("residual", sign, diagonal_factor(part.sqrt()))
+            out[(RESIDUAL, id(node), sign)] = Factor(RESIDUAL, sign, diagonal_factor(part.sqrt()))
     return out
 
 

@@ -21,9 +21,10 @@ from torch.overrides import TorchFunctionMode
 from jacmem import compat, walker
 from jacmem.derivatives import lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
+from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import hooks, planner, precision
-from jacmem.engine.base import Engine, Setup, Write
+from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -55,11 +56,12 @@ class SecondOrderEngine(Engine):
     """Second-order extensions for one block (the interface is
     :class:`jacmem.engine.base.Engine`)."""
 
-    def __init__(self, extensions: list[SecondOrderExtension], setup: Setup):
+    def __init__(self, extensions: list[SecondOrderExtension], context: Context):
         self.extensions = extensions
-        self.kinds = {k for ext in extensions for k in ext.kinds}
-        self.name, self.budget, self.strategies = setup.name, setup.chunk_bytes, setup.strategies
-        self.passes = setup.passes
+        #: the factor kinds the extensions ask for, read once (:func:`~jacmem.derivatives.quantities.factor_kind`)
+        self.kinds = {factor_kind(k) for ext in extensions for k in ext.kinds}
+        self.name, self.budget, self.strategies = context.name, context.chunk_bytes, context.strategies
+        self.passes = context.passes
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
         #: the modules whose forward the engine saw
@@ -517,7 +519,7 @@ class SecondOrderEngine(Engine):
                     B = root_vjps(call, f, pname)
                 tied.add(key, f.kind, f.sign, B)
 
-    def gather_column(self, run: PassState, node: Node, kind: str, G: Tensor, per_sample: bool) -> None:
+    def gather_column(self, run: PassState, node: Node, kind: FactorKind, G: Tensor, per_sample: bool) -> None:
         """:meth:`gather` for the autograd path's next column ``G [1, N, *out]`` of ``kind``
         (every call gets the columns in the same order: the key is the column's index)."""
         tied = run.tied.setdefault(id(node.params[min(node.tied)]), Tied(node.params[min(node.tied)]))

@@ -12,6 +12,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem.derivatives import LossHessian, Passthrough
+from jacmem.derivatives.quantities import FactorKind
 from jacmem.engine import precision
 from jacmem.extensions.secondorder.base import Factor
 
@@ -104,7 +105,7 @@ class Tied:
         #: path's columns arrive one at a time, in the same order at every call)
         self.count: dict[tuple, int] = {}
 
-    def add(self, key: tuple, kind: str, sign: float, B: Tensor) -> None:
+    def add(self, key: tuple, kind: FactorKind, sign: float, B: Tensor) -> None:
         have = self.columns.get(key)
         self.columns[key] = Factor(kind, sign, B) if have is None else Factor(kind, sign, have.S.add_(B))
 
@@ -148,7 +149,7 @@ class PassState:
         d.grads.append(g)
         d.sources.append(node.name)
 
-    def deposit(self, node: Node, i: int, key: tuple, kind: str, sign: float, S: Tensor | None):
+    def deposit(self, node: Node, i: int, key: tuple, kind: FactorKind, sign: float, S: Tensor | None):
         if S is None or node.producers[i] is None:
             return
         d = self.deposits.setdefault(id(node.producers[i]), Deposit())

@@ -3,20 +3,22 @@
 The engine (:mod:`jacmem.engine.secondorder.engine`) backpropagates *factors*,
 each a tensor ``S [V, N, *out]`` at a module's output with a sign, such that
 ``Σ sign · Σ_v S[v] S[v]ᵀ`` is (per sample) a curvature matrix w.r.t. that output.
-Factors come in kinds:
+Factors come in kinds, registered objects (:class:`jacmem.derivatives.quantities.FactorKind`):
 
-==============  ====================================================================
-kind            what its outer products sum to
-==============  ====================================================================
-``exact``       the GGN: the loss Hessian's exact factor, backpropagated
-``mc<M>``       the GGN in expectation: ``M`` Monte-Carlo samples of the loss Hessian
-``residual``    the rest of the Hessian: each activation's ``f''(x) ⊙ g_out``, as a
-                positive and a negative diagonal factor (BackPACK's DiagHessian)
-==============  ====================================================================
+=====================  ====================================================================
+kind                   what its outer products sum to
+=====================  ====================================================================
+``EXACT``              the GGN: the loss Hessian's exact factor, backpropagated
+``MonteCarlo(M)``      the GGN in expectation: ``M`` Monte-Carlo samples of the loss Hessian
+``EMPIRICAL``          the empirical Fisher: the gradient at the true targets
+``RESIDUAL``           the rest of the Hessian: each activation's ``f''(x) ⊙ g_out``, as a
+                       positive and a negative diagonal factor (BackPACK's DiagHessian)
+=====================  ====================================================================
 
 KFRA backpropagates instead one dense ``[D, D]`` matrix per module output, the
-batch-averaged GGN (``dense``). An extension names the kinds it needs in ``kinds``
-and turns a :class:`Call` into its per-parameter results in ``compute``.
+batch-averaged GGN (``DENSE``). An extension names the kinds it needs in ``kinds`` (the
+objects, or their names, ``"exact"``, ``"mc3"``, which the engine reads once) and turns
+a :class:`Call` into its per-parameter results in ``compute``.
 """
 
 from __future__ import annotations
@@ -27,12 +29,14 @@ from typing import Any
 
 from torch import Tensor, nn
 
+from jacmem.derivatives.quantities import FactorKind
+
 
 @dataclass
 class Factor:
     """A backpropagated factor: ``Σ_v S[v] S[v]ᵀ`` counted with ``sign``."""
 
-    kind: str
+    kind: FactorKind
     sign: float
     S: Tensor  # [V, N, *out]
 
@@ -67,7 +71,7 @@ class Call:
     #: slices (:attr:`SecondOrderExtension.fits`); ``None`` where they come whole
     fitted: Any = None
 
-    def of_kind(self, *kinds: str) -> list[Factor]:
+    def of_kind(self, *kinds: FactorKind) -> list[Factor]:
         return [f for f in self.factors if f.kind in kinds]
 
 
@@ -83,7 +87,7 @@ class SecondOrderExtension:
     it needs (see the module docstring)."""
 
     savefield: str = ""
-    kinds: tuple[str, ...] = ()
+    kinds: tuple[FactorKind, ...] = ()
     #: its result for a parameter depends on the factors only through the vectors
     #: ``J_θ,nᵀ S[v, n]`` (``call.first_order``'s per-sample gradients): for a parameter
     #: that several calls use (tied weights), the engine sums those over the calls and
@@ -123,9 +127,3 @@ class SecondOrderExtension:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
-
-
-def mc_kind(mc_samples: int) -> str:
-    if not isinstance(mc_samples, int) or mc_samples < 1:
-        raise ValueError(f"mc_samples must be a positive integer, got {mc_samples!r}")
-    return f"mc{mc_samples}"

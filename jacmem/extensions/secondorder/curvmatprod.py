@@ -38,6 +38,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem.derivatives import forward_of
+from jacmem.derivatives.quantities import EXACT, RESIDUAL
 from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, UnsupportedModule
 
 
@@ -113,14 +114,14 @@ class GGNMP(_MatProd):
     """Products with the GGN's diagonal block of each parameter, ``param.ggnmp``:
     ``mat [K, *param.shape] -> [K, *param.shape]``."""
 
-    savefield, kinds = "ggnmp", ("exact",)
+    savefield, kinds = "ggnmp", (EXACT,)
 
 
 class HMP(_MatProd):
     """Products with the Hessian's diagonal block of each parameter, ``param.hmp``:
     ``mat [K, *param.shape] -> [K, *param.shape]``."""
 
-    savefield, kinds = "hmp", ("exact", "residual")
+    savefield, kinds = "hmp", (EXACT, RESIDUAL)
 
 
 class PCHMP(_MatProd):
@@ -128,7 +129,7 @@ class PCHMP(_MatProd):
     ``param.pchmp``: ``mat [K, *param.shape] -> [K, *param.shape]``; ``modify``: how the
     activations' residuals lose their negative part, ``"clip"`` or ``"abs"``."""
 
-    savefield, kinds = "pchmp", ("exact", "residual")
+    savefield, kinds = "pchmp", (EXACT, RESIDUAL)
 
     def __init__(self, modify: str = "clip"):
         if modify not in ("clip", "abs"):

@@ -24,7 +24,8 @@ from math import prod
 from torch import Tensor
 
 from jacmem.derivatives import entries
-from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
+from jacmem.derivatives.quantities import BATCH_GRAD, EXACT, SUM_GRAD_SQUARED, MonteCarlo, Quantity
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
 
 
 def _repeat(obj, v: int):
@@ -37,7 +38,7 @@ def _repeat(obj, v: int):
 
 
 def vjp_chunks(
-    call: Call, S: Tensor, name: str, quantity: str, x=None, kept: bool = False
+    call: Call, S: Tensor, name: str, quantity: Quantity, x=None, kept: bool = False
 ) -> Iterator[tuple[int, Tensor]]:
     """The first-order ``quantity`` (``batch_grad`` or ``sum_grad_squared``) of parameter
     ``name`` over the ``V·N`` "samples" ``J_θᵀ S[v, n]``, in chunks of ``V`` under the
@@ -48,7 +49,7 @@ def vjp_chunks(
     p = call.params[name]
     v, n = S.shape[:2]
     x_bytes = entries(x) // max(n, 1)
-    per_sample = p.numel() if quantity == "batch_grad" and not kept else 0
+    per_sample = p.numel() if quantity == BATCH_GRAD and not kept else 0
     per_v = n * (x_bytes + prod(S.shape[2:]) + per_sample) * S.element_size()
     step = max(1, int(call.budget // max(per_v, 1)))
     for start in range(0, v, step):
@@ -73,7 +74,7 @@ def squared_vjps(call: Call, factors: Iterable[Factor], batch: bool) -> dict[str
             parts = {}
             for name in call.params:
                 acc = None
-                for c, res in vjp_chunks(call, S, name, "batch_grad" if batch else "sum_grad_squared"):
+                for c, res in vjp_chunks(call, S, name, BATCH_GRAD if batch else SUM_GRAD_SQUARED):
                     if batch:
                         res = res.unflatten(0, (c, n)).square().sum(0)
                     acc = res if acc is None else acc + res
@@ -96,7 +97,7 @@ class DiagGGNExact(_DiagGGN):
     ``param.shape``. Uses the loss Hessian's exact factor (``V`` = number of outputs of
     one sample)."""
 
-    savefield, kinds = "diag_ggn_exact", ("exact",)
+    savefield, kinds = "diag_ggn_exact", (EXACT,)
 
 
 class BatchDiagGGNExact(DiagGGNExact):
@@ -113,7 +114,7 @@ class DiagGGNMC(_DiagGGN):
 
     def __init__(self, mc_samples: int = 1):
         self.mc_samples = mc_samples
-        self.kinds = (mc_kind(mc_samples),)
+        self.kinds = (MonteCarlo(mc_samples),)
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(mc_samples={self.mc_samples})"

@@ -15,6 +15,7 @@ from :mod:`jacmem.nn` (factors from different paths add where the paths meet).
 
 from __future__ import annotations
 
+from jacmem.derivatives.quantities import EXACT, RESIDUAL
 from jacmem.extensions.secondorder.base import Call, SecondOrderExtension
 from jacmem.extensions.secondorder.diag_ggn import squared_vjps
 
@@ -22,7 +23,7 @@ from jacmem.extensions.secondorder.diag_ggn import squared_vjps
 class DiagHessian(SecondOrderExtension):
     """Diagonal of the Hessian, ``param.diag_h``: ``param.shape``."""
 
-    savefield, kinds = "diag_h", ("exact", "residual")
+    savefield, kinds = "diag_h", (EXACT, RESIDUAL)
     batch = False
 
     def compute(self, call: Call):

@@ -39,7 +39,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from jacmem.extensions.secondorder.base import Call, UnsupportedModule, mc_kind
+from jacmem.derivatives.quantities import SUM_GRAD_SQUARED, MonteCarlo, factor_kind
+from jacmem.extensions.secondorder.base import Call, UnsupportedModule
 from jacmem.extensions.secondorder.diag_ggn import vjp_chunks
 from jacmem.extensions.secondorder.kfac import KroneckerExtension, approx_repr, check_approx
 
@@ -66,7 +67,7 @@ class EKFAC(KroneckerExtension):
         if fisher not in FISHERS:
             raise ValueError(f"fisher must be one of {FISHERS}, got {fisher!r}")
         self.fisher, self.mc_samples = fisher, mc_samples
-        self.kinds = (mc_kind(mc_samples),) if fisher == "mc" else (fisher,)
+        self.kinds = (MonteCarlo(mc_samples),) if fisher == "mc" else (factor_kind(fisher),)
         self.kfac_approx = check_approx(kfac_approx)
 
     def __repr__(self) -> str:
@@ -109,7 +110,7 @@ class EKFAC(KroneckerExtension):
         for name, p in call.params.items():
             lam = torch.zeros_like(p)
             for f in call.of_kind(*self.kinds):
-                for _, part in vjp_chunks(call, f.S @ U_G, name, "sum_grad_squared", x=x):
+                for _, part in vjp_chunks(call, f.S @ U_G, name, SUM_GRAD_SQUARED, x=x):
                     lam.add_(part, alpha=f.sign)
             if name == "weight":
                 out[name] = [U_G, U_A, lam.T if rule.transposed else lam]

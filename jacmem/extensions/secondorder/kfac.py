@@ -29,7 +29,8 @@ from einops import rearrange
 from torch import Tensor
 
 from jacmem.derivatives import REGISTRY, Kronecker
-from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, UnsupportedModule, mc_kind
+from jacmem.derivatives.quantities import DENSE, EMPIRICAL, EXACT, MonteCarlo
+from jacmem.extensions.secondorder.base import Call, SecondOrderExtension, UnsupportedModule
 from jacmem.extensions.secondorder.diag_ggn import squared_vjps
 
 
@@ -215,7 +216,7 @@ class KFAC(KroneckerExtension):
 
     def __init__(self, mc_samples: int = 1, kfac_approx: str | None = None):
         self.mc_samples = mc_samples
-        self.kinds = (mc_kind(mc_samples),)
+        self.kinds = (MonteCarlo(mc_samples),)
         self.kfac_approx = check_approx(kfac_approx)
 
     def __repr__(self) -> str:
@@ -227,7 +228,7 @@ class KFLR(KroneckerExtension):
     """Kronecker-factored GGN from the exact loss Hessian (Botev et al. 2017),
     ``param.kflr``; ``kfac_approx`` as for :class:`KFAC`."""
 
-    savefield, kinds = "kflr", ("exact",)
+    savefield, kinds = "kflr", (EXACT,)
 
     def __init__(self, kfac_approx: str | None = None):
         self.kfac_approx = check_approx(kfac_approx)
@@ -243,7 +244,7 @@ class KFACEF(KroneckerExtension):
     ``fisher_type="empirical"``: for ``reduction="mean"`` over ``K`` terms,
     ``G = K Σ g gᵀ`` of the output gradients ``g``); ``kfac_approx`` as for :class:`KFAC`."""
 
-    savefield, kinds = "kfac_ef", ("empirical",)
+    savefield, kinds = "kfac_ef", (EMPIRICAL,)
 
     def __init__(self, kfac_approx: str | None = None):
         self.kfac_approx = check_approx(kfac_approx)
@@ -257,7 +258,7 @@ class KFRA(KroneckerExtension):
     backward (Botev et al. 2017), ``param.kfra``; through branches as the module
     docstring says."""
 
-    savefield, kinds = "kfra", ("dense",)
+    savefield, kinds = "kfra", (DENSE,)
     diagonal = False  # its dense Ḡ would need the module's Jacobian: use KFLR
 
     def output_factor(self, call: Call) -> Tensor | None:

@@ -25,8 +25,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from jacmem.derivatives.quantities import BATCH_GRAD, EXACT, MonteCarlo
 from jacmem.extensions.firstorder import checked_subsampling, subsample
-from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension, mc_kind
+from jacmem.extensions.secondorder.base import Call, Factor, SecondOrderExtension
 from jacmem.extensions.secondorder.diag_ggn import vjp_chunks
 
 
@@ -56,7 +57,7 @@ def root_vjps(call: Call, f: Factor, name: str, subsampling: list[int] | None = 
         S, x = S.index_select(1, index), _take(x, index)
         n = len(subsampling)
     v, out, start = S.shape[0], None, 0
-    for c, res in vjp_chunks(call, S, name, "batch_grad", x=x, kept=True):
+    for c, res in vjp_chunks(call, S, name, BATCH_GRAD, x=x, kept=True):
         if c == v:
             return res.unflatten(0, (c, n))
         out = res.new_empty((v, n, *res.shape[1:])) if out is None else out
@@ -90,7 +91,7 @@ class SqrtGGNExact(_SqrtGGN):
     ``[C, N, *param.shape]`` (``C`` the entries of one sample's model output; ``N`` the
     samples, or ``len(subsampling)``)."""
 
-    savefield, kinds = "sqrt_ggn_exact", ("exact",)
+    savefield, kinds = "sqrt_ggn_exact", (EXACT,)
 
     def __repr__(self) -> str:
         return f"SqrtGGNExact(subsampling={self.subsampling})"
@@ -105,7 +106,7 @@ class SqrtGGNMC(_SqrtGGN):
     def __init__(self, mc_samples: int = 1, subsampling: Sequence[int] | None = None):
         super().__init__(subsampling)
         self.mc_samples = mc_samples
-        self.kinds = (mc_kind(mc_samples),)
+        self.kinds = (MonteCarlo(mc_samples),)
 
     def __repr__(self) -> str:
         return f"SqrtGGNMC(mc_samples={self.mc_samples}, subsampling={self.subsampling})"
