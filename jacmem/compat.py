@@ -189,7 +189,7 @@ def compiled_in_place(module) -> bool:
 def uncompiled(module):
     """The model under the wrappers ``torch.compile`` put around ``module`` (``module``
     itself where there are none): ``OptimizedModule._orig_mod``, since torch 2.0."""
-    while is_compiled_module(module):
+    while isinstance(module, torch._dynamo.eval_frame.OptimizedModule):  # (is_compiled_module, inline)
         module = module._orig_mod
     return module
 
@@ -290,6 +290,19 @@ def buffer_slots(module: nn.Module) -> dict[str, Tensor | None]:
     name registered empty); writing it changes what the forward uses.
     ``nn.Module._buffers``, which every torch release has had."""
     return module._buffers
+
+
+def holds_parameters(module: nn.Module, containers: tuple[type, ...]) -> bool:
+    """Whether ``module`` holds a parameter itself (a :func:`parameter_slots` entry that is
+    not None) or a direct child of a type in ``containers``, asked in one call, without
+    walking the module tree (a module hook asks it at every call)."""
+    for p in module._parameters.values():
+        if p is not None:
+            return True
+    for child in module._modules.values():
+        if isinstance(child, containers):
+            return True
+    return False
 
 
 def child_slots(module: nn.Module) -> dict[str, nn.Module | None]:

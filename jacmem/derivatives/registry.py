@@ -127,6 +127,17 @@ def _identity(output: Any) -> Any:
     return output
 
 
+def no_hyperparams(module: nn.Module) -> dict[str, Any]:
+    """A layer without hyper-parameters (the default; a record asks it no call)."""
+    return {}
+
+
+def unarranged(value: Any, **hp) -> Any:
+    """``value`` as it is: a layer's derivatives take it so (the default; a record asks it
+    no call)."""
+    return value
+
+
 @dataclass(frozen=True)
 class _Undo:
     """How to take back one :func:`register` call: the strategy it replaced (or ``None``),
@@ -208,11 +219,11 @@ class LayerDerivatives:
         warns (with ``strict=True``, raises) naming the module.
     """
 
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     keep: Callable[[tuple, dict], Any] = _first_input
     outputs: Callable[[Any], Any] = _identity
-    arrange: Callable[..., Any] = lambda g, **hp: g
-    arrange_input: Callable[..., Any] = lambda x, **hp: x
+    arrange: Callable[..., Any] = unarranged
+    arrange_input: Callable[..., Any] = unarranged
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
@@ -584,10 +595,6 @@ def all_strategy_names() -> set:
 # -- Second order: how factors cross a module, and where curvature starts -------------
 
 
-def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
-    return {}
-
-
 @dataclass
 class Passthrough:
     """How factors cross one module type.
@@ -613,7 +620,7 @@ class Passthrough:
         raises there rather than drop that term.
     """
 
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     jac_t: Callable[..., tuple[Tensor | None, ...]] | None = None
     df: Callable[..., Tensor] | None = None
     d2f: Callable[..., Tensor] | None = None
@@ -660,7 +667,7 @@ class LossHessian:
     check: Callable[[nn.Module], None]
     sqrt_hessian: Callable[..., Tensor]
     sampled: Callable[..., Tensor]
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     empirical: Callable[..., Tensor] | None = None
 
     def params(self, module: nn.Module) -> dict[str, Any]:

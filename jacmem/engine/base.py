@@ -213,7 +213,10 @@ class Passes:
         """A pass of this thread that has not begun to commit: autograd holds a pass
         until its task ends, and drops it where the task fails."""
         here = threading.get_ident()
-        return next((run for run in self._live.values() if run.thread == here and not run.ended), None)
+        for run in self._live.values():  # (a loop, not a generator: asked at each pass's first hook)
+            if run.thread == here and not run.ended:
+                return run
+        return None
 
     def state(self, engine: Engine):
         """``engine``'s state in the running backward pass (:meth:`current`)."""

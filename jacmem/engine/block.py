@@ -78,7 +78,11 @@ class Block:
                     exts.append(e)
             if exts:
                 self.kinds.append((cls, exts))
-        alone = [exts for cls, exts in self.kinds if getattr(cls, "exclusive", False)]
+        alone, self._second_order = [], False
+        for cls, exts in self.kinds:
+            if getattr(cls, "exclusive", False):
+                alone.append(exts)
+            self._second_order = self._second_order or issubclass(cls, SecondOrderEngine)
         if alone and len(self.kinds) > 1:
             raise ValueError(
                 f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
@@ -106,7 +110,6 @@ class Block:
         self._late = hooks.LateBackward()
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
-        self._second_order = any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds)
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
         self.savefields = set()
         for e in extensions:

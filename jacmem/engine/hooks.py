@@ -26,7 +26,14 @@ from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
-from jacmem.derivatives.registry import REGISTRY, Passthrough, own_parameters, registered_type
+from jacmem.derivatives.registry import (
+    REGISTRY,
+    Passthrough,
+    no_hyperparams,
+    own_parameters,
+    registered_type,
+    unarranged,
+)
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 
@@ -55,10 +62,12 @@ class Uses:
     def add(self, rec: Record) -> weakref.finalize:
         """Count ``rec`` for each of its parameters; returns what takes it out again (run
         when it is freed, or called earlier)."""
-        keys = [id(p) for p in rec.params.values()]
-        self.live.update(keys)
-        for key in keys:
+        keys = []
+        for p in rec.params.values():  # (a loop, not a comprehension: at every recorded call)
+            key = id(p)
+            keys.append(key)
             self.users.setdefault(key, weakref.WeakSet()).add(rec)
+        self.live.update(keys)
         return weakref.finalize(rec, self._release, keys)
 
     def _release(self, keys: list[int]) -> None:
@@ -163,16 +172,10 @@ def spread(args: tuple, output: Tensor, n: int) -> tuple[tuple, Tensor]:
 _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
 
 
-def may_read_parameters(module: nn.Module) -> bool:
-    """Whether ``module``'s forward may read parameters of its own (:func:`own_parameters`),
-    asked without building them: its own, or a parameter container among its children."""
-    for p in compat.parameter_slots(module).values():
-        if p is not None:
-            return True
-    for child in compat.child_slots(module).values():
-        if isinstance(child, _CONTAINERS):
-            return True
-    return False
+#: ``may_read_parameters(module)``: whether ``module``'s forward may read parameters of its
+#: own (:func:`own_parameters`), asked without building them: its own, or a parameter
+#: container among its children (one call, at every module call)
+may_read_parameters = functools.partial(compat.holds_parameters, containers=_CONTAINERS)
 
 
 def recordable(module: nn.Module) -> bool:
@@ -443,7 +446,8 @@ class Record:
         #: the names of the parameters the layer covers (``entry.params``; none without an entry)
         self.supported: tuple[str, ...] = () if entry is None else entry.params
         #: the derivatives' keyword arguments, read off the module at forward time
-        self.hp: dict[str, Any] = {} if entry is None else entry.hyperparams(module)
+        hyperparams = no_hyperparams if entry is None else entry.hyperparams
+        self.hp: dict[str, Any] = {} if hyperparams is no_hyperparams else hyperparams(module)
         self.params: dict[str, nn.Parameter] = params
         #: each parameter's AccumulateGrad node: the backward pass tells, through it,
         #: whether it computes that parameter's gradient (``backward(inputs=...)``);
@@ -485,7 +489,10 @@ class Record:
     def take(self, x: Any) -> None:
         """Keep ``x``, what the layer keeps of the call's inputs, arranged as its derivatives
         take it."""
-        self.x = x if self.entry is None or x is None else self.entry.arrange_input(x, **self.hp)
+        entry = self.entry  # (most layers take it as it is: no call)
+        self.x = (
+            x if entry is None or x is None or entry.arrange_input is unarranged else entry.arrange_input(x, **self.hp)
+        )
 
     @property
     def relaid(self) -> bool:
@@ -529,7 +536,8 @@ class Record:
         """The output gradient(s), batch axis first, as the derivatives take them."""
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
         g = layout.front(g) if not self.batch_first and _relaid(False, self.entry) else g
-        return g if self.entry is None else self.entry.arrange(g, **self.hp)
+        entry = self.entry  # (most layers take it as it is: no call)
+        return g if entry is None or entry.arrange is unarranged else entry.arrange(g, **self.hp)
 
 
 def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:

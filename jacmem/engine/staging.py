@@ -520,12 +520,13 @@ class Stager:
         their input, which reached the batch in a way jacmem could not follow (in a
         compiled forward, PEFT's prompt tuning with the rest of the model frozen), so
         their quantities would be the batch's sums."""
+        if 1 not in sizes.values():  # (no module on a batch of one: the offers are only forgotten)
+            self.offered = {}
+            return
         inputs = self.unoffered(1)
         if inputs is None:
             return
         ones = [names[key] for key, n in sizes.items() if n == 1]
-        if not ones:
-            return
         raise RuntimeError(
             f"jacmem: module(s) {listing(ones)} ran on a batch of one, but no input of the model's call has an axis "
             f"of one (it offers {inputs}): their input was shared by the samples and reached the batch in a way "

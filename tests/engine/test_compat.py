@@ -391,3 +391,14 @@ def test_never_compile_alone_still_traces_inline():
     assert graphs == [], "where eager code calls it, its frame is not compiled"
     torch.testing.assert_close(torch.compile(outer, backend=backend)(x), (torch.sin(x) + 1) * 2)
     assert len(graphs) == 1 and torch.sin in graphs[0], "a compiled frame traces it inline"
+
+
+def test_holds_parameters_asks_the_own_slots_and_the_children_of_the_given_types():
+    lin, act = nn.Linear(2, 2), nn.ReLU()
+    assert compat.holds_parameters(lin, ()) and not compat.holds_parameters(act, (nn.ParameterList,))
+    empty = nn.Module()
+    empty.register_parameter("weight", None)  # a slot registered empty holds nothing
+    assert not compat.holds_parameters(empty, (nn.ParameterList,))
+    empty.store = nn.ParameterList([nn.Parameter(torch.ones(1))])
+    assert compat.holds_parameters(empty, (nn.ParameterList,)) and not compat.holds_parameters(empty, ())
+    assert not compat.holds_parameters(nn.Sequential(nn.Linear(2, 2)), (nn.ParameterList,)), "its own only"
