@@ -17,15 +17,19 @@ The deep MLP times, in turns within each round (median over the rounds, after wa
 the plain step, jacmem's ``BatchGrad`` block, Opacus's ``GradSampleModule`` (hooks) and
 BackPACK's ``BatchGrad``, each on its own copy of the model (Opacus and BackPACK hook the
 model they are given); a method's extra time per layer is ``(method - plain) / layers``,
-``layers`` its Linear layers. Timings are noisy on a shared machine: compare the methods
-within one run.
+``layers`` its Linear layers; and the Python calls one step makes into the method's own
+package (``sys.setprofile``, as tests/engine/test_fixed_cost.py counts them), which the
+machine's load does not change. Timings are noisy on a shared machine: compare the
+methods within one run.
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import os
 import statistics
+import sys
 import time
 
 import torch
@@ -97,6 +101,24 @@ def _rounds(steps: dict, repeats: int) -> dict[str, float]:
     return {name: statistics.median(t) for name, t in times.items()}
 
 
+def _calls(step, package) -> int:
+    """The Python calls one ``step`` makes into ``package`` (a module), counted by
+    ``sys.setprofile``: each call event whose code lies under the package's directory."""
+    prefix, count = os.path.dirname(package.__file__) + os.sep, 0
+
+    def profile(frame, event, arg):
+        nonlocal count
+        if event == "call" and frame.f_code.co_filename.startswith(prefix):
+            count += 1
+
+    sys.setprofile(profile)
+    try:
+        step()
+    finally:
+        sys.setprofile(None)
+    return count
+
+
 def deep_mlp(depth: int = 32, width: int = 64, classes: int = 10) -> nn.Sequential:
     """``depth`` ``Linear(width, width)`` + ReLU, then a ``Linear(width, classes)`` head."""
     layers: list[nn.Module] = []
@@ -107,7 +129,8 @@ def deep_mlp(depth: int = 32, width: int = 64, classes: int = 10) -> nn.Sequenti
 
 def measure_mlp(depth: int, batch: int, repeats: int) -> dict:
     """Plain, jacmem ``BatchGrad``, Opacus hooks and BackPACK ``BatchGrad`` on the deep MLP:
-    name -> (median seconds, extra seconds per Linear layer over plain)."""
+    name -> (median seconds, extra seconds per Linear layer over plain, Python calls per
+    step into the method's package; None for plain)."""
     torch.manual_seed(0)
     model = deep_mlp(depth)
     X, y = torch.randn(batch, 64), torch.randint(0, 10, (batch,))
@@ -127,7 +150,12 @@ def measure_mlp(depth: int, batch: int, repeats: int) -> dict:
         "BackPACK BatchGrad": prepare("backpack:BatchGrad", copy.deepcopy(model), X, y, {}),
     }
     medians = _rounds(steps, repeats)
-    return {name: (t, (t - medians["plain"]) / layers) for name, t in medians.items()}, layers
+    import backpack
+    import opacus
+
+    packages = {"jacmem BatchGrad": jacmem, "Opacus GradSampleModule (hooks)": opacus, "BackPACK BatchGrad": backpack}
+    calls = {name: _calls(steps[name], package) for name, package in packages.items()}
+    return {name: (t, (t - medians["plain"]) / layers, calls.get(name)) for name, t in medians.items()}, layers
 
 
 def main(argv=None) -> None:
@@ -144,10 +172,11 @@ def main(argv=None) -> None:
         results, layers = measure_mlp(args.depth, args.batch, args.repeats)
         print(f"deep MLP, {args.depth} x (Linear(64, 64) + ReLU) + Linear(64, 10), N={args.batch}, ", end="")
         print(f"{args.threads} threads, {args.repeats} rounds")
-        print("| method | ms per step | extra per layer (over plain) |")
-        print("|---|---|---|")
-        for name, (t, extra) in results.items():
-            print(f"| {name} | {t * 1e3:.2f} | {'' if name == 'plain' else f'{extra * 1e6:.0f} µs'} |")
+        print("| method | ms per step | extra per layer (over plain) | Python calls per step |")
+        print("|---|---|---|---|")
+        for name, (t, extra, calls) in results.items():
+            per_layer = "" if name == "plain" else f"{extra * 1e6:.0f} µs"
+            print(f"| {name} | {t * 1e3:.2f} | {per_layer} | {'' if calls is None else calls} |")
         print(f"({layers} Linear layers)")
     if args.model == "mlp":
         return

@@ -118,12 +118,13 @@ class Kronecker:
     transposed: bool = False
 
 
-def _first_input(args: tuple, kwargs: dict) -> Any:
+def first_input(args: tuple, kwargs: dict) -> Any:
     """The first positional input, or the first keyword one (``linear(input=x)``)."""
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _identity(output: Any) -> Any:
+def same_output(output: Any) -> Any:
+    """The layer's output as it is (the default ``outputs``; a record asks it no call)."""
     return output
 
 
@@ -220,8 +221,8 @@ class LayerDerivatives:
     """
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
-    keep: Callable[[tuple, dict], Any] = _first_input
-    outputs: Callable[[Any], Any] = _identity
+    keep: Callable[[tuple, dict], Any] = first_input
+    outputs: Callable[[Any], Any] = same_output
     arrange: Callable[..., Any] = unarranged
     arrange_input: Callable[..., Any] = unarranged
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None

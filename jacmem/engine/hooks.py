@@ -29,9 +29,11 @@ from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passth
 from jacmem.derivatives.registry import (
     REGISTRY,
     Passthrough,
+    first_input,
     no_hyperparams,
     own_parameters,
     registered_type,
+    same_output,
     unarranged,
 )
 from jacmem.engine import layout, notices
@@ -418,15 +420,15 @@ def counted(
     recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
     for p in compat.parameter_slots(module).values():  # (its own first: no walk of its submodules where one trains)
         if p is not None and p.requires_grad:
-            break
+            break  # (one of its own trains: its forward reads parameters, no need to ask)
     else:
         for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
             if p.requires_grad:
                 break
         else:
             return None, {}  # frozen whole
-    if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
-        return None, {}  # a container
+        if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+            return None, {}  # a container
     entry = lookup(module, first, output, batch_axis)
     return entry, trainable(module, entry)
 
@@ -547,7 +549,7 @@ def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
 
 
 def _output_tensors(entry: LayerDerivatives | None, output) -> list[Tensor]:
-    out = output if entry is None else entry.outputs(output)
+    out = output if entry is None or entry.outputs is same_output else entry.outputs(output)
     if isinstance(out, Tensor):
         return [out]
     return [t for t in out if isinstance(t, Tensor)]
@@ -632,6 +634,8 @@ def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dic
         return None
     if n is not None:  # the derivatives take the batch first
         args, kwargs = layout.inputs_first(args, kwargs, n)
+    if entry.keep is first_input and args:  # (most layers: their first input, read without a call)
+        return detached(args[0])
     return detached(entry.keep(args, kwargs))
 
 

@@ -85,18 +85,21 @@ def test_the_counts_count():
     assert ours > 0 and theirs > 0
 
 
-def test_a_warm_step_calls_jacmem_at_most_eight_times_as_often_as_opacus():
+def test_a_warm_step_calls_jacmem_at_most_seven_times_as_often_as_opacus():
     """The bound this branch holds: it was 893 calls against Opacus's 61 (14.6x) before
-    the hot path reused what it had found; it is about 7x now."""
+    the hot path reused what it had found, 906 after the engines were composed; it is
+    401 (6.6x) now."""
     ours, theirs = _counts()
-    assert ours <= 8 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
+    assert ours <= 7 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
 
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the issue's target, not reached yet: the module hooks of a block see every module call (a "
-    "parameter-free one too), and the two graph walks that refuse broadcasts and find the parameters a "
-    "backward reaches run per step (each visits every node of the graph)",
+    reason="the issue's target, not reached yet: a block is made, opened and closed at every step (engines, "
+    "recorder, hooks: about 60 calls), its three module hooks see every module call through the block and "
+    "the engine (a parameter-free one too: about 13 calls each), and each recorded call is staged, planned "
+    "from the cache, executed and written through about 40 calls per parameter, where Opacus hooks only its "
+    "layers",
 )
 def test_a_warm_step_calls_jacmem_at_most_twice_as_often_as_opacus():
     ours, theirs = _counts()
