@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import operator
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -40,6 +41,7 @@ __all__ = [
     "is_compiled_module",
     "never_compile_alone",
     "node_output_shape",
+    "own_slots",
     "parameter_slots",
     "plain_torch_function",
     "queue_callback",
@@ -290,6 +292,13 @@ def buffer_slots(module: nn.Module) -> dict[str, Tensor | None]:
     name registered empty); writing it changes what the forward uses.
     ``nn.Module._buffers``, which every torch release has had."""
     return module._buffers
+
+
+#: ``own_slots(module) -> (parameters, children)``: ``module``'s own parameter and submodule
+#: slots (``nn.Module._parameters`` and ``_modules``, which every torch release has had),
+#: read with no Python frame (``operator.attrgetter``): a global module hook asks it at every
+#: call, to let a module with neither (an activation, a loss) pass at once.
+own_slots = operator.attrgetter("_parameters", "_modules")
 
 
 def holds_parameters(module: nn.Module, containers: tuple[type, ...]) -> bool:

@@ -124,6 +124,7 @@ class extend:
             self._module_handles = compat.global_module_hooks(_enter, _leave, _forward)
             for slot, method in zip(_DIRECT, (block.enter, block.leave, block.forward)):
                 slot[0] = method
+            block.inside = _INSIDE  # (the block sets it while its outermost forward runs)
             recorder.sink(block)
             self._watch.on_backward = block.backward
             self._watch.open(block.owner)
@@ -137,6 +138,7 @@ class extend:
         try:
             for slot in _DIRECT:
                 slot[0] = None
+            _INSIDE[0] = False
             hooks.remove(self._module_handles)
             recorder.sink(None)
             self._watch.close()
@@ -164,6 +166,9 @@ class extend:
 
 #: the active block's ``enter``, ``leave`` and ``forward`` (None: no block active)
 _DIRECT: tuple[list, list, list] = ([None], [None], [None])
+#: whether the active block's outermost forward runs, and its engines let the calls of a
+#: module with no parameter and no submodule pass (:func:`jacmem.engine.hooks.eager`)
+_INSIDE: list[bool] = [False]
 
 
 def _enter(module, args):
@@ -181,6 +186,6 @@ def _forward(module, args, kwargs, output):
     return None if active is None else active.block.forward(module, args, kwargs, output)
 
 
-_enter = hooks.eager(_enter, _DIRECT[0])
-_leave = hooks.eager(_leave, _DIRECT[1])
-_forward = hooks.eager(_forward, _DIRECT[2])
+_enter = hooks.eager(_enter, _DIRECT[0], _INSIDE)
+_leave = hooks.eager(_leave, _DIRECT[1], _INSIDE)
+_forward = hooks.eager(_forward, _DIRECT[2], _INSIDE)

@@ -58,6 +58,10 @@ class Engine:
 
     handles: list = []
     notes: list[str] = []
+    #: whether the engine does nothing with a call, inside a forward, of a module with no
+    #: parameter and no submodule of its own (an activation, a loss, dropout), so that
+    #: the block's global hooks may let it pass at once (second order needs them)
+    skips_leaves: bool = False
 
     def on_enter(self, module) -> None:
         pass

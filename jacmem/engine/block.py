@@ -79,7 +79,11 @@ class Block:
             if exts:
                 self.kinds.append((cls, exts))
         alone, self._second_order = [], False
+        #: whether every engine lets the calls of a module with no parameter and no
+        #: submodule pass inside a forward (:attr:`jacmem.engine.base.Engine.skips_leaves`)
+        self._leaves_pass = bool(self.kinds)
         for cls, exts in self.kinds:
+            self._leaves_pass = self._leaves_pass and cls.skips_leaves
             if getattr(cls, "exclusive", False):
                 alone.append(exts)
             self._second_order = self._second_order or issubclass(cls, SecondOrderEngine)
@@ -107,6 +111,10 @@ class Block:
         #: what the engines know of the block, handed down to them
         self.context = Context(self.plan, chunk_bytes, self.passes, self.notices, batch_first, process_group, self)
         self._depth = 0
+        #: True while the block's outermost forward runs, where leaves pass
+        #: (:attr:`_leaves_pass`): the global hooks then let their calls go at once
+        #: (:func:`jacmem.engine.hooks.eager`); the user of the block gives the list
+        self.inside = [False]
         self._late = hooks.LateBackward()
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
@@ -152,6 +160,7 @@ class Block:
             self._fsdp_checked = weakref.WeakSet()
             self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
             self._depth = 0
+            self.inside[0] = False
             self.context.clear()
         self.notices.flush()
 
@@ -259,6 +268,9 @@ class Block:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
             self.context.roots.append(weakref.ref(compat.uncompiled(module)))
         self._depth += 1
+        if self._depth == 1 and self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
+            own, children = compat.own_slots(module)
+            self.inside[0] = bool(own or children)
         if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
             fsdp.unshard_own(module)
         for engine in self.engines:
@@ -269,6 +281,8 @@ class Block:
         if threading.get_ident() != self.context.owner:
             return
         self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            self.inside[0] = False
         for engine in self.engines:
             engine.on_leave(module, self._depth == 0)
         err = sys.exc_info()[1]

@@ -123,6 +123,7 @@ class ClippingEngine(Engine):
 
     #: the engine takes over ``.grad``: no other engine may share its block
     exclusive = True
+    skips_leaves = True  # (its stager records no such call; its depth counts the others alike)
 
     def __init__(self, extensions: list[ClipGrad], context: Context):
         if len(extensions) != 1:

@@ -35,6 +35,8 @@ _FORWARDED = ("on_enter", "on_leave", "on_forward", "on_call", "on_record", "on_
 class FirstOrderEngine(Engine):
     """First-order extensions for one block (the interface is :class:`jacmem.engine.base.Engine`)."""
 
+    skips_leaves = True  # (its stager records no such call)
+
     def __init__(self, extensions: list[FirstOrderExtension], context: Context):
         self.extensions = extensions
         #: quantity -> how many of the extensions read it

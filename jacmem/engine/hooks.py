@@ -85,7 +85,7 @@ class Uses:
 _COMPILED: list[bool] = []
 
 
-def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callable:
+def eager(hook: Callable, target: list[Callable | None] | None = None, inside: list[bool] | None = None) -> Callable:
     """``hook``, a module hook of jacmem's (pre-hook ``(module, args)``, leave hook
     ``(module, args, output)`` or forward hook ``(module, args, kwargs, output)``), as a
     compiled forward calls it: traced, with no graph break. There, the forward hook of a
@@ -106,7 +106,11 @@ def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callab
     ``target``: a one-entry list; an eager call runs ``target[0]`` in place of ``hook``
     while it is set (a block's own method, one call less than through a dispatcher),
     while a compiled forward always traces ``hook``, so that its guards hold from one
-    block to the next."""
+    block to the next. ``inside``: a one-entry list; while its entry is True (a block's
+    outermost forward is running, and its engines ignore such calls, see
+    :attr:`jacmem.engine.base.Engine.skips_leaves`), an eager call of a module with no
+    parameter and no submodule of its own (an activation, a loss, dropout) returns at
+    once: it records nothing, and inside a forward it is no model's outermost call."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
@@ -118,6 +122,10 @@ def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callab
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
             fn = hook if target is None or target[0] is None else target[0]
             if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
+                if inside is not None and inside[0]:
+                    own, children = compat.own_slots(args[0])
+                    if not own and not children:
+                        return None  # a leaf with nothing to record, inside a forward
                 return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
             return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
