@@ -402,3 +402,11 @@ def test_holds_parameters_asks_the_own_slots_and_the_children_of_the_given_types
     empty.store = nn.ParameterList([nn.Parameter(torch.ones(1))])
     assert compat.holds_parameters(empty, (nn.ParameterList,)) and not compat.holds_parameters(empty, ())
     assert not compat.holds_parameters(nn.Sequential(nn.Linear(2, 2)), (nn.ParameterList,)), "its own only"
+
+
+def test_own_slots_reads_a_modules_own_parameter_and_submodule_slots_without_a_frame():
+    lin, act, seq = nn.Linear(2, 2), nn.ReLU(), nn.Sequential(nn.ReLU())
+    own, children = compat.own_slots(lin)
+    assert list(own) == ["weight", "bias"] and not children
+    assert compat.own_slots(act) == ({}, {}) and list(compat.own_slots(seq)[1]) == ["0"]
+    assert not hasattr(compat.own_slots, "__code__"), "no Python frame: a hook asks it at every call"

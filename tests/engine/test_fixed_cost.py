@@ -106,6 +106,29 @@ def test_a_warm_step_calls_jacmem_at_most_twice_as_often_as_opacus():
     assert ours <= 2 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
 
 
+def test_a_leaf_inside_a_forward_costs_its_hooks_alone():
+    """A module with no parameter and no submodule (an activation, dropout) called inside
+    a model's forward records nothing: its three global hooks return at once (it cost 13
+    calls each through the block and the engine), while a leaf called alone, the loss,
+    is still the outermost call it is (its output's broadcast check), and the results
+    are the per-sample loop's."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    package = os.path.dirname(jacmem.__file__)
+    short = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 3)).double()
+    deep = nn.Sequential(nn.Linear(10, 16), *[nn.Tanh() for _ in range(10)], nn.Linear(16, 3)).double()
+    deep.load_state_dict({k.replace("2.", "11."): v for k, v in short.state_dict().items()})
+    base = sum(_calls(_jacmem_step(short, X, y), package).values())
+    calls = _calls(_jacmem_step(deep, X, y), package)
+    assert sum(calls.values()) - base <= 3 * 9, f"{sum(calls.values()) - base} calls for 9 more activations"
+    assert calls[("engine/broadcast.py", "behind_broadcasts")] == 2, "the model's and the loss's checks"
+    lossfunc = nn.CrossEntropyLoss(reduction="sum")
+    for n in range(8):
+        grads = torch.autograd.grad(lossfunc(deep(X[n : n + 1]), y[n : n + 1]) / 8, list(deep.parameters()))
+        for p, g in zip(deep.parameters(), grads):
+            torch.testing.assert_close(p.grad_batch[n], g, rtol=1e-12, atol=1e-12)
+
+
 # -- what a warm step does not do again ------------------------------------------------------
 
 #: functions a warm step must not call: the cost model, the planner's choice, the
