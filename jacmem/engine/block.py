@@ -245,6 +245,8 @@ class Block:
 
     def shards(self) -> dict[int, nn.Parameter]:
         """``id(unsharded) -> sharded`` for the FSDP2 parameters of the context's shardings."""
+        if not self.context.sharded:  # (no FSDP2 model called: none, asked without a call)
+            return {}
         return {key: p for sharding in self.context.shardings() for key, p in sharding.sharded.items()}
 
     def _check_fsdp(self, model: nn.Module) -> None:

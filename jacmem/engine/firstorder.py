@@ -119,17 +119,16 @@ class FirstOrderEngine(Engine):
         for sharding in self.shardings():
             params.update((id(p), p) for p in sharding.synchronize(self.quantities, quantities, sizes, batch))
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
-        return [
-            _write(
-                ext,
-                param,
-                key,
-                ext.finalize(self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]),
-                sharded.get(key),
-            )
-            for key, param in params.items()
-            for ext in self.extensions
-        ]
+        writes: list[Write] = []
+        for key, param in params.items():  # (loops: one call per parameter and extension, its finalize)
+            sharding = sharded.get(key)
+            for ext in self.extensions:
+                value = ext.finalize(self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key])
+                if sharding is None and type(value) is Tensor and value.dtype == param.dtype:
+                    writes.append((param, ext.savefield, value))  # (already in its dtype: as _write gives it)
+                else:
+                    writes.append(_write(ext, param, key, value, sharding))
+        return writes
 
     def _handed(self, ext: FirstOrderExtension, quantities: dict[str, Tensor]) -> dict[str, Tensor]:
         """``quantities`` for ``ext.finalize``, with a copy of each that it overwrites and

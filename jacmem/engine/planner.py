@@ -260,7 +260,12 @@ def check_result(value, quantity: Quantity, n: int, param: Tensor, dtype: torch.
     ``[N, *param.shape]`` for ``batch_grad``, ``[N]`` for ``batch_l2``, ``param.shape``
     for the sums), in the compute dtype ``dtype``. Else a :class:`ContractError` naming
     ``where``: (module, parameter, strategy)."""
-    expected = quantity.shape(n, tuple(param.shape))
+    # (the built-in ones inline: this runs for every result of every call)
+    expected = (
+        (n, *param.shape) if quantity is BATCH_GRAD
+        else tuple(param.shape) if quantity is GRAD
+        else quantity.shape(n, tuple(param.shape))
+    )  # fmt: skip
     if isinstance(value, Tensor) and tuple(value.shape) == expected and value.dtype == dtype:
         return value
     module, pname, strategy = where
@@ -296,8 +301,9 @@ def execute(
     errors), as ``plan`` says, chunked over the batch so that temporary memory stays
     under ``budget`` bytes. Each strategy's result is checked (:func:`check_result`);
     an exception a strategy raises carries its name as ``jacmem_strategy``."""
-    chunked = Chunked(x, g, budget)
-    dtype = chunked.dtype
+    first = g if isinstance(g, Tensor) else _first(g)
+    n, dtype = first.shape[0], first.dtype
+    cap = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget  # (chunk_budget)
     results: dict[str, Tensor] = {}
     for q, name, per_sample, riders in plan.direct:
         fn = entry.strategies[(param_name, q.name)][name].fn
@@ -311,8 +317,8 @@ def execute(
             return checked
 
         try:
-            whole = per_sample * chunked.n <= chunked.budget
-            results.update(direct(x, g, None, chunked.n) if whole else chunked.run(direct, per_sample))
+            whole = per_sample * n <= cap  # (most calls: no Chunked to make)
+            results.update(direct(x, g, None, n) if whole else Chunked(x, g, budget).run(direct, per_sample))
         except Exception as err:
             _blame(err, name)
             raise
@@ -324,9 +330,9 @@ def execute(
         # writes into it, or needs no workspace (then one call writes the result).
         into = None
         if BATCH_GRAD in qs and strategy.writes_out:
-            into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
+            into = alloc.empty((n, *param.shape), dtype, first.device)
         elif BATCH_GRAD not in qs or per_sample > 0:
-            per_sample += prod(param.shape) * chunked.itemsize
+            per_sample += prod(param.shape) * first.element_size()
         where = (module, param_name, name)
 
         def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
@@ -334,8 +340,8 @@ def execute(
             return derive(check_result(bg, BATCH_GRAD, n, param, dtype, where), qs)
 
         try:
-            whole = per_sample * chunked.n <= chunked.budget
-            results.update(one(x, g, into, chunked.n) if whole else chunked.run(one, per_sample, into))
+            whole = per_sample * n <= cap
+            results.update(one(x, g, into, n) if whole else Chunked(x, g, budget).run(one, per_sample, into))
         except Exception as err:
             _blame(err, name)
             raise

@@ -334,7 +334,7 @@ class Stager:
         """The parameter's staging in this pass, made on its first call; a parameter
         shared by several calls (``summed``) sums their per-sample gradients."""
         staged = run.staged.get(id(param))
-        summed = rec.shared(param) or (staged is not None and staged.summed)
+        summed = rec.uses.live[id(param)] > 1 or (staged is not None and staged.summed)  # (rec.shared, inline)
         if staged is None:
             staged = run.staged[id(param)] = _Staged(param, n, summed)
             run.names[id(param)] = rec.name
