@@ -127,7 +127,7 @@ class extend:
             block.inside = _INSIDE  # (the block sets it while its outermost forward runs)
             recorder.sink(block)
             self._watch.on_backward = block.backward
-            self._watch.open(block.owner)
+            self._watch.open(block.context.owner)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise

@@ -115,7 +115,8 @@ class Block:
         #: (:attr:`_leaves_pass`): the global hooks then let their calls go at once
         #: (:func:`jacmem.engine.hooks.eager`); the user of the block gives the list
         self.inside = [False]
-        self._late = hooks.LateBackward()
+        #: warns of a backward through the block's forward after it closed (made in :meth:`open`)
+        self._late: hooks.LateBackward | None = None
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
@@ -136,7 +137,9 @@ class Block:
         self._late = hooks.LateBackward()
         self.eager, self.notes = {}, []
         try:
-            self.engines = [cls(exts, self.context) for cls, exts in self.kinds]
+            self.engines = []
+            for cls, exts in self.kinds:  # (a loop, not a comprehension: a block opens at every step)
+                self.engines.append(cls(exts, self.context))
         except BaseException:
             self.close()
             raise
@@ -155,14 +158,16 @@ class Block:
                 engine.close()
             self.passes.close()
         finally:
-            self._late.close()
+            if self._late is not None:
+                self._late.close()
             self.engines = []
             self._fsdp_checked = weakref.WeakSet()
             self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
             self._depth = 0
             self.inside[0] = False
             self.context.clear()
-        self.notices.flush()
+        if self.notices.pending:
+            self.notices.flush()
 
     def _ended(self, written: set[int]) -> None:
         """A pass ended, having written results to the objects ``written`` (ids): the
@@ -202,7 +207,12 @@ class Block:
 
     def _notes(self) -> list[str]:
         """:attr:`notes`, from the engines while the block is open."""
-        return [line for engine in self.engines for line in engine.notes] if self.engines else self.notes
+        if not self.engines:
+            return self.notes
+        lines = []
+        for engine in self.engines:  # (a loop, not a comprehension: a block closes at every step)
+            lines.extend(engine.notes)
+        return lines
 
     def _eager(self) -> dict[str, str]:
         """:attr:`eager`, with what the engines' recorders saw so far."""

@@ -60,7 +60,8 @@ class FirstOrderEngine(Engine):
     def close(self) -> None:
         self.stager.close()
         pending, self.nonfinite = self.nonfinite, {}
-        self._warn_nonfinite(pending)
+        if pending:  # (no pass flagged: nothing to read, asked without a call)
+            self._warn_nonfinite(pending)
 
     def new_state(self) -> Staging:
         return Staging()
@@ -75,7 +76,10 @@ class FirstOrderEngine(Engine):
         if not params:
             return grads
         dtype = precision.compute_dtype(params.values())
-        x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
+        x, g = rec.x, rec.g
+        # (precision.cast, where it is one tensor in the compute dtype: most calls, no call)
+        x = x.detach() if isinstance(x, Tensor) and x.dtype == dtype else precision.cast(x, dtype)
+        g = g.detach() if isinstance(g, Tensor) and g.dtype == dtype else precision.cast(g, dtype)
         n = g.shape[0] if isinstance(g, Tensor) else batch_size(g)
         for pname, param in params.items():
             staged = stager.stage(run, rec, pname, param, n)
@@ -123,7 +127,9 @@ class FirstOrderEngine(Engine):
         for key, param in params.items():  # (loops: one call per parameter and extension, its finalize)
             sharding = sharded.get(key)
             for ext in self.extensions:
-                value = ext.finalize(self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key])
+                value = ext.finalize(
+                    self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]
+                )
                 if sharding is None and type(value) is Tensor and value.dtype == param.dtype:
                     writes.append((param, ext.savefield, value))  # (already in its dtype: as _write gives it)
                 else:

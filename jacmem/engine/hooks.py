@@ -529,8 +529,9 @@ class Record:
     def receive(self, index: int, grad: Tensor) -> None:
         """The gradient of output ``index`` arrived, in the running backward pass."""
         task = compat.current_graph_task_id()
-        if self.task != task:  # what an earlier, failed backward left is stale
-            self.reset()
+        if self.task != task:
+            if self.missing != len(self.grads):  # what an earlier, failed backward left is stale
+                self.reset()
             self.task = task
         if self.grads[index] is None:
             self.missing -= 1

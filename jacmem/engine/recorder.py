@@ -94,8 +94,9 @@ class Recorder:
         #: module -> its parameters' origins and their use records, from enter to record
         self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
 
-    def enter(self, module: nn.Module, name: str) -> None:
-        """Before ``module``'s forward: where its type is registered nowhere and no
+    def enter(self, module: nn.Module, name: Callable[[nn.Module], str]) -> None:
+        """Before ``module``'s forward (``name(module)``: its name, asked only where needed):
+        where its type is registered nowhere and no
         earlier call of it was recognised as a registered layer's (timm's LayerNorm),
         its own trainable parameters become watched views until :meth:`leave` (not
         where a BatchNorm inside it mixes the samples)."""
@@ -112,6 +113,7 @@ class Recorder:
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active() or self.compiled:
             return  # (a compiled forward takes plain tensors only: left to the module's own record)
         uses: list[hooks.Record] = []
+        name = name(module)
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
             if not self.batch_first:  # expanded on axis 0, not the batch: left to the module's record
@@ -153,7 +155,7 @@ class Recorder:
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
         """Record one call; returns the output to use (new where it runs through
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
-        exclude = self._direct_uses(module)
+        exclude = self._direct_uses(module) if self.direct else ()  # (most calls: none, asked without a call)
         given = output
         if self.batch_first and self.compiled and not hooks.compiled() and isinstance(output, Tensor):
             args, output = hooks.spread(args, output, self.batch)  # an eager call in a compiled forward, as traced ones
@@ -313,7 +315,7 @@ class Tracker(Recorder):
 
     def _on_enter(self, module, args):
         if module in self.names:
-            self.enter(module, self.names[module])
+            self.enter(module, self.names.__getitem__)
 
     def _on_leave(self, module, args, output):
         if module in self.names:

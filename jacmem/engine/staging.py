@@ -221,7 +221,7 @@ class Stager:
     def on_enter(self, module):
         # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
         if hooks.recordable(module) and tracked_name(module) is None:
-            self.recorder.enter(module, self.name(module))
+            self.recorder.enter(module, self.name)
 
     def on_leave(self, module, outermost):
         recorder = self.recorder
@@ -239,7 +239,8 @@ class Stager:
             if second is None:
                 second = self.second[model] = not self.batch_first or _places_batch_second(model)
             for n in _offered(args, kwargs, second):
-                self.offered.setdefault(n, self.name(model))
+                if n not in self.offered:  # (the name asked only for a size not offered yet)
+                    self.offered[n] = self.name(model)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         if self.models():  # tracked: a forward that ran before the block was not checked
@@ -269,7 +270,7 @@ class Stager:
         if rec.broadcast is not None and rec.broadcast.uses:
             _check_broadcast(rec)
             return None  # the records of its uses give its per-sample quantities
-        run = self.passes.state(self.engine)
+        run = self.passes.current().state(self.engine)  # (Passes.state, one call less)
         if rec.missing:
             run.partial.append(rec)
             return None
