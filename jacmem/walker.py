@@ -42,8 +42,12 @@ def leaf(fn) -> Tensor | None:
 def roots(tensors) -> list:
     """The autograd nodes of ``tensors`` (a tensor, or a sequence of tensors and anything
     else), those without one (leaves, tensors that need no gradient) left out."""
-    given = [tensors] if isinstance(tensors, Tensor) else list(tensors) if isinstance(tensors, (tuple, list)) else []
-    return [t.grad_fn for t in given if isinstance(t, Tensor) and t.grad_fn is not None]
+    given = [tensors] if isinstance(tensors, Tensor) else tensors if isinstance(tensors, (tuple, list)) else ()
+    nodes = []
+    for t in given:  # (a loop, not a comprehension: asked at every model call and backward)
+        if isinstance(t, Tensor) and t.grad_fn is not None:
+            nodes.append(t.grad_fn)
+    return nodes
 
 
 class Walk:
@@ -111,7 +115,7 @@ def parameters(tensors) -> list[nn.Parameter]:
     """The ``nn.Parameter`` leaves whose ``AccumulateGrad`` nodes the graph of ``tensors``
     (a tensor or a sequence of them) reaches, in the order the walk finds them."""
     found = []
-    for fn in Walk(roots(tensors)):
+    for fn in Walk(roots(tensors)).items:
         variable = getattr(fn, "variable", None)  # (as leaf(fn), without the call per node)
         if isinstance(variable, nn.Parameter):
             found.append(variable)

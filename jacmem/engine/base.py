@@ -126,11 +126,14 @@ class Pass:
         once (a failure before writes nothing)."""
         self.ended = True
         states, self.states = self.states, {}
+        writes = []  # (loops, not comprehensions: this runs at every pass)
         with precision.uncast():
-            writes = [w for engine, st in states.items() for w in engine.finish(st)]
+            for engine, st in states.items():
+                writes.extend(engine.finish(st))
+        written = set()
         for obj, field, value in writes:
             setattr(obj, field, undifferentiable(obj, field, value) if self.create_graph else value)
-        written = {id(obj) for obj, _, _ in writes}
+            written.add(id(obj))
         self.written.update(written)
         if self.on_end is not None:
             self.on_end(written)

@@ -180,7 +180,8 @@ class Block:
                 if p.requires_grad and id(p) not in written:
                     for field in self.savefields.intersection(vars(p)):
                         delattr(p, field)
-        self.notices.flush()
+        if self.notices.pending:
+            self.notices.flush()
 
     @property
     def owner(self) -> int | None:

@@ -219,7 +219,10 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
         return following
 
     behind: dict = {}
-    for fn, crossed in walker.Walk([(fn, False) for fn in walker.roots(tensors)], step, only=_BROADCAST_NODES):
+    starts = []
+    for fn in walker.roots(tensors):  # (loops, not comprehensions: this runs at every model call)
+        starts.append((fn, False))
+    for fn, crossed in walker.Walk(starts, step, only=_BROADCAST_NODES).items:
         if crossed:
             behind[fn] = None
     return list(behind)

@@ -463,8 +463,9 @@ class Record:
         #: whether it computes that parameter's gradient (``backward(inputs=...)``);
         #: a call through :class:`ComputeOnce` has them as its node's inputs
         self.nodes: dict[str, Any] = {}
-        self.x: Any = None
-        self.take(x)
+        self.x: Any = x
+        if x is not None and entry is not None and entry.arrange_input is not unarranged:  # (most layers: as it is)
+            self.take(x)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
         self.outputs = []
@@ -596,7 +597,8 @@ def record(
     if not params:
         return None, output
     outputs = []  # (loops, not comprehensions: this runs at every recorded call)
-    for t in _output_tensors(entry, output):
+    plain = isinstance(output, Tensor) and (entry is None or entry.outputs is same_output)  # (most calls: no call)
+    for t in (output,) if plain else _output_tensors(entry, output):
         if t.requires_grad:
             outputs.append(t)
     if not outputs:
@@ -644,7 +646,8 @@ def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dic
     if n is not None:  # the derivatives take the batch first
         args, kwargs = layout.inputs_first(args, kwargs, n)
     if entry.keep is first_input and args:  # (most layers: their first input, read without a call)
-        return detached(args[0])
+        first = args[0]
+        return first.detach() if isinstance(first, Tensor) else detached(first)  # (detached, inline for a tensor)
     return detached(entry.keep(args, kwargs))
 
 
@@ -903,7 +906,7 @@ class LateBackward:
         if compat.functorch_transforms_active():
             return  # a torch.func transform's own graph, not the user's
         nodes = set()  # (a loop, not a comprehension)
-        for t in compat.tree_flatten(output)[0]:
+        for t in (output,) if isinstance(output, Tensor) else compat.tree_flatten(output)[0]:
             if isinstance(t, Tensor) and t.grad_fn is not None:
                 nodes.add(t.grad_fn)
         reached = [False]

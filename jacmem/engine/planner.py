@@ -2,7 +2,7 @@
 
 For one call of one module and one parameter, :func:`plan` chooses a strategy per
 quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.engine.strategies`),
-:class:`Planner` keeps the plans it made under :func:`plan_key`, and :func:`execute`
+:func:`cached_plan` keeps the plans it made, and :func:`execute`
 runs them, chunking over the batch so that temporary memory stays under a budget.
 Both engines use it: the first-order one for every recorded call, the second-order
 extensions for the per-sample Jacobian products they need (:func:`compute`).
@@ -336,8 +336,10 @@ def execute(
         where = (module, param_name, name)
 
         def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
-            bg = fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp)
-            return derive(check_result(bg, BATCH_GRAD, n, param, dtype, where), qs)
+            bg = check_result(
+                fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp), BATCH_GRAD, n, param, dtype, where
+            )
+            return {BATCH_GRAD: bg} if qs == _BATCH_GRAD_ALONE else derive(bg, qs)  # (derive's answer, without a call)
 
         try:
             whole = per_sample * n <= cap
@@ -366,33 +368,12 @@ def compute(
     return execute(chosen, entry, hp, x, g, param_name, param, budget, module)
 
 
-def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_name: str, param_shape, quantities):
-    """Everything :func:`plan` depends on but ``choose``: the parameter's strategies, the
-    shapes, the hyper-parameters, the quantities (each with its parameters: a quantity is
-    its key, :class:`~jacmem.derivatives.quantities.Quantity`, so two parameterisations
-    are two plans); ``None`` where a hyper-parameter or an entry of ``xs`` is not a plain
-    value (a tensor, a module, a dict), so that a plan kept under it could not be trusted."""
-    todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
-    while todo:  # (a loop, not a recursion: this runs for every parameter of every call)
-        v = todo.pop()
-        if isinstance(v, tuple):
-            todo.extend(v)
-        elif not (v is None or isinstance(v, (int, float, str))):
-            return None
-    wanted = frozenset(quantities)
-    names = {BATCH_GRAD}
-    for q in wanted:  # (loops, not comprehensions: this runs at every step)
-        names.add(q.name if isinstance(q, Quantity) else q)
-    tables = []
-    for q in sorted(names):
-        tables.append(tuple(entry.strategies.get((param_name, q), _NONE).items()))
-    return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, wanted
-
-
 _NONE: dict = {}
+#: a pass's quantities where it gives the per-sample gradients alone
+_BATCH_GRAD_ALONE = (BATCH_GRAD,)
 
 
-#: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
+#: the key :func:`cached_plan` makes (everything :func:`plan` depends on), the module's name, the strategy asked for it and the parameter's
 #: itemsize -> (the plan, the decisions it took, as ``StrategyChoices.decisions`` keeps them): a parameter's strategies are chosen
 #: once per call shape, not at every step of every block
 _PLANS: dict[tuple, tuple[Plan, dict[tuple[str, str, str], Decision]]] = {}
@@ -451,7 +432,29 @@ def cached_plan(
     hyper-parameters are plain values); its decisions go to ``strategies`` either way,
     for ``explain()``."""
     shape = tuple(param.shape)
-    key = plan_key(entry, hp, xs, gs, size, pname, shape, quantities)
+    # The key: everything :func:`plan` depends on but ``choose``: the parameter's strategies,
+    # the shapes, the hyper-parameters, the quantities (each with its parameters: a quantity
+    # is its key, :class:`~jacmem.derivatives.quantities.Quantity`, so two parameterisations
+    # are two plans); none where a hyper-parameter or an entry of ``xs`` is not a plain value
+    # (a tensor, a module, a dict), so that a plan kept under it could not be trusted. (Made
+    # here, not by a function of its own: this runs for every parameter of every call.)
+    key = None
+    todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
+    while todo:
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (int, float, str))):
+            break
+    else:
+        wanted = frozenset(quantities)
+        names = {BATCH_GRAD}
+        for q in wanted:
+            names.add(q.name if isinstance(q, Quantity) else q)
+        tables = []
+        for q in sorted(names):
+            tables.append(tuple(entry.strategies.get((pname, q), _NONE).items()))
+        key = (tuple(tables), tuple(hp.items()), xs, gs, size, pname, shape, wanted)
     if key is not None:
         # (where no module has a strategy of its own, the block's default, without asking)
         requested = strategies.requested(module, name) if strategies.overrides else (strategies.default, False)

@@ -405,6 +405,8 @@ def owner(model: nn.Module) -> Any:
 def routed_to(block: Any) -> list[nn.Module]:
     """The tracked models whose calls go to ``block``: those it owns, and, where it is
     the :func:`sink`, those without an owner."""
+    if not _TRACKED:  # (none tracked, most blocks: asked without a comprehension)
+        return []
     return [m for m, t in list(_TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
 
 

@@ -234,7 +234,7 @@ class Stager:
         model's inputs offer, for a forward that builds a graph (not one that recomputes
         a call inside a backward)."""
         if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
-            _refuse_broadcasts(compat.tree_flatten(output)[0])
+            _refuse_broadcasts([output] if isinstance(output, Tensor) else compat.tree_flatten(output)[0])
             second = self.second.get(model)
             if second is None:
                 second = self.second[model] = not self.batch_first or _places_batch_second(model)
