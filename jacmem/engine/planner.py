@@ -262,8 +262,8 @@ def check_result(value, quantity: Quantity, n: int, param: Tensor, dtype: torch.
     ``where``: (module, parameter, strategy)."""
     # (the built-in ones inline: this runs for every result of every call)
     expected = (
-        (n, *param.shape) if quantity is BATCH_GRAD
-        else tuple(param.shape) if quantity is GRAD
+        (n, *param.shape) if quantity == BATCH_GRAD  # (a quantity is its key: str's comparison, no call)
+        else tuple(param.shape) if quantity == GRAD
         else quantity.shape(n, tuple(param.shape))
     )  # fmt: skip
     if isinstance(value, Tensor) and tuple(value.shape) == expected and value.dtype == dtype:

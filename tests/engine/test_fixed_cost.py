@@ -85,21 +85,22 @@ def test_the_counts_count():
     assert ours > 0 and theirs > 0
 
 
-def test_a_warm_step_calls_jacmem_at_most_seven_times_as_often_as_opacus():
+def test_a_warm_step_calls_jacmem_at_most_five_and_a_half_times_as_often_as_opacus():
     """The bound this branch holds: it was 893 calls against Opacus's 61 (14.6x) before
-    the hot path reused what it had found, 906 after the engines were composed; it is
-    401 (6.6x) now."""
+    the hot path reused what it had found, 906 after the engines were composed, 395
+    (6.5x) before leaves passed the global hooks at once and the hot path lost its
+    helpers' calls; it is 312 (5.1x) now."""
     ours, theirs = _counts()
-    assert ours <= 7 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
+    assert ours <= 5.5 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
 
 
 @pytest.mark.xfail(
     strict=True,
     reason="the issue's target, not reached yet: a block is made, opened and closed at every step (engines, "
-    "recorder, hooks: about 60 calls), its three module hooks see every module call through the block and "
-    "the engine (a parameter-free one too: about 13 calls each), and each recorded call is staged, planned "
-    "from the cache, executed and written through about 40 calls per parameter, where Opacus hooks only its "
-    "layers",
+    "recorder, hooks: about 40 calls), each outermost call (the model, the loss) is checked for broadcasts "
+    "and its inputs' batch sizes (about 30 calls each), and each recorded Linear costs about 35 calls in its "
+    "forward (the one rule, the record, ComputeOnce) and 45 in its backward (the pass, the plan from the cache, "
+    "the strategies and their checks), where Opacus hooks only its layers",
 )
 def test_a_warm_step_calls_jacmem_at_most_twice_as_often_as_opacus():
     ours, theirs = _counts()
