@@ -208,7 +208,7 @@ class Passes:
         task = compat.current_graph_task_id()
         run = self._live.get(task)
         if run is None:
-            run = self._enclosing()
+            run = self._enclosing() if self._live else None  # (no pass running: none encloses it, no call)
             if run is None:
                 run = Pass(self.on_end, self.written, self.create_graph)
                 compat.queue_callback(run)

@@ -101,7 +101,8 @@ class Recorder:
         its own trainable parameters become watched views until :meth:`leave` (not
         where a BatchNorm inside it mixes the samples)."""
         self.compiled = self.compiled or hooks.compiled() or compat.compiled_in_place(module)
-        if compat.is_compiled_module(module):
+        # (a compiled model's wrapper enters from a compiled() hook: an eager forward asks nothing)
+        if self.compiled and compat.is_compiled_module(module):
             self.compiled_root, self.compiled_start = compat.uncompiled(module), self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
@@ -132,7 +133,7 @@ class Recorder:
         state = self.direct.get(module)
         if state is not None:
             state[0]()
-        if compat.is_compiled_module(module) and self.compiled_start is not None:
+        if self.compiled_start is not None and compat.is_compiled_module(module):
             start, self.compiled_start = self.compiled_start, None
             if self.made == start and torch.is_grad_enabled() and any(p.requires_grad for p in module.parameters()):
                 raise RuntimeError(_STALE_COMPILED.format(type=type(compat.uncompiled(module)).__name__))
@@ -542,7 +543,12 @@ class BackwardWatch:
                 self._untracked()
         else:
             said, shards = self.passes.written | self.passes.warned | self.missed, self.shards()
-            self._missed([p for p in reached if id(shards.get(id(p), p)) not in said])
+            missed = []
+            for p in reached:  # (a loop, not a comprehension: this runs at every backward)
+                if id(shards.get(id(p), p)) not in said:
+                    missed.append(p)
+            if missed:
+                self._missed(missed)
         return out
 
     def _refuse_through(self, gradients: list) -> None:
@@ -567,8 +573,6 @@ class BackwardWatch:
         )
 
     def _missed(self, params: list[nn.Parameter]) -> None:
-        if not params:
-            return
         self.missed.update(map(id, params))
         names = ", ".join(self.describe(p) for p in params[:5]) + (
             f" and {len(params) - 5} more" if len(params) > 5 else ""

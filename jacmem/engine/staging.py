@@ -298,6 +298,8 @@ class Stager:
         first = rec.grads[0]
         device = first.device if isinstance(first, Tensor) else precision.device_of(rec.grads)
         try:
+            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type):
+                return self.stage_call(run, rec)  # (a backward's usual mode: what computing() makes, with no call)
             with precision.computing(device):
                 return self.stage_call(run, rec)
         except (ContractError, MixedBatchesError):
