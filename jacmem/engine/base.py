@@ -239,7 +239,7 @@ class Context:
 
     __slots__ = (
         "strategies", "chunk_bytes", "passes", "notices", "batch_first", "process_group", "route", "owner", "names",
-        "roots",
+        "roots", "recorder",
     )  # fmt: skip
 
     def __init__(
@@ -263,12 +263,17 @@ class Context:
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         #: the models called at depth 0 in the block, as weak references, in order
         self.roots: list[weakref.ref] = []
+        #: the block's :class:`jacmem.engine.recorder.Recorder`, whose records of its calls
+        #: every engine of the block consumes: made by the first engine that records (first
+        #: order's or clipping's stager; second order's own where the block has neither)
+        self.recorder: recorder.Recorder | None = None
 
     def clear(self) -> None:
-        """The block closed: forget its thread, models and names."""
+        """The block closed: forget its thread, models, names and recorder."""
         self.owner = None
         self.names = weakref.WeakKeyDictionary()
         self.roots = []
+        self.recorder = None
 
     def name(self, module: nn.Module) -> str:
         """``module``'s qualified name in a model called in the block or tracked, or its type's."""

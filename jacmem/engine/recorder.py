@@ -182,6 +182,17 @@ class Recorder:
                 self.one_row = self.one_row or rec
         return None if new is given else new
 
+    def make(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> hooks.Record | None:
+        """A record of one call as it ran, with every trainable parameter the one rule
+        counts (:func:`jacmem.engine.hooks.counted`), none left to use records, and its
+        output as it is (never run through ComputeOnce, never a watched view): for an
+        engine that follows broadcasts its own way (second order), where the block's
+        recorder did not record the call whole. None where the call counts no parameter."""
+        rec, _ = hooks.record(module, args, kwargs, output, name, *self._sink)
+        if rec is not None:
+            self.records.add(rec)
+        return rec
+
     def _check_batch(self, rec: hooks.Record) -> None:
         """Under batch_first=False, a call whose batch size disagrees with that of the
         forward's first call: one of them does not take the batch where jacmem reads it,
