@@ -263,3 +263,82 @@ def test_first_and_second_order_count_the_same_calls():
         nn.CrossEntropyLoss()(model(ids), y).backward()
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad_batch, grads[p], rtol=1e-9, atol=1e-12, msg=name)
+
+
+class Twice(nn.Module):
+    """One Linear called twice (its weight and bias shared by two calls), then a head."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.head = nn.Linear(T * D, C)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.lin(torch.tanh(self.lin(x)))).flatten(1))
+
+
+def _nodes(engine) -> dict[str, list]:
+    """The second-order engine's nodes with parameters made since the last backward began, by name."""
+    nodes: dict[str, list] = {}
+    for node in engine.calls.values():
+        nodes.setdefault(node.name, []).append(node)
+    return nodes
+
+
+@pytest.mark.filterwarnings("ignore:.*recomputed with torch.func")
+def test_second_order_builds_its_nodes_on_first_orders_records():
+    """One recorder (issue 37, item 1): in a block with first- and second-order extensions,
+    the recorder of first order's stager is the block's, and the second-order engine's node
+    of each call it recorded whole holds that very record (MultiheadAttention's, with its
+    ``out_proj``'s parameters; the tied embedding's and head's, whose tie comes from that
+    recorder's use counts; the position embedding's, on a batch of one), making none of its
+    own. The root's ``shift``, which first order follows as a direct use, is the one call
+    it records itself (with the generic recomputation, as before)."""
+    torch.manual_seed(0)
+    model = Everything()
+    ids, y = torch.randint(0, V, (N, T)), torch.randint(0, T * V, (N,))
+    with jacmem.extend(jacmem.BatchGrad(), DiagGGNExact()) as ext:
+        first, second = ext.block.engines
+        nn.CrossEntropyLoss()(model(ids), y)
+        assert ext.block.context.recorder is first.recorder
+        nodes = _nodes(second)
+        assert sorted(nodes) == ["Everything", "att", "emb", "head", "pos"]
+        records = set(first.recorder.records)
+        for name in ("emb", "pos", "att", "head"):
+            (node,) = nodes[name]
+            assert node.record in records and node.record.module is node.module, name
+            assert node.param_input is node.record.x and node.param_hyperparams is node.record.hp, name
+        assert set(nodes["att"][0].params) == {"in_proj_weight", "in_proj_bias", "out_proj.weight", "out_proj.bias"}
+        assert nodes["emb"][0].tied == nodes["head"][0].tied == {"weight"}
+        assert [rec.name for rec in second.own.records] == ["Everything"]
+
+
+def test_a_second_order_block_alone_records_with_its_own_recorder():
+    """A block with second-order extensions alone: the engine's own recorder is the block's,
+    and every node with parameters is built on one of its records."""
+    model, (X, y) = Twice(), _data()
+    with jacmem.extend(DiagGGNExact()) as ext:
+        (second,) = ext.block.engines
+        nn.CrossEntropyLoss()(model(X), y)
+        assert ext.block.context.recorder is second.own
+        nodes = _nodes(second)
+        assert {name: len(calls) for name, calls in nodes.items()} == {"lin": 2, "head": 1}
+        assert all(n.record in set(second.own.records) for ns in nodes.values() for n in ns)
+        assert all(n.tied == {"weight", "bias"} for n in nodes["lin"])
+
+
+def test_a_module_called_twice_beside_first_order_is_exact():
+    """A Linear called twice, in a block with BatchGrad and DiagGGNExact: second order finds
+    the two calls sharing its parameters through first order's recorder (its use counts),
+    and sums their curvature; both results against references (float64): the per-sample
+    gradients against a loop of per-sample backwards, the GGN diagonal against torch.func's
+    dense GGN."""
+    model, (X, y) = Twice(), _data()
+    lossf = nn.CrossEntropyLoss()
+    with jacmem.extend(jacmem.BatchGrad(), DiagGGNExact()):
+        lossf(model(X), y).backward()
+    want = diagonals(model, dense(model, lossf, X, y, hess=False)[0])
+    grads = per_sample_grads(model, X, y, cross_entropy)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.diag_ggn_exact, want[name], rtol=1e-9, atol=1e-12, msg=name)
+        torch.testing.assert_close(p.grad_batch, grads[p], rtol=1e-9, atol=1e-12, msg=name)

@@ -23,7 +23,7 @@ from jacmem.derivatives import lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
-from jacmem.engine import hooks, planner, precision
+from jacmem.engine import broadcast, hooks, planner, precision
 from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.recorder import Recorder
 from jacmem.engine.secondorder.autograd_path import AutogradPath
@@ -678,7 +678,8 @@ def _recorded(module: nn.Module, output, recorder: Recorder | None) -> hooks.Rec
     if recorder is None:
         return None
     for t in compat.tree_flatten(output)[0]:
-        fn = getattr(t, "grad_fn", None)
+        seen = broadcast.watched_tensor(t)  # (a call on a batch of one: first order's watched output)
+        fn = getattr(t if seen is None else seen, "grad_fn", None)
         rec = None if fn is None else hooks.record_of(fn)
         if rec is not None and rec.module is module and rec.uses is recorder.uses:
             return rec
