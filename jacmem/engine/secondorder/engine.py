@@ -25,7 +25,7 @@ from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
 from jacmem.engine import broadcast, hooks, planner, precision
 from jacmem.engine.base import Context, Engine, Write
-from jacmem.engine.recorder import Recorder
+from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -66,9 +66,10 @@ class SecondOrderEngine(Engine):
         #: the block's recorder, whose records of the parameterised calls the nodes are built
         #: on (first order's, where the block has that engine), or None
         self.shared = context.recorder
-        #: this engine's own recorder, for the calls the block's did not record whole (every
-        #: call, where the block has no other engine): its records hand nothing on
-        self.own = Recorder(_handed_nothing)
+        #: this engine's own recorder, for the calls the block's did not record whole; where
+        #: the block has no other engine, the block's, which follows the direct uses of a
+        #: module's parameters (:meth:`_use_nodes`). Its records hand nothing on
+        self.own = Recorder(_handed_nothing, hand_uses=context.recorder is None)
         if context.recorder is None:
             context.recorder = self.own
         self.handles = hooks.Handles()
@@ -136,14 +137,24 @@ class SecondOrderEngine(Engine):
                 f"{rec.name!r} ran it outside (with jacmem.track): run the forward inside jacmem.extend(...)"
             )
 
+    @_outside_mode
     def on_enter(self, module: nn.Module) -> None:
         known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
         self.known.append(known)
         self.inside += known
+        if self._records(module) and next(own_parameters(module), None) is not None:
+            self.own.enter(module, self.name(module))  # its parameters' direct uses, as first order's
 
     def on_leave(self, module: nn.Module, outermost: bool) -> None:
         if self.known:
             self.inside -= self.known.pop()
+        if self.shared is None:
+            self.own.leave(module, outermost)
+
+    def _records(self, module: nn.Module) -> bool:
+        """Whether :attr:`own` is the block's recorder and records ``module``'s calls as
+        such (a tracked model's calls its tracker records: :meth:`_record` makes them)."""
+        return self.shared is None and tracked_name(module) is None
 
     @_outside_mode
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -263,10 +274,36 @@ class SecondOrderEngine(Engine):
         order's, whose hook ran first), else one :attr:`own` makes (a call it left a direct
         parameter of to a use record, or the call of a tracked model, whose tracker records
         it after); None where the call counts no parameter."""
+        if self._records(module):  # (its output, where it is watched, is left: the chain adds broadcasts itself)
+            self.own.record(module, args, kwargs, output, self.name(module))
+            return _recorded(module, output, self.own)
         rec = _recorded(module, output, self.shared)
         if rec is not None and len(rec.params) == len(hooks.trainable(module, rec.entry)):
             return rec
         return self.own.make(module, args, kwargs, output, self.name(module))
+
+    def _use_nodes(self, module: nn.Module) -> None:
+        """A node for each exact direct use of ``module``'s parameters in the call just
+        recorded (:attr:`own`'s use records: a parameter read in the module's own forward
+        that met the batch only through broadcasts it followed), on the tensor its
+        per-sample gradient arrives at, for the autograd path: exact, with no
+        recomputation of the module's forward. A parameter with any other use was left
+        to the module's own record (the generic recomputation)."""
+        for rec, expanded in self._take_uses(module):
+            node = Node(module, self.name(module), None, None)
+            node.out_shape = tuple(expanded.shape)
+            self._first_order(node, rec, (), {}, expanded)
+            if node.params:
+                self.seen.add(module)
+                self.autograd.untracked = True  # the path alone gives their curvature
+                node.kept_low_precision = precision.is_low(expanded)
+                self.autograd.record(node, expanded)
+
+    def _take_uses(self, module: nn.Module) -> list:
+        """:attr:`own`'s exact use records of ``module``'s call just recorded, taken (and
+        so not held past it)."""
+        used, self.own.used = self.own.used, None
+        return used[1] if used is not None and used[0] is module else []
 
     def _first_order(self, node: Node, rec, args: tuple, kwargs: dict, output: Tensor, used=False) -> None:
         """``node.record``: ``rec``, the call's record (:meth:`_record`), or None;
@@ -283,8 +320,12 @@ class SecondOrderEngine(Engine):
             node.params = {n: p for n, p in node.params.items() if id(p) in ids}
         if node.params:
             node.param_entry, node.param_hyperparams = fo, rec.hp
-            # (a record keeps no input where its parameters need none: a bias alone)
-            x = rec.x if rec.x is not None else fo.arrange_input(hooks.kept(fo, None, args, kwargs), **rec.hp)
+            # (a record keeps no input where its parameters need none: a bias alone; a direct use has none)
+            x = (
+                rec.x
+                if rec.x is not None or not args
+                else fo.arrange_input(hooks.kept(fo, None, args, kwargs), **rec.hp)
+            )
             node.param_input = x
             self._mark_tied(node)
             self.covered.update(map(id, node.params.values()))
@@ -374,6 +415,8 @@ class SecondOrderEngine(Engine):
         first = args[0] if args else None
         layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
         rec = self._record(module, args, kwargs, output)
+        if self.autograd.serves():
+            self._use_nodes(module)
         params = {} if rec is None else rec.params
         # (a container's frozen own parameters: no call of its; a layer's: its outputs, for the chain error)
         fo = rec.entry if rec is not None else hooks.counted(module, first, output)[0] if layer else None
