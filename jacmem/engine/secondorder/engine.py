@@ -137,18 +137,17 @@ class SecondOrderEngine(Engine):
                 f"{rec.name!r} ran it outside (with jacmem.track): run the forward inside jacmem.extend(...)"
             )
 
-    @_outside_mode
     def on_enter(self, module: nn.Module) -> None:
         known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
         self.known.append(known)
         self.inside += known
-        if self._records(module) and next(own_parameters(module), None) is not None:
+        if not known and next(own_parameters(module), None) is not None and self._records(module):
             self.own.enter(module, self.name(module))  # its parameters' direct uses, as first order's
 
     def on_leave(self, module: nn.Module, outermost: bool) -> None:
         if self.known:
             self.inside -= self.known.pop()
-        if self.shared is None:
+        if self.shared is None and (outermost or module in self.own.direct):
             self.own.leave(module, outermost)
 
     def _records(self, module: nn.Module) -> bool:
@@ -720,7 +719,7 @@ def _recorded(module: nn.Module, output, recorder: Recorder | None) -> hooks.Rec
     or None."""
     if recorder is None:
         return None
-    for t in compat.tree_flatten(output)[0]:
+    for t in (output,) if isinstance(output, Tensor) else compat.tree_flatten(output)[0]:
         seen = broadcast.watched_tensor(t)  # (a call on a batch of one: first order's watched output)
         fn = getattr(t if seen is None else seen, "grad_fn", None)
         rec = None if fn is None else hooks.record_of(fn)
