@@ -365,3 +365,43 @@ def test_a_root_parameter_comes_from_its_direct_use_records(make, monkeypatch):
     monkeypatch.setattr(generic, "per_sample_vjp", lambda *a: recomputed.append(a[-1]) or vjp(*a))
     _check_ggn_diagonals(model, X, y)
     assert not [what for what in recomputed if make.__name__ in what]
+
+
+class PosTwice(nn.Module):
+    """A root parameter read twice in the root's forward, each time met by the batch."""
+
+    def __init__(self):
+        super().__init__()
+        self.pos = nn.Parameter(torch.randn(T, D) / 2)
+        self.net = nn.Sequential(nn.Flatten(), nn.Linear(T * D, 5), nn.Tanh(), nn.Linear(5, C))
+
+    def forward(self, x):
+        return self.net(torch.tanh(x + self.pos) * 2 + self.pos)
+
+
+class PosMixed(PosTwice):
+    """One use met by the batch, one that may mix the samples (a matrix product)."""
+
+    def forward(self, x):
+        return self.net(x + self.pos + x @ self.pos.T @ self.pos)
+
+
+class PosCalledTwice(nn.Module):
+    """:class:`PosTwice` called twice: its ``pos`` used by two calls, two uses each."""
+
+    def __init__(self):
+        super().__init__()
+        self.inner = PosTwice()
+
+    def forward(self, x):
+        return self.inner(x) + self.inner(x * 2)
+
+
+@pytest.mark.parametrize("make", [PosTwice, PosMixed, PosCalledTwice], ids=lambda m: m.__name__)
+def test_a_root_parameter_used_many_times_is_exact(make):
+    """A directly read parameter with several uses: each exact use is a node of its own,
+    their curvature summed over them as a tied parameter's (the recorder's count of its
+    live records says they share it); one with a use that may mix the samples is left whole
+    to the module's generic recomputation. Against torch.func's dense GGN (float64)."""
+    torch.manual_seed(0)
+    _check_ggn_diagonals(make(), *_data())
