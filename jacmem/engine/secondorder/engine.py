@@ -287,8 +287,10 @@ class SecondOrderEngine(Engine):
         that met the batch only through broadcasts it followed), on the tensor its
         per-sample gradient arrives at, for the autograd path: exact, with no
         recomputation of the module's forward. A parameter with any other use was left
-        to the module's own record (the generic recomputation)."""
-        for rec, expanded in self._take_uses(module):
+        to the module's own record (the generic recomputation). Where the block's kinds are
+        not the autograd path's, none (a backward that reaches such a parameter raises)."""
+        uses = self._take_uses(module)
+        for rec, expanded in uses if self.autograd.serves() else ():
             node = Node(module, self.name(module), None, None)
             node.out_shape = tuple(expanded.shape)
             self._first_order(node, rec, (), {}, expanded)
@@ -414,8 +416,7 @@ class SecondOrderEngine(Engine):
         first = args[0] if args else None
         layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
         rec = self._record(module, args, kwargs, output)
-        if self.autograd.serves():
-            self._use_nodes(module)
+        self._use_nodes(module)
         params = {} if rec is None else rec.params
         # (a container's frozen own parameters: no call of its; a layer's: its outputs, for the chain error)
         fo = rec.entry if rec is not None else hooks.counted(module, first, output)[0] if layer else None
