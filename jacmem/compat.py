@@ -29,6 +29,7 @@ __all__ = [
     "buffer_slots",
     "child_slots",
     "current_graph_task_id",
+    "dynamo_callback",
     "fsdp_parameters",
     "functorch_transforms_active",
     "fused_recurrence",
@@ -80,10 +81,10 @@ def autograd_inside_op():
     return torch._C._ForceDispatchKeyGuard(*_DISPATCH_KEYS)
 
 
-def current_graph_task_id() -> int:
-    """The id of the backward pass (autograd "graph task") running in this thread, or
-    -1 outside any backward. ``torch._C._current_graph_task_id``, since torch 2.0."""
-    return torch._C._current_graph_task_id()
+#: ``current_graph_task_id() -> int``: the id of the backward pass (autograd "graph task")
+#: running in this thread, or -1 outside any backward. ``torch._C._current_graph_task_id``,
+#: since torch 2.0, itself: asked at every module call, it costs no Python frame.
+current_graph_task_id = torch._C._current_graph_task_id
 
 
 def queue_callback(callback: Callable[[], None]) -> None:
@@ -118,11 +119,20 @@ def grad_captures(node) -> bool:
     return False
 
 
-def functorch_transforms_active() -> bool:
-    """Whether a torch.func transform (vmap, grad, jvp...) is running: forward calls
-    inside one are a derivative's own recomputation, not the user's.
-    ``torch._C._are_functorch_transforms_active``, since torch 2.0."""
-    return torch._C._are_functorch_transforms_active()
+#: ``functorch_transforms_active() -> bool``: whether a torch.func transform (vmap, grad,
+#: jvp...) is running: forward calls inside one are a derivative's own recomputation, not
+#: the user's. ``torch._C._are_functorch_transforms_active``, since torch 2.0, itself (no
+#: Python frame: asked at every recorded call).
+functorch_transforms_active = torch._C._are_functorch_transforms_active
+
+#: ``dynamo_callback()``: the frame callback torch.compile has set in this thread, or None
+#: where none is (no frame that starts now would be compiled: a module hook may then run
+#: without ``torch.compiler.disable`` around it).
+#: ``torch._C._dynamo.eval_frame.get_eval_frame_callback``, since torch 2.1, itself (no
+#: Python frame: asked at every module hook); where torch lacks it, never None.
+dynamo_callback = getattr(
+    getattr(getattr(torch._C, "_dynamo", None), "eval_frame", None), "get_eval_frame_callback", lambda: True
+)
 
 
 def is_backward_hook_node(fn) -> bool:
@@ -179,7 +189,7 @@ def compiled_in_place(module) -> bool:
 def uncompiled(module):
     """The model under the wrappers ``torch.compile`` put around ``module`` (``module``
     itself where there are none): ``OptimizedModule._orig_mod``, since torch 2.0."""
-    while is_compiled_module(module):
+    while isinstance(module, torch._dynamo.eval_frame.OptimizedModule):  # (is_compiled_module, inline)
         module = module._orig_mod
     return module
 
@@ -280,6 +290,19 @@ def buffer_slots(module: nn.Module) -> dict[str, Tensor | None]:
     name registered empty); writing it changes what the forward uses.
     ``nn.Module._buffers``, which every torch release has had."""
     return module._buffers
+
+
+def holds_parameters(module: nn.Module, containers: tuple[type, ...]) -> bool:
+    """Whether ``module`` holds a parameter itself (a :func:`parameter_slots` entry that is
+    not None) or a direct child of a type in ``containers``, asked in one call, without
+    walking the module tree (a module hook asks it at every call)."""
+    for p in module._parameters.values():
+        if p is not None:
+            return True
+    for child in module._modules.values():
+        if isinstance(child, containers):
+            return True
+    return False
 
 
 def child_slots(module: nn.Module) -> dict[str, nn.Module | None]:

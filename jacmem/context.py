@@ -122,6 +122,8 @@ class extend:
         try:
             block = self.block.open()
             self._module_handles = compat.global_module_hooks(_enter, _leave, _forward)
+            for slot, method in zip(_DIRECT, (block.enter, block.leave, block.forward)):
+                slot[0] = method
             recorder.sink(block)
             self._watch.on_backward = block.backward
             self._watch.open(block.owner)
@@ -133,6 +135,8 @@ class extend:
     def __exit__(self, *exc) -> None:
         global _ACTIVE
         try:
+            for slot in _DIRECT:
+                slot[0] = None
             hooks.remove(self._module_handles)
             recorder.sink(None)
             self._watch.close()
@@ -155,22 +159,28 @@ class extend:
 
 # The global module hooks: the same three functions for every block (they dispatch to
 # the active one), so that a compiled model's guards on its hooks hold from one block
-# to the next; a compiled forward traces them (:func:`jacmem.engine.hooks.eager`).
+# to the next; a compiled forward traces them (:func:`jacmem.engine.hooks.eager`). An
+# eager call goes straight to the active block's method, in ``_DIRECT``.
+
+#: the active block's ``enter``, ``leave`` and ``forward`` (None: no block active)
+_DIRECT: tuple[list, list, list] = ([None], [None], [None])
 
 
-@hooks.eager
 def _enter(module, args):
     active = _ACTIVE
     return None if active is None else active.block.enter(module, args)
 
 
-@hooks.eager
 def _leave(module, args, output):
     active = _ACTIVE
     return None if active is None else active.block.leave(module, args, output)
 
 
-@hooks.eager
 def _forward(module, args, kwargs, output):
     active = _ACTIVE
     return None if active is None else active.block.forward(module, args, kwargs, output)
+
+
+_enter = hooks.eager(_enter, _DIRECT[0])
+_leave = hooks.eager(_leave, _DIRECT[1])
+_forward = hooks.eager(_forward, _DIRECT[2])

@@ -14,10 +14,13 @@ to.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Hashable, Iterable, Iterator
+from collections.abc import Callable, Container, Hashable, Iterable, Iterator
 from typing import Any
 
 from torch import Tensor, nn
+
+#: what :class:`Walk` strips from a node type's name before it asks ``only``
+_DIGITS = "0123456789"
 
 
 def edges(fn) -> list[tuple[Any, int]]:
@@ -49,7 +52,11 @@ class Walk:
     node and what the walk carries along the path to it (then ``key`` says what counts as
     visited: the whole item by default). ``step(item)`` gives the items it leads to; by
     default, a node's :func:`children`. ``None`` items are skipped. ``limit``: at most that
-    many items; :attr:`cut` is then True where more were left.
+    many items; :attr:`cut` is then True where more were left. ``only``: the node types
+    (their names without the trailing digits: ``"AddBackward"``) whose items ``step`` is
+    asked about; any other item is a pair ``(node, carried)`` that leads to each of the
+    node's :func:`children` with the same ``carried`` (no call per node where most nodes
+    change nothing).
 
     The walk runs whole when made (one Python call, and one per item where ``step`` is
     given: it runs on each backward); iterate over it, or read :attr:`items`."""
@@ -64,6 +71,7 @@ class Walk:
         limit: int | None = None,
         breadth: bool = False,
         key: Callable[[Any], Hashable] | None = None,
+        only: Container[str] | None = None,
     ):
         #: the items, in the order visited
         self.items: list = []
@@ -82,6 +90,12 @@ class Walk:
                 return
             seen.add(mark)
             self.items.append(item)
+            if only is not None and type(item[0]).__name__.rstrip(_DIGITS) not in only:
+                node, carried = item
+                for nxt, _ in node.next_functions:
+                    if nxt is not None:
+                        todo.append((nxt, carried))
+                continue
             if step is not None:
                 todo.extend(step(item))
                 continue

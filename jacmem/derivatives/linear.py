@@ -20,7 +20,6 @@ from dataclasses import replace
 from math import prod
 
 import torch
-from einops import rearrange
 from torch import Tensor, nn
 
 from jacmem.derivatives.quantities import add_moments
@@ -33,8 +32,10 @@ RNN_LINEAR = "opacus.layers.dp_rnn.RNNLinear"
 
 
 def _flat(t: Tensor) -> Tensor:
-    """[N, *, F] -> [N, T, F]"""
-    return rearrange(t, "n ... f -> n (...) f")
+    """[N, *, F] -> [N, T, F] (``T`` the product of the middle axes, 1 where there are
+    none; a reshape, not einops: this runs for every parameter of every call)"""
+    shape = t.shape
+    return t.reshape(shape[0], prod(shape[1:-1]), shape[-1])
 
 
 def _rows(t: Tensor) -> Tensor:

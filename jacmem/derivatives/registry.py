@@ -118,13 +118,25 @@ class Kronecker:
     transposed: bool = False
 
 
-def _first_input(args: tuple, kwargs: dict) -> Any:
+def first_input(args: tuple, kwargs: dict) -> Any:
     """The first positional input, or the first keyword one (``linear(input=x)``)."""
     return args[0] if args else next(iter(kwargs.values()))
 
 
-def _identity(output: Any) -> Any:
+def same_output(output: Any) -> Any:
+    """The layer's output as it is (the default ``outputs``; a record asks it no call)."""
     return output
+
+
+def no_hyperparams(module: nn.Module) -> dict[str, Any]:
+    """A layer without hyper-parameters (the default; a record asks it no call)."""
+    return {}
+
+
+def unarranged(value: Any, **hp) -> Any:
+    """``value`` as it is: a layer's derivatives take it so (the default; a record asks it
+    no call)."""
+    return value
 
 
 @dataclass(frozen=True)
@@ -208,11 +220,11 @@ class LayerDerivatives:
         warns (with ``strict=True``, raises) naming the module.
     """
 
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = lambda module: {}
-    keep: Callable[[tuple, dict], Any] = _first_input
-    outputs: Callable[[Any], Any] = _identity
-    arrange: Callable[..., Any] = lambda g, **hp: g
-    arrange_input: Callable[..., Any] = lambda x, **hp: x
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
+    keep: Callable[[tuple, dict], Any] = first_input
+    outputs: Callable[[Any], Any] = same_output
+    arrange: Callable[..., Any] = unarranged
+    arrange_input: Callable[..., Any] = unarranged
     for_module: Callable[[nn.Module], LayerDerivatives] | None = None
     input_free: set = field(default_factory=set)
     compute_once: bool = False
@@ -229,7 +241,11 @@ class LayerDerivatives:
     @property
     def params(self) -> tuple[str, ...]:
         """Names of the parameters that have at least a ``batch_grad``."""
-        return tuple(p for p, q in self.strategies if q == "batch_grad")
+        names = []  # (a loop, not a generator: read at every recorded call)
+        for p, q in self.strategies:
+            if q == "batch_grad":
+                names.append(p)
+        return tuple(names)
 
     def names(self) -> set:
         """Every strategy name this layer offers, for any parameter and quantity."""
@@ -420,7 +436,11 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
     entry = REGISTRY[cls]
     if entry.for_module is not None:
         entry = entry.for_module(module)
-    parametrized = sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
+    parametrized = (
+        sorted({p for p, _ in entry.strategies if parametrize.is_parametrized(module, p)})
+        if parametrize.is_parametrized(module)  # (most modules have none: one question, not one per name)
+        else ()
+    )
     if parametrized:  # before the names' check, which would take the layer's registrations back
         raise ParametrizedError(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
     key = (type(module), id(entry))
@@ -481,20 +501,22 @@ def _changed() -> None:
     _VERSION[0] += 1
 
 
-def own_parameters(module: nn.Module):
+def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     """``(name, parameter)`` of what ``module``'s forward reads itself: its own parameters,
     and those of its ``ParameterDict`` and ``ParameterList`` children by dotted name
     (``"lora_embedding_A.default"``: PEFT's ``lora.Embedding``), since a parameter
-    container is never called and its parameters are its parent's to use."""
-    seen = set()  # as named_parameters(recurse=False), which it is without the module walk
+    container is never called and its parameters are its parent's to use. (A list, not
+    a generator: it is read at every recorded call.)"""
+    found, seen = [], set()  # as named_parameters(recurse=False), which it is without the module walk
     for name, p in compat.parameter_slots(module).items():
         if p is not None and id(p) not in seen:
             seen.add(id(p))
-            yield name, p
+            found.append((name, p))
     for child_name, child in compat.child_slots(module).items():
         if isinstance(child, (nn.ParameterDict, nn.ParameterList)):
             for name, p in own_parameters(child):
-                yield f"{child_name}.{name}", p
+                found.append((f"{child_name}.{name}", p))
+    return found
 
 
 def _has_parameter(module: nn.Module, name: str) -> bool:
@@ -574,10 +596,6 @@ def all_strategy_names() -> set:
 # -- Second order: how factors cross a module, and where curvature starts -------------
 
 
-def _no_hyperparams(module: nn.Module) -> dict[str, Any]:
-    return {}
-
-
 @dataclass
 class Passthrough:
     """How factors cross one module type.
@@ -603,7 +621,7 @@ class Passthrough:
         raises there rather than drop that term.
     """
 
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     jac_t: Callable[..., tuple[Tensor | None, ...]] | None = None
     df: Callable[..., Tensor] | None = None
     d2f: Callable[..., Tensor] | None = None
@@ -650,7 +668,7 @@ class LossHessian:
     check: Callable[[nn.Module], None]
     sqrt_hessian: Callable[..., Tensor]
     sampled: Callable[..., Tensor]
-    hyperparams: Callable[[nn.Module], dict[str, Any]] = _no_hyperparams
+    hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     empirical: Callable[..., Tensor] | None = None
 
     def params(self, module: nn.Module) -> dict[str, Any]:

@@ -213,7 +213,10 @@ class Passes:
         """A pass of this thread that has not begun to commit: autograd holds a pass
         until its task ends, and drops it where the task fails."""
         here = threading.get_ident()
-        return next((run for run in self._live.values() if run.thread == here and not run.ended), None)
+        for run in self._live.values():  # (a loop, not a generator: asked at each pass's first hook)
+            if run.thread == here and not run.ended:
+                return run
+        return None
 
     def state(self, engine: Engine):
         """``engine``'s state in the running backward pass (:meth:`current`)."""
@@ -239,7 +242,7 @@ class Context:
 
     __slots__ = (
         "strategies", "chunk_bytes", "passes", "notices", "batch_first", "process_group", "route", "owner", "names",
-        "roots", "recorder",
+        "roots", "sharded", "recorder",
     )  # fmt: skip
 
     def __init__(
@@ -263,6 +266,8 @@ class Context:
         self.names: weakref.WeakKeyDictionary[nn.Module, str] = weakref.WeakKeyDictionary()
         #: the models called at depth 0 in the block, as weak references, in order
         self.roots: list[weakref.ref] = []
+        #: whether a model called in the block holds FSDP2 modules (the block's check says)
+        self.sharded = False
         #: the block's :class:`jacmem.engine.recorder.Recorder`, whose records of its calls
         #: every engine of the block consumes: made by the first engine that records (first
         #: order's or clipping's stager; second order's own where the block has neither)
@@ -273,6 +278,7 @@ class Context:
         self.owner = None
         self.names = weakref.WeakKeyDictionary()
         self.roots = []
+        self.sharded = False
         self.recorder = None
 
     def name(self, module: nn.Module) -> str:
@@ -285,11 +291,17 @@ class Context:
 
     def roots_and_models(self) -> list[nn.Module]:
         """The models called in the block, then the tracked ones."""
-        return [m for m in (ref() for ref in self.roots) if m is not None] + self.models()
+        models = []
+        for ref in self.roots:  # (a loop, not a generator: asked at every pass's end)
+            m = ref()
+            if m is not None:
+                models.append(m)
+        return models + self.models()
 
     def shardings(self) -> list[fsdp.Sharding]:
-        """The FSDP2 parameters of the models called in the block and the tracked ones."""
-        return fsdp.shardings(self.roots_and_models())
+        """The FSDP2 parameters of the models called in the block and the tracked ones
+        (none where no model called holds FSDP2 modules (:attr:`sharded`): no walk of the models)."""
+        return fsdp.shardings(self.roots_and_models()) if self.sharded else []
 
     def groups(self) -> list[tuple[Any, list[nn.Parameter]]]:
         """(process group, its parameters in model order) for the models called in the

@@ -48,6 +48,8 @@ ENGINES = (
 )
 
 Extension = FirstOrderExtension | SecondOrderExtension | ClipGrad
+#: the kinds of extension
+_KINDS = tuple(kind for kind, _ in ENGINES)
 
 
 class Block:
@@ -68,16 +70,26 @@ class Block:
     ):
         extensions = _checked(extensions)
         #: the extensions of each engine, in :data:`ENGINES` order (those it has)
-        self.kinds = [(cls, [e for e in extensions if isinstance(e, kind)]) for kind, cls in ENGINES]
-        self.kinds = [(cls, exts) for cls, exts in self.kinds if exts]
-        alone = [exts for cls, exts in self.kinds if getattr(cls, "exclusive", False)]
+        self.kinds = []
+        for kind, cls in ENGINES:  # (loops, not comprehensions: a block is made at every step)
+            exts = []
+            for e in extensions:
+                if isinstance(e, kind):
+                    exts.append(e)
+            if exts:
+                self.kinds.append((cls, exts))
+        alone, self._second_order = [], False
+        for cls, exts in self.kinds:
+            if getattr(cls, "exclusive", False):
+                alone.append(exts)
+            self._second_order = self._second_order or issubclass(cls, SecondOrderEngine)
         if alone and len(self.kinds) > 1:
             raise ValueError(
                 f"jacmem: {', '.join(map(repr, alone[0]))} takes over the parameters' .grad and runs alone in its "
                 "block; put the other extensions in a block of their own."
             )
-        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)]
-        if not batch_first and second_order:
+        second_order = [e for e in extensions if isinstance(e, SecondOrderExtension)] if not batch_first else None
+        if second_order:
             raise ValueError(
                 f"jacmem: batch_first=False applies to first-order extensions and ClipGrad, not to "
                 f"{', '.join(map(repr, second_order))}: second-order extensions need the batch on axis 0. "
@@ -99,7 +111,10 @@ class Block:
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
-        self.savefields = {e.savefield for e in extensions if not isinstance(e, ClipGrad) and e.savefield}
+        self.savefields = set()
+        for e in extensions:
+            if not isinstance(e, ClipGrad) and e.savefield:
+                self.savefields.add(e.savefield)
         #: the models whose forward ran since the last pass ended (:meth:`_ended`)
         self._ran: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the tracked models whose forward may have run before the block, once each
@@ -220,14 +235,14 @@ class Block:
         return f"a parameter of shape {list(param.shape)}"
 
     def shards(self) -> dict[int, nn.Parameter]:
-        """``id(unsharded) -> sharded`` for the FSDP2 parameters of :meth:`shardings`."""
+        """``id(unsharded) -> sharded`` for the FSDP2 parameters of the context's shardings."""
         return {key: p for sharding in self.context.shardings() for key, p in sharding.sharded.items()}
 
     def _check_fsdp(self, model: nn.Module) -> None:
         """Raise where ``model`` is sharded by FSDP in a way the block cannot follow; once
         per model and block."""
         if model not in self._fsdp_checked:
-            fsdp.check(model, self.context.name, any(issubclass(cls, SecondOrderEngine) for cls, _ in self.kinds))
+            self.context.sharded = fsdp.check(model, self.context.name, self._second_order) or self.context.sharded
             self._fsdp_checked.add(model)
 
     # -- forward (from module hooks) ------------------------------------------------
@@ -244,7 +259,8 @@ class Block:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
             self.context.roots.append(weakref.ref(compat.uncompiled(module)))
         self._depth += 1
-        fsdp.unshard_own(module)
+        if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
+            fsdp.unshard_own(module)
         for engine in self.engines:
             engine.on_enter(module)
 
@@ -266,7 +282,8 @@ class Block:
         replace the output (ComputeOnce), and the engines after it see the replacement."""
         if threading.get_ident() != self.context.owner:
             return None  # another thread's forward
-        self.recomputing()
+        if compat.current_graph_task_id() != -1:  # (:meth:`recomputing`, without the call)
+            self.passes.current()
         replaced = None
         for engine in self.engines:
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
@@ -331,7 +348,6 @@ class Block:
 
 def _checked(extensions: tuple) -> tuple[Extension, ...]:
     """``extensions`` without repeats; anything else raises, naming the fix."""
-    kinds = tuple(kind for kind, _ in ENGINES)
     for ext in extensions:
         if isinstance(ext, nn.Module):
             raise TypeError(
@@ -340,7 +356,7 @@ def _checked(extensions: tuple) -> tuple[Extension, ...]:
                 "needed only where the forward runs before the block. Write "
                 "`with jacmem.extend(jacmem.BatchGrad()): loss = lossfunc(model(X), y); loss.backward()`."
             )
-        if not isinstance(ext, kinds):
+        if not isinstance(ext, _KINDS):
             raise TypeError(f"not a jacmem extension: {ext!r}; e.g. jacmem.BatchGrad()")
     return tuple(dict.fromkeys(extensions))
 

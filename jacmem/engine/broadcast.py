@@ -214,10 +214,10 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
     is behind ``expand``, whose broadcast :class:`Origin` answers for (where it has a
     use: one that met the batch only through an op jacmem cannot follow has none)."""
 
-    def step(item: tuple) -> list[tuple]:
+    def step(item: tuple) -> list[tuple]:  # (asked of broadcasting ops' nodes only: the others carry ``crossed`` on)
         fn, crossed = item
-        rows = _leading(fn, 0) if type(fn).__name__.rstrip("0123456789") in _BROADCAST_NODES else 0
-        rank = len(compat.node_output_shape(fn, 0) or ())
+        rows = _leading(fn, 0)
+        rank = len(compat.node_output_shape(fn, 0) or ()) if rows > 1 else 0
         following = []
         for nxt, nr in fn.next_functions:
             if nxt is not None:
@@ -225,7 +225,7 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
         return following
 
     behind: dict = {}
-    for fn, crossed in walker.Walk([(fn, False) for fn in walker.roots(tensors)], step):
+    for fn, crossed in walker.Walk([(fn, False) for fn in walker.roots(tensors)], step, only=_BROADCAST_NODES):
         if crossed:
             behind[fn] = None
     return list(behind)

@@ -13,6 +13,7 @@ read in the backward would wait for the device), with one warning for the block.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 
 import torch
@@ -36,9 +37,11 @@ class FirstOrderEngine(Engine):
 
     def __init__(self, extensions: list[FirstOrderExtension], context: Context):
         self.extensions = extensions
-        self.quantities = {q for ext in extensions for q in ext.quantities}
         #: quantity -> how many of the extensions read it
-        self.readers = Counter(q for ext in extensions for q in ext.quantities)
+        self.readers = Counter()
+        for ext in extensions:  # (a loop, not generators: an engine is made at every step)
+            self.readers.update(ext.quantities)
+        self.quantities = set(self.readers)
         self.groups, self.shardings = context.groups, context.shardings
         self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported)
         self.recorder = self.stager.recorder
@@ -71,10 +74,11 @@ class FirstOrderEngine(Engine):
             return grads
         dtype = precision.compute_dtype(params.values())
         x, g = precision.cast(rec.x, dtype), precision.cast(rec.g, dtype)
-        n = batch_size(g)
+        n = g.shape[0] if isinstance(g, Tensor) else batch_size(g)
         for pname, param in params.items():
             staged = stager.stage(run, rec, pname, param, n)
-            kept = stager.keep(staged, rec, pname, x, g, dtype)
+            # (most parameters are used once: not kept, asked without a call)
+            kept = staged.summed and staged.calls is not None and stager.keep(staged, rec, pname, x, g, dtype)
             if kept and stager.first_dense(staged):
                 grads.update(stager.early(staged, rec, pname, dtype))
                 continue
@@ -86,25 +90,25 @@ class FirstOrderEngine(Engine):
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
                 staged.grad = grads[pname] if staged.grad is None else staged.grad + grads[pname]
-            staged.add(values)
+            if staged.quantities:
+                staged.add(values)
+            else:  # (the first: nothing to add to)
+                staged.quantities.update(values)
         return grads
 
     def finish(self, run: Staging) -> list[Write]:
         """End of the backward pass: finish the partial records and the summed
         parameters, sum over the ranks what is global; the results, unwritten."""
         staged = self.stager.settle(run)
-        quantities = {
-            key: derive(s.quantities["batch_grad"], self.quantities)
-            if s.summed and "batch_grad" in s.quantities
-            else dict(s.quantities)
-            for key, s in staged.items()
-        }
-        sizes = {key: s.batch_size for key, s in staged.items()}
+        quantities, sizes, grads, params, batch = {}, {}, {}, {}, 0
+        for key, s in staged.items():  # (one loop, not five comprehensions)
+            summed = s.summed and "batch_grad" in s.quantities
+            quantities[key] = derive(s.quantities["batch_grad"], self.quantities) if summed else dict(s.quantities)
+            sizes[key], grads[key], params[key] = s.batch_size, s.grad, s.param
+            batch = max(batch, s.batch_size)
         self.stager.check_batch_sizes(run.names, sizes)
         self.stager.check_one_row(run.names, sizes)
-        self._flag_nonfinite(run.names, quantities, {key: s.grad for key, s in staged.items()})
-        params = {key: s.param for key, s in staged.items()}
-        batch = max((s.batch_size for s in staged.values()), default=0)
+        self._flag_nonfinite(run.names, quantities, grads)
         for group, members in self.groups():
             params.update(
                 (id(p), p) for p in distributed.synchronize(group, members, self.quantities, quantities, sizes, batch)
@@ -114,7 +118,13 @@ class FirstOrderEngine(Engine):
             params.update((id(p), p) for p in sharding.synchronize(self.quantities, quantities, sizes, batch))
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         return [
-            _write(ext, param, key, ext.finalize(self._handed(ext, quantities[key]), sizes[key]), sharded.get(key))
+            _write(
+                ext,
+                param,
+                key,
+                ext.finalize(self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]),
+                sharded.get(key),
+            )
             for key, param in params.items()
             for ext in self.extensions
         ]
@@ -145,16 +155,17 @@ class FirstOrderEngine(Engine):
                     candidates.append(grads[k])
                 sums.append(min(candidates, key=Tensor.numel).sum())
             bad = torch.stack(sums).isfinite().logical_not_()
-            flags = self.nonfinite.setdefault((bad.device, tuple(names[k] for k in keys)), bad)
+            flags = self.nonfinite.setdefault((bad.device, tuple(map(names.__getitem__, keys))), bad)
             if flags is not bad:
                 flags.logical_or_(bad)
 
     def _warn_nonfinite(self, flagged: dict[tuple[torch.device, tuple[str, ...]], Tensor]) -> None:
         """One warning, naming the modules that :meth:`_flag_nonfinite` flagged in any
         pass of the block; one transfer per entry, after the block."""
-        modules = list(
-            dict.fromkeys(m for (_, names), bad in flagged.items() for m, b in zip(names, bad.tolist()) if b)
-        )
+        modules: dict[str, None] = {}  # (in order, once each; a loop, not a generator)
+        for (_, names), bad in flagged.items():
+            modules.update(dict.fromkeys(itertools.compress(names, bad.tolist())))
+        modules = list(modules)
         if not modules:
             return
         notices.warn(

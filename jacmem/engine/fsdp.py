@@ -81,13 +81,17 @@ def unshard_own(module: nn.Module) -> None:
         module.unshard()
 
 
-def check(model: nn.Module, name, second_order: bool) -> None:
+def check(model: nn.Module, name, second_order: bool) -> bool:
     """Raise where jacmem cannot compute exactly under the FSDP modules of ``model``
     (``name(module)`` names them): FSDP1, second-order extensions, a placement other
-    than FSDP2's ``Shard(0)`` over a 1-D mesh."""
+    than FSDP2's ``Shard(0)`` over a 1-D mesh. Returns whether ``model`` holds FSDP2
+    modules (whose calls :func:`unshard_own` must see)."""
     if FSDPModule is None:
-        return
+        return False
+    found = False
     for module in model.modules():
+        if not isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+            continue  # (most modules: no label made)
         label = f"module {name(module)!r} ({type(module).__name__})"
         if isinstance(module, FullyShardedDataParallel):
             raise RuntimeError(
@@ -96,6 +100,7 @@ def check(model: nn.Module, name, second_order: bool) -> None:
             )
         if not is_fsdp(module):
             continue
+        found = True
         if second_order:
             raise RuntimeError(
                 f"jacmem: {label} is sharded by FSDP (fully_shard); second-order extensions (DiagGGN, DiagHessian, "
@@ -109,6 +114,7 @@ def check(model: nn.Module, name, second_order: bool) -> None:
                     f"{sharded.device_mesh.ndim}-D mesh; jacmem supports FSDP2's default, Shard(0) on a 1-D mesh "
                     "(no HSDP, no shard_placement_fn)."
                 )
+    return found
 
 
 def shardings(models: Iterable[nn.Module]) -> list[Sharding]:
@@ -116,9 +122,11 @@ def shardings(models: Iterable[nn.Module]) -> list[Sharding]:
     model order (the same on every rank)."""
     by_mesh: dict[int, Sharding] = {}
     seen: set[int] = set()
+    if FSDPModule is None:
+        return []
     for model in models:
         for module in model.modules():
-            if not is_fsdp(module):
+            if not isinstance(module, FSDPModule):  # (is_fsdp, without a call per module)
                 continue
             for sharded, unsharded in compat.fsdp_parameters(module):
                 if unsharded is None or not sharded.requires_grad or id(sharded) in seen:

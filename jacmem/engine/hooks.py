@@ -26,7 +26,16 @@ from torch.utils.hooks import RemovableHandle
 
 from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
-from jacmem.derivatives.registry import REGISTRY, Passthrough, own_parameters, registered_type
+from jacmem.derivatives.registry import (
+    REGISTRY,
+    Passthrough,
+    first_input,
+    no_hyperparams,
+    own_parameters,
+    registered_type,
+    same_output,
+    unarranged,
+)
 from jacmem.engine import layout, notices
 from jacmem.engine.broadcast import Origin
 
@@ -55,10 +64,12 @@ class Uses:
     def add(self, rec: Record) -> weakref.finalize:
         """Count ``rec`` for each of its parameters; returns what takes it out again (run
         when it is freed, or called earlier)."""
-        keys = [id(p) for p in rec.params.values()]
-        self.live.update(keys)
-        for key in keys:
+        keys = []
+        for p in rec.params.values():  # (a loop, not a comprehension: at every recorded call)
+            key = id(p)
+            keys.append(key)
             self.users.setdefault(key, weakref.WeakSet()).add(rec)
+        self.live.update(keys)
         return weakref.finalize(rec, self._release, keys)
 
     def _release(self, keys: list[int]) -> None:
@@ -74,7 +85,7 @@ class Uses:
 _COMPILED: list[bool] = []
 
 
-def eager(hook: Callable) -> Callable:
+def eager(hook: Callable, target: list[Callable | None] | None = None) -> Callable:
     """``hook``, a module hook of jacmem's (pre-hook ``(module, args)``, leave hook
     ``(module, args, output)`` or forward hook ``(module, args, kwargs, output)``), as a
     compiled forward calls it: traced, with no graph break. There, the forward hook of a
@@ -90,13 +101,25 @@ def eager(hook: Callable) -> Callable:
     A forward hook on other arguments (keyword arguments, non-tensors, a tuple output)
     runs eagerly: torch.compile breaks its graph there, with a reason that names jacmem,
     and compiles the module's forward on either side. While the hook runs,
-    :func:`compiled` says whether the forward is a compiled one."""
+    :func:`compiled` says whether the forward is a compiled one.
+
+    ``target``: a one-entry list; an eager call runs ``target[0]`` in place of ``hook``
+    while it is set (a block's own method, one call less than through a dispatcher),
+    while a compiled forward always traces ``hook``, so that its guards hold from one
+    block to the next."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            if args and (compat.is_compiled_module(args[0]) or compat.compiled_in_place(args[0])):
+            wrapper = _WRAPPERS.get(type(args[0])) if args else False
+            if wrapper is None:
+                wrapper = _is_wrapper(args[0])
+            # (the batch to reset is 1 outside compiled forwards: no need to ask)
+            if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
-            return _run(hook, False, args, kwargs)
+            fn = hook if target is None or target[0] is None else target[0]
+            if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
+                return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
+            return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
             return None
         module, margs, mkwargs, output = args
@@ -147,15 +170,48 @@ def spread(args: tuple, output: Tensor, n: int) -> tuple[tuple, Tensor]:
     return (ids.expand(n, *ids.shape[1:]),), output.expand(n, *output.shape[1:])
 
 
+#: the children whose parameters a module's forward reads itself (:func:`own_parameters`)
+_CONTAINERS = (nn.ParameterDict, nn.ParameterList)
+
+
+#: ``may_read_parameters(module)``: whether ``module``'s forward may read parameters of its
+#: own (:func:`own_parameters`), asked without building them: its own, or a parameter
+#: container among its children (one call, at every module call)
+may_read_parameters = functools.partial(compat.holds_parameters, containers=_CONTAINERS)
+
+
+def recordable(module: nn.Module) -> bool:
+    """Whether a call of ``module`` that begins now may be recorded: its forward may read
+    parameters of its own (:func:`may_read_parameters`), or it runs in a compiled forward
+    (:func:`compiled`; a compiled model's wrapper, which has none)."""
+    return (bool(_COMPILED) and _COMPILED[-1]) or may_read_parameters(module)
+
+
 def _has_trainable(module: nn.Module) -> bool:
     """Whether ``module``'s forward reads trainable parameters itself (:func:`own_parameters`:
     its own, and its parameter containers', as PEFT's ``lora.Embedding`` reads its matrices)."""
     return any(p.requires_grad for _, p in own_parameters(module))
 
 
+#: module type -> whether it is the wrapper ``torch.compile(model)`` returns (a type's answer
+#: never changes: kept, so that a module call asks once per type, not at each hook)
+_WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+
+
+def _is_wrapper(module: Any) -> bool:
+    """:func:`jacmem.compat.is_compiled_module`, kept per type."""
+    cls = type(module)
+    found = _WRAPPERS.get(cls)
+    if found is None:
+        found = _WRAPPERS[cls] = compat.is_compiled_module(module)
+    return found
+
+
 @torch.compiler.disable(reason="jacmem records this module call (jacmem.engine.hooks.eager)")
 def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
-    _COMPILED.append(compiled or bool(args) and compat.is_compiled_module(args[0]))
+    """``hook(*args, **kwargs)``, with :func:`compiled` saying ``compiled``: whether the
+    call comes from a forward torch.compile traces, or is a compiled model's wrapper's."""
+    _COMPILED.append(compiled)
     try:
         return hook(*args, **kwargs)
     finally:
@@ -336,8 +392,13 @@ def compiled() -> bool:
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
     """The module's own parameters that require a gradient, and the submodule parameters
     that ``entry`` declares by dotted name (those its forward uses itself)."""
-    params = {n: p for n, p in own_parameters(module) if p.requires_grad}
-    for name in entry.params if entry is not None else ():
+    params = {}
+    for n, p in own_parameters(module):  # (loops, not comprehensions: this runs at every recorded call)
+        if p.requires_grad:
+            params[n] = p
+    for name in () if entry is None else entry.params:
+        if "." not in name:
+            continue  # (one of its own: found above, where trainable)
         owner, _, leaf = name.rpartition(".")
         p = getattr(module.get_submodule(owner), leaf, None) if owner else None
         if isinstance(p, nn.Parameter) and p.requires_grad:
@@ -357,13 +418,17 @@ def counted(
     their own calls) and for a module whose parameters are all frozen (nothing to compute:
     its derivatives are not even looked up, which may refuse it). Broadcasts and direct uses of a parameter are
     recorded apart (:class:`jacmem.engine.recorder.Recorder`)."""
-    for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
-        if p.requires_grad:
-            break
+    for p in compat.parameter_slots(module).values():  # (its own first: no walk of its submodules where one trains)
+        if p is not None and p.requires_grad:
+            break  # (one of its own trains: its forward reads parameters, no need to ask)
     else:
-        return None, {}  # frozen whole
-    if next(own_parameters(module), None) is None and registered_type(REGISTRY, type(module)) is None:
-        return None, {}  # a container
+        for p in module.parameters():  # (a loop: no Python call per parameter, on every call)
+            if p.requires_grad:
+                break
+        else:
+            return None, {}  # frozen whole
+        if not may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+            return None, {}  # a container
     entry = lookup(module, first, output, batch_axis)
     return entry, trainable(module, entry)
 
@@ -373,15 +438,18 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "__weakref__",
+        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
     def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
+        #: the names of the parameters the layer covers (``entry.params``; none without an entry)
+        self.supported: tuple[str, ...] = () if entry is None else entry.params
         #: the derivatives' keyword arguments, read off the module at forward time
-        self.hp: dict[str, Any] = {} if entry is None else entry.hyperparams(module)
+        hyperparams = no_hyperparams if entry is None else entry.hyperparams
+        self.hp: dict[str, Any] = {} if hyperparams is no_hyperparams else hyperparams(module)
         self.params: dict[str, nn.Parameter] = params
         #: each parameter's AccumulateGrad node: the backward pass tells, through it,
         #: whether it computes that parameter's gradient (``backward(inputs=...)``);
@@ -391,7 +459,9 @@ class Record:
         self.take(x)
         #: (shape, dtype, device) of each hooked output, to stand in zeros for a
         #: gradient that never arrives (an RNN's unused final state, say)
-        self.outputs = [(t.shape, t.dtype, t.device) for t in outputs]
+        self.outputs = []
+        for t in outputs:
+            self.outputs.append((t.shape, t.dtype, t.device))
         self.grads: list[Tensor | None] = [None] * len(outputs)
         self.missing = len(outputs)
         #: the backward pass (graph task id) that the gradients in ``grads`` come from
@@ -414,12 +484,17 @@ class Record:
         self.batch_first = True
         #: the dtype autocast ran the call in, where it was on: its own ops may have been
         #: 16-bit where its output is not (PEFT's lora.Embedding, recomputed in float32)
-        self.autocast = _autocast_dtype(outputs[0].device.type) if outputs else None
+        self.autocast = None
+        if outputs and torch.is_autocast_enabled(outputs[0].device.type):
+            self.autocast = torch.get_autocast_dtype(outputs[0].device.type)
 
     def take(self, x: Any) -> None:
         """Keep ``x``, what the layer keeps of the call's inputs, arranged as its derivatives
         take it."""
-        self.x = x if self.entry is None or x is None else self.entry.arrange_input(x, **self.hp)
+        entry = self.entry  # (most layers take it as it is: no call)
+        self.x = (
+            x if entry is None or x is None or entry.arrange_input is unarranged else entry.arrange_input(x, **self.hp)
+        )
 
     @property
     def relaid(self) -> bool:
@@ -462,12 +537,9 @@ class Record:
     def g(self):
         """The output gradient(s), batch axis first, as the derivatives take them."""
         g = self.grads[0] if len(self.grads) == 1 else tuple(self.grads)
-        g = layout.front(g) if self.relaid else g
-        return g if self.entry is None else self.entry.arrange(g, **self.hp)
-
-
-def _autocast_dtype(device_type: str) -> torch.dtype | None:
-    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        g = layout.front(g) if not self.batch_first and _relaid(False, self.entry) else g
+        entry = self.entry  # (most layers take it as it is: no call)
+        return g if entry is None or entry.arrange is unarranged else entry.arrange(g, **self.hp)
 
 
 def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
@@ -477,7 +549,7 @@ def _relaid(batch_first: bool, entry: LayerDerivatives | None) -> bool:
 
 
 def _output_tensors(entry: LayerDerivatives | None, output) -> list[Tensor]:
-    out = output if entry is None else entry.outputs(output)
+    out = output if entry is None or entry.outputs is same_output else entry.outputs(output)
     if isinstance(out, Tensor):
         return [out]
     return [t for t in out if isinstance(t, Tensor)]
@@ -510,17 +582,24 @@ def record(
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
     entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
-    if exclude:
-        params = {n: p for n, p in params.items() if n not in exclude}
+    for n in exclude:
+        params.pop(n, None)
     if not params:
         return None, output
-    outputs = [t for t in _output_tensors(entry, output) if t.requires_grad]
+    outputs = []  # (loops, not comprehensions: this runs at every recorded call)
+    for t in _output_tensors(entry, output):
+        if t.requires_grad:
+            outputs.append(t)
     if not outputs:
         return None, output
-    n = layout.batch_size(module, name, args, kwargs, outputs) if _relaid(batch_first, entry) else None
-    needs_input = entry is None or any(p not in entry.input_free for p in params)
-    keep = functools.partial(kept, entry if needs_input else None, n)
-    rec = Record(module, name, entry, params, keep(args, kwargs), outputs, uses)
+    n = layout.batch_size(module, name, args, kwargs, outputs) if not batch_first and _relaid(False, entry) else None
+    needs_input = entry is None
+    for p in params if entry is not None else ():  # (a loop, not a generator)
+        if p not in entry.input_free:
+            needs_input = True
+            break
+    keeps = entry if needs_input else None
+    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs, uses)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -528,12 +607,16 @@ def record(
         rec.x = compat.tree_map(_own_indices, rec.x)
         jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
         rec.once = jac is not None
+        keep = functools.partial(kept, keeps, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     fused = _compute_once(rec, args, output, on_grad) if once else None
     if fused is not None:  # its node's inputs: x, then the parameters
         rec.once = True
-        rec.nodes = dict(zip(params, (node for node, _ in fused.grad_fn.next_functions[1:])))
+        nodes = fused.grad_fn.next_functions
+        rec.nodes = {}
+        for i, pname in enumerate(params, 1):
+            rec.nodes[pname] = nodes[i][0]
         _mark(fused.grad_fn, rec)
         return rec, fused
     _hook(rec, outputs, on_grad, handles)
@@ -551,6 +634,8 @@ def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dic
         return None
     if n is not None:  # the derivatives take the batch first
         args, kwargs = layout.inputs_first(args, kwargs, n)
+    if entry.keep is first_input and args:  # (most layers: their first input, read without a call)
+        return detached(args[0])
     return detached(entry.keep(args, kwargs))
 
 
@@ -715,7 +800,10 @@ class ComputeOnce(torch.autograd.Function):
         if grads is None or create_graph:
             return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
         gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
-        return (None, None, None, None, gx, *(grads.get(name) for name in rec.params))
+        out = [None, None, None, None, gx]
+        for name in rec.params:
+            out.append(grads.get(name))
+        return tuple(out)
 
 
 def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tensor, needs) -> list:
@@ -743,10 +831,12 @@ def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
     entry = rec.entry
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
-    x, params = args[0], list(rec.params.values())
-    supported = entry.params
-    if any(p not in supported for p in rec.params) or any(t.dtype != output.dtype for t in (x, *params)):
-        return None  # a parameter jacmem cannot handle; autocast (casts sit between the parameters and the layer)
+    supported, dtype = rec.supported, output.dtype
+    if args[0].dtype != dtype:
+        return None  # autocast (casts sit between the parameters and the layer)
+    for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
+        if pname not in supported or p.dtype != dtype:
+            return None  # a parameter jacmem cannot handle; autocast, as above
     jac = lookup_passthrough(rec.module)
     return None if jac is None or jac.jac_t is None else jac
 
@@ -803,8 +893,10 @@ class LateBackward:
         """``output``: what an outermost module call in the block returned (any pytree)."""
         if compat.functorch_transforms_active():
             return  # a torch.func transform's own graph, not the user's
-        leaves = compat.tree_flatten(output)[0]
-        nodes = {t.grad_fn for t in leaves if isinstance(t, Tensor) and t.grad_fn is not None}
+        nodes = set()  # (a loop, not a comprehension)
+        for t in compat.tree_flatten(output)[0]:
+            if isinstance(t, Tensor) and t.grad_fn is not None:
+                nodes.add(t.grad_fn)
         reached = [False]
 
         def prehook(grad_outputs):

@@ -68,12 +68,12 @@ def _first(g) -> Tensor:
 
 def batch_size(g) -> int:
     """N, from the output gradient(s)."""
-    return _first(g).shape[0]
+    return (g if isinstance(g, Tensor) else _first(g)).shape[0]
 
 
 def itemsize(g) -> int:
     """Bytes per entry of the output gradient(s)."""
-    return _first(g).element_size()
+    return (g if isinstance(g, Tensor) else _first(g)).element_size()
 
 
 def _batch_size_of(gs) -> int:
@@ -100,10 +100,10 @@ class Chunked:
     """
 
     def __init__(self, x, g, budget: float):
-        first = _first(g)
+        first = g if isinstance(g, Tensor) else _first(g)
         self.x, self.g = x, g
-        self.budget = chunk_budget(budget, first.device)
-        self.n = batch_size(g)
+        self.budget = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget  # (chunk_budget)
+        self.n = first.shape[0]
         self.itemsize = first.element_size()
         self.dtype, self.device = first.dtype, first.device
 
@@ -112,18 +112,18 @@ class Chunked:
         for start in range(0, self.n, size):
             yield slice(start, min(start + size, self.n))
 
-    def run(self, fn, per_sample_bytes: float, reduce: dict[str, str], into: Tensor | None = None):
-        """Call ``fn(x_chunk, g_chunk, out)`` per slice. ``reduce`` maps each output
-        quantity to ``"cat"`` (per-sample) or ``"sum"``; ``fn`` returns a dict of them.
-        ``into`` (``[N, *shape]``, or None) is where ``batch_grad`` goes: ``fn`` gets its
-        slice as ``out`` and writes there itself, so no chunk is copied."""
-        if per_sample_bytes * self.n <= self.budget:
-            return fn(self.x, self.g, into)
+    def run(self, fn, per_sample_bytes: float, into: Tensor | None = None):
+        """Call ``fn(x_chunk, g_chunk, out, n)`` per slice of ``n`` samples; ``fn`` returns
+        a dict of quantities, per-sample ones (:attr:`~jacmem.derivatives.quantities.Quantity.per_sample`)
+        concatenated over the slices, the others summed. ``into`` (``[N, *shape]``, or None)
+        is where ``batch_grad`` goes: ``fn`` gets its slice as ``out`` and writes there
+        itself, so no chunk is copied. (Where the whole batch fits ``budget``, :func:`execute`
+        calls ``fn`` once itself.)"""
         out: dict[str, Tensor] = {} if into is None else {BATCH_GRAD: into}
         for sl in self.slices(per_sample_bytes):
-            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl])
+            part = fn(_take(self.x, sl), _take(self.g, sl), None if into is None else into[sl], sl.stop - sl.start)
             for q, value in part.items():
-                if reduce[q] == "sum":
+                if not q.per_sample:
                     out[q] = value if q not in out else out[q] + value
                     continue
                 if into is not None and q == BATCH_GRAD:
@@ -301,15 +301,18 @@ def execute(
     results: dict[str, Tensor] = {}
     for q, name, per_sample, riders in plan.direct:
         fn = entry.strategies[(param_name, q.name)][name].fn
-        reduce = {k: "cat" if k.per_sample else "sum" for k in (q, *riders)}
         where, kw = (module, param_name, name), {**q.arguments(), **hp} if q.parameters else hp  # (_keywords)
 
-        def direct(xc, gc, _, fn=fn, q=q, riders=riders, where=where, kw=kw):
+        def direct(xc, gc, _, n, fn=fn, q=q, riders=riders, where=where, kw=kw):
             out = fn(xc, gc, also=riders, **kw) if riders else {q: fn(xc, gc, **kw)}
-            return {k: check_result(out[k], k, batch_size(gc), param, dtype, where) for k in (q, *riders)}
+            checked = {q: check_result(out[q], q, n, param, dtype, where)}
+            for k in riders:  # (a loop, not a comprehension: this runs at every step)
+                checked[k] = check_result(out[k], k, n, param, dtype, where)
+            return checked
 
         try:
-            results.update(chunked.run(direct, per_sample, reduce))
+            whole = per_sample * chunked.n <= chunked.budget
+            results.update(direct(x, g, None, chunked.n) if whole else chunked.run(direct, per_sample))
         except Exception as err:
             _blame(err, name)
             raise
@@ -324,15 +327,15 @@ def execute(
             into = alloc.empty((chunked.n, *param.shape), chunked.dtype, chunked.device)
         elif BATCH_GRAD not in qs or per_sample > 0:
             per_sample += prod(param.shape) * chunked.itemsize
-        reduce = {q: "cat" if q.per_sample else "sum" for q in qs}
         where = (module, param_name, name)
 
-        def one(xc, gc, out, fn=strategy.fn, qs=qs, where=where):
+        def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
             bg = fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp)
-            return derive(check_result(bg, BATCH_GRAD, batch_size(gc), param, dtype, where), qs)
+            return derive(check_result(bg, BATCH_GRAD, n, param, dtype, where), qs)
 
         try:
-            results.update(chunked.run(one, per_sample, reduce, into))
+            whole = per_sample * chunked.n <= chunked.budget
+            results.update(one(x, g, into, chunked.n) if whole else chunked.run(one, per_sample, into))
         except Exception as err:
             _blame(err, name)
             raise
@@ -363,29 +366,30 @@ def plan_key(entry: LayerDerivatives, hp: dict, xs, gs, item_bytes: int, param_n
     its key, :class:`~jacmem.derivatives.quantities.Quantity`, so two parameterisations
     are two plans); ``None`` where a hyper-parameter or an entry of ``xs`` is not a plain
     value (a tensor, a module, a dict), so that a plan kept under it could not be trusted."""
-    if not (_plain(xs) and _plain(gs) and all(_plain(v) for v in hp.values())):
-        return None
+    todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
+    while todo:  # (a loop, not a recursion: this runs for every parameter of every call)
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (int, float, str))):
+            return None
     wanted = frozenset(quantities)
     names = {BATCH_GRAD}
     for q in wanted:  # (loops, not comprehensions: this runs at every step)
         names.add(q.name if isinstance(q, Quantity) else q)
     tables = []
     for q in sorted(names):
-        tables.append(tuple(entry.strategies.get((param_name, q), {}).items()))
+        tables.append(tuple(entry.strategies.get((param_name, q), _NONE).items()))
     return tuple(tables), tuple(hp.items()), xs, gs, item_bytes, param_name, param_shape, wanted
 
 
-def _plain(value) -> bool:
-    """Whether ``value`` is an int, float, bool, str or None, or a tuple of them."""
-    if isinstance(value, tuple):
-        return all(map(_plain, value))
-    return value is None or isinstance(value, (int, float, str))
+_NONE: dict = {}
 
 
 #: :func:`plan_key`, the module's name, the strategy asked for it and the parameter's
-#: itemsize -> (the plan, the decisions it took): a parameter's strategies are chosen
+#: itemsize -> (the plan, the decisions it took, as ``StrategyChoices.decisions`` keeps them): a parameter's strategies are chosen
 #: once per call shape, not at every step of every block
-_PLANS: dict[tuple, tuple[Plan, tuple[Decision, ...]]] = {}
+_PLANS: dict[tuple, tuple[Plan, dict[tuple[str, str, str], Decision]]] = {}
 #: how many plans ``_PLANS`` holds before it starts over
 _MAX_PLANS = 4096
 
@@ -443,10 +447,12 @@ def cached_plan(
     shape = tuple(param.shape)
     key = plan_key(entry, hp, xs, gs, size, pname, shape, quantities)
     if key is not None:
-        key += (name, strategies.requested(module, name), param.element_size(), param.device, strategies.autotune)
+        # (where no module has a strategy of its own, the block's default, without asking)
+        requested = strategies.requested(module, name) if strategies.overrides else (strategies.default, False)
+        key += (name, requested, param.element_size(), param.device, strategies.autotune)
         cached = _PLANS.get(key)
         if cached is not None:
-            strategies.remember(cached[1])
+            strategies.decisions.update(cached[1])  # (the decisions taken then, as explain()'s)
             return cached[0]
     made: list[Decision] = []
     timed = strategies.autotune and x is not None and g is not None
@@ -463,5 +469,5 @@ def cached_plan(
     if key is not None:
         if len(_PLANS) >= _MAX_PLANS:
             _PLANS.clear()
-        _PLANS[key] = (result, tuple(made))
+        _PLANS[key] = (result, {(d.module, d.param, d.quantity): d for d in made})
     return result

@@ -61,25 +61,15 @@ def device_of(obj) -> torch.device:
     return next(device_of(o) for o in obj if isinstance(o, (Tensor, tuple, list)))
 
 
-class computing:
+def computing(device: torch.device) -> contextlib.AbstractContextManager:
     """Where an engine computes: no graph, and autocast off on ``device``'s type where
     it is on (a backward called inside the autocast region)."""
-
-    __slots__ = ("_no_grad", "_autocast")
-
-    def __init__(self, device: torch.device):
-        self._no_grad = torch.no_grad()
-        self._autocast = torch.autocast(device.type, enabled=False) if torch.is_autocast_enabled(device.type) else None
-
-    def __enter__(self) -> None:
-        self._no_grad.__enter__()
-        if self._autocast is not None:
-            self._autocast.__enter__()
-
-    def __exit__(self, *exc) -> None:
-        if self._autocast is not None:
-            self._autocast.__exit__(*exc)
-        self._no_grad.__exit__(*exc)
+    if not torch.is_autocast_enabled(device.type):
+        return torch.no_grad()  # (the usual case: one context, made by one call)
+    stack = contextlib.ExitStack()
+    stack.enter_context(torch.no_grad())
+    stack.enter_context(torch.autocast(device.type, enabled=False))
+    return stack
 
 
 #: the device types whose autocast :func:`uncast` turns off

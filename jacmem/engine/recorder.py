@@ -312,7 +312,7 @@ class Tracker(Recorder):
         enter, leave, forward = (_Hook(hooks.eager(h)) for h in (self._on_enter, self._on_leave, self._on_forward))
         for name, module in model.named_modules():
             # the root always, so that the end of its forward is seen (:meth:`Recorder.leave`)
-            if module is not model and next(own_parameters(module), None) is None:
+            if module is not model and not own_parameters(module):
                 continue
             self.names[module] = name or type(module).__name__
             # an FSDP2 module's forward hook reshards its parameters: see the call before it

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
-from jacmem.derivatives.registry import Cost, own_parameters
+from jacmem.derivatives.registry import REGISTRY, Cost, registered_type
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
     add_index_terms,
@@ -165,14 +165,22 @@ def _one_row(rec: hooks.Record) -> RuntimeError:
 def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
     """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
     tensor among them, and axis 1 where ``second``."""
-    tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, Tensor) and t.dim()]
-    return {t.shape[0] for t in tensors} | ({t.shape[1] for t in tensors if t.dim() > 1} if second else set())
+    sizes = set()  # (a loop, not comprehensions: this runs at every model call)
+    for t in (*args, *kwargs.values()):
+        if isinstance(t, Tensor) and t.dim():
+            sizes.add(t.shape[0])
+            if second and t.dim() > 1:
+                sizes.add(t.shape[1])
+    return sizes
 
 
 def _places_batch_second(model: nn.Module) -> bool:
     """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
     attention's ``batch_first=False``)."""
-    return any(getattr(m, "batch_first", True) is False for m in model.modules())
+    for m in model.modules():  # (a loop, not a generator)
+        if getattr(m, "batch_first", True) is False:
+            return True
+    return False
 
 
 class Stager:
@@ -213,11 +221,14 @@ class Stager:
 
     def on_enter(self, module):
         # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
-        if (next(own_parameters(module), None) is not None or hooks.compiled()) and tracked_name(module) is None:
+        if hooks.recordable(module) and tracked_name(module) is None:
             self.recorder.enter(module, self.name(module))
 
     def on_leave(self, module, outermost):
-        self.recorder.leave(module, outermost)
+        recorder = self.recorder
+        # (nothing to undo or to reset: most calls, asked without a call)
+        if outermost or recorder.direct or recorder.compiled_start is not None:
+            recorder.leave(module, outermost)
 
     def on_call(self, model, args, kwargs, output):
         """Refuse calls behind a broadcast over the batch, and note the batch sizes the
@@ -236,6 +247,8 @@ class Stager:
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
+        if not hooks.may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+            return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
         if tracked_name(module) is not None:
             return None  # its tracker records it
         return self.recorder.record(module, args, kwargs, output, self.name(module))
@@ -269,18 +282,23 @@ class Stager:
     def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
         if self.check is not None:
             self.check(rec)
-        supported = () if rec.entry is None else rec.entry.params
-        uncovered = [n for n in sorted(rec.params) if n not in supported]
-        reached = [n for n in uncovered if compat.will_engine_execute_node(rec.nodes[n])]
+        supported = rec.supported
+        reached = []  # (a loop, not comprehensions: this runs for every call)
+        for n in sorted(rec.params):
+            if n not in supported and compat.will_engine_execute_node(rec.nodes[n]):
+                reached.append(n)
         if reached:  # (a backward(inputs=...) that leaves them out asks nothing of them)
             self.unsupported(rec, reached)
         if rec.entry is None:
             return {}
         if rec.entry.recomputed:
             self._recomputed(rec)
-        self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
+        if self.strategies.overrides:  # (none asked for: nothing to check)
+            self.strategies.check(rec.module, rec.name, rec.entry.names)  # a ValueError as it is, not wrapped below
+        first = rec.grads[0]
+        device = first.device if isinstance(first, Tensor) else precision.device_of(rec.grads)
         try:
-            with precision.computing(precision.device_of(rec.grads)):
+            with precision.computing(device):
                 return self.stage_call(run, rec)
         except (ContractError, MixedBatchesError):
             raise
@@ -307,8 +325,11 @@ class Stager:
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:
         """The call's parameters that its layer covers and this backward pass computes."""
-        supported = rec.entry.params
-        return {n: p for n, p in rec.params.items() if n in supported and compat.will_engine_execute_node(rec.nodes[n])}
+        supported, params = rec.supported, {}
+        for n, p in rec.params.items():  # (a loop, not a comprehension: this runs for every call)
+            if n in supported and compat.will_engine_execute_node(rec.nodes[n]):
+                params[n] = p
+        return params
 
     def stage(self, run: Staging, rec: hooks.Record, pname: str, param: nn.Parameter, n: int) -> _Staged:
         """The parameter's staging in this pass, made on its first call; a parameter
@@ -384,10 +405,12 @@ class Stager:
     def settle(self, run: Any) -> dict[int, _Staged]:
         """End of the backward pass: finish the partial records and the shared parameters'
         kept calls; the staged parameters, ``id(param) -> _Staged``, taken from ``run``."""
-        self._finish_partial(run)
+        if run.partial:
+            self._finish_partial(run)
         staged, run.staged = run.staged, {}
         for s in staged.values():
-            self._resolve_tied(s)
+            if s.calls:  # (none kept: nothing to resolve, asked without a call)
+                self._resolve_tied(s)
         return staged
 
     def _resolve_tied(self, staged: _Staged) -> None:
@@ -460,10 +483,15 @@ class Stager:
     def compute(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
         output gradient ``g`` (in ``dtype``), by the planned strategies."""
-        if batch_size(g) == 0:  # an empty batch: empty per-sample quantities, zero sums
+        first = g if isinstance(g, Tensor) else None  # (one tensor, most calls: read without a call)
+        if (
+            batch_size(g) if first is None else first.shape[0]
+        ) == 0:  # an empty batch: empty per-sample quantities, zero sums
             return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
+        gs, size = (shapes(g), itemsize(g)) if first is None else (tuple(first.shape), first.element_size())
+        xs = tuple(x.shape) if isinstance(x, Tensor) else shapes(x)
         chosen = cached_plan(
-            self.strategies, rec.module, rec.name, rec.entry, rec.hp, shapes(x), shapes(g), itemsize(g), pname, param,
+            self.strategies, rec.module, rec.name, rec.entry, rec.hp, xs, gs, size, pname, param,
             wanted, x, g, self.chunk_bytes,
         )  # fmt: skip
         return execute(chosen, rec.entry, rec.hp, x, g, pname, param, self.chunk_bytes, rec.name)
@@ -493,10 +521,13 @@ class Stager:
         their input, which reached the batch in a way jacmem could not follow (in a
         compiled forward, PEFT's prompt tuning with the rest of the model frozen), so
         their quantities would be the batch's sums."""
-        inputs = self.unoffered(1)
-        ones = [names[key] for key, n in sizes.items() if n == 1]
-        if not ones or inputs is None:
+        if 1 not in sizes.values():  # (no module on a batch of one: the offers are only forgotten)
+            self.offered = {}
             return
+        inputs = self.unoffered(1)
+        if inputs is None:
+            return
+        ones = [names[key] for key, n in sizes.items() if n == 1]
         raise RuntimeError(
             f"jacmem: module(s) {listing(ones)} ran on a batch of one, but no input of the model's call has an axis "
             f"of one (it offers {inputs}): their input was shared by the samples and reached the batch in a way "

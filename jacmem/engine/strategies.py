@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import statistics
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -277,11 +277,6 @@ class StrategyChoices:
             failures=failures,
         )
         return chosen
-
-    def remember(self, decisions: Iterable[Decision]) -> None:
-        """Record decisions taken before, for the same module, parameter and shapes."""
-        for d in decisions:
-            self.decisions[(d.module, d.param, d.quantity)] = d
 
     def explain(self) -> str:
         """One line per module and parameter: for each quantity, what gives it and why,

@@ -2,6 +2,8 @@
 the torch installed here (a torch upgrade that moves one fails here first).
 ``fsdp_parameters`` needs a process group: tests/integration/test_fsdp.py checks it."""
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
@@ -148,6 +150,27 @@ def test_swap_parameters_puts_tensors_in_for_the_forward_and_back():
     restore()
     assert lin.weight is weight and [n for n, _ in lin.named_parameters()] == ["weight", "bias"]
     assert weight.grad is None and lin.bias.grad is not None
+
+
+def test_dynamo_callback_is_none_but_where_a_compiled_frame_runs():
+    """``dynamo_callback()``: None in eager code (a module hook may then run without
+    ``torch.compiler.disable``), set in the eager part of a frame torch.compile runs (where
+    a new frame would be compiled)."""
+    seen = []
+
+    def probe():
+        seen.append(compat.dynamo_callback())
+
+    @torch.compile(backend="eager")
+    def f(x):
+        probe()  # (an unknown C function: a graph break, run eagerly in the compiled frame)
+        return x * 2
+
+    probe()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        f(torch.ones(2))
+    assert seen[0] is None and seen[1] is not None
 
 
 def _originals():
@@ -368,3 +391,14 @@ def test_never_compile_alone_still_traces_inline():
     assert graphs == [], "where eager code calls it, its frame is not compiled"
     torch.testing.assert_close(torch.compile(outer, backend=backend)(x), (torch.sin(x) + 1) * 2)
     assert len(graphs) == 1 and torch.sin in graphs[0], "a compiled frame traces it inline"
+
+
+def test_holds_parameters_asks_the_own_slots_and_the_children_of_the_given_types():
+    lin, act = nn.Linear(2, 2), nn.ReLU()
+    assert compat.holds_parameters(lin, ()) and not compat.holds_parameters(act, (nn.ParameterList,))
+    empty = nn.Module()
+    empty.register_parameter("weight", None)  # a slot registered empty holds nothing
+    assert not compat.holds_parameters(empty, (nn.ParameterList,))
+    empty.store = nn.ParameterList([nn.Parameter(torch.ones(1))])
+    assert compat.holds_parameters(empty, (nn.ParameterList,)) and not compat.holds_parameters(empty, ())
+    assert not compat.holds_parameters(nn.Sequential(nn.Linear(2, 2)), (nn.ParameterList,)), "its own only"

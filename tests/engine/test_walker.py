@@ -72,6 +72,28 @@ def test_step_stops_the_walk_below_an_item_and_carries_state_along_paths():
     assert len(list(walker.Walk([(two.grad_fn, 0)], deeper, key=lambda item: item[0]))) == 3
 
 
+def test_only_asks_step_about_the_named_node_types_and_carries_the_rest_on():
+    a = torch.randn(3, requires_grad=True)
+    y = ((a.exp() + 1).sin() * 2).sum()  # Sum, Mul, Sin, Add, Exp, AccumulateGrad
+    asked = []
+
+    def step(item):
+        fn, flag = item
+        asked.append(fn.name())
+        return [(c, True) for c in walker.children(fn)]  # sets the flag below it
+
+    items = list(walker.Walk([(y.grad_fn, False)], step, only={"AddBackward", "MulBackward"}))
+    assert asked == ["MulBackward0", "AddBackward0"], "only the named types, digits left off"
+    assert [(fn.name(), flag) for fn, flag in items] == [
+        ("SumBackward0", False),
+        ("MulBackward0", False),
+        ("SinBackward0", True),  # carried from Mul's step
+        ("AddBackward0", True),
+        ("ExpBackward0", True),
+        ("torch::autograd::AccumulateGrad", True),
+    ]
+
+
 def test_limit_cuts_the_walk_and_says_so():
     a = torch.randn(3, requires_grad=True)
     y = a
