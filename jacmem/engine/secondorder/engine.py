@@ -141,7 +141,7 @@ class SecondOrderEngine(Engine):
         known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
         self.known.append(known)
         self.inside += known
-        if not known and next(own_parameters(module), None) is not None and self._records(module):
+        if not known and own_parameters(module) and self._records(module):
             self.own.enter(module, self.name(module))  # its parameters' direct uses, as first order's
 
     def on_leave(self, module: nn.Module, outermost: bool) -> None:
