@@ -22,7 +22,8 @@ EXTENSIONS = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
 _FIELDS = ("grad_batch", "batch_l2", "sum_grad_squared", "variance", "grad_sample", "_norm_sample")
 
 
-def _clear(model: nn.Module) -> None:
+def clear(model: nn.Module) -> None:
+    """Drop the gradients and every family's per-sample results from ``model``'s parameters."""
     for p in model.parameters():
         p.grad = None
         for field in _FIELDS:
@@ -138,7 +139,7 @@ def prepare(method: str, model: nn.Module, X: Tensor, y: Tensor, log: dict) -> C
 
     def step():
         inner()
-        _clear(model)
+        clear(model)
 
     return step
 

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 import jacmem
-from benchmarks.methods import _clear, prepare
+from benchmarks.methods import clear, prepare
 from benchmarks.models import CausalLM, token_batch
 
 
@@ -141,7 +141,7 @@ def measure_mlp(depth: int, batch: int, repeats: int) -> dict:
     def jacmem_step():
         with jacmem.extend(jacmem.BatchGrad()):
             lossfunc(ours(X), y).backward()
-        _clear(ours)
+        clear(ours)
 
     steps = {
         "plain": prepare("plain", model, X, y, {}),

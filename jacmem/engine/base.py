@@ -249,7 +249,7 @@ class Context:
 
     __slots__ = (
         "strategies", "chunk_bytes", "passes", "notices", "batch_first", "process_group", "route", "owner", "names",
-        "roots", "sharded",
+        "roots", "sharded", "recorder",
     )  # fmt: skip
 
     def __init__(
@@ -275,13 +275,18 @@ class Context:
         self.roots: list[weakref.ref] = []
         #: whether a model called in the block holds FSDP2 modules (the block's check says)
         self.sharded = False
+        #: the block's :class:`jacmem.engine.recorder.Recorder`, whose records of its calls
+        #: every engine of the block consumes: made by the first engine that records (first
+        #: order's or clipping's stager; second order's own where the block has neither)
+        self.recorder: recorder.Recorder | None = None
 
     def clear(self) -> None:
-        """The block closed: forget its thread, models and names."""
+        """The block closed: forget its thread, models, names and recorder."""
         self.owner = None
         self.names = weakref.WeakKeyDictionary()
         self.roots = []
         self.sharded = False
+        self.recorder = None
 
     def name(self, module: nn.Module) -> str:
         """``module``'s qualified name in a model called in the block or tracked, or its type's."""

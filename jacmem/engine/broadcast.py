@@ -90,6 +90,12 @@ def watch(origin: Origin) -> Tensor:
     return _derived(origin.tensor, origin, _same)
 
 
+def watched_tensor(t) -> Tensor | None:
+    """The tensor whose watched view ``t`` is (the origin's, also for a view derived from
+    it), or None where ``t`` is no watched view."""
+    return t._jacmem[0].tensor if isinstance(t, _Watched) else None
+
+
 def _same(t: Tensor) -> Tensor:
     return t
 

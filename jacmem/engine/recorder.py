@@ -29,6 +29,9 @@ from jacmem.derivatives.registry import own_parameters, recognised_before
 from jacmem.engine import fsdp, hooks
 from jacmem.engine.broadcast import Origin, watch
 
+#: a use record (:func:`jacmem.engine.hooks.record_use`) and the tensor its gradient arrives at
+_Use = tuple[hooks.Record, Tensor]
+
 
 class Recorder:
     """Records forward calls; ``close()`` removes every hook it set and frees the records.
@@ -58,7 +61,7 @@ class Recorder:
     must agree on the batch size; one that does not raises at once.
     """
 
-    def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True):
+    def __init__(self, on_grad: hooks.OnGrad, once: bool = False, batch_first: bool = True, hand_uses: bool = False):
         self.on_grad = on_grad
         self.once = once
         self.batch_first = batch_first
@@ -91,8 +94,15 @@ class Recorder:
         #: (:meth:`leave` checks that its compiled code recorded any)
         self.made = 0
         self.compiled_start: int | None = None
-        #: module -> its parameters' origins and their use records, from enter to record
-        self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[hooks.Record]]] = {}
+        #: module -> its parameters' origins and their use records (with the tensors their
+        #: gradients arrive at), from enter to record
+        self.direct: dict[nn.Module, tuple[Callable[[], None], dict[str, Origin], list[_Use]]] = {}
+        #: whether :meth:`record` hands over the exact use records of the call it records
+        #: (:attr:`used`), for an engine that builds on them (second order)
+        self.hand_uses = hand_uses
+        #: where ``hand_uses``: ``(module, [(use record, the tensor its gradient arrives at)])``
+        #: of the latest call recorded with direct uses, until its taker clears it
+        self.used: tuple[nn.Module, list[_Use]] | None = None
 
     def enter(self, module: nn.Module, name: Callable[[nn.Module], str]) -> None:
         """Before ``module``'s forward (``name(module)``: its name, asked only where needed):
@@ -106,14 +116,14 @@ class Recorder:
             self.compiled_root, self.compiled_start = compat.uncompiled(module), self.made
         stale = self.direct.pop(module, None)  # what a forward that raised left behind
         if stale is not None:
-            _void(stale[2])
+            _void([rec for rec, _ in stale[2]])
         known = registered_type(REGISTRY, type(module)) is not None or recognised_before(module)
         if known or normalises_over_batch(module):
             return
         params = {n: p for n, p in module.named_parameters(recurse=False) if p.requires_grad}
         if not params or not torch.is_grad_enabled() or compat.functorch_transforms_active() or self.compiled:
             return  # (a compiled forward takes plain tensors only: left to the module's own record)
-        uses: list[hooks.Record] = []
+        uses: list[_Use] = []
         name = name(module)
 
         def on_use(pname: str, p: nn.Parameter, expanded: Tensor) -> None:
@@ -121,7 +131,7 @@ class Recorder:
                 origins[pname].unsafe.append("a use under batch_first=False")
                 return
             entry = use_entry(pname, tuple(p.shape))
-            uses.append(hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink))
+            uses.append((hooks.record_use(module, name, entry, {pname: p}, None, expanded, *self._sink), expanded))
 
         origins = {n: Origin(p, functools.partial(on_use, n, p)) for n, p in params.items()}
         restore = compat.swap_parameters(module, {n: watch(o) for n, o in origins.items()})
@@ -149,8 +159,10 @@ class Recorder:
             return ()
         _, origins, uses = state
         exact = tuple(n for n, o in origins.items() if not o.unsafe)
-        _void([rec for rec in uses if next(iter(rec.params)) not in exact])
-        self.records.update(rec for rec in uses if next(iter(rec.params)) in exact)
+        _void([rec for rec, _ in uses if next(iter(rec.params)) not in exact])
+        self.records.update(rec for rec, _ in uses if next(iter(rec.params)) in exact)
+        if self.hand_uses:
+            self.used = (module, [(rec, t) for rec, t in uses if next(iter(rec.params)) in exact])
         return exact
 
     def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
@@ -184,6 +196,17 @@ class Recorder:
             else:  # a batch of one, so far: the whole forward's, unless a call on more rows follows
                 self.one_row = self.one_row or rec
         return None if new is given else new
+
+    def make(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> hooks.Record | None:
+        """A record of one call as it ran, with every trainable parameter the one rule
+        counts (:func:`jacmem.engine.hooks.counted`), none left to use records, and its
+        output as it is (never run through ComputeOnce, never a watched view): for an
+        engine that follows broadcasts its own way (second order), where the block's
+        recorder did not record the call whole. None where the call counts no parameter."""
+        rec, _ = hooks.record(module, args, kwargs, output, name, *self._sink)
+        if rec is not None:
+            self.records.add(rec)
+        return rec
 
     def _check_batch(self, rec: hooks.Record) -> None:
         """Under batch_first=False, a call whose batch size disagrees with that of the
@@ -219,6 +242,7 @@ class Recorder:
         for restore, _, _ in self.direct.values():
             restore()
         self.direct.clear()
+        self.used = None
         for rec in list(self.records):
             rec.release()  # a traceback may still hold it; its hooks are off
             rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would

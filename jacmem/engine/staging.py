@@ -212,6 +212,7 @@ class Stager:
         self.models = context.models
         #: the block's own calls; a layer that allows it runs through ComputeOnce
         self.recorder = Recorder(self.on_record, once=True, batch_first=context.batch_first)
+        context.recorder = self.recorder  # (the block's engines share its records: second order's nodes)
         #: batch size -> a model whose outermost call since the last pass had an input
         #: that offers it (:func:`_offered`)
         self.offered: dict[int, str] = {}

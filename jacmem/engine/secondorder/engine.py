@@ -23,8 +23,9 @@ from jacmem.derivatives import lookup_loss, lookup_passthrough
 from jacmem.derivatives.functional import FUNCTIONAL, Merged, Reduced, StandInLoss
 from jacmem.derivatives.quantities import FactorKind, factor_kind
 from jacmem.derivatives.registry import REGISTRY, own_parameters, registered_type
-from jacmem.engine import hooks, planner, precision
+from jacmem.engine import broadcast, hooks, planner, precision
 from jacmem.engine.base import Context, Engine, Write
+from jacmem.engine.recorder import Recorder, tracked_name
 from jacmem.engine.secondorder.autograd_path import AutogradPath
 from jacmem.engine.secondorder.chain import Chain
 from jacmem.engine.secondorder.graph import Node, PassState, Tied
@@ -62,6 +63,15 @@ class SecondOrderEngine(Engine):
         self.kinds = {factor_kind(k) for ext in extensions for k in ext.kinds}
         self.name, self.budget, self.strategies = context.name, context.chunk_bytes, context.strategies
         self.passes = context.passes
+        #: the block's recorder, whose records of the parameterised calls the nodes are built
+        #: on (first order's, where the block has that engine), or None
+        self.shared = context.recorder
+        #: this engine's own recorder, for the calls the block's did not record whole; where
+        #: the block has no other engine, the block's, which follows the direct uses of a
+        #: module's parameters (:meth:`_use_nodes`). Its records hand nothing on
+        self.own = Recorder(_handed_nothing, hand_uses=context.recorder is None)
+        if context.recorder is None:
+            context.recorder = self.own
         self.handles = hooks.Handles()
         self.producer = compat.WeakTensorKeyDictionary()
         #: the modules whose forward the engine saw
@@ -75,8 +85,9 @@ class SecondOrderEngine(Engine):
         self.merged = compat.WeakTensorKeyDictionary()
         #: the output of a loss with ``reduction="none"`` -> (the loss, its inputs)
         self.unreduced = compat.WeakTensorKeyDictionary()
-        #: id(param) -> the first call (weakly) that used it since the last backward began
-        self.users: dict[int, weakref.ref] = {}
+        #: id(record) -> the node made on it (weakly) since the last backward began: the
+        #: calls that share a parameter are those its record's recorder counts (``Record.others``)
+        self.calls: weakref.WeakValueDictionary[int, Node] = weakref.WeakValueDictionary()
         #: ids of the parameters some call's node covers (its first-order entry has them)
         self.covered: set[int] = set()
         #: id(param) -> (its module, weakly; its name there), for each module whose forward
@@ -103,6 +114,7 @@ class SecondOrderEngine(Engine):
         for h in self.handles:
             h.remove()
         self.handles.clear()
+        self.own.close()
         self.autograd.close()
         self.producer = compat.WeakTensorKeyDictionary()
         self.merged = compat.WeakTensorKeyDictionary()
@@ -129,10 +141,19 @@ class SecondOrderEngine(Engine):
         known = lookup_loss(module) is not None or lookup_passthrough(module) is not None
         self.known.append(known)
         self.inside += known
+        if not known and own_parameters(module) and self._records(module):
+            self.own.enter(module, self.name)  # its parameters' direct uses, as first order's
 
     def on_leave(self, module: nn.Module, outermost: bool) -> None:
         if self.known:
             self.inside -= self.known.pop()
+        if self.shared is None and (outermost or module in self.own.direct):
+            self.own.leave(module, outermost)
+
+    def _records(self, module: nn.Module) -> bool:
+        """Whether :attr:`own` is the block's recorder and records ``module``'s calls as
+        such (a tracked model's calls its tracker records: :meth:`_record` makes them)."""
+        return self.shared is None and tracked_name(module) is None
 
     @_outside_mode
     def on_forward(self, module: nn.Module, args: tuple, kwargs: dict, output) -> None:
@@ -235,7 +256,7 @@ class SecondOrderEngine(Engine):
                 self._mark_untracked_path(x.grad_fn, node)
                 self.autograd.untracked = True
         self._tap(node, inputs, output, edges or tuple((x.grad_fn, x.output_nr) for x in inputs))
-        self._first_order(node, hooks.counted(module, first, output), args, kwargs, output)
+        self._first_order(node, self._record(module, args, kwargs, output), args, kwargs, output)
         # 16-bit tensors (autocast): computed with in float32 (jacmem.engine.precision)
         node.kept_low_precision = precision.is_low((output, inputs))
         self.producer[output] = node
@@ -245,21 +266,68 @@ class SecondOrderEngine(Engine):
         self.handles.add(output.register_hook(lambda grad: self._on_grad(node, grad)))
         self.autograd.record(node, output, *(inputs[:2] if loss is not None else ()))
 
-    def _first_order(self, node: Node, counted: tuple, args: tuple, kwargs: dict, output: Tensor, used=False) -> None:
-        """``node.params``: the call's trainable parameters as the one rule counts them for
-        every engine (``counted``: :func:`jacmem.engine.hooks.counted`'s first-order entry and
-        parameters) that the entry covers, with what it keeps; the backward refuses the
-        others (:meth:`on_backward`). ``used``: only those ``output`` depends on (a
-        container's own: a ``logit_scale`` it holds but the loss reads is no part of its call)."""
+    def _record(self, module: nn.Module, args: tuple, kwargs: dict, output) -> hooks.Record | None:
+        """The record of this call (:class:`jacmem.engine.hooks.Record`, made under the one
+        rule for which calls count, :func:`jacmem.engine.hooks.counted`): the block's
+        recorder's where it recorded the call with every parameter the rule counts (first
+        order's, whose hook ran first), else one :attr:`own` makes (a call it left a direct
+        parameter of to a use record, or the call of a tracked model, whose tracker records
+        it after); None where the call counts no parameter."""
+        if self._records(module):  # (its output, where it is watched, is left: the chain adds broadcasts itself)
+            self.own.record(module, args, kwargs, output, self.name(module))
+            return _recorded(module, output, self.own)
+        rec = _recorded(module, output, self.shared)
+        if rec is not None and len(rec.params) == len(hooks.trainable(module, rec.entry)):
+            return rec
+        return self.own.make(module, args, kwargs, output, self.name(module))
+
+    def _use_nodes(self, module: nn.Module) -> None:
+        """A node for each exact direct use of ``module``'s parameters in the call just
+        recorded (:attr:`own`'s use records: a parameter read in the module's own forward
+        that met the batch only through broadcasts it followed), on the tensor its
+        per-sample gradient arrives at, for the autograd path: exact, with no
+        recomputation of the module's forward. A parameter with any other use was left
+        to the module's own record (the generic recomputation). Where the block's kinds are
+        not the autograd path's, none (a backward that reaches such a parameter raises)."""
+        uses = self._take_uses(module)
+        for rec, expanded in uses if self.autograd.serves() else ():
+            node = Node(module, self.name(module), None, None)
+            node.out_shape = tuple(expanded.shape)
+            self._first_order(node, rec, (), {}, expanded)
+            if node.params:
+                self.seen.add(module)
+                self.autograd.untracked = True  # the path alone gives their curvature
+                node.kept_low_precision = precision.is_low(expanded)
+                self.autograd.record(node, expanded)
+
+    def _take_uses(self, module: nn.Module) -> list:
+        """:attr:`own`'s exact use records of ``module``'s call just recorded, taken (and
+        so not held past it)."""
+        used, self.own.used = self.own.used, None
+        return used[1] if used is not None and used[0] is module else []
+
+    def _first_order(self, node: Node, rec, args: tuple, kwargs: dict, output: Tensor, used=False) -> None:
+        """``node.record``: ``rec``, the call's record (:meth:`_record`), or None;
+        ``node.params``: its trainable parameters that its first-order entry covers, with
+        what it keeps; the backward refuses the others (:meth:`on_backward`). ``used``: only
+        those ``output`` depends on (a container's own: a ``logit_scale`` it holds but the
+        loss reads is no part of its call)."""
         module = node.module
-        fo, params = counted
-        node.params = _trainable(module, fo, params)
+        node.record = rec
+        fo = None if rec is None else rec.entry
+        node.params = {} if rec is None else _trainable(module, fo, rec.params)
         if used and node.params:
             ids = set(map(id, walker.parameters(output)))
             node.params = {n: p for n, p in node.params.items() if id(p) in ids}
         if node.params:
-            node.param_entry, node.param_hyperparams = fo, fo.hyperparams(module)
-            node.param_input = fo.arrange_input(hooks.kept(fo, None, args, kwargs), **node.param_hyperparams)
+            node.param_entry, node.param_hyperparams = fo, rec.hp
+            # (a record keeps no input where its parameters need none: a bias alone; a direct use has none)
+            x = (
+                rec.x
+                if rec.x is not None or not args
+                else fo.arrange_input(hooks.kept(fo, None, args, kwargs), **rec.hp)
+            )
+            node.param_input = x
             self._mark_tied(node)
             self.covered.update(map(id, node.params.values()))
             self._check(node)
@@ -285,15 +353,16 @@ class SecondOrderEngine(Engine):
 
     def _mark_tied(self, node: Node) -> None:
         """``node.tied``: its parameters that another call of this forward uses too
-        (marked on both calls)."""
+        (marked on both calls): the other live records of its record's recorder that use it
+        (:class:`jacmem.engine.hooks.Uses`) with a node made since the last backward began."""
+        rec = node.record
+        self.calls[id(rec)] = node  # (the node holds its record: the id is not reused while listed)
         for pname, p in node.params.items():
-            ref = self.users.get(id(p))
-            other = ref() if ref is not None else None
-            if other is None or other is node or not any(q is p for q in other.params.values()):
-                self.users[id(p)] = weakref.ref(node)
-                continue
-            node.tied.add(pname)
-            other.tied.update(n for n, q in other.params.items() if q is p)
+            for other in (self.calls.get(id(r)) for r in rec.others(p)):
+                if other is None or other is node or not any(q is p for q in other.params.values()):
+                    continue
+                node.tied.add(pname)
+                other.tied.update(n for n, q in other.params.items() if q is p)
 
     def _tap(self, node: Node, inputs: tuple[Tensor, ...], output: Tensor, into: tuple) -> None:
         """Hooks on the autograd nodes of this call that take an input with a producer
@@ -346,8 +415,11 @@ class SecondOrderEngine(Engine):
         (:meth:`on_backward`)."""
         first = args[0] if args else None
         layer = next(module.children(), None) is None or registered_type(REGISTRY, type(module)) is not None
-        fo, params = hooks.counted(module, first, output)
-        fo = fo if params or layer else None  # (a container's frozen own parameters: no call of its)
+        rec = self._record(module, args, kwargs, output)
+        self._use_nodes(module)
+        params = {} if rec is None else rec.params
+        # (a container's frozen own parameters: no call of its; a layer's: its outputs, for the chain error)
+        fo = rec.entry if rec is not None else hooks.counted(module, first, output)[0] if layer else None
         out = output if fo is None else fo.outputs(output)
         if isinstance(out, (tuple, list)) and len(out) == 1:
             out = out[0]  # (the generic recomputation's outputs: a list of one)
@@ -379,7 +451,7 @@ class SecondOrderEngine(Engine):
         self.autograd.untracked = True  # its parameters' curvature comes by the path alone
         node = Node(module, self.name(module), None, None)
         node.out_shape = tuple(out.shape)
-        self._first_order(node, (fo, params), args, kwargs, out, used=not layer)
+        self._first_order(node, rec, args, kwargs, out, used=not layer)
         if node.params:
             # what it keeps (its parameters' input) is 16-bit under autocast: cast on its first backward
             node.kept_low_precision = precision.is_low((out, node.param_input))
@@ -389,7 +461,7 @@ class SecondOrderEngine(Engine):
         """Before the backward: raises where it reaches (of its ``inputs``, where it has
         them) a trainable parameter no recorded call covers, or one an extension has
         nothing for, naming each with its module and the fix; nothing is written."""
-        self.users.clear()
+        self.calls.clear()
         self.wanted = {id(p) for p in reached}
         uncovered = [p for p in reached if id(p) not in self.covered]
         if uncovered and not any(id(p) in self.owners for p in reached):
@@ -634,6 +706,27 @@ class _Functional(TorchFunctionMode):
         if build is None or self.engine.inside or not torch.is_grad_enabled():
             return func(*args, **kwargs)
         return self.engine.on_function(func, build, args, kwargs)
+
+
+def _handed_nothing(rec: hooks.Record) -> None:
+    """The output-gradient hook of :attr:`SecondOrderEngine.own`'s records: the nodes
+    built on them compute."""
+    return None
+
+
+def _recorded(module: nn.Module, output, recorder: Recorder | None) -> hooks.Record | None:
+    """The record ``recorder`` made of the call of ``module`` that returned ``output``
+    (found from the autograd node of an output tensor: :func:`jacmem.engine.hooks.record_of`),
+    or None."""
+    if recorder is None:
+        return None
+    for t in (output,) if isinstance(output, Tensor) else compat.tree_flatten(output)[0]:
+        seen = broadcast.watched_tensor(t)  # (a call on a batch of one: first order's watched output)
+        fn = getattr(t if seen is None else seen, "grad_fn", None)
+        rec = None if fn is None else hooks.record_of(fn)
+        if rec is not None and rec.module is module and rec.uses is recorder.uses:
+            return rec
+    return None
 
 
 def _trainable(module: nn.Module, fo, params: dict[str, nn.Parameter]) -> dict[str, nn.Parameter]:

@@ -36,6 +36,7 @@ class Node:
         "out",
         "out_shape",
         "producers",
+        "record",
         "params",
         "param_entry",
         "param_hyperparams",
@@ -67,6 +68,9 @@ class Node:
         #: the names of its parameters that other calls use too (tied weights, a module
         #: called twice): their curvature is the sum over the calls' (:class:`Tied`)
         self.tied: set[str] = set()
+        #: the call's record (:class:`jacmem.engine.hooks.Record`), which its parameters,
+        #: their derivatives and what they keep come from; None for a call with none
+        self.record = None
 
     def __repr__(self) -> str:
         return f"{self.name!r} ({type(self.module).__name__})"
