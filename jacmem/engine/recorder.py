@@ -391,8 +391,8 @@ def _inert_hook() -> Callable:
     return _inert
 
 
-#: models registered with track(): model -> Tracker
-_TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
+#: models registered with track(): model -> Tracker (read without a call where none is: :class:`jacmem.engine.staging.Stager`)
+TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
 #: the block that takes the calls of models tracked without an owner: the active
 #: ``jacmem.extend`` (None outside it)
 _sink: list[Any] = [None]
@@ -407,9 +407,9 @@ def sink(block: Any) -> None:
 
 def tracked_name(module: nn.Module) -> str | None:
     """The name of ``module`` in a tracked model, or None where it is tracked nowhere."""
-    if not _TRACKED:
+    if not TRACKED:
         return None
-    for tracker in _TRACKED.values():
+    for tracker in TRACKED.values():
         if module in tracker.names:
             return tracker.names[module]
     return None
@@ -417,22 +417,22 @@ def tracked_name(module: nn.Module) -> str | None:
 
 def tracked_models() -> list[nn.Module]:
     """Every tracked model, whichever block takes its calls."""
-    return list(_TRACKED.keys())
+    return list(TRACKED.keys())
 
 
 def owner(model: nn.Module) -> Any:
     """The block that owns ``model``'s tracking, or None (not tracked, or tracked by
     :func:`track` without an owner)."""
-    tracker = _TRACKED.get(model)
+    tracker = TRACKED.get(model)
     return None if tracker is None else tracker.owner
 
 
 def routed_to(block: Any) -> list[nn.Module]:
     """The tracked models whose calls go to ``block``: those it owns, and, where it is
     the :func:`sink`, those without an owner."""
-    if not _TRACKED:  # (none tracked, most blocks: asked without a comprehension)
+    if not TRACKED:  # (none tracked, most blocks: asked without a comprehension)
         return []
-    return [m for m, t in list(_TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
+    return [m for m, t in list(TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
 
 
 def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> nn.Module:
@@ -447,22 +447,22 @@ def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> n
 
     ``owner``: a block (:class:`jacmem.engine.block.Block`) that takes the model's calls,
     wherever they run, in place of the active ``jacmem.extend`` (a private model's)."""
-    tracker = _TRACKED.get(model)
+    tracker = TRACKED.get(model)
     if tracker is not None and tracker.owner is not owner:
         raise ValueError(_taken(model, tracker.owner))
     if tracker is None:
-        tracker = _TRACKED[model] = Tracker(model, owner)
+        tracker = TRACKED[model] = Tracker(model, owner)
     tracker.batch_first = batch_first
     return model
 
 
 def untrack(model: nn.Module, *, owner: Any = None) -> nn.Module:
     """Remove the hooks of :func:`track` (given the same ``owner``), and everything they kept."""
-    tracker = _TRACKED.get(model)
+    tracker = TRACKED.get(model)
     if tracker is not None and tracker.owner is not owner:
         raise ValueError(_taken(model, tracker.owner))
     if tracker is not None:
-        del _TRACKED[model]
+        del TRACKED[model]
         tracker.close()
     return model
 

@@ -47,7 +47,7 @@ from jacmem.engine.base import Context, Engine
 from jacmem.engine.broadcast import behind_broadcasts
 from jacmem.engine.notices import and_others, listing
 from jacmem.engine.planner import ContractError, batch_size, cached_plan, chunk_budget, execute, itemsize, shapes
-from jacmem.engine.recorder import Recorder, tracked_name
+from jacmem.engine.recorder import TRACKED, Recorder, tracked_name
 
 
 class MixedBatchesError(ValueError):
@@ -221,7 +221,7 @@ class Stager:
 
     def on_enter(self, module):
         # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
-        if hooks.recordable(module) and tracked_name(module) is None:
+        if hooks.recordable(module) and (not TRACKED or tracked_name(module) is None):  # (none tracked: no call)
             self.recorder.enter(module, self.name)
 
     def on_leave(self, module, outermost):
@@ -250,7 +250,7 @@ class Stager:
     def on_forward(self, module, args, kwargs, output):
         if not hooks.may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
-        if tracked_name(module) is not None:
+        if TRACKED and tracked_name(module) is not None:  # (none tracked: asked without a call)
             return None  # its tracker records it
         return self.recorder.record(module, args, kwargs, output, self.name(module))
 

@@ -89,7 +89,7 @@ def test_a_warm_step_calls_jacmem_at_most_five_and_a_half_times_as_often_as_opac
     """The bound this branch holds: it was 893 calls against Opacus's 61 (14.6x) before
     the hot path reused what it had found, 906 after the engines were composed, 395
     (6.5x) before leaves passed the global hooks at once and the hot path lost its
-    helpers' calls; it is 303 (5.0x) now."""
+    helpers' calls; it is 299 (4.9x) now."""
     ours, theirs = _counts()
     assert ours <= 5.5 * theirs, f"{ours} calls into jacmem per warm step, Opacus {theirs}"
 
