@@ -283,7 +283,8 @@ class Block:
         self._depth += 1
         if self._depth == 1 and self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
             own, children = compat.own_slots(module)
-            self.inside[0] = bool(own or children)
+            # (an FSDP2 layer's enter unshards its parameters: none passes)
+            self.inside[0] = bool(own or children) and not self.context.sharded
         if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
             fsdp.unshard_own(module)
         for engine in self.engines:
@@ -293,14 +294,16 @@ class Block:
         """A module's forward ended, returning or raising."""
         if threading.get_ident() != self.context.owner:
             return
+        err = sys.exc_info()[1]
+        if output is None and err is not None:  # the forward raised: say why, where we can
+            _explain_dtype(self.context.name(module), module, args, err)
+            if self.inside[0] and hooks.passes_inside(module):
+                return  # its enter passed (:func:`jacmem.engine.hooks.eager`): nothing to undo
         self._depth = max(self._depth - 1, 0)
         if self._depth == 0:
             self.inside[0] = False
         for engine in self.engines:
             engine.on_leave(module, self._depth == 0)
-        err = sys.exc_info()[1]
-        if output is None and err is not None:  # the forward raised: say why, where we can
-            _explain_dtype(self.context.name(module), module, args, err)
         if self._depth == 0 and self.notices.pending:
             self.notices.flush()  # the forward's warnings, one per kind
 

@@ -28,6 +28,7 @@ from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
 from jacmem.derivatives.registry import (
     REGISTRY,
+    VERSION,
     Passthrough,
     first_input,
     no_hyperparams,
@@ -110,7 +111,9 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
     outermost forward is running, and its engines ignore such calls, see
     :attr:`jacmem.engine.base.Engine.skips_leaves`), an eager call of a module with no
     parameter and no submodule of its own (an activation, a loss, dropout) returns at
-    once: it records nothing, and inside a forward it is no model's outermost call."""
+    once: it records nothing, and inside a forward it is no model's outermost call; so
+    do the pre- and leave hooks of a module of a registered type with no submodule
+    (:func:`passes_inside`), but the leave hook of a forward that raised."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
@@ -124,8 +127,17 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
             if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
                 if inside is not None and inside[0]:
                     own, children = compat.own_slots(args[0])
-                    if not own and not children:
-                        return None  # a leaf with nothing to record, inside a forward
+                    if not children:
+                        if not own:
+                            return None  # a leaf with nothing to record, inside a forward
+                        if len(args) == 2 or len(args) == 3 and args[2] is not None:  # (a forward that raised: on)
+                            # (passes_inside(), inline: at every call of a layer)
+                            cls = type(args[0])
+                            layer = _LAYERS.get(cls)
+                            if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
+                                layer = _layer(cls)
+                            if layer[2]:
+                                return None  # a registered layer's enter or leave, inside a forward
                 return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
             return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
@@ -146,6 +158,30 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
     return functools.wraps(hook)(traced)
+
+
+#: module type -> (the registry's version, the type's ``forward``, whether it is registered
+#: then), for :func:`passes_inside`
+_LAYERS: weakref.WeakKeyDictionary[type, tuple[int, Callable, bool]] = weakref.WeakKeyDictionary()
+
+
+def _layer(cls: type) -> tuple[int, Callable, bool]:
+    """``cls``'s entry in :data:`_LAYERS`, found now."""
+    found = _LAYERS[cls] = (VERSION[0], cls.forward, registered_type(REGISTRY, cls) is not None)
+    return found
+
+
+def passes_inside(module: nn.Module) -> bool:
+    """Whether the pre- and leave hooks of ``module`` return at once inside a forward where
+    leaves pass (:func:`eager`): a module of a registered type with no submodule. The
+    engines that let leaves pass do nothing there: their recorder follows the direct uses
+    of an unregistered module's parameters alone, and the block's depth counts neither."""
+    cls = type(module)
+    layer = _LAYERS.get(cls)
+    if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
+        layer = _layer(cls)
+    own, children = compat.own_slots(module)
+    return bool(own) and not children and layer[2]
 
 
 #: while torch.compile traces a frame: the batch size of the latest call recorded in it on
@@ -441,6 +477,79 @@ def counted(
     return entry, trainable(module, entry)
 
 
+class Recipe:
+    """What the calls of one module need to know of it, found once and reused by its later
+    calls (:func:`recipe`): whether it is of a registered type (``known``); whether its
+    forward may read parameters of its own (``reads``, :func:`may_read_parameters`); and,
+    for a module of a registered type with no submodule, what :func:`counted` finds for a
+    call (its ``entry`` and trainable ``params``), the names its layer covers
+    (``supported``) and, for a layer that may run through :class:`ComputeOnce`, its
+    passthrough (``jac``).
+
+    It holds while the registry (:data:`jacmem.derivatives.registry.VERSION`), the
+    module's type and that type's ``forward``, its own parameters (which tensors, and
+    whether each trains) and its submodules are those it was found with."""
+
+    __slots__ = (
+        "cls", "forward", "version", "slots", "grads", "children", "known", "reads", "whole", "entry", "params",
+        "supported", "jac",
+    )  # fmt: skip
+
+    def __init__(self, module: nn.Module, own: dict, children: dict):
+        cls = type(module)
+        self.cls, self.forward, self.version = (
+            cls,
+            cls.forward,
+            VERSION[0],
+        )  # (the version first: a change meanwhile counts)
+        self.slots, self.children = list(own.values()), list(children.values())
+        self.grads = [p is not None and p.requires_grad for p in self.slots]
+        self.known = registered_type(REGISTRY, cls) is not None
+        self.reads = may_read_parameters(module)
+        self.entry: LayerDerivatives | None = None
+        self.params: dict[str, nn.Parameter] = {}
+        self.supported: tuple[str, ...] = ()
+        self.jac: Passthrough | None = None
+        #: whether :attr:`entry` and :attr:`params` are those :func:`counted` finds for a call (a
+        #: submodule's parameters may count, and an unregistered type's entry depends on the call)
+        self.whole = self.known and not self.children
+        if self.whole:
+            self.entry, self.params = counted(module, None, None)
+            entry = self.entry
+            self.supported = () if entry is None else entry.params
+            jac = lookup_passthrough(module) if entry is not None and entry.compute_once else None
+            self.jac = jac if jac is not None and jac.jac_t is not None else None
+
+
+#: module -> its :class:`Recipe`
+_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
+
+
+def recipe(module: nn.Module) -> Recipe:
+    """``module``'s :class:`Recipe`: the one found before, where it still holds (checked
+    at every call, without a call: the registry's version, the type, its ``forward``,
+    the parameters and the submodules), else found now."""
+    own, children = compat.own_slots(module)
+    found = _RECIPES.get(module)
+    cls = type(module)
+    if (
+        found is not None and found.version == VERSION[0] and found.cls is cls and found.forward is cls.forward
+        and len(own) == len(found.slots) and len(children) == len(found.children)
+    ):  # fmt: skip
+        # (loops, not generators: this runs at every module call)
+        for p, kept, grad in zip(own.values(), found.slots, found.grads):
+            if p is not kept or (p is not None and p.requires_grad is not grad):
+                break
+        else:
+            for child, kept in zip(children.values(), found.children):
+                if child is not kept:
+                    break
+            else:
+                return found
+    found = _RECIPES[module] = Recipe(module, own, children)
+    return found
+
+
 class Record:
     """One call of one module, from its forward to its backward."""
 
@@ -449,12 +558,13 @@ class Record:
         "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
-        #: the names of the parameters the layer covers (``entry.params``; none without an entry)
-        self.supported: tuple[str, ...] = () if entry is None else entry.params
+        #: the names of the parameters the layer covers (``entry.params``, where not given: a
+        #: :class:`Recipe`'s; none without an entry)
+        self.supported: tuple[str, ...] = supported if supported is not None else () if entry is None else entry.params
         #: the derivatives' keyword arguments, read off the module at forward time
         hyperparams = no_hyperparams if entry is None else entry.hyperparams
         self.hp: dict[str, Any] = {} if hyperparams is no_hyperparams else hyperparams(module)
@@ -577,6 +687,7 @@ def record(
     once: bool = False,
     exclude: Collection[str] = (),
     batch_first: bool = True,
+    known: Recipe | None = None,
 ) -> tuple[Record | None, Any]:
     """The forward-hook body: record this call if it has trainable parameters (but those
     in ``exclude``, whose uses are recorded apart: :func:`record_use`); returns the
@@ -584,14 +695,19 @@ def record(
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
     gradients, or None). ``batch_first=False``: the call takes its batch on axis 1,
     unless its layer places it itself (:mod:`jacmem.engine.layout`). ``uses``: the
-    recorder's :class:`Uses`, which counts the record.
+    recorder's :class:`Uses`, which counts the record. ``known``: the module's
+    :func:`recipe`, where the caller has it.
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+    if known is not None and known.whole:  # a registered layer: what counted() finds, found before
+        entry, params, jac = known.entry, dict(known.params), known.jac
+    else:
+        entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+        jac = _LOOKED_UP
     for n in exclude:
         params.pop(n, None)
     if not params:
@@ -610,30 +726,38 @@ def record(
             needs_input = True
             break
     keeps = entry if needs_input else None
-    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs, uses)
+    first = args[0] if keeps is not None and n is None and keeps.keep is first_input and args else None
+    # (kept(), inline where the layer keeps its first input, a tensor, as it is: most calls, one call less)
+    x = first.detach() if isinstance(first, Tensor) else kept(keeps, n, args, kwargs)
+    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
         # (its indices are read before the call's backward: an LM head reads its embedding's)
         rec.x = compat.tree_map(_own_indices, rec.x)
-        jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
+        jac = _passthrough(rec, args, output, jac) if once and _FUSING[-1] else None
         rec.once = jac is not None
         keep = functools.partial(kept, keeps, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
-    fused = _compute_once(rec, args, output, on_grad) if once else None
-    if fused is not None:  # its node's inputs: x, then the parameters
+    jac = _passthrough(rec, args, output, jac) if once else None
+    if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
+        fused = _compute_once(rec, jac, args[0], output, on_grad)
         rec.once = True
         nodes = fused.grad_fn.next_functions
         rec.nodes = {}
         for i, pname in enumerate(params, 1):
             rec.nodes[pname] = nodes[i][0]
-        _mark(fused.grad_fn, rec)
+        fused.grad_fn.metadata["jacmem.record"] = weakref.ref(rec)  # (_mark, inline: a call less per call)
         return rec, fused
     _hook(rec, outputs, on_grad, handles)
     for t in outputs:
         _mark(t.grad_fn, rec)
     return rec, output
+
+
+#: ``jac`` of :func:`_passthrough` where the caller has none: look it up
+_LOOKED_UP: Any = object()
 
 
 def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
@@ -837,9 +961,11 @@ def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tenso
     return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
-def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
+def _passthrough(rec: Record, args: tuple, output, jac: Any = _LOOKED_UP) -> Passthrough | None:
     """How the input gradient of ``rec``'s call is computed where the layer can run
-    through :class:`ComputeOnce` (or :class:`Fused`), else ``None``."""
+    through :class:`ComputeOnce` (or :class:`Fused`), else ``None``. ``jac``: the layer's
+    passthrough where it has one with a ``jac_t`` (a :class:`Recipe`'s), else None;
+    looked up where not given."""
     entry = rec.entry
     if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
         return None  # (an input passed by keyword keeps autograd's path)
@@ -849,17 +975,16 @@ def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
     for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
         if pname not in supported or p.dtype != dtype:
             return None  # a parameter jacmem cannot handle; autocast, as above
-    jac = lookup_passthrough(rec.module)
+    if jac is _LOOKED_UP:
+        jac = lookup_passthrough(rec.module)
     return None if jac is None or jac.jac_t is None else jac
 
 
-def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
-    """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
-    jac = _passthrough(rec, args, output)
-    if jac is None:
-        return None
-    x, params = args[0], list(rec.params.values())
-    hp = jac.params(rec.module)
+def _compute_once(rec: Record, jac: Passthrough, x: Tensor, output: Tensor, on_grad: OnGrad) -> Tensor:
+    """``output`` of the call ``rec`` on ``x``, through :class:`ComputeOnce` (``jac``: the
+    layer's passthrough, :func:`_passthrough`)."""
+    params = list(rec.params.values())
+    hp = jac.hyperparams(rec.module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
     kept = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
     return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((kept,), None, S, hp), [output.detach()], x, *params)
 

@@ -31,7 +31,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
-from jacmem.derivatives.registry import REGISTRY, Cost, registered_type
+from jacmem.derivatives.registry import Cost
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
     add_index_terms,
@@ -206,6 +206,8 @@ class Stager:
         self.stage_call, self.unsupported, self.check = stage_call, unsupported, check
         self.strategies, self.chunk_bytes = context.strategies, context.chunk_bytes
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
+        #: module -> its name, the context's (read without a call)
+        self.names = context.names
         self.owner: int | None = context.owner
         self.batch_first = context.batch_first
         #: ``models()``: the tracked models whose calls reach the block
@@ -248,11 +250,13 @@ class Stager:
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
-        if not hooks.may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+        known = hooks.recipe(module)
+        if not known.reads and not known.known:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
         if TRACKED and tracked_name(module) is not None:  # (none tracked: asked without a call)
             return None  # its tracker records it
-        return self.recorder.record(module, args, kwargs, output, self.name(module))
+        name = self.names.get(module) or self.name(module)  # (Context.name, its first step inline: most calls)
+        return self.recorder.record(module, args, kwargs, output, name, known)
 
     @property
     def handles(self) -> list:
