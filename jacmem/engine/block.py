@@ -117,6 +117,9 @@ class Block:
         self.inside = [False]
         #: warns of a backward through the block's forward after it closed (made in :meth:`open`)
         self._late: hooks.LateBackward | None = None
+        #: the outermost module whose forward runs, and the model under torch.compile's wrappers
+        #: (:meth:`enter` to :meth:`forward`)
+        self._root: tuple[nn.Module, nn.Module] | None = None
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
@@ -273,13 +276,18 @@ class Block:
         """A module's forward is about to run."""
         if threading.get_ident() != self.context.owner:
             return
-        if self._depth == 0 and module not in self.context.names:
-            for name, sub in module.named_modules():
-                self.context.names.setdefault(sub, name or type(sub).__name__)
-            self._check_fsdp(module)
+        if self._depth == 0:
             # (the model under torch.compile's wrapper, which may be gone by the backward:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
-            self.context.roots.append(weakref.ref(compat.uncompiled(module)))
+            self._root = (module, compat.uncompiled(module))
+            if module not in self.context.names:
+                sharded = False
+                for name, sub in module.named_modules():
+                    self.context.names.setdefault(sub, name or type(sub).__name__)
+                    sharded = sharded or isinstance(sub, fsdp.KINDS)
+                if sharded:  # (no FSDP module: nothing to check, asked without a call)
+                    self._check_fsdp(module)
+                self.context.roots.append(weakref.ref(self._root[1]))
         self._depth += 1
         if self._depth == 1 and self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
             own, children = compat.own_slots(module)
@@ -321,16 +329,19 @@ class Block:
                 replaced = new
         if self._depth == 0:
             self._late.watch(output if replaced is None else replaced)
-            self.called(module, args, kwargs, output if replaced is None else replaced)
+            root, self._root = self._root, None
+            root = root[1] if root is not None and root[0] is module else None
+            self.called(module, args, kwargs, output if replaced is None else replaced, root)
         return replaced
 
-    def called(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
+    def called(self, model: nn.Module, args: tuple, kwargs: dict, output, unwrapped: nn.Module | None = None) -> None:
         """A model's outermost forward returned (called in the block, or tracked): its
         inputs and output, to every engine; the next pass's end drops its stale results
-        (:meth:`_ended`)."""
+        (:meth:`_ended`). ``unwrapped``: the model under torch.compile's wrappers, where
+        the caller has it."""
         if threading.get_ident() != self.context.owner:
             return
-        self._ran.add(compat.uncompiled(model))
+        self._ran.add(compat.uncompiled(model) if unwrapped is None else unwrapped)
         for engine in self.engines:
             engine.on_call(model, args, kwargs, output)
 

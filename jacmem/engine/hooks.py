@@ -82,8 +82,9 @@ class Uses:
 
 
 #: whether the module hook running now was called from a forward that torch.compile
-#: traces (:func:`eager`); one entry per hook call in progress
-_COMPILED: list[bool] = []
+#: traces (:func:`eager`); one entry per hook call in progress (:func:`compiled` reads it;
+#: so do the hot paths, without the call)
+COMPILED: list[bool] = []
 
 
 def eager(hook: Callable, target: list[Callable | None] | None = None, inside: list[bool] | None = None) -> Callable:
@@ -124,7 +125,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
             if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
             fn = hook if target is None or target[0] is None else target[0]
-            if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
+            if not wrapper and not COMPILED and compat.dynamo_callback() is None:
                 if inside is not None and inside[0]:
                     own, children = compat.own_slots(args[0])
                     if not children:
@@ -224,13 +225,6 @@ _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
 may_read_parameters = functools.partial(compat.holds_parameters, containers=_CONTAINERS)
 
 
-def recordable(module: nn.Module) -> bool:
-    """Whether a call of ``module`` that begins now may be recorded: its forward may read
-    parameters of its own (:func:`may_read_parameters`), or it runs in a compiled forward
-    (:func:`compiled`; a compiled model's wrapper, which has none)."""
-    return (bool(_COMPILED) and _COMPILED[-1]) or may_read_parameters(module)
-
-
 def _has_trainable(module: nn.Module) -> bool:
     """Whether ``module``'s forward reads trainable parameters itself (:func:`own_parameters`:
     its own, and its parameter containers', as PEFT's ``lora.Embedding`` reads its matrices)."""
@@ -255,11 +249,11 @@ def _is_wrapper(module: Any) -> bool:
 def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
     """``hook(*args, **kwargs)``, with :func:`compiled` saying ``compiled``: whether the
     call comes from a forward torch.compile traces, or is a compiled model's wrapper's."""
-    _COMPILED.append(compiled)
+    COMPILED.append(compiled)
     try:
         return hook(*args, **kwargs)
     finally:
-        _COMPILED.pop()
+        COMPILED.pop()
 
 
 #: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`),
@@ -430,7 +424,7 @@ def compiled() -> bool:
     """Whether the module hook running now (:func:`eager`) was called from a forward
     that torch.compile traces, or is one of a compiled model's wrapper: its outputs go back into a compiled graph, which may
     hold nothing but plain tensors."""
-    return bool(_COMPILED) and _COMPILED[-1]
+    return bool(COMPILED) and COMPILED[-1]
 
 
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
@@ -506,19 +500,22 @@ class Recipe:
         self.grads = [p is not None and p.requires_grad for p in self.slots]
         self.known = registered_type(REGISTRY, cls) is not None
         self.reads = may_read_parameters(module)
-        self.entry: LayerDerivatives | None = None
-        self.params: dict[str, nn.Parameter] = {}
-        self.supported: tuple[str, ...] = ()
-        self.jac: Passthrough | None = None
         #: whether :attr:`entry` and :attr:`params` are those :func:`counted` finds for a call (a
         #: submodule's parameters may count, and an unregistered type's entry depends on the call)
         self.whole = self.known and not self.children
-        if self.whole:
-            self.entry, self.params = counted(module, None, None)
-            entry = self.entry
-            self.supported = () if entry is None else entry.params
-            jac = lookup_passthrough(module) if entry is not None and entry.compute_once else None
-            self.jac = jac if jac is not None and jac.jac_t is not None else None
+        self.entry: LayerDerivatives | None = None
+        #: None until :meth:`find` (at the first call recorded: a lookup may refuse the module)
+        self.params: dict[str, nn.Parameter] | None = None
+        self.supported: tuple[str, ...] = ()
+        self.jac: Passthrough | None = None
+
+    def find(self, module: nn.Module) -> None:
+        """Fill in what :func:`counted` finds for a call of ``module`` (a :attr:`whole` one)."""
+        self.entry, self.params = counted(module, None, None)
+        entry = self.entry
+        self.supported = () if entry is None else entry.params
+        jac = lookup_passthrough(module) if entry is not None and entry.compute_once else None
+        self.jac = jac if jac is not None and jac.jac_t is not None else None
 
 
 #: module -> its :class:`Recipe`
@@ -704,6 +701,8 @@ def record(
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
     if known is not None and known.whole:  # a registered layer: what counted() finds, found before
+        if known.params is None:
+            known.find(module)
         entry, params, jac = known.entry, dict(known.params), known.jac
     else:
         entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
