@@ -168,7 +168,7 @@ class extend:
 _DIRECT: tuple[list, list, list] = ([None], [None], [None])
 #: whether the active block's outermost forward runs, and its engines let the calls of a
 #: module with no parameter and no submodule pass (:func:`jacmem.engine.hooks.eager`)
-_INSIDE: list[bool] = [False]
+_INSIDE: list = [False, None]
 
 
 def _enter(module, args):

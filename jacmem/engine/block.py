@@ -114,9 +114,11 @@ class Block:
         #: True while the block's outermost forward runs, where leaves pass
         #: (:attr:`_leaves_pass`): the global hooks then let their calls go at once
         #: (:func:`jacmem.engine.hooks.eager`); the user of the block gives the list
-        self.inside = [False]
+        self.inside: list = [False, None]
         #: warns of a backward through the block's forward after it closed (made in :meth:`open`)
         self._late: hooks.LateBackward | None = None
+        #: whether the outermost module whose forward runs is a leaf the engines have not heard of (:meth:`enter`)
+        self._lone = False
         #: the outermost module whose forward runs, and the model under torch.compile's wrappers
         #: (:meth:`enter` to :meth:`forward`)
         self._root: tuple[nn.Module, nn.Module] | None = None
@@ -277,9 +279,16 @@ class Block:
         if threading.get_ident() != self.context.owner:
             return
         if self._depth == 0:
+            own, children = compat.own_slots(module)
+            # A leaf called alone (a loss) is an outermost call, whose enter and leave mean
+            # nothing to engines that let leaves pass, unless its forward calls a module (then
+            # they hear of its enter first, below). (Not in a compiled forward: the recorder
+            # learns there that it is one.)
+            self._lone = self._leaves_pass and not own and not children and not (hooks.COMPILED and hooks.COMPILED[-1])
             # (the model under torch.compile's wrapper, which may be gone by the backward:
-            # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
-            self._root = (module, compat.uncompiled(module))
+            # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over; a leaf
+            # is no wrapper)
+            self._root = (module, module if self._lone else compat.uncompiled(module))
             if module not in self.context.names:
                 sharded = False
                 for name, sub in module.named_modules():
@@ -288,13 +297,20 @@ class Block:
                 if sharded:  # (no FSDP module: nothing to check, asked without a call)
                     self._check_fsdp(module)
                 self.context.roots.append(weakref.ref(self._root[1]))
+            if self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
+                # (an FSDP2 layer's enter unshards its parameters: none passes)
+                self.inside[0] = bool(own or children) and not self.context.sharded
+                # the calls inside go straight to a lone engine (a stager's on_forward checks the thread itself)
+                self.inside[1] = self.engines[0].on_forward if len(self.engines) == 1 else None
+        elif self._lone:  # a lone leaf's forward calls a module: the engines hear of the leaf's enter now
+            self._lone = False
+            for engine in self.engines:
+                engine.on_enter(self._root[0])
         self._depth += 1
-        if self._depth == 1 and self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
-            own, children = compat.own_slots(module)
-            # (an FSDP2 layer's enter unshards its parameters: none passes)
-            self.inside[0] = bool(own or children) and not self.context.sharded
         if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
             fsdp.unshard_own(module)
+        if self._lone:
+            return
         for engine in self.engines:
             engine.on_enter(module)
 
@@ -308,9 +324,11 @@ class Block:
             if self.inside[0] and hooks.passes_inside(module):
                 return  # its enter passed (:func:`jacmem.engine.hooks.eager`): nothing to undo
         self._depth = max(self._depth - 1, 0)
+        lone = False
         if self._depth == 0:
-            self.inside[0] = False
-        for engine in self.engines:
+            self.inside[0], self.inside[1] = False, None
+            lone, self._lone = self._lone, False
+        for engine in () if lone else self.engines:  # (a lone leaf whose forward called no module: unheard of)
             engine.on_leave(module, self._depth == 0)
         if self._depth == 0 and self.notices.pending:
             self.notices.flush()  # the forward's warnings, one per kind

@@ -108,13 +108,15 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
     ``target``: a one-entry list; an eager call runs ``target[0]`` in place of ``hook``
     while it is set (a block's own method, one call less than through a dispatcher),
     while a compiled forward always traces ``hook``, so that its guards hold from one
-    block to the next. ``inside``: a one-entry list; while its entry is True (a block's
+    block to the next. ``inside``: a two-entry list; while its first is True (a block's
     outermost forward is running, and its engines ignore such calls, see
     :attr:`jacmem.engine.base.Engine.skips_leaves`), an eager call of a module with no
     parameter and no submodule of its own (an activation, a loss, dropout) returns at
     once: it records nothing, and inside a forward it is no model's outermost call; so
     do the pre- and leave hooks of a module of a registered type with no submodule
-    (:func:`passes_inside`), but the leave hook of a forward that raised."""
+    (:func:`passes_inside`), but the leave hook of a forward that raised; and the
+    forward hook goes to its second entry where it is set (the ``on_forward`` of a
+    block's one engine, one call less than through the block)."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
@@ -139,6 +141,8 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
                                 layer = _layer(cls)
                             if layer[2]:
                                 return None  # a registered layer's enter or leave, inside a forward
+                    if len(args) == 4 and inside[1] is not None:
+                        return inside[1](*args)  # a call inside a forward: to the block's one engine
                 return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
             return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
@@ -741,7 +745,12 @@ def record(
         return rec, output
     jac = _passthrough(rec, args, output, jac) if once else None
     if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
-        fused = _compute_once(rec, jac, args[0], output, on_grad)
+        x = args[0]
+        hp = jac.hyperparams(module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
+        kept_x = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
+        fused = ComputeOnce.apply(
+            rec, on_grad, lambda S: jac.backprop((kept_x,), None, S, hp), [output.detach()], x, *params.values()
+        )
         rec.once = True
         nodes = fused.grad_fn.next_functions
         rec.nodes = {}
@@ -977,15 +986,6 @@ def _passthrough(rec: Record, args: tuple, output, jac: Any = _LOOKED_UP) -> Pas
     if jac is _LOOKED_UP:
         jac = lookup_passthrough(rec.module)
     return None if jac is None or jac.jac_t is None else jac
-
-
-def _compute_once(rec: Record, jac: Passthrough, x: Tensor, output: Tensor, on_grad: OnGrad) -> Tensor:
-    """``output`` of the call ``rec`` on ``x``, through :class:`ComputeOnce` (``jac``: the
-    layer's passthrough, :func:`_passthrough`)."""
-    params = list(rec.params.values())
-    hp = jac.hyperparams(rec.module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
-    kept = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
-    return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((kept,), None, S, hp), [output.detach()], x, *params)
 
 
 class Handles(list):

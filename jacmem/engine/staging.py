@@ -21,6 +21,7 @@ block's :class:`jacmem.engine.base.Context`.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -242,6 +243,17 @@ class Stager:
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
+        """A module's forward returned: record the call, where it counts. The global hooks
+        call this directly inside a forward of a block whose one engine holds this stager
+        (:func:`jacmem.engine.hooks.eager`): it checks the thread and a recomputation in a
+        backward as :meth:`jacmem.engine.block.Block.forward` does."""
+        if threading.get_ident() != self.owner:
+            return None  # another thread's forward
+        if compat.current_graph_task_id() != -1:  # (Block.recomputing, without the call)
+            self.passes.current()
+        own, children = compat.own_slots(module)
+        if not own and not children:
+            return None  # a leaf (an activation, a loss): nothing to record (asked without a call)
         known = hooks.recipe(module)
         if not known.reads and not known.known:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
