@@ -288,7 +288,8 @@ class Block:
             # (the model under torch.compile's wrapper, which may be gone by the backward:
             # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over; a leaf
             # is no wrapper)
-            self._root = (module, module if self._lone else compat.uncompiled(module))
+            wrapped = not self._lone and hooks.WRAPPERS.get(type(module)) is not False  # (known per type: no call)
+            self._root = (module, compat.uncompiled(module) if wrapped else module)
             if module not in self.context.names:
                 sharded = False
                 for name, sub in module.named_modules():
@@ -298,8 +299,9 @@ class Block:
                     self._check_fsdp(module)
                 self.context.roots.append(weakref.ref(self._root[1]))
             if self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
-                # (an FSDP2 layer's enter unshards its parameters: none passes)
-                self.inside[0] = bool(own or children) and not self.context.sharded
+                # (an FSDP2 layer's enter unshards its parameters: none passes; a module with no
+                # submodule, a layer called alone, is the outermost call whose hooks must not pass)
+                self.inside[0] = bool(children) and not self.context.sharded
                 # the calls inside go straight to a lone engine (a stager's on_forward checks the thread itself)
                 self.inside[1] = self.engines[0].on_forward if len(self.engines) == 1 else None
         elif self._lone:  # a lone leaf's forward calls a module: the engines hear of the leaf's enter now
@@ -324,11 +326,10 @@ class Block:
             if self.inside[0] and hooks.passes_inside(module):
                 return  # its enter passed (:func:`jacmem.engine.hooks.eager`): nothing to undo
         self._depth = max(self._depth - 1, 0)
-        lone = False
         if self._depth == 0:
             self.inside[0], self.inside[1] = False, None
-            lone, self._lone = self._lone, False
-        for engine in () if lone else self.engines:  # (a lone leaf whose forward called no module: unheard of)
+        # (a lone leaf whose forward called no module: unheard of; its forward ends that, :meth:`forward`)
+        for engine in () if self._lone else self.engines:
             engine.on_leave(module, self._depth == 0)
         if self._depth == 0 and self.notices.pending:
             self.notices.flush()  # the forward's warnings, one per kind
@@ -341,25 +342,28 @@ class Block:
         if compat.current_graph_task_id() != -1:  # (:meth:`recomputing`, without the call)
             self.passes.current()
         replaced = None
-        for engine in self.engines:
+        lone, self._lone = self._lone and self._depth == 0, False
+        for engine in () if lone else self.engines:  # (a lone leaf: unheard of, and it records nothing)
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
             if new is not None:
                 replaced = new
         if self._depth == 0:
-            self._late.watch(output if replaced is None else replaced)
+            output = output if replaced is None else replaced
+            self._late.watch(output)
             root, self._root = self._root, None
-            root = root[1] if root is not None and root[0] is module else None
-            self.called(module, args, kwargs, output if replaced is None else replaced, root)
+            # (called(), inline: at every outermost call)
+            self._ran.add(root[1] if root is not None and root[0] is module else compat.uncompiled(module))
+            for engine in self.engines:
+                engine.on_call(module, args, kwargs, output)
         return replaced
 
-    def called(self, model: nn.Module, args: tuple, kwargs: dict, output, unwrapped: nn.Module | None = None) -> None:
+    def called(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:
         """A model's outermost forward returned (called in the block, or tracked): its
         inputs and output, to every engine; the next pass's end drops its stale results
-        (:meth:`_ended`). ``unwrapped``: the model under torch.compile's wrappers, where
-        the caller has it."""
+        (:meth:`_ended`)."""
         if threading.get_ident() != self.context.owner:
             return
-        self._ran.add(compat.uncompiled(model) if unwrapped is None else unwrapped)
+        self._ran.add(compat.uncompiled(model))
         for engine in self.engines:
             engine.on_call(model, args, kwargs, output)
 

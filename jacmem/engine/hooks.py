@@ -62,18 +62,10 @@ class Uses:
         #: early may still be listed until it is freed)
         self.users: dict[int, weakref.WeakSet] = {}
 
-    def add(self, rec: Record) -> weakref.finalize:
-        """Count ``rec`` for each of its parameters; returns what takes it out again (run
-        when it is freed, or called earlier)."""
-        keys = []
-        for p in rec.params.values():  # (a loop, not a comprehension: at every recorded call)
-            key = id(p)
-            keys.append(key)
-            self.users.setdefault(key, weakref.WeakSet()).add(rec)
-        self.live.update(keys)
-        return weakref.finalize(rec, self._release, keys)
+    # (A record counts itself in, in Record.__init__: a call less at every recorded call.)
 
-    def _release(self, keys: list[int]) -> None:
+    def release(self, keys: list[int]) -> None:
+        """Take a record out: ``keys``, the ids of its parameters."""
         for key in keys:
             self.live[key] -= 1
             if self.live[key] <= 0:
@@ -120,7 +112,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            wrapper = _WRAPPERS.get(type(args[0])) if args else False
+            wrapper = WRAPPERS.get(type(args[0])) if args else False
             if wrapper is None:
                 wrapper = _is_wrapper(args[0])
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
@@ -236,16 +228,17 @@ def _has_trainable(module: nn.Module) -> bool:
 
 
 #: module type -> whether it is the wrapper ``torch.compile(model)`` returns (a type's answer
-#: never changes: kept, so that a module call asks once per type, not at each hook)
-_WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: never changes: kept, so that a module call asks once per type, not at each hook; the
+#: block reads it too, without a call)
+WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def _is_wrapper(module: Any) -> bool:
     """:func:`jacmem.compat.is_compiled_module`, kept per type."""
     cls = type(module)
-    found = _WRAPPERS.get(cls)
+    found = WRAPPERS.get(cls)
     if found is None:
-        found = _WRAPPERS[cls] = compat.is_compiled_module(module)
+        found = WRAPPERS[cls] = compat.is_compiled_module(module)
     return found
 
 
@@ -590,9 +583,15 @@ class Record:
         self.thread = threading.get_ident()
         #: the live records of the recorder that made this one, by parameter
         self.uses = uses
+        keys = []  # counted in ``uses`` for each of its parameters (a loop, not a comprehension: at every call)
+        for p in params.values():
+            key = id(p)
+            keys.append(key)
+            uses.users.setdefault(key, weakref.WeakSet()).add(self)
+        uses.live.update(keys)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
-        self.release = uses.add(self)
+        self.release = weakref.finalize(self, uses.release, keys)
         #: whether the call runs through :class:`ComputeOnce`
         self.once = False
         #: a call on a batch of one whose output is watched (:mod:`jacmem.engine.broadcast`):

@@ -221,9 +221,11 @@ class Stager:
 
     def on_leave(self, module, outermost):
         recorder = self.recorder
-        # (nothing to undo or to reset: most calls, asked without a call)
-        if outermost or recorder.direct or recorder.compiled_start is not None:
+        # (nothing to undo: most calls, asked without a call)
+        if recorder.direct or recorder.compiled_start is not None:
             recorder.leave(module, outermost)
+        elif outermost:  # (Recorder.leave's reset, inline: at every outermost call)
+            recorder.batch, recorder.first, recorder.compiled, recorder.one_row = 1, None, False, None
 
     def on_call(self, model, args, kwargs, output):
         """Refuse calls behind a broadcast over the batch, and note the batch sizes the
