@@ -474,8 +474,9 @@ class Recipe:
     forward may read parameters of its own (``reads``, :func:`may_read_parameters`); and,
     for a module of a registered type with no submodule, what :func:`counted` finds for a
     call (its ``entry`` and trainable ``params``), the names its layer covers
-    (``supported``) and, for a layer that may run through :class:`ComputeOnce`, its
-    passthrough (``jac``).
+    (``supported``) and, for a layer that may run through :class:`ComputeOnce` with each of
+    them, its passthrough (``jac``, :func:`_layer_passthrough`), filled in at its first
+    recorded call (:meth:`find`).
 
     It holds while the registry (:data:`jacmem.derivatives.registry.VERSION`), the
     module's type and that type's ``forward``, its own parameters (which tensors, and
@@ -511,8 +512,7 @@ class Recipe:
         self.entry, self.params = counted(module, None, None)
         entry = self.entry
         self.supported = () if entry is None else entry.params
-        jac = lookup_passthrough(module) if entry is not None and entry.compute_once else None
-        self.jac = jac if jac is not None and jac.jac_t is not None else None
+        self.jac = _layer_passthrough(module, entry, self.params, self.supported)
 
 
 #: module -> its :class:`Recipe`
@@ -737,12 +737,27 @@ def record(
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
         # (its indices are read before the call's backward: an LM head reads its embedding's)
         rec.x = compat.tree_map(_own_indices, rec.x)
-        jac = _passthrough(rec, args, output, jac) if once and _FUSING[-1] else None
+    # Where the call runs through ComputeOnce (Fused, in a compiled graph that runs it so): the
+    # layer's passthrough (:func:`_layer_passthrough`, a recipe's where found before), where the
+    # call fits it: its input first and positional (one by keyword keeps autograd's path), and
+    # one dtype (under autocast, casts sit between the parameters and the layer).
+    if not once or (_DEFERRED and not _FUSING[-1]):
+        jac = None
+    else:
+        if jac is _LOOKED_UP:
+            jac = _layer_passthrough(module, entry, params, rec.supported)
+        dtype = output.dtype if isinstance(output, Tensor) else None
+        if jac is not None and (rec.x is None or not args or dtype is None or args[0].dtype != dtype):
+            jac = None
+        for p in params.values() if jac is not None else ():  # (a loop, not a generator: at every call)
+            if p.dtype != dtype:
+                jac = None
+                break
+    if _DEFERRED:
         rec.once = jac is not None
         keep = functools.partial(kept, keeps, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
-    jac = _passthrough(rec, args, output, jac) if once else None
     if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
         x = args[0]
         hp = jac.hyperparams(module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
@@ -763,7 +778,7 @@ def record(
     return rec, output
 
 
-#: ``jac`` of :func:`_passthrough` where the caller has none: look it up
+#: the passthrough of a call that no :class:`Recipe` gives: look it up (:func:`_layer_passthrough`)
 _LOOKED_UP: Any = object()
 
 
@@ -968,22 +983,19 @@ def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tenso
     return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
-def _passthrough(rec: Record, args: tuple, output, jac: Any = _LOOKED_UP) -> Passthrough | None:
-    """How the input gradient of ``rec``'s call is computed where the layer can run
-    through :class:`ComputeOnce` (or :class:`Fused`), else ``None``. ``jac``: the layer's
-    passthrough where it has one with a ``jac_t`` (a :class:`Recipe`'s), else None;
-    looked up where not given."""
-    entry = rec.entry
-    if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
-        return None  # (an input passed by keyword keeps autograd's path)
-    supported, dtype = rec.supported, output.dtype
-    if args[0].dtype != dtype:
-        return None  # autocast (casts sit between the parameters and the layer)
-    for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
-        if pname not in supported or p.dtype != dtype:
-            return None  # a parameter jacmem cannot handle; autocast, as above
-    if jac is _LOOKED_UP:
-        jac = lookup_passthrough(rec.module)
+def _layer_passthrough(
+    module: nn.Module, entry: LayerDerivatives | None, params: dict, supported: tuple[str, ...]
+) -> Passthrough | None:
+    """How the input gradient of a call of ``module`` is computed where its layer (``entry``,
+    covering the parameters ``supported``) can run through :class:`ComputeOnce` (or
+    :class:`Fused`) with each of its trainable ``params``: the layer's passthrough, with a
+    ``jac_t``; else None. (Whether a call fits it, :func:`record` asks.)"""
+    if entry is None or not entry.compute_once:
+        return None
+    for pname in params:  # (a loop, not a generator)
+        if pname not in supported:
+            return None  # a parameter jacmem cannot handle
+    jac = lookup_passthrough(module)
     return None if jac is None or jac.jac_t is None else jac
 
 

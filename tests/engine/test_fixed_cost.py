@@ -234,15 +234,15 @@ def test_a_warm_forward_reuses_what_it_found():
     """The model's and the loss's forwards in a warm step: 111 + 27 calls before each
     module's recipe was reused, a registered layer's enter and leave passed inside a
     forward, the calls inside it went straight to the stager, a loss called alone reached
-    no engine and the outermost calls' checks lost their helpers' calls; 41 + 11 now. A
+    no engine and the outermost calls' checks lost their helpers' calls; 39 + 11 now. A
     Linear (and its activation) more costs its forward hook's path alone: the recipe,
     the record and ComputeOnce."""
     X, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
     model, loss = _forward_calls(_model(), X, y)
-    assert (model, loss) <= (41, 11) and model + loss <= 52, f"model forward {model} calls, loss {loss}"
+    assert model <= 39 and loss <= 11, f"model forward {model} calls, loss {loss}"
     deeper = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
     more, _ = _forward_calls(deeper, X, y)
-    assert more - model <= 14, f"{more - model} calls for a Linear and a ReLU more"
+    assert more - model <= 13, f"{more - model} calls for a Linear and a ReLU more"
 
 
 # -- the recipes hold only while what they were found from holds ------------------------------
