@@ -73,7 +73,8 @@ class BatchGrad(FirstOrderExtension):
     savefield, quantities = "grad_batch", (BATCH_GRAD,)
 
     def __init__(self, subsampling: Iterable[int] | None = None):
-        self.subsampling = checked_subsampling(subsampling, "BatchGrad")
+        # (no subsampling, most blocks: nothing to check, and no call; one is made at every step)
+        self.subsampling = None if subsampling is None else checked_subsampling(subsampling, "BatchGrad")
         #: (device, batch size) -> the subsampling's index tensor, made on the first pass
         self._indices: dict[tuple[torch.device, int], Tensor] = {}
 

@@ -321,3 +321,87 @@ def test_a_registration_between_warm_steps_is_found_again():
         _check_against_the_loop(model, X, y)
     finally:
         REGISTRY.pop(_Gain, None)
+
+
+# -- the block's own cost: made, entered, exited ------------------------------------------------
+
+
+def _lifecycle_calls(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> Counter:
+    """``(file, function) -> calls`` into jacmem of making and entering a ``BatchGrad``
+    block, and of exiting it, in a warm step (its forward and backward not counted)."""
+    package = os.path.dirname(jacmem.__file__)
+    prefix, counts, counting = package + os.sep, Counter(), [False]
+    lossfunc = nn.CrossEntropyLoss()
+
+    def profile(frame, event, arg):
+        if counting[0] and event == "call" and frame.f_code.co_filename.startswith(prefix):
+            counts[(os.path.relpath(frame.f_code.co_filename, package), frame.f_code.co_name)] += 1
+
+    for warm in (True, True, True, False):
+        model.zero_grad(set_to_none=True)
+        sys.setprofile(None if warm else profile)
+        try:
+            counting[0] = True
+            ctx = jacmem.extend(jacmem.BatchGrad())
+            ctx.__enter__()
+            counting[0] = False
+            loss = lossfunc(model(X), y)
+            loss.backward()
+            counting[0] = True
+            ctx.__exit__(None, None, None)
+        finally:
+            sys.setprofile(None)
+    return counts
+
+
+def test_making_entering_and_exiting_a_block_costs_at_most_22_calls():
+    """A block is made, entered and exited at every step: 43 calls (24 to make and enter,
+    19 to exit) before its parts stopped calling helpers, constructors with nothing to do,
+    and each other's hops on the way; the calls of its forward and backward are apart."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    calls = _lifecycle_calls(_model(), X, y)
+    assert 0 < sum(calls.values()) <= 22, f"{sum(calls.values())} calls: {sorted(calls.items())}"
+
+
+def _per_sample(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each parameter's per-sample gradients of the mean cross-entropy, by a loop."""
+    lossfunc, params = nn.CrossEntropyLoss(reduction="sum"), list(model.parameters())
+    rows = [torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(X), params) for n in range(len(X))]
+    return [torch.stack([row[i] for row in rows]) for i in range(len(params))]
+
+
+def test_a_block_entered_again_watches_and_computes_again():
+    """The same ``jacmem.extend`` entered twice: each entry replaces torch's autograd
+    functions (its backward watch opens again) and gives the per-sample loop's gradients;
+    each exit puts torch's own functions back."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    originals = torch.autograd.backward, torch.autograd.grad
+    ctx = jacmem.extend(jacmem.BatchGrad())
+    for X_ in (X, 2 * X):
+        with ctx:
+            assert torch.autograd.backward is not originals[0] and torch.autograd.grad is not originals[1]
+            nn.CrossEntropyLoss()(model(X_), y).backward()
+        assert (torch.autograd.backward, torch.autograd.grad) == originals
+        for p, expected in zip(model.parameters(), _per_sample(model, X_, y)):
+            torch.testing.assert_close(p.grad_batch, expected, rtol=1e-12, atol=1e-12)
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_backward_after_the_block_through_its_compute_once_calls_is_autograds():
+    """A graph made in a block whose backward runs after it closed: its records are void
+    (the stager no longer resets its thread), so its ComputeOnce calls backpropagate as
+    autograd would, and no per-sample result is written."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss = nn.CrossEntropyLoss()(model(X), y)
+    with pytest.warns(UserWarning, match="after the block had closed"):
+        loss.backward()
+    expected = torch.autograd.grad(nn.CrossEntropyLoss()(model(X), y), list(model.parameters()))
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
+        assert not hasattr(p, "grad_batch")
