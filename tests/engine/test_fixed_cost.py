@@ -405,3 +405,30 @@ def test_a_backward_after_the_block_through_its_compute_once_calls_is_autograds(
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
         assert not hasattr(p, "grad_batch")
+
+
+class _Apply(nn.Module):
+    """A module with no parameter and no submodule that calls the model it is given."""
+
+    def forward(self, model, x):
+        return model(x)
+
+
+def test_what_passes_the_hooks_still_computes_the_loops_numbers():
+    """A layer called alone (the outermost call, whose hooks never pass), a model called
+    through a leaf called alone (whose engines then hear of its enter), and the model as
+    it is, each with its warm steps: the per-sample loop's gradients (float64)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    layer = nn.Linear(10, 3).double()
+    model = _model().double()
+    for _ in range(2):
+        _check_against_the_loop(layer, X, y)
+        _check_against_the_loop(model, X, y)
+    lossfunc, apply = nn.CrossEntropyLoss(reduction="sum"), _Apply()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            (lossfunc(apply(model, X), y) / len(X)).backward()
+        for p, expected in zip(model.parameters(), _per_sample(model, X, y)):
+            torch.testing.assert_close(p.grad_batch, expected, rtol=1e-12, atol=1e-12)
