@@ -173,8 +173,9 @@ class extend:
 #: the active block's ``enter``, ``leave`` and ``forward`` (None: no block active)
 _DIRECT: tuple[list, list, list] = ([None], [None], [None])
 #: whether the active block's outermost forward runs, and its engines let the calls of a
-#: module with no parameter and no submodule pass (:func:`jacmem.engine.hooks.eager`)
-_INSIDE: list[bool] = [False]
+#: module with no parameter and no submodule pass; and where the forward hook of a call
+#: inside it goes, where not to the block (:func:`jacmem.engine.hooks.eager`)
+_INSIDE: list = [False, None]
 
 
 def _enter(module, args):

@@ -59,8 +59,10 @@ class Engine:
     handles: list = []
     notes: list[str] = []
     #: whether the engine does nothing with a call, inside a forward, of a module with no
-    #: parameter and no submodule of its own (an activation, a loss, dropout), so that
-    #: the block's global hooks may let it pass at once (second order needs them)
+    #: parameter and no submodule of its own (an activation, a loss, dropout), nor with the
+    #: enter and leave of a module of a registered type with no submodule, nor with a leaf
+    #: called alone but as an outermost call (its ``on_call``), so that the block's global
+    #: hooks may let them pass at once (second order needs them)
     skips_leaves: bool = False
 
     def on_enter(self, module) -> None:

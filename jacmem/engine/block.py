@@ -117,9 +117,14 @@ class Block:
         #: True while the block's outermost forward runs, where leaves pass
         #: (:attr:`_leaves_pass`): the global hooks then let their calls go at once
         #: (:func:`jacmem.engine.hooks.eager`); the user of the block gives the list
-        self.inside = [False]
+        self.inside: list = [False, None]
         #: warns of a backward through the block's forward after it closed (made in :meth:`open`)
         self._late: hooks.LateBackward | None = None
+        #: whether the outermost module whose forward runs is a leaf the engines have not heard of (:meth:`enter`)
+        self._lone = False
+        #: the outermost module whose forward runs, and the model under torch.compile's wrappers
+        #: (:meth:`enter` to :meth:`forward`)
+        self._root: tuple[nn.Module, nn.Module] | None = None
         #: the models :meth:`_check_fsdp` passed
         self._fsdp_checked: weakref.WeakSet[nn.Module] = weakref.WeakSet()
         #: the parameter attributes the extensions write (not ClipGrad's: ``.grad`` is autograd's)
@@ -278,19 +283,41 @@ class Block:
         """A module's forward is about to run."""
         if threading.get_ident() != self.context.owner:
             return
-        if self._depth == 0 and module not in self.context.names:
-            for name, sub in module.named_modules():
-                self.context.names.setdefault(sub, name or type(sub).__name__)
-            self._check_fsdp(module)
-            # (the model under torch.compile's wrapper, which may be gone by the backward:
-            # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over)
-            self.context.roots.append(weakref.ref(compat.uncompiled(module)))
-        self._depth += 1
-        if self._depth == 1 and self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
+        if self._depth == 0:
             own, children = compat.own_slots(module)
-            self.inside[0] = bool(own or children)
+            # A leaf called alone (a loss) is an outermost call, whose enter and leave mean
+            # nothing to engines that let leaves pass, unless its forward calls a module (then
+            # they hear of its enter first, below). (Not in a compiled forward: the recorder
+            # learns there that it is one.)
+            self._lone = self._leaves_pass and not own and not children and not (hooks.COMPILED and hooks.COMPILED[-1])
+            # (the model under torch.compile's wrapper, which may be gone by the backward:
+            # ``torch.compile(ddp)(x)``, and with it the DDP group the backward sums over; a leaf
+            # is no wrapper)
+            wrapped = not self._lone and hooks.WRAPPERS.get(type(module)) is not False  # (known per type: no call)
+            self._root = (module, compat.uncompiled(module) if wrapped else module)
+            if module not in self.context.names:
+                sharded = False
+                for name, sub in module.named_modules():
+                    self.context.names.setdefault(sub, name or type(sub).__name__)
+                    sharded = sharded or isinstance(sub, fsdp.KINDS)
+                if sharded:  # (no FSDP module: nothing to check, asked without a call)
+                    self._check_fsdp(module)
+                self.context.roots.append(weakref.ref(self._root[1]))
+            if self._leaves_pass:  # (a leaf called alone is the outermost call: not passed)
+                # (an FSDP2 layer's enter unshards its parameters: none passes; a module with no
+                # submodule, a layer called alone, is the outermost call whose hooks must not pass)
+                self.inside[0] = bool(children) and not self.context.sharded
+                # the calls inside go straight to a lone engine (a stager's on_forward checks the thread itself)
+                self.inside[1] = self.engines[0].on_forward if len(self.engines) == 1 else None
+        elif self._lone:  # a lone leaf's forward calls a module: the engines hear of the leaf's enter now
+            self._lone = False
+            for engine in self.engines:
+                engine.on_enter(self._root[0])
+        self._depth += 1
         if self.context.sharded:  # (no FSDP2 model called: nothing to unshard, and nothing to ask per call)
             fsdp.unshard_own(module)
+        if self._lone:
+            return
         for engine in self.engines:
             engine.on_enter(module)
 
@@ -298,14 +325,17 @@ class Block:
         """A module's forward ended, returning or raising."""
         if threading.get_ident() != self.context.owner:
             return
-        self._depth = max(self._depth - 1, 0)
-        if self._depth == 0:
-            self.inside[0] = False
-        for engine in self.engines:
-            engine.on_leave(module, self._depth == 0)
         err = sys.exc_info()[1]
         if output is None and err is not None:  # the forward raised: say why, where we can
             _explain_dtype(self.context.name(module), module, args, err)
+            if self.inside[0] and hooks.passes_inside(module):
+                return  # its enter passed (:func:`jacmem.engine.hooks.eager`): nothing to undo
+        self._depth = max(self._depth - 1, 0)
+        if self._depth == 0:
+            self.inside[0], self.inside[1] = False, None
+        # (a lone leaf whose forward called no module: unheard of; its forward ends that, :meth:`forward`)
+        for engine in () if self._lone else self.engines:
+            engine.on_leave(module, self._depth == 0)
         if self._depth == 0 and self.notices.pending:
             self.notices.flush()  # the forward's warnings, one per kind
 
@@ -317,13 +347,19 @@ class Block:
         if compat.current_graph_task_id() != -1:  # (:meth:`recomputing`, without the call)
             self.passes.current()
         replaced = None
-        for engine in self.engines:
+        lone, self._lone = self._lone and self._depth == 0, False
+        for engine in () if lone else self.engines:  # (a lone leaf: unheard of, and it records nothing)
             new = engine.on_forward(module, args, kwargs, output if replaced is None else replaced)
             if new is not None:
                 replaced = new
         if self._depth == 0:
-            self._late.watch(output if replaced is None else replaced)
-            self.called(module, args, kwargs, output if replaced is None else replaced)
+            output = output if replaced is None else replaced
+            self._late.watch(output)
+            root, self._root = self._root, None
+            # (called(), inline: at every outermost call)
+            self._ran.add(root[1] if root is not None and root[0] is module else compat.uncompiled(module))
+            for engine in self.engines:
+                engine.on_call(module, args, kwargs, output)
         return replaced
 
     def called(self, model: nn.Module, args: tuple, kwargs: dict, output) -> None:

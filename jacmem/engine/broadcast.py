@@ -226,8 +226,9 @@ def behind_broadcasts(tensors: list[Tensor]) -> list:
 
     behind: dict = {}
     starts = []
-    for fn in walker.roots(tensors):  # (loops, not comprehensions: this runs at every model call)
-        starts.append((fn, False))
+    for t in tensors:  # (walker.roots, inline; loops, not comprehensions: this runs at every model call)
+        if isinstance(t, Tensor) and t.grad_fn is not None:
+            starts.append((t.grad_fn, False))
     for fn, crossed in walker.Walk(starts, step, only=_BROADCAST_NODES).items:
         if crossed:
             behind[fn] = None

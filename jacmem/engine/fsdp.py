@@ -61,6 +61,10 @@ if torch.distributed.is_available():
 else:  # pragma: no cover - builds without torch.distributed
     FSDPModule = FullyShardedDataParallel = DTensor = Shard = None
 
+#: the types of FSDP's modules, FSDP2's and FSDP1's (none without torch.distributed): a model
+#: holds none of them, most models, and :func:`check` has nothing to say (asked without a call)
+KINDS: tuple[type, ...] = () if FSDPModule is None else (FSDPModule, FullyShardedDataParallel)
+
 
 def is_fsdp(module: nn.Module) -> bool:
     """Whether ``module`` is an FSDP2 module (``fully_shard``-ed)."""
@@ -90,7 +94,7 @@ def check(model: nn.Module, name, second_order: bool) -> bool:
         return False
     found = False
     for module in model.modules():
-        if not isinstance(module, (FSDPModule, FullyShardedDataParallel)):
+        if not isinstance(module, KINDS):
             continue  # (most modules: no label made)
         label = f"module {name(module)!r} ({type(module).__name__})"
         if isinstance(module, FullyShardedDataParallel):

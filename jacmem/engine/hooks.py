@@ -28,6 +28,7 @@ from jacmem import compat
 from jacmem.derivatives import LayerDerivatives, detached, lookup, lookup_passthrough
 from jacmem.derivatives.registry import (
     REGISTRY,
+    VERSION,
     Passthrough,
     first_input,
     no_hyperparams,
@@ -61,18 +62,10 @@ class Uses:
         #: early may still be listed until it is freed)
         self.users: dict[int, weakref.WeakSet] = {}
 
-    def add(self, rec: Record) -> weakref.finalize:
-        """Count ``rec`` for each of its parameters; returns what takes it out again (run
-        when it is freed, or called earlier)."""
-        keys = []
-        for p in rec.params.values():  # (a loop, not a comprehension: at every recorded call)
-            key = id(p)
-            keys.append(key)
-            self.users.setdefault(key, weakref.WeakSet()).add(rec)
-        self.live.update(keys)
-        return weakref.finalize(rec, self._release, keys)
+    # (A record counts itself in, in Record.__init__: a call less at every recorded call.)
 
-    def _release(self, keys: list[int]) -> None:
+    def release(self, keys: list[int]) -> None:
+        """Take a record out: ``keys``, the ids of its parameters."""
         for key in keys:
             self.live[key] -= 1
             if self.live[key] <= 0:
@@ -81,8 +74,9 @@ class Uses:
 
 
 #: whether the module hook running now was called from a forward that torch.compile
-#: traces (:func:`eager`); one entry per hook call in progress
-_COMPILED: list[bool] = []
+#: traces (:func:`eager`); one entry per hook call in progress (:func:`compiled` reads it;
+#: so do the hot paths, without the call)
+COMPILED: list[bool] = []
 
 
 def eager(hook: Callable, target: list[Callable | None] | None = None, inside: list[bool] | None = None) -> Callable:
@@ -106,26 +100,41 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
     ``target``: a one-entry list; an eager call runs ``target[0]`` in place of ``hook``
     while it is set (a block's own method, one call less than through a dispatcher),
     while a compiled forward always traces ``hook``, so that its guards hold from one
-    block to the next. ``inside``: a one-entry list; while its entry is True (a block's
+    block to the next. ``inside``: a two-entry list; while its first is True (a block's
     outermost forward is running, and its engines ignore such calls, see
     :attr:`jacmem.engine.base.Engine.skips_leaves`), an eager call of a module with no
     parameter and no submodule of its own (an activation, a loss, dropout) returns at
-    once: it records nothing, and inside a forward it is no model's outermost call."""
+    once: it records nothing, and inside a forward it is no model's outermost call; so
+    do the pre- and leave hooks of a module of a registered type with no submodule
+    (:func:`passes_inside`), but the leave hook of a forward that raised; and the
+    forward hook goes to its second entry where it is set (the ``on_forward`` of a
+    block's one engine, one call less than through the block)."""
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            wrapper = _WRAPPERS.get(type(args[0])) if args else False
+            wrapper = WRAPPERS.get(type(args[0])) if args else False
             if wrapper is None:
                 wrapper = _is_wrapper(args[0])
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
             if _TRACED_BATCH["n"] != 1 and (wrapper or compat.compiled_in_place(args[0])):
                 _TRACED_BATCH["n"] = 1  # a compiled model begins or ends a forward
             fn = hook if target is None or target[0] is None else target[0]
-            if not wrapper and not _COMPILED and compat.dynamo_callback() is None:
+            if not wrapper and not COMPILED and compat.dynamo_callback() is None:
                 if inside is not None and inside[0]:
                     own, children = compat.own_slots(args[0])
-                    if not own and not children:
-                        return None  # a leaf with nothing to record, inside a forward
+                    if not children:
+                        if not own:
+                            return None  # a leaf with nothing to record, inside a forward
+                        if len(args) == 2 or len(args) == 3 and args[2] is not None:  # (a forward that raised: on)
+                            # (passes_inside(), inline: at every call of a layer)
+                            cls = type(args[0])
+                            layer = _LAYERS.get(cls)
+                            if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
+                                layer = _layer(cls)
+                            if layer[2]:
+                                return None  # a registered layer's enter or leave, inside a forward
+                    if len(args) == 4 and inside[1] is not None:
+                        return inside[1](*args)  # a call inside a forward: to the block's one engine
                 return fn(*args, **kwargs)  # (no frame would be compiled, and compiled() says False: as _run)
             return _run(fn, wrapper, args, kwargs)
         if len(args) != 4 or not _has_trainable(args[0]) or not torch.is_grad_enabled():
@@ -146,6 +155,30 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 
     compat.never_compile_alone(traced)  # where an eager forward calls it, it is not a frame to compile
     return functools.wraps(hook)(traced)
+
+
+#: module type -> (the registry's version, the type's ``forward``, whether it is registered
+#: then), for :func:`passes_inside`
+_LAYERS: weakref.WeakKeyDictionary[type, tuple[int, Callable, bool]] = weakref.WeakKeyDictionary()
+
+
+def _layer(cls: type) -> tuple[int, Callable, bool]:
+    """``cls``'s entry in :data:`_LAYERS`, found now."""
+    found = _LAYERS[cls] = (VERSION[0], cls.forward, registered_type(REGISTRY, cls) is not None)
+    return found
+
+
+def passes_inside(module: nn.Module) -> bool:
+    """Whether the pre- and leave hooks of ``module`` return at once inside a forward where
+    leaves pass (:func:`eager`): a module of a registered type with no submodule. The
+    engines that let leaves pass do nothing there: their recorder follows the direct uses
+    of an unregistered module's parameters alone, and the block's depth counts neither."""
+    cls = type(module)
+    layer = _LAYERS.get(cls)
+    if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
+        layer = _layer(cls)
+    own, children = compat.own_slots(module)
+    return bool(own) and not children and layer[2]
 
 
 #: while torch.compile traces a frame: the batch size of the latest call recorded in it on
@@ -188,13 +221,6 @@ _CONTAINERS = (nn.ParameterDict, nn.ParameterList)
 may_read_parameters = functools.partial(compat.holds_parameters, containers=_CONTAINERS)
 
 
-def recordable(module: nn.Module) -> bool:
-    """Whether a call of ``module`` that begins now may be recorded: its forward may read
-    parameters of its own (:func:`may_read_parameters`), or it runs in a compiled forward
-    (:func:`compiled`; a compiled model's wrapper, which has none)."""
-    return (bool(_COMPILED) and _COMPILED[-1]) or may_read_parameters(module)
-
-
 def _has_trainable(module: nn.Module) -> bool:
     """Whether ``module``'s forward reads trainable parameters itself (:func:`own_parameters`:
     its own, and its parameter containers', as PEFT's ``lora.Embedding`` reads its matrices)."""
@@ -202,16 +228,17 @@ def _has_trainable(module: nn.Module) -> bool:
 
 
 #: module type -> whether it is the wrapper ``torch.compile(model)`` returns (a type's answer
-#: never changes: kept, so that a module call asks once per type, not at each hook)
-_WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: never changes: kept, so that a module call asks once per type, not at each hook; the
+#: block reads it too, without a call)
+WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
 
 
 def _is_wrapper(module: Any) -> bool:
     """:func:`jacmem.compat.is_compiled_module`, kept per type."""
     cls = type(module)
-    found = _WRAPPERS.get(cls)
+    found = WRAPPERS.get(cls)
     if found is None:
-        found = _WRAPPERS[cls] = compat.is_compiled_module(module)
+        found = WRAPPERS[cls] = compat.is_compiled_module(module)
     return found
 
 
@@ -219,11 +246,11 @@ def _is_wrapper(module: Any) -> bool:
 def _run(hook: Callable, compiled: bool, args: tuple, kwargs: dict):
     """``hook(*args, **kwargs)``, with :func:`compiled` saying ``compiled``: whether the
     call comes from a forward torch.compile traces, or is a compiled model's wrapper's."""
-    _COMPILED.append(compiled)
+    COMPILED.append(compiled)
     try:
         return hook(*args, **kwargs)
     finally:
-        _COMPILED.pop()
+        COMPILED.pop()
 
 
 #: slot -> (forward hook, module, weakly) of the calls a compiled graph records (:func:`_tap`),
@@ -394,7 +421,7 @@ def compiled() -> bool:
     """Whether the module hook running now (:func:`eager`) was called from a forward
     that torch.compile traces, or is one of a compiled model's wrapper: its outputs go back into a compiled graph, which may
     hold nothing but plain tensors."""
-    return bool(_COMPILED) and _COMPILED[-1]
+    return bool(COMPILED) and COMPILED[-1]
 
 
 def trainable(module: nn.Module, entry: LayerDerivatives | None = None) -> dict[str, nn.Parameter]:
@@ -441,6 +468,82 @@ def counted(
     return entry, trainable(module, entry)
 
 
+class Recipe:
+    """What the calls of one module need to know of it, found once and reused by its later
+    calls (:func:`recipe`): whether it is of a registered type (``known``); whether its
+    forward may read parameters of its own (``reads``, :func:`may_read_parameters`); and,
+    for a module of a registered type with no submodule, what :func:`counted` finds for a
+    call (its ``entry`` and trainable ``params``), the names its layer covers
+    (``supported``) and, for a layer that may run through :class:`ComputeOnce` with each of
+    them, its passthrough (``jac``, :func:`_layer_passthrough`), filled in at its first
+    recorded call (:meth:`find`).
+
+    It holds while the registry (:data:`jacmem.derivatives.registry.VERSION`), the
+    module's type and that type's ``forward``, its own parameters (which tensors, and
+    whether each trains) and its submodules are those it was found with."""
+
+    __slots__ = (
+        "cls", "forward", "version", "slots", "grads", "children", "known", "reads", "whole", "entry", "params",
+        "supported", "jac",
+    )  # fmt: skip
+
+    def __init__(self, module: nn.Module, own: dict, children: dict):
+        cls = type(module)
+        self.cls, self.forward, self.version = (
+            cls,
+            cls.forward,
+            VERSION[0],
+        )  # (the version first: a change meanwhile counts)
+        self.slots, self.children = list(own.values()), list(children.values())
+        self.grads = [p is not None and p.requires_grad for p in self.slots]
+        self.known = registered_type(REGISTRY, cls) is not None
+        self.reads = may_read_parameters(module)
+        #: whether :attr:`entry` and :attr:`params` are those :func:`counted` finds for a call (a
+        #: submodule's parameters may count, and an unregistered type's entry depends on the call)
+        self.whole = self.known and not self.children
+        self.entry: LayerDerivatives | None = None
+        #: None until :meth:`find` (at the first call recorded: a lookup may refuse the module)
+        self.params: dict[str, nn.Parameter] | None = None
+        self.supported: tuple[str, ...] = ()
+        self.jac: Passthrough | None = None
+
+    def find(self, module: nn.Module) -> None:
+        """Fill in what :func:`counted` finds for a call of ``module`` (a :attr:`whole` one)."""
+        self.entry, self.params = counted(module, None, None)
+        entry = self.entry
+        self.supported = () if entry is None else entry.params
+        self.jac = _layer_passthrough(module, entry, self.params, self.supported)
+
+
+#: module -> its :class:`Recipe`
+_RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
+
+
+def recipe(module: nn.Module) -> Recipe:
+    """``module``'s :class:`Recipe`: the one found before, where it still holds (checked
+    at every call, without a call: the registry's version, the type, its ``forward``,
+    the parameters and the submodules), else found now."""
+    own, children = compat.own_slots(module)
+    found = _RECIPES.get(module)
+    cls = type(module)
+    if (
+        found is not None and found.version == VERSION[0] and found.cls is cls and found.forward is cls.forward
+        and len(own) == len(found.slots) and len(children) == len(found.children)
+    ):  # fmt: skip
+        # (loops, not generators: this runs at every module call)
+        for p, kept, grad in zip(own.values(), found.slots, found.grads):
+            if p is not kept or (p is not None and p.requires_grad is not grad):
+                break
+        else:
+            for child, kept in zip(children.values(), found.children):
+                if child is not kept:
+                    break
+            else:
+                return found
+    found = _RECIPES[module] = Recipe(module, own, children)
+    return found
+
+
 class Record:
     """One call of one module, from its forward to its backward."""
 
@@ -449,12 +552,13 @@ class Record:
         "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None):
         self.module: nn.Module = module
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
-        #: the names of the parameters the layer covers (``entry.params``; none without an entry)
-        self.supported: tuple[str, ...] = () if entry is None else entry.params
+        #: the names of the parameters the layer covers (``entry.params``, where not given: a
+        #: :class:`Recipe`'s; none without an entry)
+        self.supported: tuple[str, ...] = supported if supported is not None else () if entry is None else entry.params
         #: the derivatives' keyword arguments, read off the module at forward time
         hyperparams = no_hyperparams if entry is None else entry.hyperparams
         self.hp: dict[str, Any] = {} if hyperparams is no_hyperparams else hyperparams(module)
@@ -479,9 +583,15 @@ class Record:
         self.thread = threading.get_ident()
         #: the live records of the recorder that made this one, by parameter
         self.uses = uses
+        keys = []  # counted in ``uses`` for each of its parameters (a loop, not a comprehension: at every call)
+        for p in params.values():
+            key = id(p)
+            keys.append(key)
+            uses.users.setdefault(key, weakref.WeakSet()).add(self)
+        uses.live.update(keys)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
-        self.release = uses.add(self)
+        self.release = weakref.finalize(self, uses.release, keys)
         #: whether the call runs through :class:`ComputeOnce`
         self.once = False
         #: a call on a batch of one whose output is watched (:mod:`jacmem.engine.broadcast`):
@@ -577,6 +687,7 @@ def record(
     once: bool = False,
     exclude: Collection[str] = (),
     batch_first: bool = True,
+    known: Recipe | None = None,
 ) -> tuple[Record | None, Any]:
     """The forward-hook body: record this call if it has trainable parameters (but those
     in ``exclude``, whose uses are recorded apart: :func:`record_use`); returns the
@@ -584,14 +695,21 @@ def record(
     through :class:`ComputeOnce` (``on_grad`` must then return the parameters' summed
     gradients, or None). ``batch_first=False``: the call takes its batch on axis 1,
     unless its layer places it itself (:mod:`jacmem.engine.layout`). ``uses``: the
-    recorder's :class:`Uses`, which counts the record.
+    recorder's :class:`Uses`, which counts the record. ``known``: the module's
+    :func:`recipe`, where the caller has it.
 
     Calls inside a torch.func transform are not recorded: they are a derivative's own
     recomputation (see :mod:`jacmem.derivatives.generic`), or the user's.
     """
     if not torch.is_grad_enabled() or compat.functorch_transforms_active():
         return None, output
-    entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+    if known is not None and known.whole:  # a registered layer: what counted() finds, found before
+        if known.params is None:
+            known.find(module)
+        entry, params, jac = known.entry, dict(known.params), known.jac
+    else:
+        entry, params = counted(module, args[0] if args else None, output, 0 if batch_first else 1)
+        jac = _LOOKED_UP
     for n in exclude:
         params.pop(n, None)
     if not params:
@@ -610,30 +728,58 @@ def record(
             needs_input = True
             break
     keeps = entry if needs_input else None
-    rec = Record(module, name, entry, params, kept(keeps, n, args, kwargs), outputs, uses)
+    first = args[0] if keeps is not None and n is None and keeps.keep is first_input and args else None
+    # (kept(), inline where the layer keeps its first input, a tensor, as it is: most calls, one call less)
+    x = first.detach() if isinstance(first, Tensor) else kept(keeps, n, args, kwargs)
+    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
         # (its indices are read before the call's backward: an LM head reads its embedding's)
         rec.x = compat.tree_map(_own_indices, rec.x)
-        jac = _passthrough(rec, args, output) if once and _FUSING[-1] else None
+    # Where the call runs through ComputeOnce (Fused, in a compiled graph that runs it so): the
+    # layer's passthrough (:func:`_layer_passthrough`, a recipe's where found before), where the
+    # call fits it: its input first and positional (one by keyword keeps autograd's path), and
+    # one dtype (under autocast, casts sit between the parameters and the layer).
+    if not once or (_DEFERRED and not _FUSING[-1]):
+        jac = None
+    else:
+        if jac is _LOOKED_UP:
+            jac = _layer_passthrough(module, entry, params, rec.supported)
+        dtype = output.dtype if isinstance(output, Tensor) else None
+        if jac is not None and (rec.x is None or not args or dtype is None or args[0].dtype != dtype):
+            jac = None
+        for p in params.values() if jac is not None else ():  # (a loop, not a generator: at every call)
+            if p.dtype != dtype:
+                jac = None
+                break
+    if _DEFERRED:
         rec.once = jac is not None
         keep = functools.partial(kept, keeps, n)
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
-    fused = _compute_once(rec, args, output, on_grad) if once else None
-    if fused is not None:  # its node's inputs: x, then the parameters
+    if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
+        x = args[0]
+        hp = jac.hyperparams(module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
+        kept_x = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
+        fused = ComputeOnce.apply(
+            rec, on_grad, lambda S: jac.backprop((kept_x,), None, S, hp), [output.detach()], x, *params.values()
+        )
         rec.once = True
         nodes = fused.grad_fn.next_functions
         rec.nodes = {}
         for i, pname in enumerate(params, 1):
             rec.nodes[pname] = nodes[i][0]
-        _mark(fused.grad_fn, rec)
+        fused.grad_fn.metadata["jacmem.record"] = weakref.ref(rec)  # (_mark, inline: a call less per call)
         return rec, fused
     _hook(rec, outputs, on_grad, handles)
     for t in outputs:
         _mark(t.grad_fn, rec)
     return rec, output
+
+
+#: the passthrough of a call that no :class:`Recipe` gives: look it up (:func:`_layer_passthrough`)
+_LOOKED_UP: Any = object()
 
 
 def kept(entry: LayerDerivatives | None, n: int | None, args: tuple, kwargs: dict) -> Any:
@@ -837,31 +983,20 @@ def _recomputed(module: nn.Module, names: list[str], x: Tensor, params, g: Tenso
     return [grad if need else None for grad, need in zip(vjp(g), needs)]
 
 
-def _passthrough(rec: Record, args: tuple, output) -> Passthrough | None:
-    """How the input gradient of ``rec``'s call is computed where the layer can run
-    through :class:`ComputeOnce` (or :class:`Fused`), else ``None``."""
-    entry = rec.entry
-    if entry is None or not entry.compute_once or rec.x is None or not args or not isinstance(output, Tensor):
-        return None  # (an input passed by keyword keeps autograd's path)
-    supported, dtype = rec.supported, output.dtype
-    if args[0].dtype != dtype:
-        return None  # autocast (casts sit between the parameters and the layer)
-    for pname, p in rec.params.items():  # (a loop, not generators: this runs at every recorded call)
-        if pname not in supported or p.dtype != dtype:
-            return None  # a parameter jacmem cannot handle; autocast, as above
-    jac = lookup_passthrough(rec.module)
-    return None if jac is None or jac.jac_t is None else jac
-
-
-def _compute_once(rec: Record, args: tuple, output, on_grad: OnGrad):
-    """``output`` through :class:`ComputeOnce` where the layer allows it, else ``None``."""
-    jac = _passthrough(rec, args, output)
-    if jac is None:
+def _layer_passthrough(
+    module: nn.Module, entry: LayerDerivatives | None, params: dict, supported: tuple[str, ...]
+) -> Passthrough | None:
+    """How the input gradient of a call of ``module`` is computed where its layer (``entry``,
+    covering the parameters ``supported``) can run through :class:`ComputeOnce` (or
+    :class:`Fused`) with each of its trainable ``params``: the layer's passthrough, with a
+    ``jac_t``; else None. (Whether a call fits it, :func:`record` asks.)"""
+    if entry is None or not entry.compute_once:
         return None
-    x, params = args[0], list(rec.params.values())
-    hp = jac.params(rec.module)
-    kept = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
-    return ComputeOnce.apply(rec, on_grad, lambda S: jac.backprop((kept,), None, S, hp), [output.detach()], x, *params)
+    for pname in params:  # (a loop, not a generator)
+        if pname not in supported:
+            return None  # a parameter jacmem cannot handle
+    jac = lookup_passthrough(module)
+    return None if jac is None or jac.jac_t is None else jac
 
 
 class Handles(list):

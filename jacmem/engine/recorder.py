@@ -165,14 +165,19 @@ class Recorder:
             self.used = (module, [(rec, t) for rec, t in uses if next(iter(rec.params)) in exact])
         return exact
 
-    def record(self, module: nn.Module, args: tuple, kwargs: dict, output, name: str) -> Any:
-        """Record one call; returns the output to use (new where it runs through
+    def record(
+        self, module: nn.Module, args: tuple, kwargs: dict, output, name: str, known: hooks.Recipe | None = None
+    ) -> Any:
+        """Record one call (``known``: the module's :func:`jacmem.engine.hooks.recipe`, where
+        the caller has it); returns the output to use (new where it runs through
         ComputeOnce, or a watched view where it may be broadcast), or None to keep it."""
         exclude = self._direct_uses(module) if self.direct else ()  # (most calls: none, asked without a call)
         given = output
         if self.batch_first and self.compiled and not hooks.compiled() and isinstance(output, Tensor):
             args, output = hooks.spread(args, output, self.batch)  # an eager call in a compiled forward, as traced ones
-        rec, new = hooks.record(module, args, kwargs, output, name, *self._sink, self.once, exclude, self.batch_first)
+        rec, new = hooks.record(
+            module, args, kwargs, output, name, *self._sink, self.once, exclude, self.batch_first, known
+        )
         if rec is None:
             return None
         self.made += 1

@@ -21,6 +21,7 @@ block's :class:`jacmem.engine.base.Context`.
 
 from __future__ import annotations
 
+import threading
 import warnings
 import weakref
 from collections.abc import Callable
@@ -31,7 +32,7 @@ from torch import Tensor, nn
 
 from jacmem import compat
 from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
-from jacmem.derivatives.registry import REGISTRY, Cost, registered_type
+from jacmem.derivatives.registry import Cost
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
     add_index_terms,
@@ -162,18 +163,6 @@ def _one_row(rec: hooks.Record) -> RuntimeError:
     )
 
 
-def _offered(args: tuple, kwargs: dict, second: bool) -> set[int]:
-    """The batch sizes a model's inputs ``args`` and ``kwargs`` may hold: axis 0 of each
-    tensor among them, and axis 1 where ``second``."""
-    sizes = set()  # (a loop, not comprehensions: this runs at every model call)
-    for t in (*args, *kwargs.values()):
-        if isinstance(t, Tensor) and t.dim():
-            sizes.add(t.shape[0])
-            if second and t.dim() > 1:
-                sizes.add(t.shape[1])
-    return sizes
-
-
 def _places_batch_second(model: nn.Module) -> bool:
     """Whether a module of ``model`` takes its batch on axis 1 itself (an RNN's or
     attention's ``batch_first=False``)."""
@@ -206,6 +195,8 @@ class Stager:
         self.stage_call, self.unsupported, self.check = stage_call, unsupported, check
         self.strategies, self.chunk_bytes = context.strategies, context.chunk_bytes
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
+        #: module -> its name, the context's (read without a call)
+        self.names = context.names
         self.owner: int | None = context.owner
         self.batch_first = context.batch_first
         #: ``models()``: the tracked models whose calls reach the block
@@ -213,22 +204,28 @@ class Stager:
         #: the block's own calls; a layer that allows it runs through ComputeOnce
         self.recorder = Recorder(self.on_record, once=True, batch_first=context.batch_first)
         context.recorder = self.recorder  # (the block's engines share its records: second order's nodes)
-        #: batch size -> a model whose outermost call since the last pass had an input
-        #: that offers it (:func:`_offered`)
-        self.offered: dict[int, str] = {}
+        #: (size, axis) -> the first model whose outermost call since the last pass had an
+        #: input of that size on axis 0 or 1: the batch sizes it may hold are those on axis 0,
+        #: and on axis 1 where it places the batch there (:meth:`unoffered` tells, when asked)
+        self.offered: dict[tuple[int, int], nn.Module] = {}
         #: model -> whether its inputs may hold the batch on axis 1 (:func:`_places_batch_second`)
         self.second: weakref.WeakKeyDictionary[nn.Module, bool] = weakref.WeakKeyDictionary()
 
     def on_enter(self, module):
-        # (a compiled model's wrapper too, which has none: the recorder learns the forward is compiled)
-        if hooks.recordable(module) and (not TRACKED or tracked_name(module) is None):  # (none tracked: no call)
+        # A call that may be recorded: its forward may read parameters of its own, or it runs in
+        # a compiled forward (a compiled model's wrapper too, which has none: the recorder learns
+        # the forward is compiled). (hooks.compiled(), read without a call: at every module call)
+        recordable = (hooks.COMPILED and hooks.COMPILED[-1]) or hooks.recipe(module).reads
+        if recordable and (not TRACKED or tracked_name(module) is None):  # (none tracked: no call)
             self.recorder.enter(module, self.name)
 
     def on_leave(self, module, outermost):
         recorder = self.recorder
-        # (nothing to undo or to reset: most calls, asked without a call)
-        if outermost or recorder.direct or recorder.compiled_start is not None:
+        # (nothing to undo: most calls, asked without a call)
+        if recorder.direct or recorder.compiled_start is not None:
             recorder.leave(module, outermost)
+        elif outermost:  # (Recorder.leave's reset, inline: at every outermost call)
+            recorder.batch, recorder.first, recorder.compiled, recorder.one_row = 1, None, False, None
 
     def on_call(self, model, args, kwargs, output):
         """Refuse calls behind a broadcast over the batch, and note the batch sizes the
@@ -236,23 +233,36 @@ class Stager:
         a call inside a backward)."""
         if torch.is_grad_enabled() and compat.current_graph_task_id() == -1:
             _refuse_broadcasts([output] if isinstance(output, Tensor) else compat.tree_flatten(output)[0])
-            second = self.second.get(model)
-            if second is None:
-                second = self.second[model] = not self.batch_first or _places_batch_second(model)
-            for n in _offered(args, kwargs, second):
-                if n not in self.offered:  # (the name asked only for a size not offered yet)
-                    self.offered[n] = self.name(model)
+            offered = self.offered
+            for t in (*args, *kwargs.values()):  # (a loop, not comprehensions: this runs at every model call)
+                if isinstance(t, Tensor) and t.dim():
+                    offered.setdefault((t.shape[0], 0), model)
+                    if t.dim() > 1:
+                        offered.setdefault((t.shape[1], 1), model)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
         if self.models():  # tracked: a forward that ran before the block was not checked
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
-        if not hooks.may_read_parameters(module) and registered_type(REGISTRY, type(module)) is None:
+        """A module's forward returned: record the call, where it counts. The global hooks
+        call this directly inside a forward of a block whose one engine holds this stager
+        (:func:`jacmem.engine.hooks.eager`): it checks the thread and a recomputation in a
+        backward as :meth:`jacmem.engine.block.Block.forward` does."""
+        if threading.get_ident() != self.owner:
+            return None  # another thread's forward
+        if compat.current_graph_task_id() != -1:  # (Block.recomputing, without the call)
+            self.passes.current()
+        own, children = compat.own_slots(module)
+        if not own and not children:
+            return None  # a leaf (an activation, a loss): nothing to record (asked without a call)
+        known = hooks.recipe(module)
+        if not known.reads and not known.known:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
         if TRACKED and tracked_name(module) is not None:  # (none tracked: asked without a call)
             return None  # its tracker records it
-        return self.recorder.record(module, args, kwargs, output, self.name(module))
+        name = self.names.get(module) or self.name(module)  # (Context.name, its first step inline: most calls)
+        return self.recorder.record(module, args, kwargs, output, name, known)
 
     @property
     def handles(self) -> list:
@@ -510,9 +520,21 @@ class Stager:
         each batch size they offer), where batch size ``n`` is none of them; None where it
         is one, or no call offered any. The next pass counts afresh."""
         offered, self.offered = self.offered, {}
-        if not offered or not n or n in offered:
+        sizes: dict[int, str] = {}
+        for (size, axis), model in offered.items():
+            if size not in sizes and (axis == 0 or self._places_batch_second(model)):
+                sizes[size] = self.name(model)
+        if not sizes or not n or n in sizes:
             return None
-        return "; ".join(f"{size} ({name!r})" for size, name in sorted(offered.items()))
+        return "; ".join(f"{size} ({name!r})" for size, name in sorted(sizes.items()))
+
+    def _places_batch_second(self, model: nn.Module) -> bool:
+        """Whether ``model``'s inputs may hold the batch on axis 1: under the block's
+        ``batch_first=False``, or where a module of it says so (:func:`_places_batch_second`)."""
+        second = self.second.get(model)
+        if second is None:
+            second = self.second[model] = not self.batch_first or _places_batch_second(model)
+        return second
 
     def check_one_row(self, names: dict[int, str], sizes: dict[int, int]) -> None:
         """Raise where modules of the pass ran on a batch of one while no input of the

@@ -194,6 +194,135 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one():
             torch.testing.assert_close(p.grad_batch[n], g, rtol=1e-12, atol=1e-12)
 
 
+# -- the forward: the model's and the loss's calls ----------------------------------------
+
+
+def _forward_calls(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> tuple[int, int]:
+    """Calls into jacmem of the model's forward and of the loss's, in a warm step (the block
+    entered before and the backward run after, uncounted)."""
+    package = os.path.dirname(jacmem.__file__)
+    prefix = package + os.sep
+    lossfunc = nn.CrossEntropyLoss()
+    counts = {"model": 0, "loss": 0}
+    phase = ["model"]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(prefix):
+            counts[phase[0]] += 1
+
+    def step(count: bool):
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            if count:
+                sys.setprofile(profile)
+            try:
+                phase[0] = "model"
+                out = model(X)
+                phase[0] = "loss"
+                loss = lossfunc(out, y)
+            finally:
+                sys.setprofile(None)
+            loss.backward()
+
+    for _ in range(3):
+        step(False)
+    step(True)
+    return counts["model"], counts["loss"]
+
+
+def test_a_warm_forward_reuses_what_it_found():
+    """The model's and the loss's forwards in a warm step: 111 + 27 calls before each
+    module's recipe was reused, a registered layer's enter and leave passed inside a
+    forward, the calls inside it went straight to the stager, a loss called alone reached
+    no engine and the outermost calls' checks lost their helpers' calls; 39 + 11 now. A
+    Linear (and its activation) more costs its forward hook's path alone: the recipe,
+    the record and ComputeOnce."""
+    X, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    model, loss = _forward_calls(_model(), X, y)
+    assert model <= 39 and loss <= 11, f"model forward {model} calls, loss {loss}"
+    deeper = nn.Sequential(nn.Linear(10, 16), nn.ReLU(), nn.Linear(16, 16), nn.ReLU(), nn.Linear(16, 3))
+    more, _ = _forward_calls(deeper, X, y)
+    assert more - model <= 13, f"{more - model} calls for a Linear and a ReLU more"
+
+
+# -- the recipes hold only while what they were found from holds ------------------------------
+
+
+def _check_against_the_loop(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> None:
+    """A block's per-sample gradients of every trainable parameter against the loop's
+    (float64), and none for the frozen ones."""
+    lossfunc = nn.CrossEntropyLoss(reduction="sum")
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        if hasattr(p, "grad_batch"):
+            del p.grad_batch
+    with jacmem.extend(jacmem.BatchGrad()):
+        (lossfunc(model(X), y) / len(X)).backward()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for n in range(len(X)):
+        grads = torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(X), trainable)
+        for p, g in zip(trainable, grads):
+            torch.testing.assert_close(p.grad_batch[n], g, rtol=1e-12, atol=1e-12)
+    assert all(not hasattr(p, "grad_batch") for p in model.parameters() if not p.requires_grad)
+
+
+def test_a_swapped_parameter_or_a_flipped_requires_grad_is_found_again():
+    """Between warm steps: a layer's weight replaced by a new parameter, then its bias
+    frozen, then trained again; each step's per-sample gradients are the loop's, for the
+    parameters the layer holds and trains then."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    for _ in range(3):
+        _check_against_the_loop(model, X, y)
+    old = model[0].weight
+    del old.grad_batch
+    model[0].weight = nn.Parameter(torch.randn_like(old))
+    _check_against_the_loop(model, X, y)
+    assert not hasattr(old, "grad_batch")
+    model[2].bias.requires_grad_(False)
+    _check_against_the_loop(model, X, y)
+    model[2].bias.requires_grad_(True)
+    _check_against_the_loop(model, X, y)
+
+
+class _Gain(nn.Module):
+    """x ⊙ weight + bias: [N, d] -> [N, d]."""
+
+    def __init__(self, d: int = 3):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, dtype=torch.float64))
+        self.bias = nn.Parameter(torch.randn(d, dtype=torch.float64))
+
+    def forward(self, x):
+        return x * self.weight + self.bias
+
+
+def test_a_registration_between_warm_steps_is_found_again():
+    """A layer whose bias no derivative covers is refused (its record says which names its
+    layer covers); once a strategy is registered for the bias, the next step covers it,
+    by the loop's numbers."""
+    from jacmem.derivatives import REGISTRY
+    from jacmem.errors import UnsupportedModuleError
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 3), _Gain(3), nn.Tanh(), nn.Linear(3, 3)).double()
+    X, y = torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,))
+    try:
+        jacmem.register(_Gain, "weight")(lambda x, g: g * x)
+        model[1].bias.requires_grad_(False)
+        for _ in range(2):
+            _check_against_the_loop(model, X, y)
+        model[1].bias.requires_grad_(True)
+        with pytest.raises(UnsupportedModuleError, match="bias"):
+            _check_against_the_loop(model, X, y)
+        jacmem.register(_Gain, "bias")(lambda x, g: g)
+        _check_against_the_loop(model, X, y)
+        _check_against_the_loop(model, X, y)
+    finally:
+        REGISTRY.pop(_Gain, None)
+
+
 # -- the block's own cost: made, entered, exited ------------------------------------------------
 
 
@@ -276,3 +405,30 @@ def test_a_backward_after_the_block_through_its_compute_once_calls_is_autograds(
     for p, g in zip(model.parameters(), expected):
         torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
         assert not hasattr(p, "grad_batch")
+
+
+class _Apply(nn.Module):
+    """A module with no parameter and no submodule that calls the model it is given."""
+
+    def forward(self, model, x):
+        return model(x)
+
+
+def test_what_passes_the_hooks_still_computes_the_loops_numbers():
+    """A layer called alone (the outermost call, whose hooks never pass), a model called
+    through a leaf called alone (whose engines then hear of its enter), and the model as
+    it is, each with its warm steps: the per-sample loop's gradients (float64)."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    layer = nn.Linear(10, 3).double()
+    model = _model().double()
+    for _ in range(2):
+        _check_against_the_loop(layer, X, y)
+        _check_against_the_loop(model, X, y)
+    lossfunc, apply = nn.CrossEntropyLoss(reduction="sum"), _Apply()
+    for _ in range(2):
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            (lossfunc(apply(model, X), y) / len(X)).backward()
+        for p, expected in zip(model.parameters(), _per_sample(model, X, y)):
+            torch.testing.assert_close(p.grad_batch, expected, rtol=1e-12, atol=1e-12)
