@@ -390,10 +390,10 @@ def registered_type(table: Mapping[type | str, Any], module_type: type) -> type 
     forward = module_type.forward
     kept = _FOUND.setdefault(module_type, {})
     seen = kept.get(id(table))
-    if seen is not None and seen[0] == len(table) and seen[1] == _VERSION[0] and seen[2] is forward:
+    if seen is not None and seen[0] == len(table) and seen[1] == VERSION[0] and seen[2] is forward:
         return seen[3]
     found = _registered_type(table, module_type, forward)
-    kept[id(table)] = (len(table), _VERSION[0], forward, found)
+    kept[id(table)] = (len(table), VERSION[0], forward, found)
     return found
 
 
@@ -444,11 +444,11 @@ def lookup(module: nn.Module, x: Any = None, output: Any = None, batch_axis: int
     if parametrized:  # before the names' check, which would take the layer's registrations back
         raise ParametrizedError(_PARAMETRIZED.format(type=type(module).__name__, names=parametrized))
     key = (type(module), id(entry))
-    if _CHECKED.get(key) != _VERSION[0]:
+    if _CHECKED.get(key) != VERSION[0]:
         bad = missing_names(module, entry)
         if _withdraw(cls, bad):
             raise ValueError(_misspelt(module, cls, bad))
-        _CHECKED[key] = _VERSION[0]  # (a confirmed name this instance lacks: its own are unsupported, as any)
+        _CHECKED[key] = VERSION[0]  # (a confirmed name this instance lacks: its own are unsupported, as any)
     return entry
 
 
@@ -491,14 +491,16 @@ _PARAMETRIZED = (
     "(torch.nn.utils.parametrize.remove_parametrizations(module, name)), or freeze what it parametrizes."
 )
 
-#: registrations so far; a lookup checks names again after any
-_VERSION = [0]
+#: registrations so far (every change to the tables: :func:`layer`, :func:`register`, a
+#: withdrawn registration, :func:`passthrough`, :func:`loss`); a lookup checks names again
+#: after any, and what is kept per layer (a plan bound to its strategies) holds while it stands
+VERSION = [0]
 #: (module type, id(entry)) -> the registration count when its names were checked
 _CHECKED: dict[tuple[type, int], int] = {}
 
 
 def _changed() -> None:
-    _VERSION[0] += 1
+    VERSION[0] += 1
 
 
 def own_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -563,6 +565,8 @@ def _withdraw(module_type: type | str, bad: list[str]) -> bool:
     entry = REGISTRY[module_type]
     taken = [u for u in reversed(entry.unconfirmed) if u.param in bad]
     entry.unconfirmed = []
+    if taken:
+        _changed()
     for undo in taken:
         table = entry.strategies[undo.param, undo.quantity]
         if undo.replaced is None:
