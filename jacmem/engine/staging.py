@@ -305,9 +305,9 @@ class Stager:
             _check_broadcast(rec)
             return None  # the records of its uses give its per-sample quantities
         current = self.passes.current()
-        run = current.states.get(self.engine)  # (Pass.state, inline where the state is made: calls less)
+        run = current.states.get(self.engine)  # (Pass.state, inline: calls less)
         if run is None:
-            run = current.state(self.engine)
+            run = current.states[self.engine] = self.engine.new_state()
         if rec.missing:
             run.partial.append(rec)
             return None
@@ -382,10 +382,10 @@ class Stager:
             return None, None
         # the parameters this backward computes, as :meth:`params` finds them (a loop, inline:
         # this runs for every call)
-        supported, live, staged = rec.supported, rec.uses.live, run.staged
+        supported, live, staged, executed = rec.supported, rec.uses.live, run.staged, compat.executed(rec.nodes)
         params, meta = {}, []
         for pname, p in rec.params.items():
-            if pname in supported and compat.will_engine_execute_node(rec.nodes[pname]):
+            if pname in supported and pname in executed:
                 if live[id(p)] > 1 or id(p) in staged:
                     return None, None  # shared: its calls are summed or kept
                 params[pname] = p
@@ -442,9 +442,9 @@ class Stager:
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:
         """The call's parameters that its layer covers and this backward pass computes."""
-        supported, params = rec.supported, {}
+        supported, executed, params = rec.supported, compat.executed(rec.nodes), {}
         for n, p in rec.params.items():  # (a loop, not a comprehension: this runs for every call)
-            if n in supported and compat.will_engine_execute_node(rec.nodes[n]):
+            if n in supported and n in executed:
                 params[n] = p
         return params
 

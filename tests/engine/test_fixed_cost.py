@@ -192,3 +192,135 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one():
         grads = torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / 8, list(model.parameters()))
         for p, g in zip(model.parameters(), grads):
             torch.testing.assert_close(p.grad_batch[n], g, rtol=1e-12, atol=1e-12)
+
+
+# -- the backward of a warm step -------------------------------------------------------------
+
+#: the calls into jacmem that the backward of a warm step (phase 4: from ``loss.backward()``
+#: to the pass's end) may make on the 2-Linear MLP: it made 118 when each call planned its
+#: strategies from the cache (a key of the strategies' tables, the shapes and the
+#: hyper-parameters per parameter), ran them through the checked, chunked path and staged
+#: them through the engine's general loop; it runs each module's recipe now (49)
+_BACKWARD_CALLS = 50
+
+
+def _backward_calls(model: nn.Module, X: torch.Tensor, y: torch.Tensor, warm: int = 3) -> Counter:
+    """``(file, function) -> calls`` into jacmem made by ``loss.backward()`` alone in a
+    ``BatchGrad`` step, after ``warm`` steps."""
+    package = os.path.dirname(jacmem.__file__)
+    counts: Counter = Counter()
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code.co_filename.startswith(package + os.sep):
+            counts[(os.path.relpath(frame.f_code.co_filename, package), frame.f_code.co_name)] += 1
+
+    lossfunc = nn.CrossEntropyLoss()
+    for i in range(warm + 1):
+        model.zero_grad(set_to_none=True)
+        with jacmem.extend(jacmem.BatchGrad()):
+            loss = lossfunc(model(X), y)
+            sys.setprofile(profile if i == warm else None)
+            try:
+                loss.backward()
+            finally:
+                sys.setprofile(None)
+    return counts
+
+
+def test_a_warm_backward_calls_jacmem_at_most_fifty_times():
+    """The backward of a warm step runs each Linear's recipe (its strategies, bound): no
+    plan, no key of the plan cache, no checked or chunked execution, no finalize of an
+    extension that writes a quantity as it is."""
+    X, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    calls = _backward_calls(_model(), X, y)
+    assert calls, "the profile saw the backward"
+    assert sum(calls.values()) <= _BACKWARD_CALLS, f"{sum(calls.values())} calls: {calls.most_common()}"
+    assert not calls.keys() & {("engine/planner.py", "cached_plan"), ("engine/planner.py", "execute")}
+
+
+def _per_sample(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
+    """The per-sample gradients of ``model``'s trainable parameters, by a loop of autograd
+    over the samples (the reference), ``[sample][parameter]``."""
+    lossfunc = nn.CrossEntropyLoss(reduction="sum")
+    params = [p for p in model.parameters() if p.requires_grad]
+    return [
+        list(torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(X), params)) for n in range(len(X))
+    ]
+
+
+def _step_matches_the_loop(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> Counter:
+    """One ``BatchGrad`` step, its ``grad_batch`` and ``.grad`` checked against the loop
+    (float64); the calls into jacmem it made."""
+    package = os.path.dirname(jacmem.__file__)
+    calls = _calls(_jacmem_step(model, X, y), package, warm=0)
+    reference = _per_sample(model, X, y)
+    for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
+        want = torch.stack([sample[i] for sample in reference])
+        torch.testing.assert_close(p.grad_batch, want, rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(p.grad, want.sum(0), rtol=1e-12, atol=1e-12)
+    return calls
+
+
+def _bound(calls: Counter) -> int:
+    """How many parameters' plans a step bound to their strategies (a recipe made)."""
+    return calls[("engine/planner.py", "bind")]
+
+
+def test_a_recipe_holds_while_its_parameters_do():
+    """A warm step reuses each Linear's recipe (nothing bound); a swapped parameter of the
+    same shape and dtype keeps it (its values are not part of it), one of another dtype, a
+    frozen one, or a new batch size makes a new one, and each step is the loop's, in
+    float64."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    assert _bound(_step_matches_the_loop(model, X, y)) == 4, "a cold step binds each parameter's plan"
+    assert _bound(_step_matches_the_loop(model, X, y)) == 0, "a warm step reuses them"
+    model[2].weight = nn.Parameter(torch.randn(3, 16, dtype=torch.float64))
+    assert _bound(_step_matches_the_loop(model, X, y)) == 0, "a swapped parameter of the same kind"
+    model[0].weight.requires_grad_(False)
+    assert _bound(_step_matches_the_loop(model, X, y)) == 1, "a frozen weight: the first Linear's bias alone"
+    model[0].weight.requires_grad_(True)
+    assert _bound(_step_matches_the_loop(model, X, y)) == 2
+    X, y = X[:5], y[:5]
+    assert _bound(_step_matches_the_loop(model, X, y)) == 4, "a new batch size"
+    model.float()  # (in place: the same parameters, in another dtype)
+    calls = _calls(_jacmem_step(model, X.float(), y), os.path.dirname(jacmem.__file__), warm=0)
+    assert _bound(calls) == 4
+    model.double()
+    assert _bound(_step_matches_the_loop(model, X, y)) == 4
+
+
+def test_a_recipe_follows_the_registry():
+    """A strategy registered between two warm steps (cheaper by its cost model) is chosen
+    at the next step; one replaced in its table in place, not through jacmem.register, is
+    run from the step after (a recipe checks that its strategies are still those of their
+    tables); the results are the loop's, in float64."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    _step_matches_the_loop(model, X, y)
+    _step_matches_the_loop(model, X, y)
+    table = jacmem.derivatives.REGISTRY[nn.Linear].strategies[("weight", "batch_grad")]
+    ran = []
+
+    def counted(x, g):
+        ran.append(x.shape)
+        return torch.einsum("no,ni->noi", g, x)
+
+    try:
+        jacmem.register(
+            nn.Linear, "weight", "batch_grad", "counted", cost=lambda xs, gs: jacmem.derivatives.Cost(0, 0)
+        )(counted)
+        assert _bound(_step_matches_the_loop(model, X, y)) == 4, "a registration: every recipe made again"
+        assert len(ran) == 2, "the new strategy, the cheapest, computed both Linears"
+        _step_matches_the_loop(model, X, y)
+        assert len(ran) == 4, "and the recipes made with it run it"
+        scaled = jacmem.derivatives.Strategy(lambda x, g: 2 * counted(x, g), table["counted"].cost)
+        table["counted"] = scaled  # (in place: no registration counted)
+        with pytest.raises(AssertionError, match="grad_batch|Tensor-likes"):
+            _step_matches_the_loop(model, X, y)  # the replaced strategy ran, doubling the results
+        assert len(ran) == 6
+    finally:
+        table.pop("counted", None)
+    assert _bound(_step_matches_the_loop(model, X, y)) == 4, "gone from its table: the Linears' recipes made again"
