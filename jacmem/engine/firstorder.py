@@ -45,7 +45,7 @@ class FirstOrderEngine(Engine):
             self.readers.update(ext.quantities)
         self.quantities = set(self.readers)
         self.context, self.groups, self.shardings = context, context.groups, context.shardings
-        self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported)
+        self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported, recipes=True)
         self.recorder = self.stager.recorder
         for hook in _FORWARDED:  # the block's calls go to the stager, with no call of the engine's between
             setattr(self, hook, getattr(self.stager, hook))
@@ -69,14 +69,12 @@ class FirstOrderEngine(Engine):
     def _compute(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's quantities; returns each parameter's summed gradient where
         the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
-        is planned), else nothing. A call whose module's last call left a recipe that holds
-        runs it (:meth:`Stager.planned`); one that may leave a recipe leaves it."""
+        is planned), else nothing. (A parameter used by this call alone and staged here
+        first gets all the engine's quantities: what its stager's recipes replay, see
+        :meth:`Stager.planned`.)"""
         stager = self.stager
-        grads, key = stager.planned(run, rec)
-        if grads is not None:
-            return grads
         params = stager.params(rec)
-        grads = {}
+        grads: dict[str, Tensor] = {}
         if not params:
             return grads
         dtype = precision.compute_dtype(params.values())
@@ -104,8 +102,6 @@ class FirstOrderEngine(Engine):
                 staged.add(values)
             else:  # (the first: nothing to add to)
                 staged.quantities.update(values)
-        if key is not None:  # (each parameter staged first, by this call alone: as the recipe runs it)
-            stager.remember(rec, key, params, self.quantities | extra, bool(extra))
         return grads
 
     def finish(self, run: Staging) -> list[Write]:

@@ -223,7 +223,8 @@ class Stager:
     ``stage_call(run, rec)`` stages one call's quantities (with :meth:`stage`,
     :meth:`keep`, :meth:`compute`) and returns the summed gradients of a call through
     ComputeOnce; ``unsupported(rec, params)`` raises for parameters of a call that no
-    derivative covers; ``check(rec)``, where given, refuses a call before it is computed."""
+    derivative covers; ``check(rec)``, where given, refuses a call before it is computed;
+    ``recipes``: see :attr:`recipes`."""
 
     def __init__(
         self,
@@ -234,8 +235,13 @@ class Stager:
         stage_call: Callable[[Any, hooks.Record], dict[str, Tensor]],
         unsupported: Callable[[hooks.Record, list[str]], None],
         check: Callable[[hooks.Record], None] | None = None,
+        recipes: bool = False,
     ):
         self.engine, self.extensions, self.quantities = engine, extensions, quantities
+        #: whether ``stage_call`` stages each parameter of a call used by that call alone,
+        #: staged first, with all of ``quantities`` (and the summed gradient of a call through
+        #: ComputeOnce): then a call runs its module's recipe where one holds (:meth:`planned`)
+        self.recipes = recipes
         self.stage_call, self.unsupported, self.check = stage_call, unsupported, check
         self.strategies, self.chunk_bytes = context.strategies, context.chunk_bytes
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
@@ -336,10 +342,16 @@ class Stager:
         first = rec.grads[0]
         device = first.device if isinstance(first, Tensor) else precision.device_of(rec.grads)
         try:
-            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type):
-                return self.stage_call(run, rec)  # (a backward's usual mode: what computing() makes, with no call)
-            with precision.computing(device):
-                return self.stage_call(run, rec)
+            if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+                with precision.computing(device):
+                    return self.stage_call(run, rec)
+            # a backward's usual mode (what computing() makes, with no call), where recipes run
+            grads, key = self.planned(run, rec) if self.recipes else (None, None)
+            if grads is None:
+                grads = self.stage_call(run, rec)
+                if key is not None:
+                    self.remember(rec, key)
+            return grads
         except (ContractError, MixedBatchesError):
             raise
         except Exception as err:
@@ -390,6 +402,8 @@ class Stager:
                     return None, None  # shared: its calls are summed or kept
                 params[pname] = p
                 meta.extend((pname, p.shape, p.dtype, p.device))
+        if not params:
+            return None, None  # (nothing to compute: the engine returns at once)
         strategies = self.strategies
         key = (
             entry, registry.VERSION[0], rec.name, rec.once, rec.batch_first, self.quantities, strategies.default,
@@ -414,13 +428,15 @@ class Stager:
             s.quantities = v
         return grads, key
 
-    def remember(self, rec: hooks.Record, key: tuple, params: dict[str, nn.Parameter], wanted: set, extra: bool):
-        """Keep how this call computed ``wanted`` of each of ``params`` (each staged first,
-        by this call alone), as :meth:`planned` reuses it under ``key``: its plans
-        (:func:`~jacmem.engine.planner.cached_plan`, as it just made them), bound. None is
-        kept where the call's input or output gradient had to be cast to the compute
-        dtype, its batch is empty, or a step must be chunked."""
-        x, g = rec.x, rec.grads[0]
+    def remember(self, rec: hooks.Record, key: tuple) -> None:
+        """Keep how ``stage_call`` just computed the quantities of this call's parameters
+        (each staged first, by this call alone: see :attr:`recipes`), as :meth:`planned`
+        reuses it under ``key``: its plans (:func:`~jacmem.engine.planner.cached_plan`, as
+        it just made them), bound. None is kept where the call's input or output gradient
+        had to be cast to the compute dtype, its batch is empty, or a step must be chunked."""
+        x, g, params = rec.x, rec.grads[0], self.params(rec)
+        extra = {"grad"} - self.quantities if rec.once else set()
+        wanted = self.quantities | extra
         dtype = precision.compute_dtype(params.values())
         if g.dtype != dtype or (x is not None and x.dtype != dtype) or not g.shape[0]:
             return
@@ -437,7 +453,7 @@ class Stager:
             bound.append(steps)
         # the plans' decisions, in the order they were taken (explain()'s)
         decisions = {k: d for k, d in self.strategies.decisions.items() if k[0] == rec.name and k[1] in params}
-        _RECIPES[rec.module] = _Recipe(key, tuple(bound), decisions, extra)
+        _RECIPES[rec.module] = _Recipe(key, tuple(bound), decisions, bool(extra))
 
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:

@@ -200,7 +200,7 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one():
 #: to the pass's end) may make on the 2-Linear MLP: it made 118 when each call planned its
 #: strategies from the cache (a key of the strategies' tables, the shapes and the
 #: hyper-parameters per parameter), ran them through the checked, chunked path and staged
-#: them through the engine's general loop; it runs each module's recipe now (49)
+#: them through the engine's general loop; it runs each module's recipe now (47)
 _BACKWARD_CALLS = 50
 
 
