@@ -4,10 +4,13 @@ For one call of one module and one parameter, :func:`plan` chooses a strategy pe
 quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.engine.strategies`),
 :func:`cached_plan` keeps the plans it made, and :func:`execute`
 runs them, chunking over the batch so that temporary memory stays under a budget.
+A plan that runs whole may be bound to its strategies (:func:`bind`), for a warm step to
+run as it is (:func:`execute_bound`).
 Both engines use it: the first-order one for every recorded call, the second-order
 extensions for the per-sample Jacobian products they need (:func:`compute`).
 
-:func:`execute` is also where the registry's contract is checked: every strategy's
+:func:`execute` is also where the registry's contract is checked (a bound plan ran
+through it first): every strategy's
 result must have the shape and dtype its quantity promises (:func:`check_result`),
 or an error names the module, the parameter and the strategy.
 """

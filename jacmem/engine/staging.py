@@ -17,6 +17,11 @@ ghost factors, it keeps the calls instead, and at the end of the pass
 (:mod:`jacmem.derivatives.tied`) or, where the cost model finds it cheaper, from
 per-sample gradients. What the stager knows of its block comes down to it in the
 block's :class:`jacmem.engine.base.Context`.
+
+A warm step plans nothing: where its engine allows it (first order), each call of a module
+whose last call, in this block or an earlier one, left a recipe that still holds (the same
+layer and registrations, block settings, shapes, dtypes and devices) runs that call's
+strategies, bound, at once (:meth:`Stager.planned`).
 """
 
 from __future__ import annotations

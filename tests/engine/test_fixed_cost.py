@@ -8,6 +8,7 @@ once per backward). No time is asserted: counts and calls only.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections import Counter
@@ -324,3 +325,29 @@ def test_a_recipe_follows_the_registry():
     finally:
         table.pop("counted", None)
     assert _bound(_step_matches_the_loop(model, X, y)) == 4, "gone from its table: the Linears' recipes made again"
+
+
+def test_a_recipe_s_strategy_that_raises_names_itself(monkeypatch):
+    """A strategy that raises in a warm step (its recipe's) fails the step as it fails a
+    cold one: the error names the module and the strategy, and nothing is written."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    table = jacmem.derivatives.REGISTRY[nn.Linear].strategies[("weight", "batch_grad")]
+    original, fail = table["outer"], []
+
+    def outer(x, g, out=None):
+        if fail:
+            raise ArithmeticError("derivative failed")
+        return original.fn(x, g, out=out)
+
+    monkeypatch.setitem(table, "outer", dataclasses.replace(original, fn=outer))
+    step = _jacmem_step(model, X, y)
+    step()
+    step()  # (warm: the recipes bound to this table's strategy)
+    for p in model.parameters():
+        del p.grad_batch
+    fail.append(True)
+    with pytest.raises(RuntimeError, match=r"module '2' \(Linear\) failed: derivative failed \(strategy 'outer'\)"):
+        step()
+    assert not any(hasattr(p, "grad_batch") for p in model.parameters())
