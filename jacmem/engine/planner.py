@@ -394,9 +394,10 @@ class Step(NamedTuple):
     ``fn(x, g, **kw)`` runs on the whole batch. ``derived`` None: a strategy of
     ``quantity``'s own, which gives ``riders`` along (``fn(x, g, also=riders, **kw)`` then
     returns a dict); else a pass of per-sample gradients, written into a new tensor of
-    shape ``into`` (made by ``empty``, in ``g``'s dtype and on its device) where ``into`` is
-    not None, from which the quantities ``derived`` come. ``table``, ``name``, ``strategy``: where the strategy
-    was found, ``entry.strategies[table][name]``, to tell whether it still is."""
+    shape ``into`` (made by ``empty``, in ``g``'s dtype and on its device) where ``into``
+    is not None, from which the quantities ``derived`` come. ``table``, ``name``,
+    ``strategy``: where the strategy was found, ``entry.strategies[table][name]``, to tell
+    whether it still is."""
 
     fn: Callable
     kw: dict
@@ -414,9 +415,8 @@ def bind(
     plan: Plan, entry: LayerDerivatives, hp: dict, param_name: str, param: Tensor, g: Tensor, budget: float
 ) -> tuple[Step, ...] | None:
     """``plan``'s steps for ``param``, bound to their strategies, for an output gradient of
-    ``g``'s shape, dtype and device; None where a step must be
-    chunked to stay under ``budget`` bytes (then only :func:`execute` runs the plan).
-    :func:`execute_bound` runs them."""
+    ``g``'s shape, dtype and device (:func:`execute_bound` runs them); None where a step
+    must be chunked to stay under ``budget`` bytes (then only :func:`execute` runs the plan)."""
     n, cap, item = g.shape[0], chunk_budget(budget, g.device), g.element_size()
     steps = []
     for q, name, per_sample, riders in plan.direct:

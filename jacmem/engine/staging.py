@@ -35,9 +35,8 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives import registry
 from jacmem.derivatives.quantities import GRAD, LINEAR_QUANTITIES, derive
-from jacmem.derivatives.registry import REGISTRY, Cost, registered_type, unarranged
+from jacmem.derivatives.registry import REGISTRY, VERSION, Cost, registered_type, unarranged
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
     add_index_terms,
@@ -411,7 +410,7 @@ class Stager:
             return None, None  # (nothing to compute: the engine returns at once)
         strategies = self.strategies
         key = (
-            entry, registry.VERSION[0], rec.name, rec.once, rec.batch_first, self.quantities, strategies.default,
+            entry, VERSION[0], rec.name, rec.once, rec.batch_first, self.quantities, strategies.default,
             strategies.autotune, self.chunk_bytes, g.shape, g.dtype, g.device, tuple(hp.items()), tuple(meta),
             None if x is None else (x.shape, x.dtype, x.device),
         )  # fmt: skip
