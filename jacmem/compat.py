@@ -408,11 +408,17 @@ def watch_autograd(around: Around) -> Callable[[], None]:
     one (or anyone's) wraps stays there as a plain call of what it wrapped, and is taken
     out when the one over it ends; once every watch has ended, torch's own functions are
     back."""
-    backward, grad = _watched("backward", around), _watched("grad", around)
-    torch.autograd.backward, torch.autograd.grad = backward, grad
+    off = [False]  # (set when the watch ends: its replacements then call what they wrapped)
+    replacements = []
+    for name in ("backward", "grad"):  # (partials of :func:`_watched`: a block watches at every step, with no call)
+        original = getattr(torch.autograd, name)
+        replacement = functools.partial(_watched, off, original, _AUTOGRAD_CALLS[name], around)
+        replacements.append((name, functools.update_wrapper(replacement, original)))
+    torch.autograd.backward, torch.autograd.grad = replacements[0][1], replacements[1][1]
 
     def end() -> None:
-        for name, watched in (("backward", backward), ("grad", grad)):
+        off[0] = True
+        for name, watched in replacements:
             setattr(watched, _OFF, True)
             if getattr(torch.autograd, name) is watched:
                 target = watched.__wrapped__
@@ -423,18 +429,13 @@ def watch_autograd(around: Around) -> Callable[[], None]:
     return end
 
 
-def _watched(name: str, around: Around) -> Callable:
-    """``torch.autograd``'s function ``name`` as it is now, through ``around`` (:func:`watch_autograd`)."""
-    original = getattr(torch.autograd, name)
-    where = _AUTOGRAD_CALLS[name]
-
-    @functools.wraps(original)
-    def watched(*args, **kwargs):
-        if getattr(watched, _OFF, False):
-            return original(*args, **kwargs)
-        n, ((i, a), (j, b), (k, c), (m, d)) = len(args), where  # (no comprehension: a call per backward)
-        tensors, grads = args[i] if n > i else kwargs.get(a), args[j] if n > j else kwargs.get(b)
-        inputs, create_graph = args[k] if n > k else kwargs.get(c), args[m] if n > m else kwargs.get(d)
-        return around(functools.partial(original, *args, **kwargs), tensors, grads, inputs, bool(create_graph))
-
-    return watched
+def _watched(off: list[bool], original: Callable, where: tuple, around: Around, *args, **kwargs):
+    """A call of ``original``, ``torch.autograd``'s function as it was when the watch began,
+    through ``around`` (:func:`watch_autograd`); ``where``: its arguments' places
+    (:data:`_AUTOGRAD_CALLS`); straight to ``original`` once the watch has ended (``off``)."""
+    if off[0]:
+        return original(*args, **kwargs)
+    n, ((i, a), (j, b), (k, c), (m, d)) = len(args), where  # (no comprehension: a call per backward)
+    tensors, grads = args[i] if n > i else kwargs.get(a), args[j] if n > j else kwargs.get(b)
+    inputs, create_graph = args[k] if n > k else kwargs.get(c), args[m] if n > m else kwargs.get(d)
+    return around(functools.partial(original, *args, **kwargs), tensors, grads, inputs, bool(create_graph))

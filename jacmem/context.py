@@ -102,9 +102,8 @@ class extend:
         )
         self.plan = self.block.plan
         self._module_handles: list = []
-        self._watch = recorder.BackwardWatch(
-            self.block.passes, describe=self.block.parameter_name, shards=self.block.shards
-        )
+        #: made, watching, on the first entry (:meth:`__enter__`)
+        self._watch: recorder.BackwardWatch | None = None
 
     # -- block -------------------------------------------------------------------
 
@@ -125,9 +124,13 @@ class extend:
             for slot, method in zip(_DIRECT, (block.enter, block.leave, block.forward)):
                 slot[0] = method
             block.inside = _INSIDE  # (the block sets it while its outermost forward runs)
-            recorder.sink(block)
-            self._watch.on_backward = block.backward
-            self._watch.open(block.context.owner)
+            recorder.SINK[0] = block
+            if self._watch is None:  # (the first entry, most blocks' only one: made watching, no call more)
+                self._watch = recorder.BackwardWatch(
+                    block.passes, block.parameter_name, block.shards, block.backward, block.context.owner
+                )
+            else:
+                self._watch.open(block.context.owner)
         except BaseException:
             self.__exit__(*sys.exc_info())
             raise
@@ -139,9 +142,12 @@ class extend:
             for slot in _DIRECT:
                 slot[0] = None
             _INSIDE[0] = False
-            hooks.remove(self._module_handles)
-            recorder.sink(None)
-            self._watch.close()
+            for handle in self._module_handles:  # (hooks.remove, without the call: a block closes at every step)
+                handle.remove()
+            self._module_handles = []
+            recorder.SINK[0] = None
+            if self._watch is not None:
+                self._watch.close()
         finally:
             try:
                 self.block.close()

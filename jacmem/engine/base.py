@@ -281,7 +281,11 @@ class Context:
         self.recorder: recorder.Recorder | None = None
 
     def clear(self) -> None:
-        """The block closed: forget its thread, models, names and recorder."""
+        """The block closed: drop the state of a pass still running (:meth:`Passes.close`;
+        most blocks close after their passes ended: no call), forget its thread, models,
+        names and recorder."""
+        if self.passes._live:
+            self.passes.close()
         self.owner = None
         self.names = weakref.WeakKeyDictionary()
         self.roots = []

@@ -31,7 +31,7 @@ from jacmem.engine import fsdp, hooks, recorder
 from jacmem.engine.base import Context, Engine, Passes
 from jacmem.engine.clipping import ClippingEngine
 from jacmem.engine.firstorder import FirstOrderEngine
-from jacmem.engine.notices import Notices
+from jacmem.engine.notices import Notices, StrictNotices
 from jacmem.engine.secondorder.engine import SecondOrderEngine
 from jacmem.engine.strategies import AUTO, StrategyChoices, StrategySpec
 from jacmem.extensions.clipping import ClipGrad
@@ -68,7 +68,10 @@ class Block:
         autotune: bool = False,
         batch_first: bool = True,
     ):
-        extensions = _checked(extensions)
+        for ext in extensions:  # (checked here, the error's words apart: a block is made at every step)
+            if not isinstance(ext, _KINDS):
+                raise _not_an_extension(ext)
+        extensions = tuple(dict.fromkeys(extensions))  # without repeats
         #: the extensions of each engine, in :data:`ENGINES` order (those it has)
         self.kinds = []
         for kind, cls in ENGINES:  # (loops, not comprehensions: a block is made at every step)
@@ -106,7 +109,7 @@ class Block:
         self.eager: dict[str, str] = {}
         #: the engines' notes (:attr:`jacmem.engine.base.Engine.notes`), kept past close for explain()
         self.notes: list[str] = []
-        self.notices = Notices(strict)
+        self.notices = (StrictNotices if strict else Notices)()
         self.passes = Passes(self._ended)
         #: what the engines know of the block, handed down to them
         self.context = Context(self.plan, chunk_bytes, self.passes, self.notices, batch_first, process_group, self)
@@ -149,17 +152,19 @@ class Block:
         """Untrack the models this block tracked, drop every engine's hooks and
         everything kept; a pass still running writes nothing. Then the pending warnings."""
         try:
-            for model in recorder.tracked_models():
+            for model in recorder.tracked_models() if recorder.TRACKED else ():  # (none tracked: no call)
                 if recorder.owner(model) is self:
                     recorder.untrack(model, owner=self)
-            self._eager()
-            self.notes = self._notes()
+            notes = []  # (what explain() keeps past close, in the engines' loop: _eager and _notes, no call)
+            for engine in self.engines:
+                self.eager.update(getattr(getattr(engine, "recorder", None), "eager", {}))
+                notes.extend(engine.notes)
+            self.notes = notes if self.engines else self.notes
             for engine in self.engines:
                 engine.close()
-            self.passes.close()
         finally:
             if self._late is not None:
-                self._late.close()
+                self._late.open = False  # (its backward hooks warn from now on)
             self.engines = []
             self._fsdp_checked = weakref.WeakSet()
             self._ran, self._tracked = weakref.WeakSet(), weakref.WeakSet()
@@ -373,19 +378,16 @@ class Block:
         return grads
 
 
-def _checked(extensions: tuple) -> tuple[Extension, ...]:
-    """``extensions`` without repeats; anything else raises, naming the fix."""
-    for ext in extensions:
-        if isinstance(ext, nn.Module):
-            raise TypeError(
-                f"jacmem.extend takes extensions, not a model ({type(ext).__name__}): jacmem.extend is the "
-                "block (BackPACK's `with backpack(...)`), and BackPACK's extend(model) is jacmem.track(model), "
-                "needed only where the forward runs before the block. Write "
-                "`with jacmem.extend(jacmem.BatchGrad()): loss = lossfunc(model(X), y); loss.backward()`."
-            )
-        if not isinstance(ext, _KINDS):
-            raise TypeError(f"not a jacmem extension: {ext!r}; e.g. jacmem.BatchGrad()")
-    return tuple(dict.fromkeys(extensions))
+def _not_an_extension(ext: Any) -> TypeError:
+    """The error for ``ext``, given to a block as an extension: a model names the fix."""
+    if isinstance(ext, nn.Module):
+        return TypeError(
+            f"jacmem.extend takes extensions, not a model ({type(ext).__name__}): jacmem.extend is the "
+            "block (BackPACK's `with backpack(...)`), and BackPACK's extend(model) is jacmem.track(model), "
+            "needed only where the forward runs before the block. Write "
+            "`with jacmem.extend(jacmem.BatchGrad()): loss = lossfunc(model(X), y); loss.backward()`."
+        )
+    return TypeError(f"not a jacmem extension: {ext!r}; e.g. jacmem.BatchGrad()")
 
 
 def _explain_dtype(name: str, module: nn.Module, args: tuple, err: BaseException) -> None:

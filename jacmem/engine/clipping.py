@@ -180,7 +180,7 @@ class ClippingEngine(Engine):
             module.require_backward_grad_sync = True
         self.unsynced = []
         self.roots = weakref.WeakKeyDictionary()
-        self.stager.close()
+        self.recorder.close()  # (the stager's: its records are void from now on, :meth:`Recorder.close`)
 
     def on_track(self, model: nn.Module) -> None:
         """Guard every parameter of a model the block tracks from now on, so that a

@@ -58,10 +58,12 @@ class FirstOrderEngine(Engine):
         return self.recorder.tensor_handles
 
     def close(self) -> None:
-        self.stager.close()
+        self.recorder.close()  # (the stager's: its records are void from now on, :meth:`Recorder.close`)
         pending, self.nonfinite = self.nonfinite, {}
-        if pending:  # (no pass flagged: nothing to read, asked without a call)
-            self._warn_nonfinite(pending)
+        for flags in pending.values():  # (a read of each flag here, a call only where one is set: most blocks)
+            if flags.any():
+                self._warn_nonfinite(pending)
+                break
 
     #: (the state's class itself: one call less per pass)
     new_state = Staging
@@ -178,13 +180,11 @@ class FirstOrderEngine(Engine):
 
     def _warn_nonfinite(self, flagged: dict[tuple[torch.device, tuple[str, ...]], Tensor]) -> None:
         """One warning, naming the modules that :meth:`_flag_nonfinite` flagged in any
-        pass of the block; one transfer per entry, after the block."""
+        pass of the block (some were); one transfer per entry, after the block."""
         modules: dict[str, None] = {}  # (in order, once each; a loop, not a generator)
         for (_, names), bad in flagged.items():
             modules.update(dict.fromkeys(itertools.compress(names, bad.tolist())))
         modules = list(modules)
-        if not modules:
-            return
         notices.warn(
             f"jacmem: the {', '.join(e.savefield for e in self.extensions)} of module(s) "
             f"{listing(modules)} hold NaN or Inf, as their input or the gradient of the loss "

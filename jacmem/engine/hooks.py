@@ -487,7 +487,7 @@ class Record:
         #: a call on a batch of one whose output is watched (:mod:`jacmem.engine.broadcast`):
         #: where it met the batch, records of its uses give the per-sample quantities
         self.broadcast: Origin | None = None
-        #: a record to ignore: a use of a tensor whose other uses mixed the samples
+        #: a record to ignore: a use of a tensor whose other uses mixed the samples, or one whose recorder closed
         self.void = False
         #: the layout the call was recorded under (:mod:`jacmem.engine.layout`)
         self.batch_first = True
@@ -871,9 +871,9 @@ class Handles(list):
     """The handles of hooks set on tensors and autograd nodes, to take off at the end.
     In a block open for many steps, those of freed graphs are dropped now and then."""
 
-    def __init__(self):
-        super().__init__()
-        self._prune_at = 64
+    #: the length past which the next :meth:`add` drops the handles of freed graphs (a class
+    #: default until the first prune: a recorder, and its handles, are made at every step)
+    _prune_at = 64
 
     def add(self, handle: RemovableHandle) -> None:
         self.append(handle)
@@ -897,12 +897,14 @@ class LateBackward:
     :meth:`watch` puts a pre-hook on the ``grad_fn`` of each tensor of an outermost
     call's output. The hook lives with that graph, holds only this small object, and
     compares two flags: a backward that reaches it while the block is open disarms it;
-    the first one after :meth:`close` warns, once for the block.
+    the first one after the block has closed (and set :attr:`open` False) warns, once for
+    the block.
     """
 
-    def __init__(self):
-        self.open = True
-        self.warned = False
+    #: whether the block is open (it sets False when it closes) and whether it warned; class
+    #: defaults until set (a block makes one at every step, with no call)
+    open = True
+    warned = False
 
     def watch(self, output: Any) -> None:
         """``output``: what an outermost module call in the block returned (any pytree)."""
@@ -928,6 +930,3 @@ class LateBackward:
 
         for node in nodes:
             node.register_prehook(prehook)
-
-    def close(self) -> None:
-        self.open = False

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import sys
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from types import MappingProxyType
 
 #: how many modules a warning names before it gives the count of the others
 LIMIT = 3
@@ -42,12 +43,14 @@ def warn(message: str, category: type[Warning] = UserWarning) -> None:
 
 
 class Notices:
-    """Pending warnings: one per key, each with the modules it is about."""
+    """Pending warnings: one per key, each with the modules it is about. A block makes one
+    at every step, with no call: ``pending`` is the class's empty mapping until the first
+    notice; :class:`StrictNotices` raises instead."""
 
-    def __init__(self, strict: bool = False):
-        self.strict = strict
-        #: key -> (the modules, in order; how to say it about them; the category)
-        self.pending: dict[object, tuple[list[str], Callable[[list[str]], str], type[Warning]]] = {}
+    #: raise ``RuntimeError`` at the first notice, rather than gather them
+    strict = False
+    #: key -> (the modules, in order; how to say it about them; the category)
+    pending: Mapping[object, tuple[list[str], Callable[[list[str]], str], type[Warning]]] = MappingProxyType({})
 
     def add(
         self, key: object, module: str, say: Callable[[list[str]], str], category: type[Warning] = UserWarning
@@ -57,6 +60,8 @@ class Notices:
         ``strict``, raise ``RuntimeError(say([module]))`` now."""
         if self.strict:
             raise RuntimeError(say([module]))
+        if not self.pending:  # (the class's, read-only: this block's first notice, or the first since a flush)
+            self.pending = {}
         entry = self.pending.get(key)
         if entry is None:
             self.pending[key] = ([module], say, category)
@@ -68,3 +73,9 @@ class Notices:
         pending, self.pending = self.pending, {}
         for modules, say, category in pending.values():
             warn(say(modules), category)
+
+
+class StrictNotices(Notices):
+    """:class:`Notices` of a ``strict=True`` block: the first notice raises."""
+
+    strict = True

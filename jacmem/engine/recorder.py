@@ -6,7 +6,7 @@ and keeps the hooks' handles so that :meth:`Recorder.close` takes them all off. 
 first-order engine owns one for the calls inside its block; :func:`track` gives a
 model one (a :class:`Tracker`) for forwards run before a block, whose records go to
 the block that owns the tracking (a private model's), or else to the ``jacmem.extend``
-block active when their gradients arrive (:func:`sink`).
+block active when their gradients arrive (:data:`SINK`).
 """
 
 from __future__ import annotations
@@ -238,14 +238,21 @@ class Recorder:
         return watch(rec.broadcast)
 
     def close(self) -> None:
-        hooks.remove(self.tensor_handles)
+        for handle in self.tensor_handles:  # (hooks.remove, without the call: a recorder closes at every step)
+            handle.remove()
+        self.tensor_handles.clear()
         for restore, _, _ in self.direct.values():
             restore()
         self.direct.clear()
         self.used = None
         for rec in list(self.records):
-            rec.release()  # a traceback may still hold it; its hooks are off
-            rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would
+            # a traceback may still hold it; its hooks are off. Out of :attr:`uses`, which
+            # forgets every record at once below (its release, without a call per record)
+            rec.release.detach()
+            rec.x = None  # a ComputeOnce call left in a graph then backpropagates as autograd would:
+            rec.void = True  # its owner ignores it (a late backward's ComputeOnce still hands it over)
+        self.uses.live.clear()
+        self.uses.users.clear()
         self.records = weakref.WeakSet()
 
 
@@ -303,7 +310,7 @@ class Tracker(Recorder):
     """Forward hooks on one model's modules, for forwards that run outside a block.
 
     ``owner``: the block that takes the model's calls (see :func:`track`); None: the
-    block of :func:`sink`, the active ``jacmem.extend``, if any."""
+    block of :data:`SINK`, the active ``jacmem.extend``, if any."""
 
     def __init__(self, model: nn.Module, owner: Any = None):
         super().__init__(self._dispatch)
@@ -329,7 +336,7 @@ class Tracker(Recorder):
     @property
     def block(self) -> Any:
         """The block the calls go to now, or None."""
-        return self.owner if self.owner is not None else _sink[0]
+        return self.owner if self.owner is not None else SINK[0]
 
     def _dispatch(self, rec: hooks.Record) -> dict | None:
         block = self.block
@@ -393,16 +400,11 @@ def _inert_hook() -> Callable:
 
 #: models registered with track(): model -> Tracker (read without a call where none is: :class:`jacmem.engine.staging.Stager`)
 TRACKED: weakref.WeakKeyDictionary[nn.Module, Tracker] = weakref.WeakKeyDictionary()
-#: the block that takes the calls of models tracked without an owner: the active
-#: ``jacmem.extend`` (None outside it)
-_sink: list[Any] = [None]
-
-
-def sink(block: Any) -> None:
-    """The block that takes, from now on, the calls of the models tracked without an
-    owner (None: none). A block has ``record(record)``, which returns the summed
-    gradients where it computed them, and ``once``."""
-    _sink[0] = block
+#: ``[block]``: the block that takes the calls of the models tracked without an owner, the
+#: active ``jacmem.extend``, which sets it when it opens (None outside it: it sets None
+#: when it closes; a list, set without a call: a block opens at every step). A block has
+#: ``record(record)``, which returns the summed gradients where it computed them, and ``once``.
+SINK: list[Any] = [None]
 
 
 def tracked_name(module: nn.Module) -> str | None:
@@ -429,10 +431,10 @@ def owner(model: nn.Module) -> Any:
 
 def routed_to(block: Any) -> list[nn.Module]:
     """The tracked models whose calls go to ``block``: those it owns, and, where it is
-    the :func:`sink`, those without an owner."""
+    the :data:`SINK`, those without an owner."""
     if not TRACKED:  # (none tracked, most blocks: asked without a comprehension)
         return []
-    return [m for m, t in list(TRACKED.items()) if t.owner is block or (t.owner is None and _sink[0] is block)]
+    return [m for m, t in list(TRACKED.items()) if t.owner is block or (t.owner is None and SINK[0] is block)]
 
 
 def track(model: nn.Module, batch_first: bool = True, *, owner: Any = None) -> nn.Module:
@@ -484,7 +486,8 @@ def _refuse_second_backward(grad: torch.Tensor) -> None:
 
 
 class BackwardWatch:
-    """Watches each backward of the block's thread, for three jobs: it tells the block a
+    """Watches each backward of the thread ``owner`` from its making to :meth:`close`
+    (and from :meth:`open` again), for three jobs: it tells the block a
     backward is about to begin (``on_backward``: the second-order engine's autograd path
     starts there), it warns where that backward reached no record of the block, and it
     warns where it reached a parameter that got none of the block's results.
@@ -506,27 +509,33 @@ class BackwardWatch:
     parameter, naming each that the passes wrote nothing to (``describe(param)``: its
     name)."""
 
-    def __init__(self, passes, describe: Callable, shards: Callable[[], dict[int, Any]]):
+    def __init__(
+        self, passes, describe: Callable, shards: Callable[[], dict[int, Any]], on_backward: Callable, owner: int
+    ):
         self.passes = passes
         #: ``(tensors, grad_tensors, reached)``: a backward of the block's thread is about
         #: to begin, reaching the parameters ``reached`` (the second-order engine's
         #: autograd path starts there)
-        self.on_backward: Callable | None = None
+        self.on_backward = on_backward
         #: ``describe(param)``: the parameter's name, for the warnings
         self.describe = describe
         #: ``shards()``: ``id(unsharded) -> sharded`` of the FSDP2 parameters, whose
         #: results go to the shard
         self.shards = shards
-        self.owner: int | None = None
+        #: the thread whose backwards it watches (None once closed)
+        self.owner: int | None = owner
         self.warned = False
         #: ids of the parameters already named in a warning
         self.missed: set[int] = set()
-        #: ends the watch of ``torch.autograd.backward`` and ``grad`` (:func:`compat.watch_autograd`)
-        self.unwatch: Callable[[], None] | None = None
         #: the hooks of :meth:`_refuse_through`, taken off when the block ends
         self.refusals: list = []
+        #: ends the watch of ``torch.autograd.backward`` and ``grad`` (:func:`compat.watch_autograd`),
+        #: which begins here (not in :meth:`open`: a block is made and opened at every step)
+        self.unwatch: Callable[[], None] | None = compat.watch_autograd(self._around)
 
     def open(self, owner: int) -> None:
+        """Watch again, after :meth:`close` (a block entered again), the same thread's
+        backwards, with the warnings given so far kept."""
         self.owner = owner
         self.unwatch = compat.watch_autograd(self._around)
 

@@ -301,10 +301,6 @@ class Stager:
     def handles(self) -> list:
         return self.recorder.tensor_handles
 
-    def close(self) -> None:
-        self.recorder.close()
-        self.owner = None
-
     def on_record(self, rec: hooks.Record) -> dict[str, Tensor] | None:
         """A call's output gradients arrived: compute its quantities. Returns, for a
         call through :class:`hooks.ComputeOnce`, its parameters' summed gradients (the

@@ -82,7 +82,8 @@ class BatchGrad(FirstOrderExtension):
     savefield, quantities, as_is = "grad_batch", (BATCH_GRAD,), BATCH_GRAD
 
     def __init__(self, subsampling: Iterable[int] | None = None):
-        self.subsampling = checked_subsampling(subsampling, "BatchGrad")
+        # (no subsampling, most blocks: nothing to check, and no call; one is made at every step)
+        self.subsampling = None if subsampling is None else checked_subsampling(subsampling, "BatchGrad")
         if self.subsampling is not None:
             self.as_is = None  # its samples' rows, by finalize
         #: (device, batch size) -> the subsampling's index tensor, made on the first pass

@@ -195,6 +195,90 @@ def test_a_reused_plan_gives_the_bits_of_a_fresh_one():
             torch.testing.assert_close(p.grad_batch[n], g, rtol=1e-12, atol=1e-12)
 
 
+# -- the block's own cost: made, entered, exited ------------------------------------------------
+
+
+def _lifecycle_calls(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> Counter:
+    """``(file, function) -> calls`` into jacmem of making and entering a ``BatchGrad``
+    block, and of exiting it, in a warm step (its forward and backward not counted)."""
+    package = os.path.dirname(jacmem.__file__)
+    prefix, counts, counting = package + os.sep, Counter(), [False]
+    lossfunc = nn.CrossEntropyLoss()
+
+    def profile(frame, event, arg):
+        if counting[0] and event == "call" and frame.f_code.co_filename.startswith(prefix):
+            counts[(os.path.relpath(frame.f_code.co_filename, package), frame.f_code.co_name)] += 1
+
+    for warm in (True, True, True, False):
+        model.zero_grad(set_to_none=True)
+        sys.setprofile(None if warm else profile)
+        try:
+            counting[0] = True
+            ctx = jacmem.extend(jacmem.BatchGrad())
+            ctx.__enter__()
+            counting[0] = False
+            loss = lossfunc(model(X), y)
+            loss.backward()
+            counting[0] = True
+            ctx.__exit__(None, None, None)
+        finally:
+            sys.setprofile(None)
+    return counts
+
+
+def test_making_entering_and_exiting_a_block_costs_at_most_22_calls():
+    """A block is made, entered and exited at every step: 43 calls (24 to make and enter,
+    19 to exit) before its parts stopped calling helpers, constructors with nothing to do,
+    and each other's hops on the way; the calls of its forward and backward are apart."""
+    torch.manual_seed(0)
+    X, y = torch.randn(8, 10), torch.randint(0, 3, (8,))
+    calls = _lifecycle_calls(_model(), X, y)
+    assert 0 < sum(calls.values()) <= 22, f"{sum(calls.values())} calls: {sorted(calls.items())}"
+
+
+def _per_sample(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
+    """Each trainable parameter's per-sample gradients of the mean cross-entropy, by a loop."""
+    lossfunc, params = nn.CrossEntropyLoss(reduction="sum"), [p for p in model.parameters() if p.requires_grad]
+    rows = [torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(X), params) for n in range(len(X))]
+    return [torch.stack([row[i] for row in rows]) for i in range(len(params))]
+
+
+def test_a_block_entered_again_watches_and_computes_again():
+    """The same ``jacmem.extend`` entered twice: each entry replaces torch's autograd
+    functions (its backward watch opens again) and gives the per-sample loop's gradients;
+    each exit puts torch's own functions back."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    originals = torch.autograd.backward, torch.autograd.grad
+    ctx = jacmem.extend(jacmem.BatchGrad())
+    for X_ in (X, 2 * X):
+        with ctx:
+            assert torch.autograd.backward is not originals[0] and torch.autograd.grad is not originals[1]
+            nn.CrossEntropyLoss()(model(X_), y).backward()
+        assert (torch.autograd.backward, torch.autograd.grad) == originals
+        for p, expected in zip(model.parameters(), _per_sample(model, X_, y)):
+            torch.testing.assert_close(p.grad_batch, expected, rtol=1e-12, atol=1e-12)
+        model.zero_grad(set_to_none=True)
+
+
+def test_a_backward_after_the_block_through_its_compute_once_calls_is_autograds():
+    """A graph made in a block whose backward runs after it closed: its records are void
+    (the stager no longer resets its thread), so its ComputeOnce calls backpropagate as
+    autograd would, and no per-sample result is written."""
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    with jacmem.extend(jacmem.BatchGrad()):
+        loss = nn.CrossEntropyLoss()(model(X), y)
+    with pytest.warns(UserWarning, match="after the block had closed"):
+        loss.backward()
+    expected = torch.autograd.grad(nn.CrossEntropyLoss()(model(X), y), list(model.parameters()))
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-12, atol=1e-12)
+        assert not hasattr(p, "grad_batch")
+
+
 # -- the backward of a warm step -------------------------------------------------------------
 
 #: the calls into jacmem that the backward of a warm step (phase 4: from ``loss.backward()``
@@ -239,24 +323,13 @@ def test_a_warm_backward_calls_jacmem_at_most_fifty_times():
     assert not calls.keys() & {("engine/planner.py", "cached_plan"), ("engine/planner.py", "execute")}
 
 
-def _per_sample(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> list[list[torch.Tensor]]:
-    """The per-sample gradients of ``model``'s trainable parameters, by a loop of autograd
-    over the samples (the reference), ``[sample][parameter]``."""
-    lossfunc = nn.CrossEntropyLoss(reduction="sum")
-    params = [p for p in model.parameters() if p.requires_grad]
-    return [
-        list(torch.autograd.grad(lossfunc(model(X[n : n + 1]), y[n : n + 1]) / len(X), params)) for n in range(len(X))
-    ]
-
-
 def _step_matches_the_loop(model: nn.Module, X: torch.Tensor, y: torch.Tensor) -> Counter:
     """One ``BatchGrad`` step, its ``grad_batch`` and ``.grad`` checked against the loop
     (float64); the calls into jacmem it made."""
     package = os.path.dirname(jacmem.__file__)
     calls = _calls(_jacmem_step(model, X, y), package, warm=0)
-    reference = _per_sample(model, X, y)
-    for i, p in enumerate(p for p in model.parameters() if p.requires_grad):
-        want = torch.stack([sample[i] for sample in reference])
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    for p, want in zip(trainable, _per_sample(model, X, y)):
         torch.testing.assert_close(p.grad_batch, want, rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(p.grad, want.sum(0), rtol=1e-12, atol=1e-12)
     return calls

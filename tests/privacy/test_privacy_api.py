@@ -90,7 +90,7 @@ def no_hooks_left(*models: nn.Module) -> None:
         for m in model.modules():
             assert not m._forward_hooks and not m._forward_pre_hooks and not m._backward_hooks, m
         assert not any(p._backward_hooks for p in model.parameters())
-    assert not recorder.tracked_models() and recorder._sink[0] is None
+    assert not recorder.tracked_models() and recorder.SINK[0] is None
 
 
 # -- several private models, and a block beside them ----------------------------------------
