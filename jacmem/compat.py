@@ -31,6 +31,7 @@ __all__ = [
     "child_slots",
     "current_graph_task_id",
     "dynamo_callback",
+    "executed",
     "fsdp_parameters",
     "functorch_transforms_active",
     "fused_recurrence",
@@ -104,10 +105,21 @@ def will_engine_execute_node(node) -> bool:
     ``torch.autograd.grad`` captures rather than accumulates counts as executed.
     ``torch._C._will_engine_execute_node``, since torch 2.0 (``register_multi_grad_hook``
     uses it)."""
-    try:
-        return torch._C._will_engine_execute_node(node)
-    except RuntimeError:  # torch.autograd.grad captures this leaf's gradient: it asked for it
-        return True
+    return bool(executed({None: node}))
+
+
+def executed(nodes: dict) -> list:
+    """The keys of ``nodes`` (key -> autograd node), in order, whose nodes the running
+    backward pass will execute, as :func:`will_engine_execute_node` tells of each (in one
+    call: asked for the parameters of every recorded call)."""
+    keys = []
+    for key, node in nodes.items():
+        try:
+            if torch._C._will_engine_execute_node(node):
+                keys.append(key)
+        except RuntimeError:  # torch.autograd.grad captures this leaf's gradient: it asked for it
+            keys.append(key)
+    return keys
 
 
 def grad_captures(node) -> bool:

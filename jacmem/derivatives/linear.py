@@ -57,14 +57,17 @@ def _outer_cost(xs, gs) -> Cost:
 def weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
     """Per-sample gradients Σ_t g_t x_tᵀ: [N, *, I], [N, *, O] -> [N, O, I], written
     into ``out`` where given"""
-    return torch.bmm(_flat(g).transpose(1, 2), _flat(x), out=out)
+    gs, xs = g.shape, x.shape  # (:func:`_flat` inline: this runs for every Linear of every step)
+    return torch.bmm(
+        g.reshape(gs[0], prod(gs[1:-1]), gs[-1]).transpose(1, 2), x.reshape(xs[0], prod(xs[1:-1]), xs[-1]), out=out
+    )
 
 
 @register(nn.Linear, "weight", "grad", "direct", cost=_outer_cost)
 def weight_grad(x: Tensor, g: Tensor) -> Tensor:
     """Summed gradient: [N, *, I], [N, *, O] -> [O, I], one matrix product over the
     ``N·T`` rows (a transposed operand is BLAS's, not a copy)"""
-    return _rows(g).T @ _rows(x)
+    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (:func:`_rows` inline: as above)
 
 
 def ghost_cost(xs, gs) -> Cost:
@@ -145,7 +148,8 @@ def weight_sum_grad_squared_outer(x: Tensor, g: Tensor, also=()) -> Tensor | dic
 @register(CONV1D, "bias", "batch_grad", "sum")
 def bias_batch_grad(x, g: Tensor) -> Tensor:
     """Per-sample bias gradients: [N, *, O] -> [N, O]"""
-    return _flat(g).sum(1)
+    gs = g.shape  # (:func:`_flat` inline: this runs for every Linear of every step)
+    return g.reshape(gs[0], prod(gs[1:-1]), gs[-1]).sum(1)
 
 
 # -- HF Conv1D: weight [I, O] --------------------------------------------------------

@@ -493,7 +493,7 @@ _PARAMETRIZED = (
 
 #: registrations so far (each :func:`layer`, :func:`register`, :func:`passthrough`, :func:`loss`, and
 #: each withdrawal), read without a call: a lookup checks names again after any, and what was found
-#: from the registry is found again (:class:`jacmem.engine.hooks.Recipe`)
+#: from the registry is found again (:class:`jacmem.engine.hooks.Recipe`, a plan bound to its strategies)
 VERSION = [0]
 #: (module type, id(entry)) -> the registration count when its names were checked
 _CHECKED: dict[tuple[type, int], int] = {}

@@ -321,6 +321,8 @@ class Context:
         block and the tracked ones: :attr:`process_group`, or that of a
         ``DistributedDataParallel`` model; FSDP2's parameters are :meth:`shardings`'."""
         groups: list[tuple[Any, list[nn.Parameter]]] = []
+        if self.process_group is None and not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+            return groups  # no model's group to find (distributed.process_group_of's answer, without the walk)
         seen = set()
         for model in self.roots_and_models():
             group = self.process_group if self.process_group is not None else distributed.process_group_of(model)

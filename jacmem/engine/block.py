@@ -386,7 +386,7 @@ class Block:
     def backward(self, tensors, grad_tensors, reached: list[nn.Parameter]) -> None:
         """A backward of the block's thread is about to begin, reaching the trainable
         parameters ``reached``: to every engine."""
-        for model in self.context.models():  # tracked: their forwards may have run before the block
+        for model in self.context.models() if recorder.TRACKED else ():  # tracked: their forwards may have run before
             self._check_fsdp(model)
             if model not in self._tracked:
                 self._tracked.add(model)

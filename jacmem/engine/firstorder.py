@@ -44,8 +44,8 @@ class FirstOrderEngine(Engine):
         for ext in extensions:  # (a loop, not generators: an engine is made at every step)
             self.readers.update(ext.quantities)
         self.quantities = set(self.readers)
-        self.groups, self.shardings = context.groups, context.shardings
-        self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported)
+        self.context, self.groups, self.shardings = context, context.groups, context.shardings
+        self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported, recipes=True)
         self.recorder = self.stager.recorder
         for hook in _FORWARDED:  # the block's calls go to the stager, with no call of the engine's between
             setattr(self, hook, getattr(self.stager, hook))
@@ -65,13 +65,15 @@ class FirstOrderEngine(Engine):
                 self._warn_nonfinite(pending)
                 break
 
-    def new_state(self) -> Staging:
-        return Staging()
+    #: (the state's class itself: one call less per pass)
+    new_state = Staging
 
     def _compute(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
         """Stage the call's quantities; returns each parameter's summed gradient where
         the call runs through :class:`hooks.ComputeOnce` (from the same pass, where one
-        is planned), else nothing."""
+        is planned), else nothing. (A parameter used by this call alone and staged here
+        first gets all the engine's quantities: what its stager's recipes replay, see
+        :meth:`Stager.planned`.)"""
         stager = self.stager
         params = stager.params(rec)
         grads: dict[str, Tensor] = {}
@@ -107,31 +109,39 @@ class FirstOrderEngine(Engine):
     def finish(self, run: Staging) -> list[Write]:
         """End of the backward pass: finish the partial records and the summed
         parameters, sum over the ranks what is global; the results, unwritten."""
-        staged = self.stager.settle(run)
-        quantities, sizes, grads, params, batch = {}, {}, {}, {}, 0
+        stager = self.stager
+        staged = stager.settle(run)
+        quantities, sizes, grads, params, batch, seen = {}, {}, {}, {}, 0, set()
         for key, s in staged.items():  # (one loop, not five comprehensions)
             summed = s.summed and "batch_grad" in s.quantities
             quantities[key] = derive(s.quantities["batch_grad"], self.quantities) if summed else dict(s.quantities)
             sizes[key], grads[key], params[key] = s.batch_size, s.grad, s.param
             batch = max(batch, s.batch_size)
-        self.stager.check_batch_sizes(run.names, sizes)
-        self.stager.check_one_row(run.names, sizes)
+            seen.add(s.batch_size)
+        if len(seen) > 1 or 1 in seen:
+            stager.check_batch_sizes(run.names, sizes)
+            stager.check_one_row(run.names, sizes)
+        else:  # one batch size, not one: what the two checks find, without their calls (the offers forgotten)
+            stager.offered = {}
         self._flag_nonfinite(run.names, quantities, grads)
         for group, members in self.groups():
             params.update(
                 (id(p), p) for p in distributed.synchronize(group, members, self.quantities, quantities, sizes, batch)
             )
         sharded = {}
-        for sharding in self.shardings():
+        for sharding in self.shardings() if self.context.sharded else ():  # (no FSDP2 model: none, without a call)
             params.update((id(p), p) for p in sharding.synchronize(self.quantities, quantities, sizes, batch))
             sharded.update(dict.fromkeys(sharding.sharded, sharding))
         writes: list[Write] = []
         for key, param in params.items():  # (loops: one call per parameter and extension, its finalize)
             sharding = sharded.get(key)
             for ext in self.extensions:
-                value = ext.finalize(
-                    self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]
-                )
+                if ext.as_is is not None:  # (what its finalize would return, without the call)
+                    value = quantities[key][ext.as_is]
+                else:
+                    value = ext.finalize(
+                        self._handed(ext, quantities[key]) if ext.overwrites else quantities[key], sizes[key]
+                    )
                 if sharding is None and type(value) is Tensor and value.dtype == param.dtype:
                     writes.append((param, ext.savefield, value))  # (already in its dtype: as _write gives it)
                 else:

@@ -953,7 +953,10 @@ class ComputeOnce(torch.autograd.Function):
         x, *params = ctx.saved_tensors
         needs = ctx.needs_input_grad[4:]
         create_graph = torch.is_grad_enabled()
-        rec.receive(0, g)
+        if len(rec.grads) == 1:  # (rec.receive(0, g), inline for one output, whatever an earlier backward left)
+            rec.task, rec.grads[0], rec.missing = compat.current_graph_task_id(), g, 0
+        else:
+            rec.receive(0, g)
         grads = ctx.on_grad(rec)
         if grads is None or create_graph:
             return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))

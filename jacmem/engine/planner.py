@@ -4,10 +4,13 @@ For one call of one module and one parameter, :func:`plan` chooses a strategy pe
 quantity from the shapes (``choose`` weighs the options; see :mod:`jacmem.engine.strategies`),
 :func:`cached_plan` keeps the plans it made, and :func:`execute`
 runs them, chunking over the batch so that temporary memory stays under a budget.
+A plan that runs whole may be bound to its strategies (:func:`bind`), for a warm step to
+run as it is (:func:`execute_bound`).
 Both engines use it: the first-order one for every recorded call, the second-order
 extensions for the per-sample Jacobian products they need (:func:`compute`).
 
-:func:`execute` is also where the registry's contract is checked: every strategy's
+:func:`execute` is also where the registry's contract is checked (a bound plan ran
+through it first): every strategy's
 result must have the shape and dtype its quantity promises (:func:`check_result`),
 or an error names the module, the parameter and the strategy.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from math import prod
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
@@ -286,6 +290,20 @@ def _blame(err: BaseException, strategy: str) -> None:
             pass
 
 
+def _pass_layout(strategy: Strategy, qs: tuple, per_sample: float, param: Tensor, item: int) -> tuple[bool, float]:
+    """A pass of ``strategy``'s per-sample gradients that gives ``qs``: whether it writes
+    them into the result (asked for, and the strategy takes ``out=``), and its temporary
+    bytes per sample, ``per_sample`` its strategy's own (``item``: bytes per entry). Chunks
+    of per-sample gradients are temporaries (reduced, or copied into the result), so they
+    count, unless the result is asked for and the strategy writes into it, or needs no
+    workspace (then one call writes the result)."""
+    if BATCH_GRAD in qs and strategy.writes_out:
+        return True, per_sample
+    if BATCH_GRAD not in qs or per_sample > 0:
+        return False, per_sample + prod(param.shape) * item
+    return False, per_sample
+
+
 def execute(
     plan: Plan,
     entry: LayerDerivatives,
@@ -325,14 +343,8 @@ def execute(
 
     for name, qs, per_sample in plan.passes:
         strategy = entry.strategies[(param_name, BATCH_GRAD)][name]
-        # Chunks of per-sample gradients are temporaries (reduced, or copied into the
-        # result), so they count, unless the result is asked for and the strategy
-        # writes into it, or needs no workspace (then one call writes the result).
-        into = None
-        if BATCH_GRAD in qs and strategy.writes_out:
-            into = alloc.empty((n, *param.shape), dtype, first.device)
-        elif BATCH_GRAD not in qs or per_sample > 0:
-            per_sample += prod(param.shape) * first.element_size()
+        writes, per_sample = _pass_layout(strategy, qs, per_sample, param, first.element_size())
+        into = alloc.empty((n, *param.shape), dtype, first.device) if writes else None
         where = (module, param_name, name)
 
         def one(xc, gc, out, n, fn=strategy.fn, qs=qs, where=where):
@@ -371,6 +383,94 @@ def compute(
 _NONE: dict = {}
 #: a pass's quantities where it gives the per-sample gradients alone
 _BATCH_GRAD_ALONE = (BATCH_GRAD,)
+#: a pass's quantities where it gives the per-sample gradients and their sum (a ComputeOnce
+#: call's bias, say)
+_WITH_SUM = (BATCH_GRAD, GRAD)
+
+
+class Step(NamedTuple):
+    """One step of a :class:`Plan` for one parameter, bound to its strategy (:func:`bind`).
+
+    ``fn(x, g, **kw)`` runs on the whole batch. ``derived`` None: a strategy of
+    ``quantity``'s own, which gives ``riders`` along (``fn(x, g, also=riders, **kw)`` then
+    returns a dict); else a pass of per-sample gradients, written into a new tensor of
+    shape ``into`` (made by ``empty``, in ``g``'s dtype and on its device) where ``into``
+    is not None, from which the quantities ``derived`` come. ``table``, ``name``,
+    ``strategy``: where the strategy was found, ``entry.strategies[table][name]``, to tell
+    whether it still is."""
+
+    fn: Callable
+    kw: dict
+    quantity: Quantity
+    riders: tuple
+    derived: tuple | None
+    into: tuple | None
+    empty: Callable | None
+    table: tuple[str, str]
+    name: str
+    strategy: Strategy
+
+
+def bind(
+    plan: Plan, entry: LayerDerivatives, hp: dict, param_name: str, param: Tensor, g: Tensor, budget: float
+) -> tuple[Step, ...] | None:
+    """``plan``'s steps for ``param``, bound to their strategies, for an output gradient of
+    ``g``'s shape, dtype and device (:func:`execute_bound` runs them); None where a step
+    must be chunked to stay under ``budget`` bytes (then only :func:`execute` runs the plan)."""
+    n, cap, item = g.shape[0], chunk_budget(budget, g.device), g.element_size()
+    steps = []
+    for q, name, per_sample, riders in plan.direct:
+        if per_sample * n > cap:
+            return None
+        table = (param_name, q.name)
+        strategy = entry.strategies[table][name]
+        steps.append(Step(strategy.fn, _keywords(q, hp), q, riders, None, None, None, table, name, strategy))
+    for name, qs, per_sample in plan.passes:
+        table = (param_name, BATCH_GRAD.name)
+        strategy = entry.strategies[table][name]
+        writes, per_sample = _pass_layout(strategy, qs, per_sample, param, item)
+        if per_sample * n > cap:
+            return None
+        into = (n, *param.shape) if writes else None
+        # torch's own where alloc.empty would leave the result to it (its test, made once here)
+        small = g.device.type != "cpu" or n * prod(param.shape) * item < alloc.HUGE_PAGE_MIN_BYTES
+        empty = torch.empty if small else alloc.empty
+        steps.append(Step(strategy.fn, hp, BATCH_GRAD, (), qs, into, empty, table, name, strategy))
+    return tuple(steps)
+
+
+def execute_bound(bound: tuple[tuple[Step, ...], ...], x, g) -> list[dict[Quantity, Tensor]]:
+    """The quantities of each parameter of one call, by its steps (:func:`bind`), in the
+    order of ``bound``: each strategy on the whole batch, its result unchecked (it was
+    checked when :func:`execute` ran the plan the steps came from); an exception a strategy
+    raises carries its name as ``jacmem_strategy``, as in :func:`execute`. (Loops, and the
+    built-in derivations inline: this runs for every call of a warm step.)"""
+    results = []
+    for steps in bound:
+        values: dict[Quantity, Tensor] = {}
+        for fn, kw, q, riders, derived, into, empty, _, name, _ in steps:
+            try:
+                if derived is None and riders:
+                    got = fn(x, g, also=riders, **kw)
+                    values[q] = got[q]
+                    for k in riders:
+                        values[k] = got[k]
+                elif derived is None:
+                    values[q] = fn(x, g, **kw)
+                else:
+                    out = None if into is None else empty(into, dtype=g.dtype, device=g.device)
+                    bg = fn(x, g, **kw) if out is None else fn(x, g, out=out, **kw)
+                    if derived == _BATCH_GRAD_ALONE or derived == _WITH_SUM:  # (derive's answers, without a call)
+                        values[BATCH_GRAD] = bg
+                        if derived == _WITH_SUM:
+                            values[GRAD] = bg.sum(0)
+                    else:
+                        values.update(derive(bg, derived))
+            except Exception as err:
+                _blame(err, name)
+                raise
+        results.append(values)
+    return results
 
 
 #: the key :func:`cached_plan` makes (everything :func:`plan` depends on), the module's name, the strategy asked for it and the parameter's
@@ -379,6 +479,20 @@ _BATCH_GRAD_ALONE = (BATCH_GRAD,)
 _PLANS: dict[tuple, tuple[Plan, dict[tuple[str, str, str], Decision]]] = {}
 #: how many plans ``_PLANS`` holds before it starts over
 _MAX_PLANS = 4096
+
+
+def plain(values: Iterable) -> bool:
+    """Whether each of ``values`` is a plain value (None, an int, a float, a string) or a
+    tuple of them (nested): what a key may hold and compare safely (a tensor, a module, a
+    dict may not)."""
+    todo = list(values)
+    while todo:
+        v = todo.pop()
+        if isinstance(v, tuple):
+            todo.extend(v)
+        elif not (v is None or isinstance(v, (int, float, str))):
+            return False
+    return True
 
 
 def trial(
@@ -437,16 +551,10 @@ def cached_plan(
     # is its key, :class:`~jacmem.derivatives.quantities.Quantity`, so two parameterisations
     # are two plans); none where a hyper-parameter or an entry of ``xs`` is not a plain value
     # (a tensor, a module, a dict), so that a plan kept under it could not be trusted. (Made
-    # here, not by a function of its own: this runs for every parameter of every call.)
+    # here, not by a function of its own: this runs for every parameter of every call
+    # that reuses no recipe, :meth:`jacmem.engine.staging.Stager.planned`.)
     key = None
-    todo = [xs, gs, *hp.values()]  # each a plain value, or a tuple of them (nested)
-    while todo:
-        v = todo.pop()
-        if isinstance(v, tuple):
-            todo.extend(v)
-        elif not (v is None or isinstance(v, (int, float, str))):
-            break
-    else:
+    if plain((xs, gs, *hp.values())):
         wanted = frozenset(quantities)
         names = {BATCH_GRAD}
         for q in wanted:

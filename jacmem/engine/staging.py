@@ -17,6 +17,11 @@ ghost factors, it keeps the calls instead, and at the end of the pass
 (:mod:`jacmem.derivatives.tied`) or, where the cost model finds it cheaper, from
 per-sample gradients. What the stager knows of its block comes down to it in the
 block's :class:`jacmem.engine.base.Context`.
+
+A warm step plans nothing: where its engine allows it (first order), each call of a module
+whose last call, in this block or an earlier one, left a recipe that still holds (the same
+layer and registrations, block settings, shapes, dtypes and devices) runs that call's
+strategies, bound, at once (:meth:`Stager.planned`).
 """
 
 from __future__ import annotations
@@ -31,8 +36,8 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import LINEAR_QUANTITIES, derive
-from jacmem.derivatives.registry import Cost
+from jacmem.derivatives.quantities import GRAD, LINEAR_QUANTITIES, derive
+from jacmem.derivatives.registry import VERSION, Cost, unarranged
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
     add_index_terms,
@@ -47,7 +52,19 @@ from jacmem.engine import hooks, precision
 from jacmem.engine.base import Context, Engine
 from jacmem.engine.broadcast import behind_broadcasts
 from jacmem.engine.notices import and_others, listing
-from jacmem.engine.planner import ContractError, batch_size, cached_plan, chunk_budget, execute, itemsize, shapes
+from jacmem.engine.planner import (
+    ContractError,
+    Step,
+    batch_size,
+    bind,
+    cached_plan,
+    chunk_budget,
+    execute,
+    execute_bound,
+    itemsize,
+    plain,
+    shapes,
+)
 from jacmem.engine.recorder import TRACKED, Recorder, tracked_name
 
 
@@ -102,6 +119,26 @@ class _Staged:
     def add(self, values: dict[str, Tensor]) -> None:
         for q, v in values.items():
             self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
+
+
+class _Recipe(NamedTuple):
+    """How one call of a module computed its parameters' quantities, kept for the module's
+    next call (:meth:`Stager.planned`): ``key``, everything that decided it (see there);
+    ``bound``, each parameter's planned steps bound to their strategies
+    (:func:`jacmem.engine.planner.bind`); ``decisions``, the strategies' choices, as
+    ``explain()`` reads them; ``extra``: whether the summed gradient was computed for
+    ComputeOnce alone (no extension asks for it)."""
+
+    key: tuple
+    bound: tuple[tuple[Step, ...], ...]
+    decisions: dict
+    extra: bool
+
+
+#: module -> the recipe of its last call that kept one: kept past the block, so that the
+#: next step's call of the same kind runs its strategies at once (a cache: a recipe is
+#: used only where everything that made it holds, and gives what planning afresh gives)
+_RECIPES: weakref.WeakKeyDictionary[nn.Module, _Recipe] = weakref.WeakKeyDictionary()
 
 
 class Staging:
@@ -179,7 +216,8 @@ class Stager:
     ``stage_call(run, rec)`` stages one call's quantities (with :meth:`stage`,
     :meth:`keep`, :meth:`compute`) and returns the summed gradients of a call through
     ComputeOnce; ``unsupported(rec, params)`` raises for parameters of a call that no
-    derivative covers; ``check(rec)``, where given, refuses a call before it is computed."""
+    derivative covers; ``check(rec)``, where given, refuses a call before it is computed;
+    ``recipes``: see :attr:`recipes`."""
 
     def __init__(
         self,
@@ -190,8 +228,13 @@ class Stager:
         stage_call: Callable[[Any, hooks.Record], dict[str, Tensor]],
         unsupported: Callable[[hooks.Record, list[str]], None],
         check: Callable[[hooks.Record], None] | None = None,
+        recipes: bool = False,
     ):
         self.engine, self.extensions, self.quantities = engine, extensions, quantities
+        #: whether ``stage_call`` stages each parameter of a call used by that call alone,
+        #: staged first, with all of ``quantities`` (and the summed gradient of a call through
+        #: ComputeOnce): then a call runs its module's recipe where one holds (:meth:`planned`)
+        self.recipes = recipes
         self.stage_call, self.unsupported, self.check = stage_call, unsupported, check
         self.strategies, self.chunk_bytes = context.strategies, context.chunk_bytes
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
@@ -241,7 +284,7 @@ class Stager:
                         offered.setdefault((t.shape[1], 1), model)
 
     def on_backward(self, tensors, grad_tensors, alone: bool, reached: list) -> None:
-        if self.models():  # tracked: a forward that ran before the block was not checked
+        if TRACKED and self.models():  # tracked: a forward that ran before the block was not checked
             _refuse_broadcasts(compat.tree_flatten(tensors)[0])
 
     def on_forward(self, module, args, kwargs, output):
@@ -277,14 +320,18 @@ class Stager:
         if rec.broadcast is not None and rec.broadcast.uses:
             _check_broadcast(rec)
             return None  # the records of its uses give its per-sample quantities
-        run = self.passes.current().state(self.engine)  # (Passes.state, one call less)
+        current = self.passes.current()
+        run = current.states.get(self.engine)  # (Pass.state, inline: calls less)
+        if run is None:
+            run = current.states[self.engine] = self.engine.new_state()
         if rec.missing:
             run.partial.append(rec)
             return None
         try:
             return self._process(run, rec)
-        finally:
-            rec.reset()
+        finally:  # (rec.reset(), inline: this runs for every call)
+            rec.grads = [None] * len(rec.grads)
+            rec.missing = len(rec.grads)
 
     def _process(self, run: Staging, rec: hooks.Record) -> dict[str, Tensor]:
         if self.check is not None:
@@ -305,10 +352,16 @@ class Stager:
         first = rec.grads[0]
         device = first.device if isinstance(first, Tensor) else precision.device_of(rec.grads)
         try:
-            if not torch.is_grad_enabled() and not torch.is_autocast_enabled(device.type):
-                return self.stage_call(run, rec)  # (a backward's usual mode: what computing() makes, with no call)
-            with precision.computing(device):
-                return self.stage_call(run, rec)
+            if torch.is_grad_enabled() or torch.is_autocast_enabled(device.type):
+                with precision.computing(device):
+                    return self.stage_call(run, rec)
+            # a backward's usual mode (what computing() makes, with no call), where recipes run
+            grads, key = self.planned(run, rec) if self.recipes else (None, None)
+            if grads is None:
+                grads = self.stage_call(run, rec)
+                if key is not None:
+                    self.remember(rec, key)
+            return grads
         except (ContractError, MixedBatchesError):
             raise
         except Exception as err:
@@ -331,12 +384,93 @@ class Stager:
             f"({type(rec.module).__name__}) failed: {text}{where}." + hint
         )
 
+    def planned(self, run: Staging, rec: hooks.Record) -> tuple[dict[str, Tensor] | None, tuple | None]:
+        """Stage the quantities of a call whose module's last call kept a recipe that holds
+        (:meth:`remember`): the same layer and registrations, block settings, name, shapes,
+        dtypes and devices of its input, output gradient and the parameters this backward
+        computes, each of them staged first here and used by this call alone; its
+        strategies run at once, with no plan, cast, check or chunk (its first call had
+        them). Returns ``(grads, key)``: ``grads`` as :meth:`_process` returns them, or
+        None where no recipe holds; ``key``, what a recipe made by this call would hold
+        for, None where it may not keep one (a parameter shared, a layout arranged, a
+        hyper-parameter not a plain value, a strategy asked for by module)."""
+        x, grads, entry, hp = rec.x, rec.grads, rec.entry, rec.hp
+        g = grads[0]
+        if (
+            len(grads) != 1 or not isinstance(g, Tensor) or not (x is None or isinstance(x, Tensor))
+            or entry.arrange is not unarranged or not (rec.batch_first or entry.own_layout)
+            or self.strategies.overrides or (hp and not plain(hp.values()))
+        ):  # fmt: skip
+            return None, None
+        # the parameters this backward computes, as :meth:`params` finds them (a loop, inline:
+        # this runs for every call)
+        supported, live, staged, executed = rec.supported, rec.uses.live, run.staged, compat.executed(rec.nodes)
+        params, meta = {}, []
+        for pname, p in rec.params.items():
+            if pname in supported and pname in executed:
+                if live[id(p)] > 1 or id(p) in staged:
+                    return None, None  # shared: its calls are summed or kept
+                params[pname] = p
+                meta.extend((pname, p.shape, p.dtype, p.device))
+        if not params:
+            return None, None  # (nothing to compute: the engine returns at once)
+        strategies = self.strategies
+        key = (
+            entry, VERSION[0], rec.name, rec.once, rec.batch_first, self.quantities, strategies.default,
+            strategies.autotune, self.chunk_bytes, g.shape, g.dtype, g.device, tuple(hp.items()), tuple(meta),
+            None if x is None else (x.shape, x.dtype, x.device),
+        )  # fmt: skip
+        recipe = _RECIPES.get(rec.module)
+        if recipe is None or recipe.key != key:
+            return None, key
+        for steps in recipe.bound:  # each still bound to the strategy its table holds (one replaced in place)
+            for step in steps:
+                if entry.strategies.get(step.table, _NO_TABLE).get(step.name) is not step.strategy:
+                    return None, key
+        strategies.decisions.update(recipe.decisions)  # (the decisions taken then, as explain()'s)
+        values = execute_bound(recipe.bound, x if x is None else x.detach(), g.detach())
+        n, once, grads = g.shape[0], rec.once, {}
+        for (pname, param), v in zip(params.items(), values):  # (as stage() makes a parameter's first staging)
+            s = staged[id(param)] = _Staged(param, n, False)
+            run.names[id(param)] = rec.name
+            if once:
+                grads[pname] = s.grad = (v.pop(GRAD) if recipe.extra else v[GRAD]).to(param.dtype)
+            s.quantities = v
+        return grads, key
+
+    def remember(self, rec: hooks.Record, key: tuple) -> None:
+        """Keep how ``stage_call`` just computed the quantities of this call's parameters
+        (each staged first, by this call alone: see :attr:`recipes`), as :meth:`planned`
+        reuses it under ``key``: its plans (:func:`~jacmem.engine.planner.cached_plan`, as
+        it just made them), bound. None is kept where the call's input or output gradient
+        had to be cast to the compute dtype, its batch is empty, or a step must be chunked."""
+        x, g, params = rec.x, rec.grads[0], self.params(rec)
+        extra = {"grad"} - self.quantities if rec.once else set()
+        wanted = self.quantities | extra
+        dtype = precision.compute_dtype(params.values())
+        if g.dtype != dtype or (x is not None and x.dtype != dtype) or not g.shape[0]:
+            return
+        xs, gs, size = None if x is None else tuple(x.shape), tuple(g.shape), g.element_size()
+        bound = []
+        for pname, param in params.items():
+            chosen = cached_plan(
+                self.strategies, rec.module, rec.name, rec.entry, rec.hp, xs, gs, size, pname, param,
+                wanted, x, g, self.chunk_bytes,
+            )  # fmt: skip
+            steps = bind(chosen, rec.entry, rec.hp, pname, param, g, self.chunk_bytes)
+            if steps is None:
+                return
+            bound.append(steps)
+        # the plans' decisions, in the order they were taken (explain()'s)
+        decisions = {k: d for k, d in self.strategies.decisions.items() if k[0] == rec.name and k[1] in params}
+        _RECIPES[rec.module] = _Recipe(key, tuple(bound), decisions, bool(extra))
+
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:
         """The call's parameters that its layer covers and this backward pass computes."""
-        supported, params = rec.supported, {}
+        supported, executed, params = rec.supported, compat.executed(rec.nodes), {}
         for n, p in rec.params.items():  # (a loop, not a comprehension: this runs for every call)
-            if n in supported and compat.will_engine_execute_node(rec.nodes[n]):
+            if n in supported and n in executed:
                 params[n] = p
         return params
 
@@ -619,6 +753,9 @@ def _recomputed_notice(label: str, fields: str) -> Callable[[list[str]], str]:
         )
 
     return say
+
+
+_NO_TABLE: dict = {}
 
 
 def _index_rows(rec: hooks.Record, param: nn.Parameter, dtype: torch.dtype) -> Tensor | None:

@@ -23,11 +23,20 @@ from jacmem.derivatives.quantities import BATCH_GRAD, BATCH_L2, GRAD, SUM_GRAD_S
 class FirstOrderExtension:
     """Base class: ``savefield`` is the parameter attribute the result goes to.
     ``overwrites``: quantities whose tensors ``finalize`` may reuse for its result (the
-    engine hands it a copy of one that another extension of the block reads too)."""
+    engine hands it a copy of one that another extension of the block reads too).
+    ``as_is``: the quantity that ``finalize`` returns as it is, if it does (the engine then
+    takes it without the call); a subclass that defines ``finalize`` and not ``as_is``
+    has None."""
 
     savefield: str = ""
     quantities: tuple[Quantity, ...] = ()
     overwrites: tuple[Quantity, ...] = ()
+    as_is: Quantity | None = None
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "finalize" in cls.__dict__ and "as_is" not in cls.__dict__:
+            cls.as_is = None  # its own finalize: the engine calls it
 
     def finalize(self, q: dict[Quantity, Tensor], batch_size: int) -> Tensor:
         raise NotImplementedError
@@ -70,11 +79,13 @@ class BatchGrad(FirstOrderExtension):
     ``subsampling`` (a list of sample indices), those samples' only,
     ``[len(subsampling), *param.shape]``."""
 
-    savefield, quantities = "grad_batch", (BATCH_GRAD,)
+    savefield, quantities, as_is = "grad_batch", (BATCH_GRAD,), BATCH_GRAD
 
     def __init__(self, subsampling: Iterable[int] | None = None):
         # (no subsampling, most blocks: nothing to check, and no call; one is made at every step)
         self.subsampling = None if subsampling is None else checked_subsampling(subsampling, "BatchGrad")
+        if self.subsampling is not None:
+            self.as_is = None  # its samples' rows, by finalize
         #: (device, batch size) -> the subsampling's index tensor, made on the first pass
         self._indices: dict[tuple[torch.device, int], Tensor] = {}
 
@@ -90,7 +101,7 @@ class BatchGrad(FirstOrderExtension):
 class BatchL2Grad(FirstOrderExtension):
     """Squared norms of the per-sample gradients, ``param.batch_l2``: ``[N]``."""
 
-    savefield, quantities = "batch_l2", (BATCH_L2,)
+    savefield, quantities, as_is = "batch_l2", (BATCH_L2,), BATCH_L2
 
     def finalize(self, q, batch_size):
         return q[BATCH_L2]
@@ -99,7 +110,7 @@ class BatchL2Grad(FirstOrderExtension):
 class SumGradSquared(FirstOrderExtension):
     """Sum of the squared per-sample gradients, ``param.sum_grad_squared``: ``param.shape``."""
 
-    savefield, quantities = "sum_grad_squared", (SUM_GRAD_SQUARED,)
+    savefield, quantities, as_is = "sum_grad_squared", (SUM_GRAD_SQUARED,), SUM_GRAD_SQUARED
 
     def finalize(self, q, batch_size):
         return q[SUM_GRAD_SQUARED]

@@ -23,12 +23,13 @@ def test_graph_task_callbacks_and_will_execute():
     def hook(grad):
         seen.append((compat.current_graph_task_id(), compat.will_engine_execute_node(w_node)))
         seen.append(compat.will_engine_execute_node(v_node))
+        seen.append(compat.executed({"v": v_node, "w": w_node}))
         compat.queue_callback(lambda: done.append(len(seen)))
 
     y.grad_fn.register_prehook(lambda grads: hook(grads[0]))
     y.backward(inputs=[w])
-    assert seen[0][0] != -1 and seen[0][1] is True and seen[1] is False
-    assert done == [2], "the callback runs once, at the end of the pass"
+    assert seen[0][0] != -1 and seen[0][1] is True and seen[1] is False and seen[2] == ["w"]
+    assert done == [3], "the callback runs once, at the end of the pass"
 
 
 def test_grad_captures():
@@ -39,10 +40,12 @@ def test_grad_captures():
     seen = []
     y = (w * 2 + v * 3).sum() * 1.0
     y.grad_fn.register_prehook(lambda grads: seen.append([compat.grad_captures(n) for n in nodes]))
+    y.grad_fn.register_prehook(lambda grads: seen.append(compat.executed(dict(zip("wv", nodes)))))
     torch.autograd.grad(y, w, retain_graph=True)
     y.backward(retain_graph=True)
     y.backward(inputs=[w])
-    assert seen == [[True, False], [False, False], [False, False]]
+    # (a captured leaf counts as executed)
+    assert seen == [[True, False], ["w"], [False, False], ["w", "v"], [False, False], ["w"]]
 
 
 def test_functorch_and_backward_hook_nodes():
