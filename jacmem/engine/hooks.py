@@ -584,10 +584,14 @@ class Record:
         #: the live records of the recorder that made this one, by parameter
         self.uses = uses
         keys = []  # counted in ``uses`` for each of its parameters (a loop, not a comprehension: at every call)
+        users = uses.users
         for p in params.values():
             key = id(p)
             keys.append(key)
-            uses.users.setdefault(key, weakref.WeakSet()).add(self)
+            known = users.get(key)  # (no setdefault: it would make a set at every call)
+            if known is None:
+                known = users[key] = weakref.WeakSet()
+            known.add(self)
         uses.live.update(keys)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
@@ -759,12 +763,15 @@ def record(
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
-        x = args[0]
+        # the input as the layer took it (``rec.x`` may be re-laid batch-first): ``x`` above where
+        # that detached it, as most calls do
+        kept_x = x if isinstance(first, Tensor) else args[0].detach()
         hp = jac.hyperparams(module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
-        kept_x = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
-        fused = ComputeOnce.apply(
-            rec, on_grad, lambda S: jac.backprop((kept_x,), None, S, hp), [output.detach()], x, *params.values()
-        )
+        vjp = (
+            functools.partial(jac.vjp, kept_x, **hp) if jac.vjp is not None
+            else lambda g: jac.backprop((kept_x,), None, g.unsqueeze(0), hp)[0][0]
+        )  # fmt: skip
+        fused = ComputeOnce.apply(rec, on_grad, vjp, [output.detach()], args[0], *params.values())
         rec.once = True
         nodes = fused.grad_fn.next_functions
         rec.nodes = {}
@@ -931,7 +938,8 @@ class ComputeOnce(torch.autograd.Function):
     autograd would compute the weight gradient, and the block the per-sample
     gradients, whose sum it is: twice the work. In this Function's backward,
     ``on_grad(record)`` computes the per-sample quantities and, from the same pass,
-    each parameter's summed gradient; the input gradient is the layer's ``jac_t``.
+    each parameter's summed gradient; the input gradient is ``vjp(g)``, the layer's
+    (:attr:`~jacmem.derivatives.registry.Passthrough.vjp`, else its ``jac_t``).
     The forward's result is reused (its own graph is dropped), so the forward runs once.
 
     Where ``on_grad`` gives no gradients (the block has ended, or another thread runs
@@ -940,8 +948,8 @@ class ComputeOnce(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rec: Record, on_grad: OnGrad, jac_t: Callable, out: list, x: Tensor, *params: Tensor):
-        ctx.rec, ctx.on_grad, ctx.jac_t = rec, on_grad, jac_t
+    def forward(ctx, rec: Record, on_grad: OnGrad, vjp: Callable, out: list, x: Tensor, *params: Tensor):
+        ctx.rec, ctx.on_grad, ctx.vjp = rec, on_grad, vjp
         ctx.save_for_backward(x, *params)  # x is the record's input: no copy
         # the forward's result, detached; passed in a list, as an input tensor returned
         # as it is would become a view, which in-place ops (ReLU(inplace=True)) may not touch
@@ -960,7 +968,7 @@ class ComputeOnce(torch.autograd.Function):
         grads = ctx.on_grad(rec)
         if grads is None or create_graph:
             return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
-        gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
+        gx = ctx.vjp(g) if needs[0] else None
         out = [None, None, None, None, gx]
         for name in rec.params:
             out.append(grads.get(name))

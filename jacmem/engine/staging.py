@@ -96,7 +96,7 @@ class _Kept(NamedTuple):
 class _Staged:
     """What one backward pass has computed so far for one parameter."""
 
-    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls", "early", "gathered")
+    __slots__ = ("param", "batch_size", "quantities", "summed", "checksum", "calls", "early", "gathered")
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
@@ -104,9 +104,11 @@ class _Staged:
         #: a parameter shared by several calls whose quantities may come from ghost
         #: factors: each call so far; ``None`` once its per-sample gradients are staged instead
         self.calls: list[_Kept] | None = []
-        #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
-        #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
-        self.grad: Tensor | None = None
+        #: the sum of the summed gradient, where this pass computed it (ComputeOnce), a 0-dim
+        #: tensor: NaN or Inf in any per-sample quantity puts NaN or Inf in it, so the check
+        #: reads it instead. (Taken at the call: the block holds no reference to the gradient,
+        #: which autograd then moves into ``.grad`` without a copy.)
+        self.checksum: Tensor | None = None
         #: ``sum_grad_squared`` and ``grad`` of the first kept call whose ghost factor
         #: ``r`` is dense (an LM head's), computed at its call from its own per-sample
         #: products, which give the summed gradient that call returns too (ComputeOnce)
@@ -428,13 +430,17 @@ class Stager:
                 if entry.strategies.get(step.table, _NO_TABLE).get(step.name) is not step.strategy:
                     return None, key
         strategies.decisions.update(recipe.decisions)  # (the decisions taken then, as explain()'s)
-        values = execute_bound(recipe.bound, x if x is None else x.detach(), g.detach())
+        # (detached only where they need a gradient: outside create_graph, which plans afresh, neither does)
+        if x is not None and x.requires_grad:
+            x = x.detach()
+        values = execute_bound(recipe.bound, x, g.detach() if g.requires_grad else g)
         n, once, grads = g.shape[0], rec.once, {}
         for (pname, param), v in zip(params.items(), values):  # (as stage() makes a parameter's first staging)
             s = staged[id(param)] = _Staged(param, n, False)
             run.names[id(param)] = rec.name
             if once:
-                grads[pname] = s.grad = (v.pop(GRAD) if recipe.extra else v[GRAD]).to(param.dtype)
+                grads[pname] = grad = (v.pop(GRAD) if recipe.extra else v[GRAD]).to(param.dtype)
+                s.checksum = grad.sum()
             s.quantities = v
         return grads, key
 
@@ -536,7 +542,7 @@ class Stager:
         # gradient it gets while another reference lives is neither stolen into .grad nor
         # added to in place, so :func:`add_index_terms` may add to it at the end of the pass.
         grad = staged.early["grad"] if "grad" in self.quantities else staged.early.pop("grad")
-        staged.grad = grad if staged.grad is None else staged.grad + grad
+        staged.checksum = grad.sum() if staged.checksum is None else staged.checksum + grad.sum()
         return {pname: grad.to(staged.param.dtype)}
 
     def _materialise(self, staged: _Staged) -> None:
