@@ -476,7 +476,11 @@ class Recipe:
     call (its ``entry`` and trainable ``params``), the names its layer covers
     (``supported``) and, for a layer that may run through :class:`ComputeOnce` with each of
     them, its passthrough (``jac``, :func:`_layer_passthrough`), filled in at its first
-    recorded call (:meth:`find`).
+    recorded call (:meth:`find`); and ``plans``, the backward's: how the module's last call
+    that kept them computed its parameters' quantities, its plans bound to their strategies
+    (:class:`jacmem.engine.staging.BoundPlans`, which holds the key it holds for), None until
+    then. Forward and backward keep one recipe per module, in one cache; a recipe found
+    again takes over the plans of the one it replaces, which hold only while their key does.
 
     It holds while the registry (:data:`jacmem.derivatives.registry.VERSION`), the
     module's type and that type's ``forward``, its own parameters (which tensors, and
@@ -484,7 +488,7 @@ class Recipe:
 
     __slots__ = (
         "cls", "forward", "version", "slots", "grads", "children", "known", "reads", "whole", "entry", "params",
-        "supported", "jac",
+        "supported", "jac", "plans",
     )  # fmt: skip
 
     def __init__(self, module: nn.Module, own: dict, children: dict):
@@ -506,6 +510,7 @@ class Recipe:
         self.params: dict[str, nn.Parameter] | None = None
         self.supported: tuple[str, ...] = ()
         self.jac: Passthrough | None = None
+        self.plans: Any = None
 
     def find(self, module: nn.Module) -> None:
         """Fill in what :func:`counted` finds for a call of ``module`` (a :attr:`whole` one)."""
@@ -540,7 +545,10 @@ def recipe(module: nn.Module) -> Recipe:
                     break
             else:
                 return found
-    found = _RECIPES[module] = Recipe(module, own, children)
+    stale, found = found, Recipe(module, own, children)
+    if stale is not None:  # the backward's plans hold by their own key (a swapped parameter of one kind keeps them)
+        found.plans = stale.plans
+    _RECIPES[module] = found
     return found
 
 
@@ -549,11 +557,15 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
+        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "recipe",
+        "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None, recipe=None):
         self.module: nn.Module = module
+        #: the module's :class:`Recipe` as the call found it, where its recorder had it (the
+        #: backward keeps its bound plans there): None where not
+        self.recipe: Recipe | None = recipe
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
         #: the names of the parameters the layer covers (``entry.params``, where not given: a
@@ -735,7 +747,7 @@ def record(
     first = args[0] if keeps is not None and n is None and keeps.keep is first_input and args else None
     # (kept(), inline where the layer keeps its first input, a tensor, as it is: most calls, one call less)
     x = first.detach() if isinstance(first, Tensor) else kept(keeps, n, args, kwargs)
-    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported)
+    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported, known)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)

@@ -123,9 +123,12 @@ class _Staged:
             self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
 
 
-class _Recipe(NamedTuple):
+class BoundPlans(NamedTuple):
     """How one call of a module computed its parameters' quantities, kept for the module's
-    next call (:meth:`Stager.planned`): ``key``, everything that decided it (see there);
+    next call (:meth:`Stager.planned`) on the module's recipe (:attr:`jacmem.engine.hooks.Recipe.plans`:
+    kept past the block, so that the next step's call of the same kind runs its strategies
+    at once; a cache: it is used only where everything that made it holds, and gives what
+    planning afresh gives): ``key``, everything that decided it (see there);
     ``bound``, each parameter's planned steps bound to their strategies
     (:func:`jacmem.engine.planner.bind`); ``decisions``, the strategies' choices, as
     ``explain()`` reads them; ``extra``: whether the summed gradient was computed for
@@ -135,12 +138,6 @@ class _Recipe(NamedTuple):
     bound: tuple[tuple[Step, ...], ...]
     decisions: dict
     extra: bool
-
-
-#: module -> the recipe of its last call that kept one: kept past the block, so that the
-#: next step's call of the same kind runs its strategies at once (a cache: a recipe is
-#: used only where everything that made it holds, and gives what planning afresh gives)
-_RECIPES: weakref.WeakKeyDictionary[nn.Module, _Recipe] = weakref.WeakKeyDictionary()
 
 
 class Staging:
@@ -422,7 +419,8 @@ class Stager:
             strategies.autotune, self.chunk_bytes, g.shape, g.dtype, g.device, tuple(hp.items()), tuple(meta),
             None if x is None else (x.shape, x.dtype, x.device),
         )  # fmt: skip
-        recipe = _RECIPES.get(rec.module)
+        known = rec.recipe if rec.recipe is not None else hooks.recipe(rec.module)
+        recipe = known.plans
         if recipe is None or recipe.key != key:
             return None, key
         for steps in recipe.bound:  # each still bound to the strategy its table holds (one replaced in place)
@@ -469,7 +467,8 @@ class Stager:
             bound.append(steps)
         # the plans' decisions, in the order they were taken (explain()'s)
         decisions = {k: d for k, d in self.strategies.decisions.items() if k[0] == rec.name and k[1] in params}
-        _RECIPES[rec.module] = _Recipe(key, tuple(bound), decisions, bool(extra))
+        known = rec.recipe if rec.recipe is not None else hooks.recipe(rec.module)
+        known.plans = BoundPlans(key, tuple(bound), decisions, bool(extra))
 
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:

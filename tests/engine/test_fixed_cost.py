@@ -612,3 +612,27 @@ def test_a_warm_step_runs_at_most_52_torch_ops():
     assert sum(ops.values()) <= _STEP_OPS, f"{sum(ops.values())} ops: {ops.most_common()}"
     assert not ops.keys() & {"aten.copy_.default", "aten.new_empty_strided.default"}, "a gradient copied"
     _step_matches_the_loop(model, X, y)
+
+
+def test_forward_and_backward_keep_one_recipe_per_module():
+    """The backward's bound plans live on the module's one recipe (the forward's: its
+    entry, parameters, passthrough), in one cache that lets the module go; a registration
+    makes both again, and the step is the loop's."""
+    import gc
+    import weakref
+
+    from jacmem.engine import hooks, staging
+
+    torch.manual_seed(0)
+    model = _model().double()
+    X, y = torch.randn(8, 10, dtype=torch.float64), torch.randint(0, 3, (8,))
+    _step_matches_the_loop(model, X, y)
+    first = [hooks.recipe(model[i]) for i in (0, 2)]
+    assert all(r.plans is not None and r.params is not None for r in first), "one recipe holds both"
+    assert _bound(_step_matches_the_loop(model, X, y)) == 0
+    assert [hooks.recipe(model[i]) for i in (0, 2)] == first, "the same recipes, reused"
+    assert not hasattr(staging, "_RECIPES"), "the backward keeps no cache of its own"
+    linear = weakref.ref(model[2])
+    del model
+    gc.collect()
+    assert linear() is None, "the cache let the module go"
