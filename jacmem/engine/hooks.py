@@ -16,7 +16,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -57,7 +57,7 @@ class Uses:
 
     def __init__(self):
         #: id(parameter) -> the number of records alive that will contribute to it
-        self.live: Counter = Counter()
+        self.live: dict[int, int] = {}  # (a dict, not a Counter: its update and del are Python calls)
         #: id(parameter) -> those records (while ``live`` counts any; a record released
         #: early may still be listed until it is freed)
         self.users: dict[int, weakref.WeakSet] = {}
@@ -66,10 +66,13 @@ class Uses:
 
     def release(self, keys: list[int]) -> None:
         """Take a record out: ``keys``, the ids of its parameters."""
+        live = self.live
         for key in keys:
-            self.live[key] -= 1
-            if self.live[key] <= 0:
-                del self.live[key]
+            n = live.get(key, 0) - 1
+            if n > 0:
+                live[key] = n
+            else:
+                live.pop(key, None)
                 self.users.pop(key, None)
 
 
@@ -596,15 +599,15 @@ class Record:
         #: the live records of the recorder that made this one, by parameter
         self.uses = uses
         keys = []  # counted in ``uses`` for each of its parameters (a loop, not a comprehension: at every call)
-        users = uses.users
+        users, live = uses.users, uses.live
         for p in params.values():
             key = id(p)
             keys.append(key)
+            live[key] = live.get(key, 0) + 1
             known = users.get(key)  # (no setdefault: it would make a set at every call)
             if known is None:
                 known = users[key] = weakref.WeakSet()
             known.add(self)
-        uses.live.update(keys)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
         self.release = weakref.finalize(self, uses.release, keys)
@@ -639,7 +642,7 @@ class Record:
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record of the same recorder will also contribute to ``param``."""
-        return self.uses.live[id(param)] > 1
+        return self.uses.live.get(id(param), 0) > 1
 
     def others(self, param: nn.Parameter) -> list[Record]:
         """The other live records of the same recorder that contribute to ``param`` (those

@@ -407,7 +407,7 @@ class Stager:
         params, meta = {}, []
         for pname, p in rec.params.items():
             if pname in supported and pname in executed:
-                if live[id(p)] > 1 or id(p) in staged:
+                if live.get(id(p), 0) > 1 or id(p) in staged:
                     return None, None  # shared: its calls are summed or kept
                 params[pname] = p
                 meta.extend((pname, p.shape, p.dtype, p.device))
@@ -483,7 +483,7 @@ class Stager:
         """The parameter's staging in this pass, made on its first call; a parameter
         shared by several calls (``summed``) sums their per-sample gradients."""
         staged = run.staged.get(id(param))
-        summed = rec.uses.live[id(param)] > 1 or (staged is not None and staged.summed)  # (rec.shared, inline)
+        summed = rec.uses.live.get(id(param), 0) > 1 or (staged is not None and staged.summed)  # (rec.shared, inline)
         if staged is None:
             staged = run.staged[id(param)] = _Staged(param, n, summed)
             run.names[id(param)] = rec.name
