@@ -59,8 +59,17 @@ class Uses:
         #: id(parameter) -> the number of records alive that will contribute to it
         self.live: dict[int, int] = {}  # (a dict, not a Counter: its update and del are Python calls)
         #: id(parameter) -> those records (while ``live`` counts any; a record released
-        #: early may still be listed until it is freed)
-        self.users: dict[int, weakref.WeakSet] = {}
+        #: early may still be listed until it is freed): a weak reference to the first, a
+        #: WeakSet from the second on (most parameters have one record: no set made)
+        self.users: dict[int, weakref.ref | weakref.WeakSet] = {}
+
+    def of(self, key: int) -> list:
+        """The records listed for the parameter ``key`` (``id(parameter)``) still alive."""
+        known = self.users.get(key)
+        if type(known) is weakref.ref:
+            rec = known()
+            return [] if rec is None else [rec]
+        return [] if known is None else list(known)
 
     # (A record counts itself in, in Record.__init__: a call less at every recorded call.)
 
@@ -604,10 +613,13 @@ class Record:
             key = id(p)
             keys.append(key)
             live[key] = live.get(key, 0) + 1
-            known = users.get(key)  # (no setdefault: it would make a set at every call)
+            known = users.get(key)  # (no set at a parameter's first record: see Uses.users)
             if known is None:
-                known = users[key] = weakref.WeakSet()
-            known.add(self)
+                users[key] = weakref.ref(self)
+            elif type(known) is weakref.ref:
+                users[key] = weakref.WeakSet(uses.of(key) + [self])
+            else:
+                known.add(self)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
         self.release = weakref.finalize(self, uses.release, keys)
@@ -647,7 +659,7 @@ class Record:
     def others(self, param: nn.Parameter) -> list[Record]:
         """The other live records of the same recorder that contribute to ``param`` (those
         of this pass's calls among them)."""
-        return [rec for rec in self.uses.users.get(id(param), ()) if rec is not self]
+        return [rec for rec in self.uses.of(id(param)) if rec is not self]
 
     def complete(self) -> None:
         """Zeros for the gradients that did not arrive."""
