@@ -124,7 +124,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            wrapper = WRAPPERS.get(type(args[0])) if args else False
+            wrapper = _WRAPPERS_BY_REF.get(weakref.ref(type(args[0]))) if args else False  # (WRAPPERS.get)
             if wrapper is None:
                 wrapper = _is_wrapper(args[0])
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
@@ -140,7 +140,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
                         if len(args) == 2 or len(args) == 3 and args[2] is not None:  # (a forward that raised: on)
                             # (passes_inside(), inline: at every call of a layer)
                             cls = type(args[0])
-                            layer = _LAYERS.get(cls)
+                            layer = _LAYERS_BY_REF.get(weakref.ref(cls))  # (_LAYERS.get)
                             if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
                                 layer = _layer(cls)
                             if layer[2]:
@@ -172,6 +172,9 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 #: module type -> (the registry's version, the type's ``forward``, whether it is registered
 #: then), for :func:`passes_inside`
 _LAYERS: weakref.WeakKeyDictionary[type, tuple[int, Callable, bool]] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`_LAYERS`, by weak reference: ``_LAYERS_BY_REF.get(weakref.ref(cls))`` is
+#: ``_LAYERS.get(cls)`` with no Python frame (a hook reads it at every call)
+_LAYERS_BY_REF = _LAYERS.data
 
 
 def _layer(cls: type) -> tuple[int, Callable, bool]:
@@ -243,6 +246,8 @@ def _has_trainable(module: nn.Module) -> bool:
 #: never changes: kept, so that a module call asks once per type, not at each hook; the
 #: block reads it too, without a call)
 WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`WRAPPERS`, read as :data:`_LAYERS_BY_REF` is
+_WRAPPERS_BY_REF = WRAPPERS.data
 
 
 def _is_wrapper(module: Any) -> bool:
@@ -534,6 +539,8 @@ class Recipe:
 
 #: module -> its :class:`Recipe`
 _RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`_RECIPES`, read as :data:`_LAYERS_BY_REF` is
+_RECIPES_BY_REF = _RECIPES.data
 
 
 def recipe(module: nn.Module) -> Recipe:
@@ -541,7 +548,7 @@ def recipe(module: nn.Module) -> Recipe:
     at every call, without a call: the registry's version, the type, its ``forward``,
     the parameters and the submodules), else found now."""
     own, children = compat.own_slots(module)
-    found = _RECIPES.get(module)
+    found = _RECIPES_BY_REF.get(weakref.ref(module))  # (_RECIPES.get)
     cls = type(module)
     if (
         found is not None and found.version == VERSION[0] and found.cls is cls and found.forward is cls.forward

@@ -301,9 +301,10 @@ class Stager:
         known = hooks.recipe(module)
         if not known.reads and not known.known:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
-        if TRACKED and tracked_name(module) is not None:  # (none tracked: asked without a call)
+        if TRACKED.data and tracked_name(module) is not None:  # (none tracked: asked without a call, nor __len__'s)
             return None  # its tracker records it
-        name = self.names.get(module) or self.name(module)  # (Context.name, its first step inline: most calls)
+        # (Context.name, its first step inline, and names.get without a Python frame: most calls)
+        name = self.names.data.get(weakref.ref(module)) or self.name(module)
         return self.recorder.record(module, args, kwargs, output, name, known)
 
     @property
