@@ -12,39 +12,19 @@ any batch split and under ``torch.compile``; the kronecker kind never allocates
 
 from __future__ import annotations
 
-import hashlib
-import math
-
 import pytest
 import torch
 from tests.support.allocations import Allocations
+from tests.support.projection import DT, dense_rule, kronecker_rule
 from tests.support.reference import cross_entropy, mse, per_sample_grads
 from torch import Tensor, nn
 
 import jacmem
 
-DT = torch.float64
-BLOCK = 4096  # the dense rule's block of columns, as documented
 
-
-def drawn(seed: int, name: str, rows: int, cols: int) -> Tensor:
-    """The documented rule: ``[rows, cols]`` of N(0, 1/rows) from ``(seed, name)``."""
-    key = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
-    gen = torch.Generator().manual_seed(key & (2**63 - 1))
-    return torch.randn(rows, cols, generator=gen, dtype=DT) / math.sqrt(rows)
-
-
-def balanced(dim: int) -> tuple[int, int]:
-    k_out = max(d for d in range(1, dim + 1) if dim % d == 0 and d * d <= dim)
-    return k_out, dim // k_out
-
-
-def as_matrix(module: nn.Module, grads: Tensor) -> Tensor | None:
-    """A weight's per-sample gradients ``[N, *w.shape]`` as ``[N, rows, cols]``, as stored
-    (a convolution's kernel axes flattened), for the layers with a kronecker rule (None for
-    the rest)."""
-    kronecker = (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)
-    return grads.flatten(2) if isinstance(module, kronecker) or type(module).__name__ == "Conv1D" else None
+def has_kronecker_rule(module: nn.Module) -> bool:
+    """The layers whose weight the kronecker kind projects by its own rule."""
+    return isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)) or type(module).__name__ == "Conv1D"
 
 
 def unwrapped_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, nn.Module, str]]:
@@ -62,18 +42,8 @@ def expected(model: nn.Module, X, y, loss, dim: int, kind: str, seed: int) -> di
     grads = per_sample_grads(model, X, y, loss)
     out = {}
     for p, (name, module, pname) in unwrapped_names(model).items():
-        g = grads[p]
-        as_oi = as_matrix(module, g) if kind == "kronecker" and pname == "weight" else None
-        if as_oi is not None:
-            k_out, k_in = balanced(dim)
-            p_out = drawn(seed, name + ":rows", k_out, as_oi.shape[1])
-            p_in = drawn(seed, name + ":cols", k_in, as_oi.shape[2])
-            out[p] = torch.einsum("ko,noi,li->nkl", p_out, as_oi, p_in).flatten(1)
-            continue
-        flat = g.flatten(1)
-        R = torch.cat([drawn(seed, f"{name}:{b}", dim, min(BLOCK, flat.shape[1] - s)) for b, s in
-                       enumerate(range(0, flat.shape[1], BLOCK))], dim=1)  # fmt: skip
-        out[p] = flat @ R.T
+        ruled = kind == "kronecker" and pname == "weight" and has_kronecker_rule(module)
+        out[p] = (kronecker_rule if ruled else dense_rule)(grads[p], seed, name, dim)
     return out
 
 

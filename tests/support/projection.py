@@ -1,0 +1,47 @@
+"""The projection rule of ``jacmem.BatchGradProjection``, built here from its documented
+statement (``jacmem/derivatives/projection.py``'s docstring, ``docs/guide/extensions.rst``),
+never from jacmem's code: the references that the projection's tests compare with."""
+
+from __future__ import annotations
+
+import hashlib
+import math
+
+import torch
+from torch import Tensor
+
+DT = torch.float64
+#: the dense rule's block of columns, as documented
+BLOCK = 4096
+
+
+def drawn(seed: int, name: str, rows: int, cols: int) -> Tensor:
+    """``[rows, cols]`` of N(0, 1/rows) from a CPU generator seeded by the low 63 bits of
+    the little-endian 8-byte BLAKE2b digest of ``"{seed}:{name}"``."""
+    key = int.from_bytes(hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest(), "little")
+    gen = torch.Generator().manual_seed(key & (2**63 - 1))
+    return torch.randn(rows, cols, generator=gen, dtype=DT) / math.sqrt(rows)
+
+
+def balanced(dim: int) -> tuple[int, int]:
+    """``(k_rows, k_cols)``: the most balanced factors of ``dim``, the smaller first."""
+    k_rows = max(d for d in range(1, dim + 1) if dim % d == 0 and d * d <= dim)
+    return k_rows, dim // k_rows
+
+
+def kronecker_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
+    """``vec(P_rows G_n P_colsᵀ)`` of per-sample gradients ``[N, R, C, ...]`` as stored
+    (the axes after the first two flattened into the columns): ``[N, dim]``."""
+    g = grads.flatten(2)
+    k_rows, k_cols = balanced(dim)
+    p_rows, p_cols = drawn(seed, name + ":rows", k_rows, g.shape[1]), drawn(seed, name + ":cols", k_cols, g.shape[2])
+    return torch.einsum("kr,nrc,lc->nkl", p_rows, g, p_cols).flatten(1)
+
+
+def dense_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
+    """``R vec(G_n)``, ``R``'s block ``b`` of :data:`BLOCK` columns drawn from ``"{name}:{b}"``:
+    ``[N, *shape] -> [N, dim]``."""
+    flat = grads.flatten(1)
+    starts = range(0, flat.shape[1], BLOCK)
+    R = torch.cat([drawn(seed, f"{name}:{b}", dim, min(BLOCK, flat.shape[1] - s)) for b, s in enumerate(starts)], 1)
+    return flat @ R.T
