@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives.quantities import as_quantity, derive
+from jacmem.derivatives.quantities import Quantity, as_quantity, derive
 from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.notices import listing
@@ -47,7 +47,10 @@ class FirstOrderEngine(Engine):
         #: the quantities that add up over a parameter's calls: a shared parameter's calls
         #: compute each of them, summed (a tied head's projection: by its own rule, never from
         #: per-sample gradients), and the per-sample gradients only for the others
-        self.linear = {q for q in self.quantities if as_quantity(q).linear}
+        self.linear = set()
+        for q in self.quantities:  # (a loop, not a comprehension: an engine is made at every step)
+            if (q if isinstance(q, Quantity) else as_quantity(q)).linear:
+                self.linear.add(q)
         #: what a shared parameter's calls compute: :attr:`linear`, and the per-sample
         #: gradients where another quantity is asked (derived from their sum at the end)
         self.per_call = self.linear | ({"batch_grad"} if self.linear != self.quantities else set())

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import GRAD, as_quantity, derive
+from jacmem.derivatives.quantities import GRAD, Quantity, as_quantity, derive
 from jacmem.derivatives.registry import VERSION, Cost, unarranged
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
@@ -243,7 +243,9 @@ class Stager:
         #: ``(module, parameter name) -> the parameter's stable name`` (the context's), which
         #: the quantities that are :attr:`~jacmem.derivatives.quantities.Quantity.named` read
         self.stable_name = context.stable_name
-        self.named = any(as_quantity(q).named for q in quantities)
+        self.named = False
+        for q in quantities:  # (a loop, not a generator: a stager is made at every step)
+            self.named = self.named or (q if isinstance(q, Quantity) else as_quantity(q)).named
         self.owner: int | None = context.owner
         self.batch_first = context.batch_first
         #: ``models()``: the tracked models whose calls reach the block
