@@ -15,36 +15,22 @@ from __future__ import annotations
 import pytest
 import torch
 from tests.support.allocations import Allocations
-from tests.support.projection import DT, dense_rule, kronecker_rule
+from tests.support.projection import DT, rule
 from tests.support.reference import cross_entropy, mse, per_sample_grads
 from torch import Tensor, nn
 
 import jacmem
 
 
-def has_kronecker_rule(module: nn.Module) -> bool:
-    """The layers whose weight the kronecker kind projects by its own rule."""
-    return isinstance(module, (nn.Linear, nn.Embedding, nn.modules.conv._ConvNd)) or type(module).__name__ == "Conv1D"
-
-
-def unwrapped_names(model: nn.Module) -> dict[nn.Parameter, tuple[str, nn.Module, str]]:
-    """param -> (its first qualified name, the module that holds it there, its local name)."""
-    found = {}
-    for mname, module in model.named_modules():
-        for pname, p in module.named_parameters(recurse=False):
-            if p.requires_grad and p not in found:
-                found[p] = (f"{mname}.{pname}" if mname else pname, module, pname)
-    return found
+def unwrapped_names(model: nn.Module) -> dict[nn.Parameter, str]:
+    """param -> its first qualified name (its stable name) in ``model``."""
+    return {p: name for name, p in model.named_parameters() if p.requires_grad}
 
 
 def expected(model: nn.Module, X, y, loss, dim: int, kind: str, seed: int) -> dict[nn.Parameter, Tensor]:
     """The loop's per-sample gradients, projected by the rule: param -> ``[N, dim]``."""
     grads = per_sample_grads(model, X, y, loss)
-    out = {}
-    for p, (name, module, pname) in unwrapped_names(model).items():
-        ruled = kind == "kronecker" and pname == "weight" and has_kronecker_rule(module)
-        out[p] = (kronecker_rule if ruled else dense_rule)(grads[p], seed, name, dim)
-    return out
+    return {p: rule(model, name, grads[p], seed, dim, kind) for p, name in unwrapped_names(model).items()}
 
 
 def projected(model, X, y, loss, ext) -> dict[nn.Parameter, Tensor]:
@@ -61,7 +47,7 @@ def projected(model, X, y, loss, ext) -> dict[nn.Parameter, Tensor]:
 def assert_all_close(got: dict, want: dict, names: dict) -> None:
     assert set(got) == set(want)
     for p, w in want.items():
-        torch.testing.assert_close(got[p], w, rtol=1e-9, atol=1e-12, msg=lambda m, p=p: f"{names[p][0]}: {m}")
+        torch.testing.assert_close(got[p], w, rtol=1e-9, atol=1e-12, msg=lambda m, p=p: f"{names[p]}: {m}")
 
 
 class EmbConv(nn.Module):

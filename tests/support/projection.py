@@ -8,7 +8,7 @@ import hashlib
 import math
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 DT = torch.float64
 #: the dense rule's block of columns, as documented
@@ -45,3 +45,23 @@ def dense_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
     starts = range(0, flat.shape[1], BLOCK)
     R = torch.cat([drawn(seed, f"{name}:{b}", dim, min(BLOCK, flat.shape[1] - s)) for b, s in enumerate(starts)], 1)
     return flat @ R.T
+
+
+def kronecker_layer(model: nn.Module, name: str) -> bool:
+    """Whether the documented kronecker rule applies to parameter ``name`` of ``model``:
+    the weight of a Linear, HF Conv1D, Embedding(Bag) or convolution that is called as a
+    module (not a MultiheadAttention's ``out_proj``, which it calls functionally)."""
+    owner, _, pname = name.rpartition(".")
+    modules = dict(model.named_modules())
+    module, parent = modules[owner], modules[owner.rpartition(".")[0]]
+    if pname != "weight" or isinstance(parent, nn.MultiheadAttention):
+        return False
+    layers = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
+    return isinstance(module, layers) or type(module).__name__ == "Conv1D"
+
+
+def rule(model: nn.Module, name: str, grads: Tensor, seed: int, dim: int, kind: str) -> Tensor:
+    """The documented projection of parameter ``name``'s per-sample gradients ``[N, *shape]``
+    (``name`` its first qualified name in ``model``, as ``named_parameters()`` gives it)."""
+    kronecker = kind == "kronecker" and kronecker_layer(model, name)
+    return (kronecker_rule if kronecker else dense_rule)(grads, seed, name, dim)
