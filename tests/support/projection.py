@@ -41,7 +41,7 @@ def kronecker_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
 def dense_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
     """``R vec(G_n)``, ``R``'s block ``b`` of :data:`BLOCK` columns drawn from ``"{name}:{b}"``:
     ``[N, *shape] -> [N, dim]``."""
-    flat = grads.flatten(1)
+    flat = grads.reshape(grads.shape[0], -1)  # (a 0-dim parameter's are [N])
     starts = range(0, flat.shape[1], BLOCK)
     R = torch.cat([drawn(seed, f"{name}:{b}", dim, min(BLOCK, flat.shape[1] - s)) for b, s in enumerate(starts)], 1)
     return flat @ R.T
