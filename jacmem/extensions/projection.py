@@ -22,6 +22,9 @@ class BatchGradProjection(FirstOrderExtension):
     gradients reduced by the dense rule)."""
 
     savefield = "grad_proj"
+    #: the class names its quantity (the support table reads it); an instance holds it with
+    #: its parameters
+    quantities = (GradProjection.name,)
 
     def __init__(self, dim: int, kind: str = "kronecker", seed: int = 0):
         self.quantity = GradProjection(dim=dim, kind=kind, seed=seed)
