@@ -1,0 +1,110 @@
+"""jacmem.attribution.Influence against a dense float64 reference: per-sample gradients by
+a loop of autograd calls, the damped curvature built as an explicit matrix and inverted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jacmem.attribution import Influence
+
+torch.set_default_dtype(torch.float64)
+
+
+def _data(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+def _loader(x, y, size):
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+def _per_sample(model, x, y) -> torch.Tensor:
+    """``[n, P]`` by one autograd call per sample."""
+    rows = []
+    for i in range(len(x)):
+        grads = torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), list(model.parameters()))
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
+def _layer_stats(model, x, y):
+    """Per Linear: its inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    xs, gs = {m: [] for m in linears}, {m: [] for m in linears}
+    for i in range(len(x)):
+        outs = {}
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.__setitem__(m, (a[0], o))) for m in linears]
+        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
+        for h in hooks:
+            h.remove()
+        grads = torch.autograd.grad(loss, [outs[m][1] for m in linears])
+        for m, g in zip(linears, grads):
+            xs[m].append(outs[m][0].detach()[0])
+            gs[m].append(g[0])
+    return [(torch.stack(xs[m]), torch.stack(gs[m])) for m in linears]
+
+
+def _dense_curvature(model, x, y, curvature: str, damping: float | None) -> torch.Tensor:
+    """The damped curvature ``[P, P]`` (jacmem's conventions), block-diagonal by parameter."""
+    grads = _per_sample(model, x, y)
+    blocks, at = [], 0
+    for (a, g), linear in zip(_layer_stats(model, x, y), [m for m in model if isinstance(m, nn.Linear)]):
+        O, I = linear.weight.shape
+        Gw = grads[:, at : at + O * I]
+        Gb = grads[:, at + O * I : at + O * I + O]
+        at += O * I + O
+        G, A = g.T @ g, a.T @ a / len(a)
+        for vecs, basis in ((Gw, (G, A)), (Gb, (G,))):
+            if curvature == "identity":
+                blocks.append(torch.eye(vecs.shape[1]))
+                continue
+            if curvature == "diag":
+                U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
+            else:
+                (lg, Ug), *rest = [torch.linalg.eigh(M) for M in basis]
+                la, Ua = rest[0] if rest else (torch.ones(1), torch.ones(1, 1))
+                U = torch.kron(Ug, Ua)  # row-major vec(Ug^T W Ua) = U^T vec(W)
+                lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+            d = 0.1 * lam.mean() if damping is None else damping
+            blocks.append(U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam)))
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag", "identity"])
+@pytest.mark.parametrize("damping", [0.05, None])
+def test_scores_equal_the_dense_damped_inverse(curvature, damping):
+    if curvature == "identity" and damping is not None:
+        pytest.skip("identity has no damping")
+    model = _model()
+    x, y = _data(12, 0)
+    xq, yq = _data(5, 1)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=damping, progress=False)
+    inf.fit(_loader(x, y, 4))
+    got = inf.scores(_loader(xq, yq, 2), _loader(x, y, 4))
+    C = _dense_curvature(model, x, y, curvature, damping)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ _per_sample(model, x, y).T
+    assert got.shape == (5, 12)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "diag"])
+def test_self_influence_is_the_diagonal_of_train_train_scores(curvature):
+    model = _model()
+    x, y = _data(10, 0)
+    inf = Influence(model, loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    scores = inf.scores(_loader(x, y, 3), _loader(x, y, 4))
+    torch.testing.assert_close(inf.self_influence(_loader(x, y, 4)), torch.diagonal(scores), rtol=1e-10, atol=1e-13)
