@@ -1,0 +1,90 @@
+"""conventions="kronfluence" against kronfluence 1.0.1 itself, run on the same model and
+data in float64: its pairwise scores (empirical Fisher) on an MLP with biases."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils import data
+
+from jacmem.attribution import Influence
+
+kronfluence = pytest.importorskip("kronfluence")
+from kronfluence import Analyzer, FactorArguments, ScoreArguments, prepare_model  # noqa: E402
+from kronfluence.task import Task  # noqa: E402
+from kronfluence.utils.constants import ALL_MODULE_NAME  # noqa: E402
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+class _Task(Task):
+    def compute_train_loss(self, batch, model, sample=False):
+        assert not sample, "the test fits the empirical Fisher"
+        return loss_fn(model, batch)
+
+    def compute_measurement(self, batch, model):
+        return loss_fn(model, batch)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 7), nn.Tanh(), nn.Linear(7, 3)).double()
+
+
+def _dataset(n: int, seed: int) -> data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return data.TensorDataset(
+        torch.randn(n, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    )
+
+
+def _kronfluence_scores(tmp_path, strategy: str, damping: float | None, train, queries) -> torch.Tensor:
+    model = prepare_model(_model(), _Task())
+    analyzer = Analyzer(
+        "jacmem", model=model, task=_Task(), output_dir=str(tmp_path), disable_model_save=True, disable_tqdm=True
+    )
+    factor_args = FactorArguments(strategy=strategy, use_empirical_fisher=True)
+    for name in ("activation_covariance", "gradient_covariance", "per_sample_gradient", "lambda"):
+        setattr(factor_args, f"{name}_dtype", torch.float64)
+    analyzer.fit_all_factors(
+        "f", dataset=train, per_device_batch_size=8, factor_args=factor_args, overwrite_output_dir=True
+    )
+    score_args = ScoreArguments(
+        damping_factor=damping,
+        per_sample_gradient_dtype=torch.float64,
+        precondition_dtype=torch.float64,
+        score_dtype=torch.float64,
+    )
+    analyzer.compute_pairwise_scores(
+        "s",
+        factors_name="f",
+        query_dataset=queries,
+        train_dataset=train,
+        per_device_query_batch_size=3,
+        per_device_train_batch_size=8,
+        score_args=score_args,
+        overwrite_output_dir=True,
+    )
+    return analyzer.load_pairwise_scores("s")[ALL_MODULE_NAME]
+
+
+@pytest.mark.parametrize("strategy", ["ekfac", "kfac", "diagonal", "identity"])
+@pytest.mark.parametrize("damping", [None, 1e-3])
+def test_pairwise_scores_equal_kronfluence(tmp_path, strategy, damping):
+    if strategy == "identity" and damping is not None:
+        pytest.skip("identity has no damping")
+    train, queries = _dataset(24, 0), _dataset(5, 1)
+    want = _kronfluence_scores(tmp_path, strategy, damping, train, queries)
+    curvature = {"diagonal": "diag"}.get(strategy, strategy)
+    inf = Influence(_model(), loss_fn, curvature=curvature, damping=damping, conventions="kronfluence", progress=False)
+    train_loader = data.DataLoader(train, batch_size=8)
+    inf.fit(train_loader)
+    got = inf.scores(data.DataLoader(queries, batch_size=3), train_loader)
+    assert got.shape == want.shape == (5, 24)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 1e-8, f"relative error {err:.2e}"
