@@ -44,7 +44,7 @@ from torch import Tensor, nn
 import jacmem
 from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh, identity
 from jacmem.attribution.progress import progress_bar
-from jacmem.attribution.store import GradientStore
+from jacmem.attribution.store import GradientStore, allocate
 from jacmem.derivatives.registry import lookup
 
 CURVATURES = ("ekfac", "kfac", "diag", "identity")
@@ -397,7 +397,7 @@ class Influence:
                 progress=self.progress,
             )
             shape = (len(queries), sum(sizes))
-            result = _allocate(shape, self.params[0].dtype, out)
+            result = allocate(shape, self.params[0].dtype, out)
             q0 = 0
             for q in self._bar(list(queries.chunks()), "scores"):
                 t0 = 0
@@ -422,16 +422,6 @@ def _eigen(G: Tensor, A: Tensor) -> Eigen:
         return Eigen(U_G, None, lam_G[:, None] * A[None, :], 0.0)
     lam_A, U_A = eigh(A)
     return Eigen(U_G, U_A, lam_G[:, None] * lam_A[None, :], 0.0)
-
-
-def _allocate(shape: tuple[int, int], dtype: torch.dtype, out: str | Path | None) -> Tensor:
-    """A zero ``[n_query, n_train]`` in memory, or memory-mapped in the file ``out``."""
-    if out is None:
-        return torch.zeros(shape, dtype=dtype)
-    import numpy as np
-
-    array = np.lib.format.open_memmap(out, mode="w+", dtype=torch.empty((), dtype=dtype).numpy().dtype, shape=shape)
-    return torch.from_numpy(array)
 
 
 class _InputSums:

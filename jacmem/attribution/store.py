@@ -17,13 +17,19 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 from torch import Tensor
 
+try:
+    import numpy as np
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(
+        f'jacmem.attribution needs numpy for its store ({err}): pip install "jacmem[attribution]"', name=err.name
+    ) from err
+
 from jacmem.attribution.progress import progress_bar
 
-__all__ = ["GradientStore"]
+__all__ = ["GradientStore", "allocate"]
 
 _META = "meta.json"
 
@@ -116,3 +122,11 @@ class GradientStore:
 
     def __len__(self) -> int:
         return sum(self.sizes())
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, out: str | os.PathLike | None) -> Tensor:
+    """Zeros of ``shape`` in memory (``out=None``), or memory-mapped in the ``.npy`` file ``out``."""
+    if out is None:
+        return torch.zeros(shape, dtype=dtype)
+    kind = torch.empty((), dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
+    return torch.from_numpy(np.lib.format.open_memmap(out, mode="w+", dtype=kind, shape=shape))
