@@ -86,7 +86,7 @@ class Influence:
     for the training gradients (kept across runs; a fill that stops resumes where it
     stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
     tqdm is installed). ``projection``: reserved for the Kronecker projection of
-    :class:`jacmem.BatchGradProjection`; not in this build.
+    ``jacmem.BatchGradProjection``; not in this build.
 
     The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
     its trainable parameters are those scored (freeze the others)."""
