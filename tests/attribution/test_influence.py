@@ -108,3 +108,87 @@ def test_self_influence_is_the_diagonal_of_train_train_scores(curvature):
     inf = Influence(model, loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
     scores = inf.scores(_loader(x, y, 3), _loader(x, y, 4))
     torch.testing.assert_close(inf.self_influence(_loader(x, y, 4)), torch.diagonal(scores), rtol=1e-10, atol=1e-13)
+
+
+class _TinyLM(nn.Module):
+    """Token ids ``[N, T]`` -> logits ``[N, T, V]``: an Embedding (its factors of
+    ``weight.T``), a LayerNorm (a diagonal) and a Linear over the positions."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed, self.norm, self.head = nn.Embedding(6, 4), nn.LayerNorm(4), nn.Linear(4, 6)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.norm(self.embed(ids))))
+
+
+def lm_loss(model, batch):
+    ids, targets = batch
+    return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def _lm_reference(model, ids, targets, curvature, damping):
+    """The damped EK-FAC/KFAC of the tiny LM as a dense ``[P, P]``, by per-sample autograd:
+    Embedding ``G = Σ g gᵀ`` over all positions, ``A`` the counts ``/ (N·T)`` (diagonal:
+    the identity basis), gradients of ``weight.T``; the Linear's ``A = Σ x xᵀ / (N·T)``;
+    the LayerNorm's parameters the diagonal ``Σ_n g_n²`` (EK-FAC)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    N, T = ids.shape
+    per, g_embed, g_head, x_head = [], [], [], []
+    for i in range(N):
+        out = {}
+        hooks = [
+            m.register_forward_hook(lambda m, a, o: out.__setitem__(m, (a[0], o))) for m in (model.embed, model.head)
+        ]
+        loss = lm_loss(model, (ids[i : i + 1], targets[i : i + 1]))
+        for h in hooks:
+            h.remove()
+        grads = torch.autograd.grad(loss, params + [out[model.embed][1], out[model.head][1]])
+        per.append(grads[: len(params)])
+        g_embed.append(grads[-2][0])
+        g_head.append(grads[-1][0])
+        x_head.append(out[model.head][0].detach()[0])
+    g_embed, g_head, x_head = torch.cat(g_embed), torch.cat(g_head), torch.cat(x_head)
+    counts = torch.bincount(ids.flatten(), minlength=6).double() / (N * T)
+    bases = {
+        "embed.weight": (g_embed.T @ g_embed, counts),
+        "head.weight": (g_head.T @ g_head, x_head.T @ x_head / (N * T)),
+        "head.bias": (g_head.T @ g_head, torch.ones(1, 1)),
+    }
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    blocks, rows = [], []
+    for k, name in enumerate(names):
+        vecs = torch.stack([(g[k].T if name == "embed.weight" else g[k]).flatten() for g in per])
+        rows.append(torch.stack([g[k].flatten() for g in per]))
+        if name not in bases:
+            U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
+        else:
+            G, A = bases[name]
+            lg, Ug = torch.linalg.eigh(G)
+            la, Ua = (A, torch.eye(len(A))) if A.dim() == 1 else torch.linalg.eigh(A)
+            U = torch.kron(Ug.contiguous(), Ua.contiguous())
+            lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+        d = 0.1 * lam.mean() if damping is None else damping
+        C = U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam))
+        if name == "embed.weight":  # back to the layout of weight [V, D]
+            perm = torch.arange(vecs.shape[1]).reshape(4, 6).T.flatten()
+            C = C[perm][:, perm]
+        blocks.append(C)
+    return torch.block_diag(*blocks), torch.cat(rows, 1)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_embedding_layernorm_and_positions_equal_the_dense_reference(curvature):
+    model = _TinyLM().double()
+    if curvature == "kfac":  # (KFAC's own diagonal for a LayerNorm; the reference has EK-FAC's)
+        model.norm.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 6, (9, 3), generator=g), torch.randint(0, 6, (9, 3), generator=g)
+    train = [(ids[i : i + 3], targets[i : i + 3]) for i in range(0, 9, 3)]
+    qids, qt = torch.randint(0, 6, (2, 3), generator=g), torch.randint(0, 6, (2, 3), generator=g)
+    inf = Influence(model, lm_loss, curvature=curvature, progress=False).fit(train)
+    got = inf.scores([(qids, qt)], train)
+    C, train_rows = _lm_reference(model, ids, targets, curvature, None)
+    _, query_rows = _lm_reference(model, qids, qt, curvature, None)
+    torch.testing.assert_close(got, query_rows @ torch.linalg.inv(C) @ train_rows.T, rtol=1e-9, atol=1e-12)
