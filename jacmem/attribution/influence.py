@@ -51,6 +51,9 @@ CURVATURES = ("ekfac", "kfac", "diag", "identity")
 FISHERS = ("empirical", "mc")
 CONVENTIONS = ("jacmem", "kronfluence")
 
+#: what serves a parameter that has no Kronecker factors
+_NO_FACTORS = "or choose curvature='diag' or 'identity', which need no Kronecker factors"
+
 #: the parameter attributes the extensions used here write
 _FIELDS = ("grad_batch", "sqrt_ggn_mc", "kfac", "kfac_ef")
 
@@ -140,21 +143,22 @@ class Influence:
 
     # -- one backward per batch ------------------------------------------------------
 
-    def _backward(self, batch: Any, extension: Any, field: str) -> list[Any]:
+    def _backward(self, batch: Any, extension: Any, field: str, hint: str = "") -> list[Any]:
         """One forward and backward of ``loss_fn`` on ``batch`` under ``extension``: its
         attribute ``field`` of each trainable parameter (``None`` where the loss does not
-        use it); ``.grad`` is untouched."""
+        use it); ``.grad`` is untouched. ``hint``: added to what jacmem cannot compute
+        (a ``NotImplementedError``, which names the parameter and its module)."""
         with jacmem.extend(extension):
             loss = self.loss_fn(self.model, batch)
             try:
                 grads = torch.autograd.grad(loss, self.params, allow_unused=True)
                 got = [None if g is None else getattr(p, field, None) for p, g in zip(self.params, grads, strict=True)]
-            except jacmem.UnsupportedCurvatureError as err:
-                raise type(err)(
-                    f"jacmem.attribution.Influence(curvature={self.curvature!r}): {err} (or choose "
-                    "curvature='diag' or 'identity', which need no Kronecker factors)",
-                    err.params,
-                ) from err
+            except NotImplementedError as err:
+                if not hint:
+                    raise
+                message = f"jacmem.attribution.Influence(curvature={self.curvature!r}): {err} ({hint})"
+                params = getattr(err, "params", None)
+                raise (type(err)(message) if params is None else type(err)(message, params)) from err
             finally:
                 for p in self.params:
                     for name in _FIELDS:
@@ -259,7 +263,7 @@ class Influence:
                 b = batch_size(batch)
                 if inputs:
                     inputs.batch_rows.clear()
-                got = self._backward(batch, extension, field)
+                got = self._backward(batch, extension, field, hint=_NO_FACTORS)
                 for i, factors in enumerate(got):
                     if factors is None:
                         continue
