@@ -192,3 +192,27 @@ def test_embedding_layernorm_and_positions_equal_the_dense_reference(curvature):
     C, train_rows = _lm_reference(model, ids, targets, curvature, None)
     _, query_rows = _lm_reference(model, qids, qt, curvature, None)
     torch.testing.assert_close(got, query_rows @ torch.linalg.inv(C) @ train_rows.T, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["diag", "ekfac"])
+def test_the_mc_fisher_is_the_ggn_in_expectation(curvature):
+    """A linear regression, MSE summed: the GGN is ``Σ_n 2 x_n x_nᵀ`` per output. The
+    Monte-Carlo curvature of many fits averages to its diagonal (``"diag"``), and to its
+    EK-FAC eigenvalues (``"ekfac"``, whose basis is exact here: the GGN is ``2 I ⊗ Σ x xᵀ``)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, bias=False).double()
+    x, y = torch.randn(8, 3, dtype=torch.float64), torch.randn(8, 2, dtype=torch.float64)
+    train = [(x[:4], y[:4]), (x[4:], y[4:])]
+
+    def mse(model, batch):
+        return F.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    fits = [Influence(model, mse, curvature=curvature, fisher="mc", progress=False).fit(train) for _ in range(200)]
+    mean = torch.stack([f.preconditioners[0].lam.flatten() for f in fits]).mean(0)
+    if curvature == "diag":
+        want = 2 * x.square().sum(0).repeat(2)
+    else:
+        la = torch.linalg.eigvalsh(x.T @ x)
+        want = 2 * la.repeat(2)
+        mean = mean.reshape(2, 3).sort(dim=1).values.flatten()
+    torch.testing.assert_close(mean, want, rtol=0.15, atol=0)
