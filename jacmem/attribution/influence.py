@@ -140,6 +140,8 @@ class Influence:
         self.blocks: list[Block] = []
         self.preconditioners: list[Callable[[Tensor], Tensor]] = []
         self.fitted = False
+        #: what the training store's rows are (its key)
+        self._stored = "per-sample gradients"
 
     # -- one backward per batch ------------------------------------------------------
 
@@ -172,13 +174,19 @@ class Influence:
                 )
         return got
 
-    def _rows(self, batch: Any, *, curvature: bool = False) -> Tensor:
-        """The batch's rows ``[N, D]``: per-sample gradients, or (``curvature`` with
-        ``fisher="mc"``) a Monte-Carlo square root of each sample's GGN."""
-        if curvature and self.fisher == "mc":
+    def _rows(self, batch: Any, role: str) -> Tensor:
+        """The batch's rows ``[N, D]`` for ``role``: ``"train"`` and ``"query"``, the
+        per-sample gradients; ``"curvature"``, the vectors whose second moments the
+        curvature is (the gradients, or for ``fisher="mc"`` a Monte-Carlo square root of
+        each sample's GGN)."""
+        if role == "curvature" and self.fisher == "mc":
             got = [None if v is None else v[0] for v in self._backward(batch, jacmem.SqrtGGNMC(1), "sqrt_ggn_mc")]
         else:
             got = self._backward(batch, jacmem.BatchGrad(), "grad_batch")
+        return self._flat(got)
+
+    def _flat(self, got: list[Tensor | None]) -> Tensor:
+        """Per-parameter ``[N, *p.shape]`` (``None``: zeros) as rows ``[N, D]``."""
         n = next((len(v) for v in got if v is not None), None)
         if n is None:
             raise ValueError("jacmem.attribution: the loss depends on no trainable parameter")
@@ -213,7 +221,7 @@ class Influence:
         blocks = self._vector_blocks()
         sums, n = torch.zeros(self.width, dtype=self.params[0].dtype, device=self.params[0].device), 0
         for batch in self._bar(loader, "fitting the diagonal"):
-            rows = self._rows(batch, curvature=True)
+            rows = self._rows(batch, "curvature")
             sums += rows.square().sum(0)
             n += len(rows)
         scale = n if self.conventions == "kronfluence" else 1
@@ -282,7 +290,7 @@ class Influence:
         if self.curvature == "ekfac":
             lams = [torch.zeros_like(e.lam) if isinstance(e, Eigen) else torch.zeros_like(e) for e in eigens]
             for batch in self._bar(loader, "fitting EK-FAC's eigenvalues"):
-                rows = self._rows(batch, curvature=True)
+                rows = self._rows(batch, "curvature")
                 for block, e, lam in zip(self.blocks, eigens, lams):
                     X = block.matrix(rows)
                     lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
@@ -359,7 +367,9 @@ class Influence:
                 weakref.finalize(self, tmp.cleanup)
                 path = tmp.name
             self._store = GradientStore(path, self._key())
-        self._store.fill(train_loader, self._rows, total=_length(train_loader), progress=self.progress)
+        self._store.fill(
+            train_loader, lambda batch: self._rows(batch, "train"), total=_length(train_loader), progress=self.progress
+        )
         return self._store
 
     def _key(self) -> dict:
@@ -367,7 +377,7 @@ class Influence:
         their values, so that a store of another checkpoint raises) and the dtype."""
         with torch.no_grad():
             return {
-                "rows": "per-sample gradients",
+                "rows": self._stored,
                 "dtype": str(self.params[0].dtype),
                 "params": [
                     [n, list(p.shape), repr(float(p.double().sum())), repr(float(p.double().norm()))]
@@ -395,7 +405,7 @@ class Influence:
             queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})
             queries.fill(
                 query_loader,
-                lambda batch: self.precondition(self._rows(batch)),
+                lambda batch: self.precondition(self._rows(batch, "query")),
                 total=_length(query_loader),
                 desc="query gradients",
                 progress=self.progress,

@@ -46,7 +46,7 @@ def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
     def stops_at_third(batch):
         if loss.calls == 2:
             raise _Stop
-        return inf._rows(batch)
+        return inf._rows(batch, "train")
 
     store = GradientStore(tmp_path / "g", inf._key())
     with pytest.raises(_Stop):
@@ -70,8 +70,8 @@ def test_scores_in_blocks_equal_scores_at_once_and_can_go_to_a_file(tmp_path):
     train, queries = _loader(11, 3, 0), _loader(7, 2, 1)
     inf = Influence(_model(), _Counted(), curvature="ekfac", progress=False).fit(train)
     blocks = inf.scores(queries, train, out=tmp_path / "scores.npy")
-    grads_q = torch.cat([inf._rows(b) for b in queries])
-    grads_t = torch.cat([inf._rows(b) for b in train])
+    grads_q = torch.cat([inf._rows(b, "query") for b in queries])
+    grads_t = torch.cat([inf._rows(b, "train") for b in train])
     at_once = inf.precondition(grads_q) @ grads_t.T
     torch.testing.assert_close(blocks, at_once, rtol=1e-12, atol=1e-14)
     torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "scores.npy")), at_once, rtol=1e-12, atol=1e-14)
@@ -88,3 +88,13 @@ def test_a_store_of_another_checkpoint_raises(tmp_path):
     later = Influence(model, _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train)
     with pytest.raises(ValueError, match="pass a new directory"):
         later.self_influence(train)
+
+
+def test_progress_bars_name_each_pass(capsys):
+    pytest.importorskip("tqdm")
+    train = _loader(6, 3, 0)
+    inf = Influence(_model(), _Counted(), curvature="ekfac", progress=True).fit(train)
+    inf.scores(_loader(2, 2, 1), train)
+    err = capsys.readouterr().err
+    for desc in ("fitting Kronecker factors", "fitting EK-FAC's eigenvalues", "training gradients", "query gradients"):
+        assert desc in err
