@@ -16,8 +16,12 @@ query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block
   ``"mc"``; ``A`` averaged over the batches by their samples), and ``Λ = Σ_n (U_Gᵀ G_n
   U_A)²`` over the training examples, ``G_n`` sample ``n``'s gradient (empirical) or a
   Monte-Carlo square root of its GGN (:class:`jacmem.SqrtGGNMC`, ``"mc"``): two passes
-  over the training data, as kronfluence; the per-parameter rule of
-  :class:`jacmem.EKFAC` otherwise (LayerNorm/RMSNorm: their diagonal ``Σ_n g_n²``);
+  over the training data, as kronfluence; the blocks of :class:`jacmem.EKFAC` otherwise
+  (a weight of HF's Conv1D or an Embedding as ``weight.T``, an Embedding's diagonal ``A``
+  with the identity for its basis, LayerNorm/RMSNorm their diagonal ``Σ_n g_n²``), and
+  convolutions too (``[C_out, C_in·prod(kernel)]``, KFAC's factors of
+  :doc:`/guide/curvature`; ``Λ`` from the per-sample gradients, which need no patches);
+  grouped convolutions are refused;
 * ``"kfac"``: the same factors, ``Λ = λ_G ⊗ λ_A`` (LayerNorm/RMSNorm: KFAC's diagonal);
 * ``"diag"``: ``Λ = Σ_n g_n²`` (the same vectors as ``"ekfac"``'s);
 * ``"identity"``: ``C + λ = I`` (TracIn at one checkpoint, gradient dot products).

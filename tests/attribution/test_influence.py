@@ -36,7 +36,8 @@ def _per_sample(model, x, y) -> torch.Tensor:
     """``[n, P]`` by one autograd call per sample."""
     rows = []
     for i in range(len(x)):
-        grads = torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), list(model.parameters()))
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), params)
         rows.append(torch.cat([g.flatten() for g in grads]))
     return torch.stack(rows)
 
@@ -216,3 +217,32 @@ def test_the_mc_fisher_is_the_ggn_in_expectation(curvature):
         want = 2 * la.repeat(2)
         mean = mean.reshape(2, 3).sort(dim=1).values.flatten()
     torch.testing.assert_close(mean, want, rtol=0.1, atol=0)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_a_convolution_equals_the_dense_reference(curvature):
+    """Conv2d's factors as jacmem's KFAC gives them (BackPACK's convention): ``G = Σ_n
+    (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and ``A = Σ_{n,t}
+    a_t a_tᵀ / N`` over the unfolded patches; the weight as ``[C_out, C_in·k·k]``."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3, bias=False)).double()
+    model[3].requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    xq, yq = torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    train = _loader(x, y, 4)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(train)
+    got = inf.scores([(xq, yq)], train)
+    rows = _per_sample(model, x, y)
+    weight, bias = rows[:, :24], rows[:, 24:]
+    patches = F.unfold(x, 2)  # [N, C_in·k·k, T]
+    A = torch.einsum("nit,njt->ij", patches, patches) / len(x)
+    lg, Ug = torch.linalg.eigh(bias.T @ bias)
+    la, Ua = torch.linalg.eigh(A)
+    Ug, Ua = Ug.contiguous(), Ua.contiguous()
+    blocks = []
+    for vecs, U, kron in ((weight, torch.kron(Ug, Ua), torch.kron(lg, la)), (bias, Ug, lg)):
+        lam = kron if curvature == "kfac" else (vecs @ U).square().sum(0)
+        blocks.append(U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(len(lam)))
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows.T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
