@@ -246,3 +246,21 @@ def test_a_convolution_equals_the_dense_reference(curvature):
         blocks.append(U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(len(lam)))
     want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows.T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag", "identity"])
+def test_kronfluence_conventions_are_n_train_times_jacmem_without_biases(curvature):
+    """One row per example and no bias: kronfluence's curvature is the mean's, jacmem's the
+    sum's, and the default damping scales with it, so its scores are ``n_train`` times."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False)).double()
+    x, y = _data(12, 0)
+    xq, yq = _data(3, 1)
+    scores = [
+        Influence(model, loss_fn, curvature=curvature, conventions=c, progress=False)
+        .fit(_loader(x, y, 4))
+        .scores([(xq, yq)], _loader(x, y, 4))
+        for c in ("jacmem", "kronfluence")
+    ]
+    factor = 1 if curvature == "identity" else 12
+    torch.testing.assert_close(scores[1], factor * scores[0], rtol=1e-9, atol=1e-12)
