@@ -1,5 +1,6 @@
 """conventions="kronfluence" against kronfluence 1.0.1 itself, run on the same model and
-data in float64: its pairwise scores (empirical Fisher) on an MLP with biases."""
+data in float64: its pairwise and self-influence scores (empirical Fisher) on an MLP with
+biases."""
 
 from __future__ import annotations
 
@@ -43,7 +44,8 @@ def _dataset(n: int, seed: int) -> data.TensorDataset:
     )
 
 
-def _kronfluence_scores(tmp_path, strategy: str, damping: float | None, train, queries) -> torch.Tensor:
+def _kronfluence(tmp_path, strategy: str, damping: float | None, train, queries) -> tuple[torch.Tensor, torch.Tensor]:
+    """kronfluence's pairwise scores ``[n_query, n_train]`` and self-influence scores ``[n_train]``."""
     model = prepare_model(_model(), _Task())
     analyzer = Analyzer(
         "jacmem", model=model, task=_Task(), output_dir=str(tmp_path), disable_model_save=True, disable_tqdm=True
@@ -70,16 +72,24 @@ def _kronfluence_scores(tmp_path, strategy: str, damping: float | None, train, q
         score_args=score_args,
         overwrite_output_dir=True,
     )
-    return analyzer.load_pairwise_scores("s")[ALL_MODULE_NAME]
+    analyzer.compute_self_scores(
+        "self",
+        factors_name="f",
+        train_dataset=train,
+        per_device_train_batch_size=8,
+        score_args=score_args,
+        overwrite_output_dir=True,
+    )
+    return analyzer.load_pairwise_scores("s")[ALL_MODULE_NAME], analyzer.load_self_scores("self")[ALL_MODULE_NAME]
 
 
-@pytest.mark.parametrize("strategy", ["ekfac", "kfac", "diagonal", "identity"])
-@pytest.mark.parametrize("damping", [None, 1e-3])
+@pytest.mark.parametrize(
+    ("strategy", "damping"),
+    [("ekfac", None), ("ekfac", 1e-3), ("kfac", None), ("diagonal", 1e-3), ("identity", None)],
+)
 def test_pairwise_scores_equal_kronfluence(tmp_path, strategy, damping):
-    if strategy == "identity" and damping is not None:
-        pytest.skip("identity has no damping")
     train, queries = _dataset(24, 0), _dataset(5, 1)
-    want = _kronfluence_scores(tmp_path, strategy, damping, train, queries)
+    want, want_self = _kronfluence(tmp_path, strategy, damping, train, queries)
     curvature = {"diagonal": "diag"}.get(strategy, strategy)
     inf = Influence(_model(), loss_fn, curvature=curvature, damping=damping, conventions="kronfluence", progress=False)
     train_loader = data.DataLoader(train, batch_size=8)
@@ -88,3 +98,6 @@ def test_pairwise_scores_equal_kronfluence(tmp_path, strategy, damping):
     assert got.shape == want.shape == (5, 24)
     err = (got - want).abs().max() / want.abs().max()
     assert err < 1e-8, f"relative error {err:.2e}"
+    got_self = inf.self_influence(train_loader)
+    err = (got_self - want_self).abs().max() / want_self.abs().max()
+    assert err < 1e-8, f"self-influence: relative error {err:.2e}"
