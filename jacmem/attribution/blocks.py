@@ -12,7 +12,8 @@ says which parameters it covers and how their slices of a row make its matrix:
 * a vector block, ``[P]``: the parameters flattened (the diagonal and identity
   curvatures, and parameters whose Kronecker factors are a diagonal: LayerNorm, RMSNorm).
 
-A preconditioner maps a block's matrices ``[n, *shape]`` to ``(C + λ)⁻¹`` of them.
+A preconditioner maps a block's matrices ``[n, *shape]`` to ``(C + λ)⁻¹`` of them (the
+pseudo-inverse where ``C + λ`` has a zero eigenvalue).
 """
 
 from __future__ import annotations
@@ -105,8 +106,7 @@ class Eigen:
         return X if self.U_A is None else X @ self.U_A
 
     def __call__(self, X: Tensor) -> Tensor:
-        Y = self.rotate(X) / (self.lam + self.damping)
-        Y = self.U_G @ Y
+        Y = self.U_G @ inverse(self.rotate(X), self.lam + self.damping)
         return Y if self.U_A is None else Y @ self.U_A.T
 
 
@@ -118,7 +118,14 @@ class Diagonal:
     damping: float | Tensor
 
     def __call__(self, X: Tensor) -> Tensor:
-        return X / (self.lam + self.damping)
+        return inverse(X, self.lam + self.damping)
+
+
+def inverse(X: Tensor, denominator: Tensor) -> Tensor:
+    """``X / denominator``, and 0 where the denominator is 0 (the pseudo-inverse: a
+    direction of no curvature and no damping, in which no training example's vector has
+    a component, scores nothing; a parameter the training loss never used)."""
+    return torch.where(denominator == 0, torch.zeros_like(X), X / denominator.where(denominator != 0, 1))
 
 
 def identity(X: Tensor) -> Tensor:

@@ -393,7 +393,7 @@ class Influence:
         """``(C + λ)⁻¹`` of ``rows [n, D]``, block by block: ``[n, D]``."""
         if not self.fitted:
             raise RuntimeError("jacmem.attribution.Influence: call fit(train_loader) first")
-        out = torch.empty_like(rows)
+        out = torch.zeros_like(rows)
         for block, inverse in zip(self.blocks, self.preconditioners):
             block.put(inverse(block.matrix(rows)), out)
         return out

@@ -264,3 +264,25 @@ def test_kronfluence_conventions_are_n_train_times_jacmem_without_biases(curvatu
     ]
     factor = 1 if curvature == "identity" else 12
     torch.testing.assert_close(scores[1], factor * scores[0], rtol=1e-9, atol=1e-12)
+
+
+class _Unused(nn.Module):
+    """An MLP with a Linear the forward never calls: no gradient, no curvature."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.spare = _model(), nn.Linear(2, 2).double()
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag"])
+def test_a_parameter_the_loss_never_uses_scores_nothing(curvature):
+    x, y = _data(8, 0)
+    xq, yq = _data(3, 1)
+    want = Influence(_model(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    got = Influence(_Unused(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    torch.testing.assert_close(
+        got.scores([(xq, yq)], _loader(x, y, 4)), want.scores([(xq, yq)], _loader(x, y, 4)), rtol=1e-12, atol=0
+    )
