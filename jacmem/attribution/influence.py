@@ -10,6 +10,7 @@ a positive score says that training on example ``n`` lowered the query's loss.
 for a model at a minimum of that loss, ``g_qᵀ C⁻¹ g_n`` is to first order the rise of the
 query's loss when example ``n`` is left out of training: a score reads in the units of the
 query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block.
+With ``projection=k``, all of this holds in the projected space (the class docstring).
 
 * ``"ekfac"``: KFAC's eigenbasis ``U_G ⊗ U_A`` of the factors summed over the training
   batches (:class:`jacmem.KFACEF` for ``fisher="empirical"``, :class:`jacmem.KFAC` for
@@ -59,7 +60,7 @@ CONVENTIONS = ("jacmem", "kronfluence")
 _NO_FACTORS = "or choose curvature='diag' or 'identity', which need no Kronecker factors"
 
 #: the parameter attributes the extensions used here write
-_FIELDS = ("grad_batch", "sqrt_ggn_mc", "kfac", "kfac_ef")
+_FIELDS = ("grad_batch", "grad_proj", "sqrt_ggn_mc", "kfac", "kfac_ef")
 
 
 def _length(loader: Iterable) -> int | None:
@@ -92,11 +93,22 @@ class Influence:
     in a fixed order (no shuffling: rows are stored by position). ``store``: a directory
     for the training gradients (kept across runs; a fill that stops resumes where it
     stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
-    tqdm is installed). ``projection``: reserved for the Kronecker projection of
-    ``jacmem.BatchGradProjection``; not in this build.
+    tqdm is installed).
+
+    ``projection=k`` (with ``seed``): LoGra's Kronecker projection of each weight's
+    gradient to ``k`` dimensions (``jacmem.BatchGradProjection(k, kind="kronecker", seed=seed)``,
+    which never forms ``[N, *p.shape]``), for the curvature and the scores alike: KFAC's
+    factors projected, ``P_out G P_outᵀ`` and ``P_in A P_inᵀ`` (``(P_out, P_in)`` the rule's
+    matrices of the weight's output and input sides), EK-FAC's ``Λ`` from the projected
+    gradients; a parameter the rule projects densely (a bias, a norm's scale) gets the
+    whole ``[k, k]`` second moment of its projected gradients (``"ekfac"``, ``"kfac"``) or its
+    diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
 
     The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
     its trainable parameters are those scored (freeze the others)."""
+
+    #: the kind of ``BatchGradProjection`` that ``projection=`` asks for
+    projection_kind = "kronecker"
 
     def __init__(
         self,
@@ -110,6 +122,7 @@ class Influence:
         conventions: str = "jacmem",
         store: str | Path | None = None,
         progress: bool | None = None,
+        seed: int = 0,
     ):
         for what, value, valid in (
             ("curvature", curvature, CURVATURES),
@@ -126,18 +139,23 @@ class Influence:
         if damping is not None and damping < 0:
             raise ValueError(f"jacmem.attribution.Influence: damping must be >= 0 or None, got {damping!r}")
         if projection is not None:
-            raise NotImplementedError(
-                "jacmem.attribution.Influence: projection= needs jacmem.BatchGradProjection, which this build of "
-                "jacmem does not have; use projection=None (the full gradients)"
-            )
+            _check_projection(projection, fisher, conventions)
         self.model, self.loss_fn = model, loss_fn
         self.curvature, self.fisher, self.damping = curvature, fisher, damping
         self.conventions, self.progress = conventions, progress
+        self.projection, self.seed = projection, seed
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
+        #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
+        self.kronecker_projected = set() if projection is None else self._kronecker_projected()
         self.slots, start = [], 0
-        for p in self.params:
-            self.slots.append(Slot(start, tuple(p.shape)))
-            start += p.numel()
+        for i, p in enumerate(self.params):
+            shape = tuple(p.shape) if projection is None else (projection,)
+            if i in self.kronecker_projected:
+                from jacmem.derivatives.projection import factors
+
+                shape = factors(projection)
+            self.slots.append(Slot(start, shape))
+            start += Slot(start, shape).size
         self.width = start
         self._store_dir = store
         self._store: GradientStore | None = None
@@ -185,6 +203,9 @@ class Influence:
         each sample's GGN)."""
         if role == "curvature" and self.fisher == "mc":
             got = [None if v is None else v[0] for v in self._backward(batch, jacmem.SqrtGGNMC(1), "sqrt_ggn_mc")]
+        elif self.projection is not None:
+            extension = jacmem.BatchGradProjection(self.projection, kind=self.projection_kind, seed=self.seed)
+            got = self._backward(batch, extension, "grad_proj")
         else:
             got = self._backward(batch, jacmem.BatchGrad(), "grad_batch")
         return self._flat(got)
@@ -291,18 +312,26 @@ class Influence:
             if inputs:
                 inputs.remove()
         self.blocks, eigens = self._kronecker_blocks(G, A, D, n, inputs)
-        if self.curvature == "ekfac":
-            lams = [torch.zeros_like(e.lam) if isinstance(e, Eigen) else torch.zeros_like(e) for e in eigens]
+        if self.curvature == "ekfac" or any(e is None for e in eigens):
+            lams = [_second_moments(e, block, self.params[0]) for e, block in zip(eigens, self.blocks)]
             for batch in self._bar(loader, "fitting EK-FAC's eigenvalues"):
                 rows = self._rows(batch, "curvature")
                 for block, e, lam in zip(self.blocks, eigens, lams):
                     X = block.matrix(rows)
-                    lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
+                    if e is None:  # a projected block's whole second moment
+                        lam.addmm_(X[..., 0].T, X[..., 0])
+                    elif self.curvature == "ekfac":
+                        lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
             scale = n if kron else 1
-            for e, lam in zip(eigens, lams):
-                if isinstance(e, Eigen):
-                    e.lam = lam / scale
-            eigens = [e if isinstance(e, Eigen) else lam / scale for e, lam in zip(eigens, lams)]
+            for k, (e, lam) in enumerate(zip(eigens, lams)):
+                if e is None:
+                    values, vectors = eigh(lam)
+                    eigens[k] = Eigen(vectors, None, values[:, None], 0.0)
+                elif self.curvature == "ekfac":
+                    if isinstance(e, Eigen):
+                        e.lam = lam / scale
+                    else:
+                        eigens[k] = lam / scale
         self.preconditioners = []
         for e in eigens:
             if isinstance(e, Eigen):
@@ -334,6 +363,10 @@ class Influence:
                 eigens.append(_eigen(Gk, Ak))
             return blocks, eigens
         for i, (name, slot, p) in enumerate(zip(self.names, self.slots, self.params)):
+            if self.projection is not None and i not in self.kronecker_projected:  # the dense rule: [k] whole
+                blocks.append(Block(name, bias=slot))
+                eigens.append(None)
+                continue
             if i in D or i not in G:  # a diagonal (or a parameter the loss never used)
                 blocks.append(Block(name, vector=(slot,)))
                 eigens.append(D.get(i, torch.zeros(slot.size, dtype=p.dtype, device=p.device)).flatten())
@@ -345,12 +378,45 @@ class Influence:
                         "convolution's weight, whose Kronecker factors are block-diagonal; choose curvature='diag', "
                         "or freeze it"
                     )
-                blocks.append(Block(name, weight=slot, transposed=self._transposed(p)))
-                eigens.append(_eigen(G[i], A[i] / n))
+                transposed = self._transposed(p)
+                Gi, Ai = G[i], A[i] / n
+                if i in self.kronecker_projected:
+                    Gi, Ai = self._projected(name, p, Gi, Ai, transposed)
+                blocks.append(Block(name, weight=slot, transposed=transposed))
+                eigens.append(_eigen(Gi, Ai))
             else:  # a bias alone: [O, 1]
                 blocks.append(Block(name, bias=slot))
                 eigens.append(_eigen(G[i], torch.ones(1, 1, dtype=G[i].dtype, device=G[i].device)))
         return blocks, eigens
+
+    def _kronecker_projected(self) -> set[int]:
+        """The parameters whose layer projects them by the Kronecker rule (a registered
+        ``kronecker`` strategy of ``grad_proj``; the others take the dense rule)."""
+        out = set()
+        if self.projection_kind != "kronecker":
+            return out
+        for i, p in enumerate(self.params):
+            for module in self.model.modules():
+                own = [n for n, q in module.named_parameters(recurse=False) if q is p]
+                if own:
+                    entry = lookup(module)
+                    if entry is not None and "kronecker" in entry.strategies.get((own[0], "grad_proj"), {}):
+                        out.add(i)
+                    break
+        return out
+
+    def _projected(self, name: str, p: nn.Parameter, G: Tensor, A: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+        """KFAC's factors of a weight in the space of its Kronecker projection: ``P_out G
+        P_outᵀ`` and ``P_in A P_inᵀ`` (``A [I]`` diagonal: ``P_in diag(A) P_inᵀ``), with
+        ``(P_rows, P_cols)`` the rule's matrices of the weight as stored (its input side on
+        the rows for a transposed layer: HF's Conv1D, an Embedding)."""
+        from jacmem.derivatives.projection import kronecker
+
+        rows, cols = p.shape[0], p[0].numel()
+        P_rows, P_cols = kronecker(self.seed, name, self.projection, rows, cols, dtype=G.dtype, device=G.device)
+        P_out, P_in = (P_cols, P_rows) if transposed else (P_rows, P_cols)
+        A = P_in @ A @ P_in.T if A.dim() == 2 else (P_in * A) @ P_in.T
+        return P_out @ G @ P_out.T, A
 
     def _transposed(self, p: nn.Parameter) -> bool:
         """Whether the Kronecker factors of ``p`` are of its dims 0 and 1 swapped (the
@@ -383,6 +449,7 @@ class Influence:
             return {
                 "rows": self._stored,
                 "dtype": str(self.params[0].dtype),
+                "projection": None if self.projection is None else [self.projection, self.seed],
                 "params": [
                     [n, list(p.shape), repr(float(p.double().sum())), repr(float(p.double().norm()))]
                     for n, p in zip(self.names, self.params)
@@ -430,6 +497,36 @@ class Influence:
         ``scores(train, train)``, from the store, one chunk at a time."""
         train = self._train_store(train_loader)
         return torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+
+
+def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
+    """What ``projection=`` needs: a positive int, jacmem's ``BatchGradProjection``, the
+    empirical Fisher and jacmem's conventions."""
+    if not isinstance(projection, int) or isinstance(projection, bool) or projection < 1:
+        raise ValueError(f"jacmem.attribution.Influence: projection must be a positive int or None, got {projection!r}")
+    if not hasattr(jacmem, "BatchGradProjection"):
+        raise NotImplementedError(
+            "jacmem.attribution.Influence: projection= needs jacmem.BatchGradProjection, which this build of "
+            "jacmem does not have; use projection=None (the full gradients)"
+        )
+    if fisher != "empirical":
+        raise ValueError(
+            "jacmem.attribution.Influence: projection= projects the gradients, not a Monte-Carlo root of the GGN; "
+            "use fisher='empirical' with a projection, or projection=None"
+        )
+    if conventions != "jacmem":
+        raise ValueError(
+            "jacmem.attribution.Influence: conventions='kronfluence' has no projection (kronfluence projects "
+            "nothing); use conventions='jacmem' with a projection, or projection=None"
+        )
+
+
+def _second_moments(e: Eigen | Tensor | None, block: Block, like: Tensor) -> Tensor:
+    """Zeros to sum a block's second moments into: ``Λ`` of an EK-FAC block, a diagonal's,
+    or (``e`` ``None``) a projected block's whole ``[k, k]`` (dtype and device of ``like``)."""
+    if e is None:
+        return like.new_zeros(block.bias.size, block.bias.size)
+    return torch.zeros_like(e.lam if isinstance(e, Eigen) else e)
 
 
 def _eigen(G: Tensor, A: Tensor) -> Eigen:

@@ -9,8 +9,9 @@ the loss: with ``Φ [n_train, D]`` the training examples' gradients of ``f``,
 ``Q_n = ∂ℓ/∂f`` of example ``n``'s loss (the "out-to-loss" weight; for the margin,
 ``Q = 1 - p_y = sigmoid(-f)``). ``ΦᵀΦ`` is the Gauss-Newton matrix of ``f`` over the
 training set, a dense ``[D, D]``: TRAK makes ``D`` small by a random projection of the
-gradients (traker's CUDA kernel; jacmem's ``BatchGradProjection(kind="dense")``). This
-build has no projection, so ``D`` is the number of trainable parameters: for small models
+gradients (traker's CUDA kernel; here ``projection=k``, jacmem's
+``BatchGradProjection(k, kind="dense")`` on every device, ``D = k ×`` the trainable
+parameters). Without one, ``D`` is the number of trainable parameters: for small models
 and the last layers of large ones (freeze the rest). One checkpoint; average the scores of
 several checkpoints for TRAK's ensemble. Scores are in blocks from the store, as
 :class:`~jacmem.attribution.Influence`'s.
@@ -47,7 +48,12 @@ class TRAK(Influence):
     weights ``Q`` (default ``sigmoid(-f)``, the margin's with cross-entropy); ``damping``
     λ added to ``ΦᵀΦ`` (TRAK uses none; with more parameters than training examples
     ``ΦᵀΦ`` is singular, so give one). :meth:`fit`, :meth:`scores` as
-    :class:`~jacmem.attribution.Influence`; :meth:`self_influence` is not TRAK's."""
+    :class:`~jacmem.attribution.Influence`; :meth:`self_influence` is not TRAK's.
+    ``projection=k``: TRAK's dense Johnson-Lindenstrauss projection of each parameter's
+    gradient to ``k`` (``BatchGradProjection(kind="dense")``), the kernel ``[D, D]`` over
+    ``D = k ×`` the trainable parameters."""
+
+    projection_kind = "dense"
 
     def __init__(
         self,

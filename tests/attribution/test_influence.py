@@ -10,7 +10,14 @@ from torch import nn
 
 from jacmem.attribution import Influence
 
-torch.set_default_dtype(torch.float64)
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """The references build their matrices in float64 (restored after each test)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
 
 
 def _data(n: int, seed: int):

@@ -47,7 +47,7 @@ def test_scores_equal_the_dense_kernel_reference():
     trak = TRAK(model, output_fn, damping=0.01, progress=False).fit(train)
     got = trak.scores([(xq[:2], yq[:2]), (xq[2:], yq[2:])], train)
     phi, phi_q = _phi(model, x, y), _phi(model, xq, yq)
-    K = phi.T @ phi + 0.01 * torch.eye(phi.shape[1])
+    K = phi.T @ phi + 0.01 * torch.eye(phi.shape[1], dtype=torch.float64)
     Q = 1 - model(x).softmax(1).gather(1, y[:, None])[:, 0]
     want = phi_q @ torch.linalg.inv(K) @ phi.T * Q[None, :].detach()
     torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)

@@ -1,0 +1,129 @@
+"""projection=k: the curvature and the scores in the space of jacmem's Kronecker projection
+(``BatchGradProjection``), against a float64 reference built from per-sample gradients
+projected by the rule's own matrices."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import jacmem
+from jacmem.attribution import TRAK, Influence, margin
+
+if not hasattr(jacmem, "BatchGradProjection"):
+    pytest.skip("this build has no jacmem.BatchGradProjection", allow_module_level=True)
+from jacmem.derivatives.projection import dense, kronecker  # noqa: E402
+
+K = 4  # (k_rows, k_cols) = (2, 2)
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """The references build their matrices in float64 (restored after each test)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _model():
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+def _data(n, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def _reference(model, x, y, curvature, damping, seed):
+    """Per parameter: the projected per-sample gradients ``[n, k]`` and the damped
+    curvature ``[k, k]`` in the projected space."""
+    names = [n for n, _ in model.named_parameters()]
+    grads = []
+    for i in range(len(x)):
+        grads.append(torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), list(model.parameters())))
+    stats, linears = [], [m for m in model if isinstance(m, nn.Linear)]
+    for m in linears:  # inputs and output gradients, per sample
+        xs, gs = [], []
+        for i in range(len(x)):
+            out = {}
+            h = m.register_forward_hook(lambda mod, a, o: out.update(x=a[0], o=o))
+            loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
+            h.remove()
+            xs.append(out["x"].detach()[0])
+            gs.append(torch.autograd.grad(loss, out["o"])[0][0])
+        stats += [(torch.stack(xs), torch.stack(gs))] * 2  # weight, bias
+    rows, blocks = [], []
+    for k, (name, p) in enumerate(model.named_parameters()):
+        a, g = stats[k]
+        if p.dim() == 2:
+            P_rows, P_cols = kronecker(seed, name, K, p.shape[0], p.shape[1], dtype=p.dtype, device="cpu")
+            vecs = torch.stack([(P_rows @ gr[k] @ P_cols.T).flatten() for gr in grads])
+            Gp, Ap = P_rows @ g.T @ g @ P_rows.T, P_cols @ (a.T @ a / len(a)) @ P_cols.T
+            lg, Ug = torch.linalg.eigh(Gp)
+            la, Ua = torch.linalg.eigh(Ap)
+            U = torch.kron(Ug.contiguous(), Ua.contiguous())
+            lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+        else:
+            vecs = dense(torch.stack([gr[k] for gr in grads]), seed, name, K)
+            lam, U = torch.linalg.eigh(vecs.T @ vecs)
+        if curvature == "diag":
+            U, lam = torch.eye(K), vecs.square().sum(0)
+        d = 0.1 * lam.mean() if damping is None else damping
+        rows.append(vecs)
+        blocks.append(U @ torch.diag(lam) @ U.T + d * torch.eye(K))
+    assert names
+    return torch.cat(rows, 1), torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag"])
+@pytest.mark.parametrize("damping", [None, 0.01])
+def test_projected_scores_equal_the_reference(curvature, damping):
+    model = _model()
+    x, y = _data(12, 0)
+    xq, yq = _data(3, 1)
+    train = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 12, 4)]
+    inf = Influence(model, loss_fn, curvature=curvature, damping=damping, projection=K, seed=3, progress=False)
+    got = inf.fit(train).scores([(xq, yq)], train)
+    rows, C = _reference(model, x, y, curvature, damping, 3)
+    query_rows, _ = _reference(model, xq, yq, curvature, damping, 3)
+    assert inf.kronecker_projected == {0, 2}  # the weights; the biases take the dense rule
+    torch.testing.assert_close(got, query_rows @ torch.linalg.inv(C) @ rows.T, rtol=1e-9, atol=1e-12)
+
+
+def test_trak_projects_densely():
+    model = _model()
+    x, y = _data(10, 0)
+    trak = TRAK(model, lambda m, b: margin(m(b[0]), b[1]), damping=0.01, projection=K, progress=False)
+    got = trak.fit([(x, y)]).scores([(x[:2], y[:2])], [(x, y)])
+    phi = []
+    for i in range(len(x)):
+        grads = torch.autograd.grad(margin(model(x[i : i + 1]), y[i : i + 1]).sum(), list(model.parameters()))
+        phi.append(
+            torch.cat([dense(g.reshape(1, -1), 0, n, K) for (n, _), g in zip(model.named_parameters(), grads)], 1)
+        )
+    phi = torch.cat(phi)
+    Q = torch.sigmoid(-margin(model(x), y)).detach()
+    want = phi[:2] @ torch.linalg.inv(phi.T @ phi + 0.01 * torch.eye(phi.shape[1])) @ phi.T * Q
+    torch.testing.assert_close(got, want, rtol=1e-8, atol=1e-12)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"fisher": "mc"}, "fisher='empirical' with a projection"),
+        ({"conventions": "kronfluence"}, "conventions='jacmem' with a projection"),
+        ({"projection": 0}, "positive int"),
+    ],
+)
+def test_projection_settings_that_cannot_work_raise(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Influence(_model(), loss_fn, **{"projection": K, **kwargs})
