@@ -127,3 +127,75 @@ def test_trak_projects_densely():
 def test_projection_settings_that_cannot_work_raise(kwargs, match):
     with pytest.raises(ValueError, match=match):
         Influence(_model(), loss_fn, **{"projection": K, **kwargs})
+
+
+def test_a_transposed_layer_projects_its_factors_by_their_sides():
+    """An Embedding ``[V, d]`` (its factors of ``weight.T``): the rule's rows act on the
+    vocabulary (the input side, ``A``), its columns on ``d`` (the output side, ``G``); a
+    LayerNorm and the head's bias take the dense rule, each a whole ``[k, k]`` block."""
+    from tests.attribution.test_influence import _TinyLM, lm_loss
+
+    model = _TinyLM().double()
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 6, (9, 3), generator=g), torch.randint(0, 6, (9, 3), generator=g)
+    train = [(ids[i : i + 3], targets[i : i + 3]) for i in range(0, 9, 3)]
+    qids, qt = torch.randint(0, 6, (2, 3), generator=g), torch.randint(0, 6, (2, 3), generator=g)
+    inf = Influence(model, lm_loss, curvature="ekfac", damping=0.01, projection=K, seed=5, progress=False)
+    got = inf.fit(train).scores([(qids, qt)], train)
+
+    def per_sample(ids, targets):
+        out = []
+        for i in range(len(ids)):
+            hooks, kept = [], {}
+            for m in (model.embed, model.head):
+                hooks.append(m.register_forward_hook(lambda mod, a, o, m=m: kept.__setitem__(m, (a[0], o))))
+            loss = lm_loss(model, (ids[i : i + 1], targets[i : i + 1]))
+            for h in hooks:
+                h.remove()
+            grads = torch.autograd.grad(loss, [*model.parameters(), kept[model.embed][1], kept[model.head][1]])
+            out.append((grads[:-2], grads[-2][0], grads[-1][0], kept[model.head][0].detach()[0]))
+        return out
+
+    names = [n for n, _ in model.named_parameters()]
+    sample = per_sample(ids, targets)
+    g_embed = torch.cat([s[1] for s in sample])
+    g_head, x_head = torch.cat([s[2] for s in sample]), torch.cat([s[3] for s in sample])
+    counts = torch.bincount(ids.flatten(), minlength=6).double() / ids.numel()
+
+    def project(grads):
+        rows = []
+        for name, p, gr in zip(names, model.parameters(), grads):
+            if name in ("embed.weight", "head.weight"):
+                P_rows, P_cols = kronecker(5, name, K, *p.shape, dtype=p.dtype, device="cpu")
+                rows.append((P_rows @ gr @ P_cols.T).flatten())
+            else:
+                rows.append(dense(gr.reshape(1, -1), 5, name, K)[0])
+        return rows
+
+    train_rows = [project(s[0]) for s in sample]
+    query_rows = [project(s[0]) for s in per_sample(qids, qt)]
+    blocks = []
+    for k, (name, p) in enumerate(model.named_parameters()):
+        vecs = torch.stack([r[k] for r in train_rows])
+        if name in ("embed.weight", "head.weight"):
+            P_rows, P_cols = kronecker(5, name, K, *p.shape, dtype=p.dtype, device="cpu")
+            if name == "embed.weight":  # rows: the vocabulary (input); columns: d (output)
+                G, A, P_out, P_in = g_embed.T @ g_embed, torch.diag(counts), P_cols, P_rows
+                vecs = vecs.reshape(-1, 2, 2).transpose(1, 2).flatten(1)  # as [out, in]
+            else:
+                G, A, P_out, P_in = g_head.T @ g_head, x_head.T @ x_head / len(x_head), P_rows, P_cols
+            Ug = torch.linalg.eigh(P_out @ G @ P_out.T).eigenvectors
+            Ua = torch.linalg.eigh(P_in @ A @ P_in.T).eigenvectors
+            U = torch.kron(Ug.contiguous(), Ua.contiguous())
+            C = U @ torch.diag((vecs @ U).square().sum(0)) @ U.T + 0.01 * torch.eye(K)
+            if name == "embed.weight":  # back to the stored layout
+                perm = torch.arange(K).reshape(2, 2).T.flatten()
+                C = C[perm][:, perm]
+        else:
+            C = vecs.T @ vecs + 0.01 * torch.eye(K)
+        blocks.append(C)
+    rows_t = torch.stack([torch.cat(r) for r in train_rows])
+    rows_q = torch.stack([torch.cat(r) for r in query_rows])
+    want = rows_q @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows_t.T
+    assert inf.kronecker_projected == {0, 3}
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
