@@ -44,9 +44,11 @@ def _dataset(n: int, seed: int) -> data.TensorDataset:
     )
 
 
-def _kronfluence(tmp_path, strategy: str, damping: float | None, train, queries) -> tuple[torch.Tensor, torch.Tensor]:
+def _kronfluence(
+    tmp_path, strategy: str, damping: float | None, train, queries, make_model=_model
+) -> tuple[torch.Tensor, torch.Tensor]:
     """kronfluence's pairwise scores ``[n_query, n_train]`` and self-influence scores ``[n_train]``."""
-    model = prepare_model(_model(), _Task())
+    model = prepare_model(make_model(), _Task())
     analyzer = Analyzer(
         "jacmem", model=model, task=_Task(), output_dir=str(tmp_path), disable_model_save=True, disable_tqdm=True
     )
@@ -101,3 +103,33 @@ def test_pairwise_scores_equal_kronfluence(tmp_path, strategy, damping):
     got_self = inf.self_influence(train_loader)
     err = (got_self - want_self).abs().max() / want_self.abs().max()
     assert err < 1e-8, f"self-influence: relative error {err:.2e}"
+
+
+class _Tokens(nn.Module):
+    """A Linear over the positions of ``[N, T, 6]`` (``N·T`` rows for kronfluence's
+    covariances), mean-pooled, then a Linear head (``N`` rows)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(7)
+        self.token, self.head = nn.Linear(6, 5), nn.Linear(5, 3)
+
+    def forward(self, x):
+        return self.head(torch.tanh(self.token(x)).mean(1))
+
+
+@pytest.mark.parametrize("strategy", ["ekfac", "kfac"])
+def test_positions_are_rows_of_the_covariances_as_in_kronfluence(tmp_path, strategy):
+    g = torch.Generator().manual_seed(0)
+    train = data.TensorDataset(
+        torch.randn(16, 4, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (16,), generator=g)
+    )
+    queries = data.TensorDataset(
+        torch.randn(3, 4, 6, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    )
+    want, _ = _kronfluence(tmp_path, strategy, None, train, queries, lambda: _Tokens().double())
+    inf = Influence(_Tokens().double(), loss_fn, curvature=strategy, conventions="kronfluence", progress=False)
+    train_loader = data.DataLoader(train, batch_size=8)
+    got = inf.fit(train_loader).scores(data.DataLoader(queries, batch_size=3), train_loader)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 1e-8, f"relative error {err:.2e}"
