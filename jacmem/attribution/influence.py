@@ -100,9 +100,10 @@ class Influence:
     which never forms ``[N, *p.shape]``), for the curvature and the scores alike: KFAC's
     factors projected, ``P_out G P_outᵀ`` and ``P_in A P_inᵀ`` (``(P_out, P_in)`` the rule's
     matrices of the weight's output and input sides), EK-FAC's ``Λ`` from the projected
-    gradients; a parameter the rule projects densely (a bias, a norm's scale) gets the
-    whole ``[k, k]`` second moment of its projected gradients (``"ekfac"``, ``"kfac"``) or its
-    diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
+    gradients; a parameter the rule projects densely (a bias, a norm's scale) and a tied
+    weight (GPT-2's ``wte``/``lm_head``: its projection sums its uses, and it has no
+    Kronecker factors) get the whole ``[k, k]`` second moment of their projected
+    gradients (``"ekfac"``, ``"kfac"``) or its diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
 
     The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
     its trainable parameters are those scored (freeze the others)."""
@@ -147,10 +148,13 @@ class Influence:
         self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
         #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
         self.kronecker_projected = set() if projection is None else self._kronecker_projected()
+        #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
+        #: with a projection (tied weights: no Kronecker factors, one projected gradient)
+        self._whole = set() if projection is None else self._tied()
         self.slots, start = [], 0
         for i, p in enumerate(self.params):
             shape = tuple(p.shape) if projection is None else (projection,)
-            if i in self.kronecker_projected:
+            if i in self.kronecker_projected and i not in self._whole:
                 from jacmem.derivatives.projection import factors
 
                 shape = factors(projection)
@@ -167,15 +171,23 @@ class Influence:
 
     # -- one backward per batch ------------------------------------------------------
 
-    def _backward(self, batch: Any, extension: Any, field: str, hint: str = "") -> list[Any]:
+    def _backward(
+        self, batch: Any, extension: Any, field: str, hint: str = "", skip: set[int] = frozenset()
+    ) -> list[Any]:
         """One forward and backward of ``loss_fn`` on ``batch`` under ``extension``: its
         attribute ``field`` of each trainable parameter (``None`` where the loss does not
-        use it); ``.grad`` is untouched. ``hint``: added to what jacmem cannot compute
-        (a ``NotImplementedError``, which names the parameter and its module)."""
+        use it, and for the parameters of ``skip``, frozen for this forward and backward);
+        ``.grad`` is untouched. ``hint``: added to what jacmem cannot compute (a
+        ``NotImplementedError``, which names the parameter and its module)."""
+        wanted = [p for i, p in enumerate(self.params) if i not in skip]
+        frozen = [self.params[i] for i in skip]
         with jacmem.extend(extension):
-            loss = self.loss_fn(self.model, batch)
             try:
-                grads = torch.autograd.grad(loss, self.params, allow_unused=True)
+                for p in frozen:  # (for this forward and backward only: jacmem leaves them out)
+                    p.requires_grad_(False)
+                loss = self.loss_fn(self.model, batch)
+                found = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+                grads = [None if i in skip else next(found) for i in range(len(self.params))]
                 got = [None if g is None else getattr(p, field, None) for p, g in zip(self.params, grads, strict=True)]
             except NotImplementedError as err:
                 if not hint:
@@ -184,6 +196,8 @@ class Influence:
                 params = getattr(err, "params", None)
                 raise (type(err)(message) if params is None else type(err)(message, params)) from err
             finally:
+                for p in frozen:
+                    p.requires_grad_(True)
                 for p in self.params:
                     for name in _FIELDS:
                         if hasattr(p, name):
@@ -296,7 +310,7 @@ class Influence:
                 b = batch_size(batch)
                 if inputs:
                     inputs.batch_rows.clear()
-                got = self._backward(batch, extension, field, hint=_NO_FACTORS)
+                got = self._backward(batch, extension, field, hint=_NO_FACTORS, skip=self._whole)
                 for i, factors in enumerate(got):
                     if factors is None:
                         continue
@@ -363,7 +377,7 @@ class Influence:
                 eigens.append(_eigen(Gk, Ak))
             return blocks, eigens
         for i, (name, slot, p) in enumerate(zip(self.names, self.slots, self.params)):
-            if self.projection is not None and i not in self.kronecker_projected:  # the dense rule: [k] whole
+            if i in self._whole or (self.projection is not None and i not in self.kronecker_projected):
                 blocks.append(Block(name, bias=slot))
                 eigens.append(None)
                 continue
@@ -388,6 +402,14 @@ class Influence:
                 blocks.append(Block(name, bias=slot))
                 eigens.append(_eigen(G[i], torch.ones(1, 1, dtype=G[i].dtype, device=G[i].device)))
         return blocks, eigens
+
+    def _tied(self) -> set[int]:
+        """The parameters that several modules own (tied weights: GPT-2's ``wte`` and ``lm_head``)."""
+        owners: dict[int, int] = {}
+        for module in self.model.modules():
+            for q in module.parameters(recurse=False):
+                owners[id(q)] = owners.get(id(q), 0) + 1
+        return {i for i, p in enumerate(self.params) if owners.get(id(p), 0) > 1}
 
     def _kronecker_projected(self) -> set[int]:
         """The parameters whose layer projects them by the Kronecker rule (a registered

@@ -199,3 +199,36 @@ def test_a_transposed_layer_projects_its_factors_by_their_sides():
     want = rows_q @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows_t.T
     assert inf.kronecker_projected == {0, 3}
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+class _TiedLM(nn.Module):
+    """An Embedding ``[V, d]`` whose weight is also the output head's (GPT-2's ``wte``/``lm_head``)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(8)
+        self.embed, self.head = nn.Embedding(6, 4), nn.Linear(4, 6)
+        self.head.weight = self.embed.weight
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.embed(ids)))
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_a_tied_weight_gets_the_second_moment_of_its_projected_gradients(curvature):
+    from tests.attribution.test_influence import lm_loss
+
+    model = _TiedLM().double()
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 6, (8, 3), generator=g), torch.randint(0, 6, (8, 3), generator=g)
+    train = [(ids[:4], targets[:4]), (ids[4:], targets[4:])]
+    inf = Influence(model, lm_loss, curvature=curvature, damping=0.01, projection=K, progress=False)
+    got = inf.fit(train).scores([(ids[:2], targets[:2])], train)
+    P_rows, P_cols = kronecker(0, "embed.weight", K, 6, 4, dtype=torch.float64, device="cpu")
+    rows = []
+    for i in range(len(ids)):
+        w, b = torch.autograd.grad(lm_loss(model, (ids[i : i + 1], targets[i : i + 1])), list(model.parameters()))
+        rows.append(torch.cat([(P_rows @ w @ P_cols.T).flatten(), dense(b[None], 0, "head.bias", K)[0]]))
+    rows = torch.stack(rows)
+    C = torch.block_diag(*[r.T @ r + 0.01 * torch.eye(K) for r in (rows[:, :K], rows[:, K:])])
+    torch.testing.assert_close(got, rows[:2] @ torch.linalg.inv(C) @ rows.T, rtol=1e-9, atol=1e-12)
