@@ -293,3 +293,44 @@ def test_a_parameter_the_loss_never_uses_scores_nothing(curvature):
     torch.testing.assert_close(
         got.scores([(xq, yq)], _loader(x, y, 4)), want.scores([(xq, yq)], _loader(x, y, 4)), rtol=1e-12, atol=0
     )
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_hf_conv1d_is_scored_as_its_transposed_weight(curvature):
+    """HF's Conv1D (GPT-2's linear layer, ``weight [I, O]``): its factors are of
+    ``weight.T``, so its block is ``[O, I]``; the reference builds it so and permutes back."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(9)
+    model = nn.Sequential(pytorch_utils.Conv1D(5, 4), nn.Tanh(), nn.Linear(5, 3, bias=False)).double()
+    model[2].requires_grad_(False)
+    x, y = _data(10, 0)
+    xq, yq = _data(3, 1)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(_loader(x, y, 5))
+    got = inf.scores([(xq, yq)], _loader(x, y, 5))
+    (a, g), *_ = [s for s in _layer_stats_of(model, x, y, model[0])]
+    rows = _per_sample(model, x, y)
+    weight = rows[:, :20].reshape(-1, 4, 5).transpose(1, 2).flatten(1)  # as [O, I]
+    lg, Ug = torch.linalg.eigh(g.T @ g)
+    la, Ua = torch.linalg.eigh(a.T @ a / len(a))
+    U = torch.kron(Ug.contiguous(), Ua.contiguous())
+    lam = torch.kron(lg, la) if curvature == "kfac" else (weight @ U).square().sum(0)
+    Cw = U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(20)
+    perm = torch.arange(20).reshape(5, 4).T.flatten()  # [O, I] order -> the stored [I, O]
+    Cw = Cw[perm][:, perm]
+    lb = (rows[:, 20:] @ Ug).square().sum(0) if curvature == "ekfac" else lg
+    Cb = Ug @ torch.diag(lb) @ Ug.T + 0.01 * torch.eye(5)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(Cw, Cb)) @ rows.T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _layer_stats_of(model, x, y, layer):
+    """``layer``'s inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
+    xs, gs = [], []
+    for i in range(len(x)):
+        out = {}
+        h = layer.register_forward_hook(lambda m, a, o: out.update(x=a[0], o=o))
+        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
+        h.remove()
+        xs.append(out["x"].detach()[0])
+        gs.append(torch.autograd.grad(loss, out["o"])[0][0])
+    yield torch.stack(xs), torch.stack(gs)
