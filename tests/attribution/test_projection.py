@@ -232,3 +232,27 @@ def test_a_tied_weight_gets_the_second_moment_of_its_projected_gradients(curvatu
     rows = torch.stack(rows)
     C = torch.block_diag(*[r.T @ r + 0.01 * torch.eye(K) for r in (rows[:, :K], rows[:, K:])])
     torch.testing.assert_close(got, rows[:2] @ torch.linalg.inv(C) @ rows.T, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag"])
+def test_hf_gpt2_projected_runs_whole(curvature):
+    """HF GPT-2 (Conv1D, LayerNorm, position embeddings of ``[1, T]`` ids, ``wte`` tied to
+    ``lm_head``): every parameter scored, the tied one by its whole projected block;
+    self-influence is the diagonal of the train-train scores."""
+    pytest.importorskip("transformers")
+    from tests.support.hf_models import tied_lm
+
+    torch.manual_seed(0)
+    model = tied_lm("gpt2", d=16, t=8, vocab=97).double().eval()
+
+    def lm(model, ids):
+        logits = model(ids).transpose(1, 2)  # [N, T, V]
+        return F.cross_entropy(logits[:, :-1].flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+    ids = torch.randint(0, 97, (8, 8), generator=torch.Generator().manual_seed(0))
+    train = [ids[:4], ids[4:]]
+    inf = Influence(model, lm, curvature=curvature, projection=16, progress=False).fit(train)
+    scores = inf.scores(train, train)
+    assert [inf.names[i] for i in inf._whole] == ["model.transformer.wte.weight"]
+    assert torch.isfinite(scores).all()
+    torch.testing.assert_close(inf.self_influence(train), torch.diagonal(scores), rtol=1e-10, atol=0)
