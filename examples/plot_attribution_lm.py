@@ -1,0 +1,131 @@
+"""Which training sequences raise a language model's loss on a query, and which lower it
+=======================================================================================
+
+Training-data attribution on a tiny Hugging Face GPT-2 (``GPT2LMHeadModel`` from a
+config, random initial weights: nothing is downloaded). Its training set holds three kinds
+of token sequences: sequences that count up by 2 modulo the vocabulary, sequences that
+count up by 3, and a few *corrupted* ones that count by 2 for six tokens and then jump by
+5. After training, :class:`jacmem.attribution.Influence` (EK-FAC) scores every training
+sequence against a query, a fresh count by 2. A positive score says that training on
+that sequence lowered the query's loss (it helped); a negative score, that it raised it.
+The sequences that help most should be the other counts by 2; those that raise the loss
+most, the corrupted ones, which teach another continuation of the same context. The
+figure shows every training sequence's score, coloured by its kind.
+
+jacmem computes the per-sequence gradients of every layer in one backward pass, HF's
+``Conv1D`` and the embeddings included (kronfluence tracks ``nn.Linear`` and
+``nn.Conv2d`` only). The model here keeps its head apart from the token embedding
+(``tie_word_embeddings=False``) so that EK-FAC has one Kronecker block per weight.
+
+Run: ``python examples/plot_attribution_lm.py``; ``JACMEM_QUICK=1`` for a small, fast run
+(fewer sequences and training steps: the ranking the text describes holds there too).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+from transformers import GPT2Config, GPT2LMHeadModel
+
+from jacmem.attribution import Influence
+
+QUICK = os.environ.get("JACMEM_QUICK") == "1"
+VOCAB, T = 24, 12
+PER_KIND, CORRUPTED = (16, 4) if QUICK else (48, 8)
+STEPS, LR = (150, 3e-3) if QUICK else (400, 3e-3)
+KINDS = ("counts by 2", "counts by 3", "corrupted: by 2, then +5")
+
+
+def sequences(kind: int, n: int, generator: torch.Generator) -> torch.Tensor:
+    """``n`` token sequences [n, T] of one kind (an index into KINDS), random starts."""
+    start = torch.randint(0, VOCAB, (n, 1), generator=generator)
+    steps = torch.full((n, T), 3 if kind == 1 else 2)
+    if kind == 2:
+        steps[:, 6:] = 5
+    steps[:, 0] = 0
+    return (start + steps.cumsum(1)) % VOCAB
+
+
+def training_set() -> tuple[torch.Tensor, torch.Tensor]:
+    """ids [n, T] and each sequence's kind [n]."""
+    g = torch.Generator().manual_seed(0)
+    sizes = (PER_KIND, PER_KIND, CORRUPTED)
+    ids = torch.cat([sequences(k, n, g) for k, n in enumerate(sizes)])
+    kinds = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
+    return ids, kinds
+
+
+def sequence_loss(model, batch) -> torch.Tensor:
+    """The summed next-token cross-entropy of each sequence, summed over the batch: the
+    ``loss_fn`` that Influence expects (a sum of per-example losses)."""
+    (ids,) = batch
+    logits = model(input_ids=ids).logits[:, :-1]
+    return F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="sum")
+
+
+def tiny_gpt2() -> GPT2LMHeadModel:
+    torch.manual_seed(0)
+    config = GPT2Config(
+        n_layer=2, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=T, tie_word_embeddings=False,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+    )  # fmt: skip
+    return GPT2LMHeadModel(config)
+
+
+def train(model: GPT2LMHeadModel, ids: torch.Tensor) -> None:
+    """Full-batch Adam on the mean next-token loss."""
+    optimizer = torch.optim.Adam(model.parameters(), lr=LR)
+    for step in range(STEPS):
+        optimizer.zero_grad()
+        loss = sequence_loss(model, (ids,)) / ids[:, 1:].numel()
+        loss.backward()
+        optimizer.step()
+        if step in (0, STEPS - 1):
+            print(f"step {step + 1}: mean next-token loss {loss.item():.3f}")
+
+
+def plot(scores: torch.Tensor, kinds: torch.Tensor) -> None:
+    """Every training sequence's score, sorted, coloured by kind (left open: the gallery
+    shows it)."""
+    from matplotlib import pyplot as plt
+
+    order = scores.argsort(descending=True)
+    fig, ax = plt.subplots(figsize=(9, 3.8), layout="constrained")
+    for k, label in enumerate(KINDS):
+        where = (kinds[order] == k).nonzero().flatten()
+        ax.bar(where, scores[order][where], width=1.0, color=f"C{k}", label=label)
+    ax.axhline(0, color="black", linewidth=0.8)
+    ax.set(
+        xlabel="training sequences, by score", ylabel="influence on the query's loss",
+        title="positive: training on it lowered the query's loss; negative: raised it",
+    )  # fmt: skip
+    ax.legend()
+
+
+def main() -> None:
+    ids, kinds = training_set()
+    model = tiny_gpt2()
+    train(model, ids)
+    model.eval()
+    query = sequences(0, 1, torch.Generator().manual_seed(1))
+    train_loader = DataLoader(TensorDataset(ids), batch_size=16)
+    query_loader = DataLoader(TensorDataset(query), batch_size=1)
+    influence = Influence(model, sequence_loss, curvature="ekfac")
+    influence.fit(train_loader)
+    scores = influence.scores(query_loader, train_loader)[0]  # [n_train]
+    print(f"query {query[0].tolist()}")
+    order = scores.argsort(descending=True)
+    for title, picks in (("lower its loss most", order[:3]), ("raise its loss most", order.flip(0)[:3])):
+        print(f"training sequences that {title}:")
+        for i in picks.tolist():
+            print(f"  {scores[i]:+.3g}  {KINDS[kinds[i]]:<26} {ids[i].tolist()}")
+    for k, label in enumerate(KINDS):
+        print(f"mean score, {label}: {scores[kinds == k].mean():+.3g}")
+    plot(scores, kinds)
+
+
+if __name__ == "__main__":
+    main()
