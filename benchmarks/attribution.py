@@ -430,8 +430,9 @@ def run_case(case: dict, timeout: float) -> dict:
 
 
 def _failure(r: dict) -> str:
-    error = r["error"].replace("|", "/")
-    return error if error.startswith(("not run", "skipped")) else "fails: " + error.split(": ", 1)[-1]
+    """A failed case's cell: "not run: <why>" where the case declined, else "fails: <reason>"."""
+    error = r["error"].replace("|", "/").split(": ", 1)[-1]
+    return error if error.startswith("not run") else "fails: " + error
 
 
 def best(r: dict) -> tuple[float | None, float, float]:

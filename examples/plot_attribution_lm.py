@@ -3,14 +3,16 @@
 
 Training-data attribution on a tiny Hugging Face GPT-2 (``GPT2LMHeadModel`` from a
 config, random initial weights: nothing is downloaded). Its training set holds three kinds
-of token sequences: sequences that count up by 2 modulo the vocabulary, sequences that
-count up by 3, and a few *corrupted* ones that count by 2 for six tokens and then jump by
-5. After training, :class:`jacmem.attribution.Influence` (EK-FAC) scores every training
-sequence against a query, a fresh count by 2. A positive score says that training on
-that sequence lowered the query's loss (it helped); a negative score, that it raised it.
-The sequences that help most should be the other counts by 2; those that raise the loss
-most, the corrupted ones, which teach another continuation of the same context. The
-figure shows every training sequence's score, coloured by its kind.
+of token sequences: from every start token, one sequence that counts up by 2 modulo the
+vocabulary and one that counts up by 3; and four *corrupted* ones that count by 2 for six
+tokens and then jump by 5. After training, :class:`jacmem.attribution.Influence` (EK-FAC)
+scores every training sequence against a query, the count by 2 from 13. A positive score
+says that training on that sequence lowered the query's loss (it helped); a negative
+score, that it raised it. The sequence that helps most should be the query's own twin in
+the training set; the one that raises its loss most, the corrupted sequence that shares
+its first six tokens and teaches another continuation; counts by 3 from the same start
+disagree with it from the second token on. The figure shows every training sequence's
+score, coloured by its kind.
 
 jacmem computes the per-sequence gradients of every layer in one backward pass, HF's
 ``Conv1D`` and the embeddings included (kronfluence tracks ``nn.Linear`` and
@@ -18,7 +20,7 @@ jacmem computes the per-sequence gradients of every layer in one backward pass, 
 (``tie_word_embeddings=False``) so that EK-FAC has one Kronecker block per weight.
 
 Run: ``python examples/plot_attribution_lm.py``; ``JACMEM_QUICK=1`` for a small, fast run
-(fewer sequences and training steps: the ranking the text describes holds there too).
+(fewer training steps: the ranking the text describes holds there too).
 """
 
 from __future__ import annotations
@@ -34,28 +36,27 @@ from jacmem.attribution import Influence
 
 QUICK = os.environ.get("JACMEM_QUICK") == "1"
 VOCAB, T = 24, 12
-PER_KIND, CORRUPTED = (16, 4) if QUICK else (48, 8)
+CORRUPTED_STARTS = (1, 7, 13, 19)  # the query starts at 13
 STEPS, LR = (150, 3e-3) if QUICK else (400, 3e-3)
 KINDS = ("counts by 2", "counts by 3", "corrupted: by 2, then +5")
 
 
-def sequences(kind: int, n: int, generator: torch.Generator) -> torch.Tensor:
-    """``n`` token sequences [n, T] of one kind (an index into KINDS), random starts."""
-    start = torch.randint(0, VOCAB, (n, 1), generator=generator)
-    steps = torch.full((n, T), 3 if kind == 1 else 2)
+def sequences(kind: int, starts: torch.Tensor) -> torch.Tensor:
+    """Token sequences [len(starts), T] of one kind (an index into KINDS)."""
+    steps = torch.full((len(starts), T), 3 if kind == 1 else 2)
     if kind == 2:
         steps[:, 6:] = 5
     steps[:, 0] = 0
-    return (start + steps.cumsum(1)) % VOCAB
+    return (starts[:, None] + steps.cumsum(1)) % VOCAB
 
 
 def training_set() -> tuple[torch.Tensor, torch.Tensor]:
-    """ids [n, T] and each sequence's kind [n]."""
-    g = torch.Generator().manual_seed(0)
-    sizes = (PER_KIND, PER_KIND, CORRUPTED)
-    ids = torch.cat([sequences(k, n, g) for k, n in enumerate(sizes)])
-    kinds = torch.cat([torch.full((n,), k) for k, n in enumerate(sizes)])
-    return ids, kinds
+    """ids [n, T] and each sequence's kind [n]: a count by 2 and a count by 3 from every
+    start, and a few corrupted counts."""
+    every, corrupted = torch.arange(VOCAB), torch.tensor(CORRUPTED_STARTS)
+    parts = [sequences(0, every), sequences(1, every), sequences(2, corrupted)]
+    kinds = torch.cat([torch.full((len(p),), k) for k, p in enumerate(parts)])
+    return torch.cat(parts), kinds
 
 
 def sequence_loss(model, batch) -> torch.Tensor:
@@ -110,7 +111,7 @@ def main() -> None:
     model = tiny_gpt2()
     train(model, ids)
     model.eval()
-    query = sequences(0, 1, torch.Generator().manual_seed(1))
+    query = sequences(0, torch.tensor([13]))
     train_loader = DataLoader(TensorDataset(ids), batch_size=16)
     query_loader = DataLoader(TensorDataset(query), batch_size=1)
     influence = Influence(model, sequence_loss, curvature="ekfac")
