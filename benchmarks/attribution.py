@@ -83,8 +83,8 @@ LDS_LABELS = {
 DAMPINGS = [10.0 ** (k / 2) for k in range(-16, 5)]
 QUICK_DAMPINGS = [1e-3, 1e-1]
 #: the task: full and quick sizes
-TASK = dict(features=64, hidden=128, classes=10, train=512, query=32, subsets=64, weight_decay=1e-3)
-QUICK_TASK = dict(features=4, hidden=8, classes=3, train=24, query=3, subsets=4, weight_decay=1e-3)
+TASK = dict(features=32, hidden=64, classes=5, train=256, query=32, subsets=64, weight_decay=1e-2)
+QUICK_TASK = dict(features=4, hidden=8, classes=3, train=24, query=3, subsets=4, weight_decay=1e-2)
 
 SPEED_MODELS = ("gpt2", "llama-lora")
 SPEED_METHODS = ("jacmem:proj256", "kronfluence:covariance")
@@ -125,9 +125,10 @@ def make_data(task: dict, seed: int = 0) -> dict[str, Tensor]:
 
 
 def train(model: nn.Module, X: Tensor, y: Tensor, weight_decay: float) -> nn.Module:
-    """Full-batch L-BFGS on mean cross-entropy + weight_decay/2 ‖θ‖², to convergence."""
+    """Full-batch L-BFGS on mean cross-entropy + weight_decay/2 ‖θ‖², 300 iterations (the
+    gradient's norm falls below 1e-4 on the task here)."""
     opt = torch.optim.LBFGS(
-        model.parameters(), lr=1.0, max_iter=500, history_size=20, line_search_fn="strong_wolfe",
+        model.parameters(), lr=1.0, max_iter=300, history_size=20, line_search_fn="strong_wolfe",
         tolerance_grad=1e-9, tolerance_change=1e-12,
     )  # fmt: skip
 

@@ -114,7 +114,7 @@ def main() -> None:
     query = sequences(0, torch.tensor([13]))
     train_loader = DataLoader(TensorDataset(ids), batch_size=16)
     query_loader = DataLoader(TensorDataset(query), batch_size=1)
-    influence = Influence(model, sequence_loss, curvature="ekfac")
+    influence = Influence(model, sequence_loss, curvature="ekfac", progress=False)
     influence.fit(train_loader)
     scores = influence.scores(query_loader, train_loader)[0]  # [n_train]
     print(f"query {query[0].tolist()}")
@@ -127,6 +127,15 @@ def main() -> None:
         print(f"mean score, {label}: {scores[kinds == k].mean():+.3g}")
     plot(scores, kinds)
 
+
+# %%
+# How to read the numbers: with jacmem's conventions a score is, to first order, how much
+# the query's loss would rise if that sequence were left out of training, in the loss's
+# own units (nats here). The twin's score is far larger than the change that leaving one
+# sequence out could make: the estimate is linear and local, and the model was trained a
+# fixed number of steps, not to a minimum. Trust the ranking and the sign, not the size;
+# :doc:`/guide/attribution`
+# says more.
 
 if __name__ == "__main__":
     main()
