@@ -203,22 +203,27 @@ def _batches(X: Tensor, y: Tensor, size: int = 64) -> list[tuple[Tensor, Tensor]
     return [(X[i : i + size], y[i : i + size]) for i in range(0, len(X), size)]
 
 
-def jacmem_scores(saved: dict, keywords: dict, damping: float | None) -> Tensor:
-    """[q, n] scores of jacmem's ``Influence`` with ``keywords`` and ``damping``."""
+def jacmem_scorer(saved: dict, keywords: dict):
+    """damping -> [q, n] scores of jacmem's ``Influence`` with ``keywords`` (fitted afresh
+    for each damping: ``Influence`` takes its damping at construction)."""
     from jacmem.attribution import Influence
 
     model = mlp(saved["task"])
     model.load_state_dict(saved["state"])
     train_loader = _batches(saved["X_train"], saved["y_train"])
     query_loader = _batches(saved["X_query"], saved["y_query"])
-    influence = Influence(model, _loss_sum, damping=damping, **keywords)
-    influence.fit(train_loader)
-    return influence.scores(query_loader, train_loader)
+
+    def scores(damping: float | None) -> Tensor:
+        influence = Influence(model, _loss_sum, damping=damping, progress=False, **keywords)
+        influence.fit(train_loader)
+        return influence.scores(query_loader, train_loader)
+
+    return scores
 
 
-def kronfluence_scores(saved: dict, dampings: list[float | None], workdir: Path) -> dict:
+def kronfluence_scorer(saved: dict, workdir: Path):
     """damping -> [q, n] scores of kronfluence's EK-FAC (empirical Fisher, float64) on the same
-    model and data: factors fitted once, scores per damping."""
+    model and data: the factors fitted once, here."""
     from kronfluence import Analyzer, prepare_model
     from kronfluence.arguments import FactorArguments, ScoreArguments
     from kronfluence.task import Task
@@ -249,36 +254,53 @@ def kronfluence_scores(saved: dict, dampings: list[float | None], workdir: Path)
         per_sample_gradient_dtype=torch.float64, lambda_dtype=torch.float64,
     )  # fmt: skip
     analyzer.fit_all_factors("ekfac", train_set, per_device_batch_size=64, factor_args=factor_args)
-    out = {}
-    for i, damping in enumerate(dampings):
+
+    def scores(damping: float | None) -> Tensor:
         score_args = ScoreArguments(
             damping_factor=damping, per_sample_gradient_dtype=torch.float64, precondition_dtype=torch.float64,
             score_dtype=torch.float64,
         )  # fmt: skip
         analyzer.compute_pairwise_scores(
-            f"d{i}", "ekfac", query_set, train_set, per_device_query_batch_size=16, per_device_train_batch_size=64,
+            "lds", "ekfac", query_set, train_set, per_device_query_batch_size=16, per_device_train_batch_size=64,
             score_args=score_args, overwrite_output_dir=True,
         )  # fmt: skip
-        out[damping] = analyzer.load_pairwise_scores(f"d{i}")["all_modules"]
-    return out
+        return analyzer.load_pairwise_scores("lds")["all_modules"]
+
+    return scores
 
 
 def lds_child(case: dict) -> dict:
-    """One LDS method over its dampings: the scores saved next to the task, damping -> LDS."""
+    """One LDS method: its default damping, the grid, then the midpoints (on the log scale)
+    on each side of the grid's best; damping -> LDS."""
     torch.set_num_threads(case["threads"])
     warnings.simplefilter("ignore")
     saved = torch.load(case["task_file"])
     method = case["method"]
-    keywords = LDS_METHODS[method]
-    dampings = [None] if keywords["curvature"] == "identity" else [None, *case["dampings"]]
-    start = time.perf_counter()
+    keywords = dict(LDS_METHODS[method])
     if method.startswith("kronfluence"):
-        scores = kronfluence_scores(saved, dampings, Path(case["task_file"]).parent)
+        scorer = kronfluence_scorer(saved, Path(case["task_file"]).parent)
     else:
-        scores = {d: jacmem_scores(saved, keywords, d) for d in dampings}
-    seconds = (time.perf_counter() - start) / len(dampings)
-    values = [(d, lds(s, saved["masks"], saved["losses"])) for d, s in scores.items()]
-    return dict(case, lds=values, seconds_per_damping=seconds)
+        scorer = jacmem_scorer(saved, keywords)
+    values, seconds = {}, []
+
+    def measure(damping: float | None) -> None:
+        start = time.perf_counter()
+        scores = scorer(damping)
+        seconds.append(time.perf_counter() - start)
+        values[damping] = lds(scores, saved["masks"], saved["losses"])
+
+    if keywords["curvature"] == "identity":
+        measure(None)
+        measure(None)  # the first call's time includes one-time warm-up
+    else:
+        grid = case["dampings"]
+        for damping in [None, *grid]:
+            measure(damping)
+        best_grid = max(grid, key=lambda d: values[d] if values[d] == values[d] else -2.0)
+        step = (grid[1] / grid[0]) ** 0.5
+        for damping in (best_grid / step, best_grid * step):
+            measure(damping)
+    return dict(case, lds=list(values.items()), seconds_per_damping=statistics.median(seconds))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -454,11 +476,12 @@ def lds_table(results: list[dict], truth: dict, args) -> list[str]:
         f"{task['classes']} (tanh, biases, float64), {task['train']} training examples (10% of labels flipped), "
         f"{task['query']} queries (accuracy {truth.get('query_accuracy', float('nan')):.2f}), trained by full-batch "
         f"L-BFGS with weight decay {task['weight_decay']:g}; ground truth: {task['subsets']} retrainings on random "
-        f"halves from the same initialisation. Dampings tried: the default and 10^k, k = "
+        f"halves from the same initialisation. Dampings tried: the default, 10^k for k = "
         f"{math.log10(args.dampings[0]):g} … {math.log10(args.dampings[-1]):g} in steps of "
-        f"{math.log10(args.dampings[1] / args.dampings[0]):g}. × EK-FAC: LDS at best damping over jacmem EK-FAC's.",
+        f"{math.log10(args.dampings[1] / args.dampings[0]):g}, then the midpoints on each side of the best. "
+        "× EK-FAC: LDS at best damping over jacmem EK-FAC's.",
         "",
-        "| method | LDS, best damping | damping | LDS, default damping | × EK-FAC | s per damping |",
+        "| method | LDS, best damping | damping | LDS, default damping | × EK-FAC | s per fit and scores (median) |",
         "|---|---|---|---|---|---|",
     ]
     for method in args.lds_methods:
