@@ -30,9 +30,10 @@ runs on the ``nn.Linear`` parts it tracks: its covariance pass (the pass of its 
 reads every training example) over the LoRA adapters; on GPT-2 its only ``nn.Linear`` is
 the tied head, whose gradient covariance alone is ``50257²`` floats (not run).
 
-The summary goes to BENCHMARKS.md between ``<!-- attribution:start -->`` and
-``<!-- attribution:end -->``, the tables to benchmarks/details/attribution.md. ``--quick``:
-a tiny task and tiny models, both written under ``out/`` (it checks the harness).
+Each part writes a line to BENCHMARKS.md and its table to benchmarks/details/attribution.md,
+between ``<!-- attribution-<part>:start -->`` and ``<!-- attribution-<part>:end -->`` (a run
+of one part leaves the other's). ``--quick``: a tiny task and tiny models, both written
+under ``out/`` (it checks the harness).
 """
 
 from __future__ import annotations
@@ -53,9 +54,12 @@ from torch import Tensor, nn
 from benchmarks import harness, lm
 
 ROOT = harness.ROOT
-START, END = "<!-- attribution:start -->", "<!-- attribution:end -->"
+#: each part's block, in BENCHMARKS.md (a line or two) and in the details file (its table):
+#: a run of one part leaves the other's as it was
+MARKS = {part: (f"<!-- attribution-{part}:start -->", f"<!-- attribution-{part}:end -->") for part in ("lds", "speed")}
 HEADER = (
-    "# Training-data attribution\n\nWritten by `python -m benchmarks.attribution` (`make bench`); do not edit by hand."
+    "# Training-data attribution\n\nWritten by `python -m benchmarks.attribution` (`make bench`), one block per "
+    "part (`--parts lds speed`); do not edit by hand."
 )
 
 #: LDS methods: name -> keywords of ``Influence`` (jacmem) or of kronfluence's run
@@ -479,7 +483,7 @@ def lds_table(results: list[dict], truth: dict, args) -> list[str]:
         f"halves from the same initialisation. Dampings tried: the default, 10^k for k = "
         f"{math.log10(args.dampings[0]):g} … {math.log10(args.dampings[-1]):g} in steps of "
         f"{math.log10(args.dampings[1] / args.dampings[0]):g}, then the midpoints on each side of the best. "
-        "× EK-FAC: LDS at best damping over jacmem EK-FAC's.",
+        "× EK-FAC: LDS at best damping over jacmem EK-FAC's." + (f" {args.note}" if args.note else ""),
         "",
         "| method | LDS, best damping | damping | LDS, default damping | × EK-FAC | s per fit and scores (median) |",
         "|---|---|---|---|---|---|",
@@ -515,7 +519,7 @@ def speed_table(results: list[dict], args) -> list[str]:
         "backward (no update). Time: the method and a plain step of a copy alternated in one process "
         f"({args.repeats} pairs after a warm-up), median of the per-step ratios (min–max). Peak: the whole "
         "process's peak RSS, each in its own process, over the plain step's. Targets (issue 38): "
-        f"≤ {TARGET_TIME}× in time, ≤ {TARGET_PEAK}× in peak.",
+        f"≤ {TARGET_TIME}× in time, ≤ {TARGET_PEAK}× in peak." + (f" {args.note}" if args.note else ""),
         "",
         "| model | method | step (ms) | × plain time (min–max) | peak (MiB) | × plain peak | met |",
         "|---|---|---|---|---|---|---|",
@@ -547,34 +551,46 @@ def speed_table(results: list[dict], args) -> list[str]:
     return [*lines, ""]
 
 
-def summary(lds_results: list[dict], speed_results: list[dict], args) -> list[str]:
-    """The BENCHMARKS.md block: a few lines, the tables in the details file."""
-    by = {r["method"]: best(r)[1] for r in lds_results if "error" not in r}
-    lines = [START, "## Training-data attribution (issue 38)", ""]
-    if by:
-        parts = [f"{LDS_LABELS[m]} {v:.3f}" for m, v in by.items()]
-        lines.append(
-            f"LDS at best damping ({args.started}, MLP, {args.task['subsets']} retrainings on random halves): "
-            + "; ".join(parts)
-            + "."
-        )
-    speed = {(r["model"], r["method"]): r for r in speed_results if r.get("paired") and "error" not in r}
-    if speed:
-        parts = [
-            f"{model} {statistics.median(r['ratios']):.2f}×"
-            for (model, method), r in speed.items()
-            if method == "jacmem:proj256"
-        ]
-        lines.append(
-            "Projected gradients (Kronecker, 256), time over a plain forward and backward: " + ", ".join(parts) + "."
-        )
-    lines += [
-        "Tables, peaks and peers (kronfluence; LogIX and traker: why they are not run): "
-        "[benchmarks/details/attribution.md](benchmarks/details/attribution.md).",
-        "",
-        END,
+def lds_summary(results: list[dict], args) -> list[str]:
+    """The LDS part's lines of BENCHMARKS.md."""
+    by = {r["method"]: best(r)[1] for r in results if "error" not in r}
+    parts = [f"{LDS_LABELS[m]} {v:.3f}" for m, v in by.items()]
+    return [
+        f"**LDS** at each method's best damping (`python -m benchmarks.attribution --parts lds`, {args.started}; "
+        f"MLP, {args.task['train']} training examples, {args.task['subsets']} retrainings on random halves"
+        f"{'; ' + args.note if args.note else ''}): " + "; ".join(parts) + "."
     ]
-    return lines
+
+
+def speed_summary(results: list[dict], args) -> list[str]:
+    """The speed part's lines of BENCHMARKS.md: jacmem's projection over a plain step."""
+    plain = {r["model"]: r for r in results if r["method"] == "plain" and "error" not in r}
+    parts = []
+    for model in args.speed_models:
+        t = next(
+            (r for r in results if (r["model"], r["method"], r["paired"]) == (model, "jacmem:proj256", True)), None
+        )
+        m = next(
+            (r for r in results if (r["model"], r["method"], r["paired"]) == (model, "jacmem:proj256", False)), None
+        )
+        if t is None:
+            continue
+        if "error" in t:
+            parts.append(f"{model} {_failure(t)}")
+            continue
+        peak = (
+            f"{m['peak_bytes'] / plain[model]['peak_bytes']:.2f}×"
+            if m and "error" not in m and model in plain
+            else "n/a"
+        )
+        parts.append(f"{model} {statistics.median(t['ratios']):.2f}× in time, {peak} in peak")
+    return [
+        f"**Projected gradients** (`BatchGradProjection({args.dim})`, Kronecker) over a plain forward and backward "
+        f"({args.started}; whole GPT-2 with its 50257-token tied vocabulary, LLaMA-style with LoRA"
+        f"{'; ' + args.note if args.note else ''}; targets ≤ {TARGET_TIME}× and ≤ {TARGET_PEAK}×): "
+        + "; ".join(parts)
+        + "."
+    ]
 
 
 PEERS_NOTE = (
@@ -615,15 +631,17 @@ def main(argv=None) -> None:
     common = dict(quick=args.quick, threads=args.threads)
     lds_results, speed_results, truth = [], [], {}
 
-    def report():
-        tables = [HEADER, ""]
-        if "lds" in args.parts:
-            tables += lds_table(lds_results, truth, args)
-        if "speed" in args.parts:
-            tables += speed_table(speed_results, args)
-        details.parent.mkdir(parents=True, exist_ok=True)
-        details.write_text("\n".join([*tables, PEERS_NOTE, ""]))
-        harness.write_block(markdown, "\n".join(summary(lds_results, speed_results, args)), START, END)
+    def report(part: str) -> None:
+        """Write ``part``'s blocks (the file's header first, where the details file is new)."""
+        if part == "lds":
+            table, lines = lds_table(lds_results, truth, args), lds_summary(lds_results, args)
+        else:
+            table, lines = [*speed_table(speed_results, args), PEERS_NOTE, ""], speed_summary(speed_results, args)
+        if not details.exists():
+            details.parent.mkdir(parents=True, exist_ok=True)
+            details.write_text(HEADER + "\n")
+        harness.write_block(details, "\n".join([MARKS[part][0], *table, MARKS[part][1]]), *MARKS[part])
+        harness.write_block(markdown, "\n".join([MARKS[part][0], *lines, MARKS[part][1]]), *MARKS[part])
 
     if "lds" in args.parts:
         with tempfile.TemporaryDirectory() as workdir:
@@ -638,7 +656,7 @@ def main(argv=None) -> None:
                 lds_results.append(r)
                 shown = _failure(r) if "error" in r else f"LDS {best(r)[1]:.3f} at damping {best(r)[0]}"
                 print(f"[lds] {method}: {shown}", file=sys.stderr, flush=True)
-                report()
+                report("lds")
     if "speed" in args.parts:
         todo = []
         for model in args.speed_models:
@@ -659,9 +677,8 @@ def main(argv=None) -> None:
             else:
                 shown = f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
             print(f"[speed] {case['model']} {case['method']} {kind}: {shown}", file=sys.stderr, flush=True)
-            report()
-    report()
-    print((details).read_text())
+            report("speed")
+    print(details.read_text())
 
 
 if __name__ == "__main__":

@@ -40,7 +40,7 @@ def _args(**extra):
     return SimpleNamespace(
         quick=True, started="now", machine="cpu", threads=1, repeats=1, task=attribution.QUICK_TASK,
         dampings=[1e-3, 1e-1], lds_methods=list(attribution.LDS_METHODS), speed_models=["gpt2"],
-        speed_methods=list(attribution.SPEED_METHODS), **extra,
+        speed_methods=list(attribution.SPEED_METHODS), dim=256, note="", **extra,
     )  # fmt: skip
 
 
@@ -61,6 +61,7 @@ def test_tables_give_best_damping_ratio_and_failures():
         dict(model="gpt2", method="kronfluence:covariance", paired=True, error="RuntimeError: not run: too big"),
     ]
     lines = attribution.speed_table(speed, _args())
+    assert attribution.speed_summary(speed, _args())[0].endswith("gpt2 1.20× in time, 1.30× in peak.")
     assert "| gpt2 | jacmem `BatchGradProjection(256)`, Kronecker | 500 | 1.20 (1.10–1.40) | 130 | 1.30 | no |" in lines
     assert "| gpt2 | kronfluence 1.0.1 covariance pass (`nn.Linear` parts) | not run: too big | | | | |" in lines
 
@@ -68,7 +69,10 @@ def test_tables_give_best_damping_ratio_and_failures():
 @pytest.mark.slow  # whole benchmark processes: `make test-slow`
 def test_quick_attribution_end_to_end(tmp_path, capsys):
     md, details = tmp_path / "BENCHMARKS.md", tmp_path / "attribution.md"
-    md.write_text("# report\n\n<!-- attribution:start -->\nstale\n<!-- attribution:end -->\n\nkept\n")
+    md.write_text(
+        "# report\n\n<!-- attribution-lds:start -->\nstale\n<!-- attribution-lds:end -->\n"
+        "<!-- attribution-speed:start -->\nstale\n<!-- attribution-speed:end -->\n\nkept\n"
+    )
     attribution.main(
         [
             "--quick", "--threads", "1", "--lds-methods", "jacmem:ekfac", "jacmem:identity",
@@ -81,7 +85,8 @@ def test_quick_attribution_end_to_end(tmp_path, capsys):
     assert re.search(r"\[speed\] llama-lora jacmem:proj256 paired: \d+ ms, [\d.]+x plain", err), err
     text = md.read_text()
     assert text.startswith("# report\n") and text.rstrip().endswith("kept") and "stale" not in text
-    assert "benchmarks/details/attribution.md" in text
+    assert re.search(r"\*\*LDS\*\* at each method's best damping .*: jacmem EK-FAC -?[\d.]+; jacmem identity", text)
+    assert re.search(r"llama-lora [\d.]+× in time, [\d.]+× in peak\.", text), text
     tables = details.read_text()
     assert re.search(r"\| jacmem EK-FAC \| -?[\d.]+ \| (default|[\de.+-]+) \| -?[\d.]+ \| 1.00 \| [\d.]+ \|", tables)
     assert re.search(r"\| llama-lora \| jacmem `BatchGradProjection\(256\)`, Kronecker \| \d+ \| [\d.]+ \(", tables)
