@@ -497,7 +497,7 @@ def lds_table(results: list[dict], truth: dict, args) -> list[str]:
             continue
         damping, value, default = best(r)
         ratio = f"{value / base:.2f}" if base else "n/a"
-        shown = "default" if damping is None else f"{damping:.0e}"
+        shown = "default" if damping is None else f"{damping:.2g}"
         if LDS_METHODS[method]["curvature"] == "identity":
             shown, default_shown = "–", "–"
         else:
@@ -558,7 +558,7 @@ def lds_summary(results: list[dict], args) -> list[str]:
     return [
         f"**LDS** at each method's best damping (`python -m benchmarks.attribution --parts lds`, {args.started}; "
         f"MLP, {args.task['train']} training examples, {args.task['subsets']} retrainings on random halves"
-        f"{'; ' + args.note if args.note else ''}): " + "; ".join(parts) + "."
+        f"{'; ' + args.note.rstrip('.') if args.note else ''}): " + "; ".join(parts) + "."
     ]
 
 
@@ -587,7 +587,7 @@ def speed_summary(results: list[dict], args) -> list[str]:
     return [
         f"**Projected gradients** (`BatchGradProjection({args.dim})`, Kronecker) over a plain forward and backward "
         f"({args.started}; whole GPT-2 with its 50257-token tied vocabulary, LLaMA-style with LoRA"
-        f"{'; ' + args.note if args.note else ''}; targets ≤ {TARGET_TIME}× and ≤ {TARGET_PEAK}×): "
+        f"{'; ' + args.note.rstrip('.') if args.note else ''}; targets ≤ {TARGET_TIME}× and ≤ {TARGET_PEAK}×): "
         + "; ".join(parts)
         + "."
     ]

@@ -51,8 +51,8 @@ def test_tables_give_best_damping_ratio_and_failures():
         dict(method="kronfluence:ekfac", error="ModuleNotFoundError: No module named 'kronfluence'"),
     ]
     lines = attribution.lds_table(results, dict(query_accuracy=0.9), _args())
-    assert "| jacmem EK-FAC | 0.500 | 1e-03 | 0.400 | 1.00 | 0.10 |" in lines
-    assert "| jacmem EK-FAC, Kronecker-projected to 256 | 0.350 | 1e-01 | 0.300 | 0.70 | 0.10 |" in lines
+    assert "| jacmem EK-FAC | 0.500 | 0.001 | 0.400 | 1.00 | 0.10 |" in lines
+    assert "| jacmem EK-FAC, Kronecker-projected to 256 | 0.350 | 0.1 | 0.300 | 0.70 | 0.10 |" in lines
     assert "| kronfluence 1.0.1 EK-FAC | fails: No module named 'kronfluence' | | | | |" in lines
     speed = [
         dict(model="gpt2", method="plain", paired=False, peak_bytes=100 * 2**20),
@@ -88,6 +88,6 @@ def test_quick_attribution_end_to_end(tmp_path, capsys):
     assert re.search(r"\*\*LDS\*\* at each method's best damping .*: jacmem EK-FAC -?[\d.]+; jacmem identity", text)
     assert re.search(r"llama-lora [\d.]+× in time, [\d.]+× in peak\.", text), text
     tables = details.read_text()
-    assert re.search(r"\| jacmem EK-FAC \| -?[\d.]+ \| (default|[\de.+-]+) \| -?[\d.]+ \| 1.00 \| [\d.]+ \|", tables)
+    assert re.search(r"\| jacmem EK-FAC \| -?[\d.]+ \| (default|[\d.e+-]+) \| -?[\d.]+ \| 1.00 \| [\d.]+ \|", tables)
     assert re.search(r"\| llama-lora \| jacmem `BatchGradProjection\(256\)`, Kronecker \| \d+ \| [\d.]+ \(", tables)
     assert "fails" not in tables
