@@ -7,6 +7,7 @@ from jacmem.engine.secondorder.graph import ChainError
 from jacmem.errors import UnsupportedCurvatureError
 from jacmem.extensions.clipping import ClipGrad
 from jacmem.extensions.firstorder import BatchGrad, BatchL2Grad, SumGradSquared, Variance
+from jacmem.extensions.projection import BatchGradProjection
 from jacmem.extensions.secondorder import (
     EKFAC,
     GGNMP,
@@ -37,6 +38,7 @@ __all__ = [
     "BatchL2Grad",
     "SumGradSquared",
     "Variance",
+    "BatchGradProjection",
     "ClipGrad",
     "DiagGGNExact",
     "DiagGGNMC",

@@ -208,6 +208,21 @@ def uncompiled(module):
     return module
 
 
+#: the attributes under which torch's wrappers hold the module they wrap: ``torch.compile``'s
+#: ``OptimizedModule``, FSDP1's ``FullyShardedDataParallel`` and activation checkpointing's
+#: ``CheckpointWrapper`` (private names, since torch 2.0)
+_WRAPPED_ATTRIBUTES = frozenset({"_orig_mod", "_fsdp_wrapped_module", "_checkpoint_wrapped_module"})
+
+
+def wraps(parent: nn.Module, child_name: str) -> bool:
+    """Whether ``parent``'s child ``child_name`` is the module a wrapper holds (its name is
+    the wrapper's, not the user's): those of :data:`_WRAPPED_ATTRIBUTES`, and DDP's and
+    DataParallel's ``module``."""
+    if child_name in _WRAPPED_ATTRIBUTES:
+        return True
+    return child_name == "module" and isinstance(parent, (nn.parallel.DistributedDataParallel, nn.DataParallel))
+
+
 def never_compile_alone(fn: Callable) -> None:
     """torch.compile never compiles ``fn``'s frame on its own (where eager code calls it),
     while it still traces ``fn`` inline where a compiled frame calls it.

@@ -162,8 +162,8 @@ class SettingsTable(SphinxDirective):
 
 
 #: the public add-ons beside ``jacmem.__all__``'s own modules (DESIGN.md's layout): they
-#: import optional packages (Opacus, laplace-torch), so ``import jacmem`` leaves them out
-ADD_ONS = ["jacmem.memory", "jacmem.privacy", "jacmem.laplace"]
+#: import optional packages (Opacus, laplace-torch, numpy), so ``import jacmem`` leaves them out
+ADD_ONS = ["jacmem.memory", "jacmem.privacy", "jacmem.laplace", "jacmem.attribution"]
 
 
 def public_modules() -> list[str]:

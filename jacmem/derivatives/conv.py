@@ -43,6 +43,7 @@ from torch import Tensor, nn
 from torch.nn import functional as F
 
 from jacmem.derivatives.jacobians import vjp_generic
+from jacmem.derivatives.projection import factors, kronecker, outer_sum
 from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -302,6 +303,29 @@ def bias_batch_grad(x, g: Tensor, **_) -> Tensor:
     return g.flatten(2).sum(2)
 
 
+def grad_proj_cost(xs, gs, *, dim, kind, kernel_size, groups, **_):
+    """im2col, then both factors projected per position (``None`` for the dense kind: from
+    per-sample gradients)"""
+    if kind != "kronecker":
+        return None
+    n, c, o, k, p = _sizes(xs, gs, kernel_size, groups)
+    k_rows, k_cols = factors(dim)
+    flops = 2 * n * p * (groups * c * k * k_cols + o * k_rows + groups * dim)
+    return Cost(flops=flops, workspace=n * p * groups * (c * k + k_rows + k_cols))
+
+
+def weight_grad_proj(x, g, *, dim, kind, seed, name, **hp) -> Tensor:
+    """The kronecker projection of ``weight [C_out, C_in/G, *K]`` as ``[C_out, C_in/G·K]``
+    (its columns the unfolded patch): ``Σ_t (P_rows g_t)(P_cols a_t)ᵀ``, each group's output
+    channels with their own patches: [N, C_in, *S_in], [N, C_out, *S_out] -> [N, dim]"""
+    groups = hp["groups"]
+    cols = flat_columns(x, **hp)  # [N, G, C_in/G·K, T]
+    p_rows, p_cols = kronecker(seed, name, dim, g.shape[1], cols.shape[2], dtype=g.dtype, device=g.device)
+    u = torch.einsum("li,ngit->ngtl", p_cols, cols)  # [N, G, T, k_cols]
+    v = torch.einsum("kgo,ngot->ngtk", p_rows.unflatten(1, (groups, -1)), g.flatten(2).unflatten(1, (groups, -1)))
+    return outer_sum(v.flatten(1, 2), u.flatten(1, 2))
+
+
 # -- Curvature: Kronecker factors and the GGN diagonal ----------------------------------
 
 
@@ -368,6 +392,7 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
     register(_module, "weight", "batch_l2", "ghost_gram", cost=ghost_gram_cost)(weight_batch_l2_ghost_gram)
     register(_module, "weight", "grad", "direct", cost=grad_cost)(weight_grad)
     register(_module, "bias", "batch_grad", "sum")(bias_batch_grad)
+    register(_module, "weight", "grad_proj", "kronecker", cost=grad_proj_cost)(weight_grad_proj)
 
 
 # -- Input Jacobian, for second-order extensions ---------------------------------------

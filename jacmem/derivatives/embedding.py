@@ -64,6 +64,7 @@ import torch
 from opt_einsum import contract
 from torch import Tensor, nn
 
+from jacmem.derivatives.projection import factors, kronecker, outer_sum
 from jacmem.derivatives.registry import Cost, Kronecker, layer, passthrough, register
 
 
@@ -277,6 +278,25 @@ def weight_sum_grad_squared_segment(x, g: Tensor, **hp) -> Tensor:
     return sums.new_zeros(v, sums.shape[-1]).index_add_(0, keys % v, sums.square())
 
 
+def grad_proj_cost(xs, gs, *, dim, kind, mode, num_embeddings, **_):
+    """Each position's row projected, and its column of ``P_in`` gathered (``None`` for the
+    dense kind: from per-sample gradients)"""
+    if kind != "kronecker":
+        return None
+    n, t, d, v = _dims(xs, gs, mode, num_embeddings)
+    k_rows, k_cols = factors(dim)
+    return Cost(flops=2 * n * t * (d * k_cols + dim), workspace=n * t * (d + k_rows + k_cols))
+
+
+def weight_grad_proj(x, g: Tensor, *, dim, kind, seed, name, **hp) -> Tensor:
+    """The kronecker projection of ``weight [V, D]``: ``Σ_t P_rows[:, i_t] (P_cols G_t)ᵀ``,
+    the columns of ``P_rows`` gathered at the ids (one-hot rows), never ``[N, V, D]``:
+    -> ``[N, dim]``"""
+    idx, rows = positions(x, g, **hp)
+    p_rows, p_cols = kronecker(seed, name, dim, hp["num_embeddings"], rows.shape[-1], dtype=g.dtype, device=g.device)
+    return outer_sum(p_rows.T[idx], rows @ p_cols.T)
+
+
 def kronecker_input(x: tuple, out_shape, dtype, approx=None, *, num_embeddings, padding_idx, **_) -> Tensor:
     """KFAC-expand's input factor of a Linear on one-hot inputs, diagonal: ``a[v]`` =
     the count of index ``v`` among the ``N·T`` positions ``/ (N·T)``, 0 for
@@ -333,6 +353,7 @@ for _module in (nn.Embedding, nn.EmbeddingBag):
     register(_module, "weight", "batch_l2", "ghost", cost=ghost_cost)(weight_batch_l2_ghost)
     register(_module, "weight", "batch_l2", "segment", cost=_segment_cost)(weight_batch_l2_segment)
     register(_module, "weight", "sum_grad_squared", "segment", cost=_segment_cost)(weight_sum_grad_squared_segment)
+    register(_module, "weight", "grad_proj", "kronecker", cost=grad_proj_cost)(weight_grad_proj)
 
 # second-order extensions: an integer input, nothing to pass on
 passthrough(nn.Embedding)

@@ -22,6 +22,7 @@ from math import prod
 import torch
 from torch import Tensor, nn
 
+from jacmem.derivatives.projection import factors, kronecker, outer_sum
 from jacmem.derivatives.quantities import add_moments
 from jacmem.derivatives.registry import REGISTRY, Cost, Kronecker, layer, passthrough, register
 
@@ -156,6 +157,30 @@ def bias_batch_grad(x, g: Tensor) -> Tensor:
         return g.clone(memory_format=torch.contiguous_format)
     gs = g.shape  # (:func:`_flat` inline: this runs for every Linear of every step)
     return g.reshape(gs[0], prod(gs[1:-1]), gs[-1]).sum(1)
+
+
+def grad_proj_cost(xs, gs, *, dim, kind, **_) -> Cost | None:
+    """The kronecker kind's: both factors projected, then their outer products summed
+    (``None`` for the dense kind: from per-sample gradients)"""
+    if kind != "kronecker":
+        return None
+    N, T, I, O = _dims(xs, gs)
+    return Cost(flops=2 * N * T * (O + I) * max(factors(dim)) + 2 * N * T * dim, workspace=N * T * sum(factors(dim)))
+
+
+@register(nn.Linear, "weight", "grad_proj", "kronecker", cost=grad_proj_cost)
+def weight_grad_proj(x: Tensor, g: Tensor, *, dim, kind, seed, name) -> Tensor:
+    """The kronecker projection ``Σ_t (P_rows g_t)(P_cols x_t)ᵀ`` of ``weight [O, I]``, never
+    the per-sample gradients: [N, *, I], [N, *, O] -> [N, dim]"""
+    p_rows, p_cols = kronecker(seed, name, dim, g.shape[-1], x.shape[-1], dtype=g.dtype, device=g.device)
+    return outer_sum(_flat(g) @ p_rows.T, _flat(x) @ p_cols.T)
+
+
+@register(CONV1D, "weight", "grad_proj", "kronecker", cost=grad_proj_cost)
+def conv1d_weight_grad_proj(x: Tensor, g: Tensor, *, dim, kind, seed, name) -> Tensor:
+    """Conv1D's ``weight [I, O]``: ``Σ_t (P_rows x_t)(P_cols g_t)ᵀ``: [N, *, I], [N, *, O] -> [N, dim]"""
+    p_rows, p_cols = kronecker(seed, name, dim, x.shape[-1], g.shape[-1], dtype=g.dtype, device=g.device)
+    return outer_sum(_flat(x) @ p_rows.T, _flat(g) @ p_cols.T)
 
 
 # -- HF Conv1D: weight [I, O] --------------------------------------------------------

@@ -71,6 +71,12 @@ class Quantity(str):
     degree: ClassVar[int] = 1
     #: its shape in words, for errors (``"[N, *param.shape]"``)
     spelled: ClassVar[str] = ""
+    #: its value depends on the parameter's stable name (a projection's matrices): its
+    #: direct strategies and :meth:`from_batch_grad` take it as ``name=``
+    named: ClassVar[bool] = False
+    #: where a direct strategy of it applies, one of them computes it, never per-sample
+    #: gradients reduced (the two give different values: a projection's rules)
+    exclusive: ClassVar[bool] = False
 
     def __new__(cls, **params):
         missing = [p for p in cls.parameters if p not in params]
@@ -111,7 +117,8 @@ class Quantity(str):
 
     def from_batch_grad(self, batch_grad: Tensor) -> Tensor:
         """It from (a chunk of) per-sample gradients ``[n, *p.shape]``: ``[n, ...]`` where
-        :attr:`per_sample`, else their contribution to the sum over the samples."""
+        :attr:`per_sample`, else their contribution to the sum over the samples (with
+        ``name=``, the parameter's stable name, where it is :attr:`named`)."""
         raise NotImplementedError
 
 
@@ -199,8 +206,6 @@ class SummedGradient(Quantity):
 
 
 BATCH_GRAD, BATCH_L2, SUM_GRAD_SQUARED, GRAD = PerSampleGradients(), SquaredNorms(), SecondMoment(), SummedGradient()
-#: quantities that add up over the calls of a module (weight tying, loops)
-LINEAR_QUANTITIES = (BATCH_GRAD, GRAD)
 
 
 def squared_norms(batch_grad: Tensor) -> Tensor:
@@ -252,11 +257,12 @@ def add_moments(batch_grad: Tensor, squares: Tensor | None, total: Tensor | None
             total += block.sum(0)
 
 
-def derive(batch_grad: Tensor, quantities: Iterable[str | Quantity]) -> dict[Quantity, Tensor]:
+def derive(batch_grad: Tensor, quantities: Iterable[str | Quantity], name: str | None = None) -> dict[Quantity, Tensor]:
     """Every quantity of ``quantities`` (:class:`Quantity` objects, or the names of ones
     without parameters) from (a chunk of) per-sample gradients ``[n, *shape]``: the second
     moments and the sum in one sweep where both are asked, the rest by
-    :meth:`Quantity.from_batch_grad`."""
+    :meth:`Quantity.from_batch_grad` (``name``: the parameter's stable name, for the
+    :attr:`~Quantity.named` ones)."""
     wanted = set(quantities)
     out: dict[Quantity, Tensor] = {}
     if SUM_GRAD_SQUARED in wanted:
@@ -269,7 +275,7 @@ def derive(batch_grad: Tensor, quantities: Iterable[str | Quantity]) -> dict[Qua
         out[GRAD] = batch_grad.sum(0)
     for q in wanted.difference(out):
         q = q if isinstance(q, Quantity) else as_quantity(q)
-        out[q] = q.from_batch_grad(batch_grad)
+        out[q] = q.from_batch_grad(batch_grad, name=name) if q.named else q.from_batch_grad(batch_grad)
     return out
 
 

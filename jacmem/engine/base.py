@@ -251,7 +251,7 @@ class Context:
 
     __slots__ = (
         "strategies", "chunk_bytes", "passes", "notices", "batch_first", "process_group", "route", "owner", "names",
-        "roots", "sharded", "recorder",
+        "roots", "sharded", "recorder", "stable",
     )  # fmt: skip
 
     def __init__(
@@ -281,6 +281,8 @@ class Context:
         #: every engine of the block consumes: made by the first engine that records (first
         #: order's or clipping's stager; second order's own where the block has neither)
         self.recorder: recorder.Recorder | None = None
+        #: :func:`stable_names` of the models, made when a quantity first needs one
+        self.stable: tuple[dict[tuple[int, str], str], dict[int, str]] = ({}, {})
 
     def clear(self) -> None:
         """The block closed: drop the state of a pass still running (:meth:`Passes.close`;
@@ -293,10 +295,25 @@ class Context:
         self.roots = []
         self.sharded = False
         self.recorder = None
+        self.stable = ({}, {})
 
     def name(self, module: nn.Module) -> str:
         """``module``'s qualified name in a model called in the block or tracked, or its type's."""
         return self.names.get(module) or recorder.tracked_name(module) or type(module).__name__
+
+    def stable_name(self, module: nn.Module, pname: str) -> str:
+        """The stable name of ``module``'s parameter ``pname`` (:func:`stable_names`): the
+        same under DDP, ``torch.compile`` and FSDP, and one name for a tied parameter's
+        every use. Found in the models called in the block or tracked (walked again where a
+        module is not in them yet); a module of none of them: its name in the block."""
+        key = (id(module), pname)
+        found = self.stable[0].get(key)
+        if found is None:
+            self.stable = stable_names(self.roots_and_models())
+            prefix = self.stable[1].get(id(module))
+            found = self.stable[0].get(key) or (f"{self.name(module)}.{pname}" if prefix is None else prefix + pname)
+            self.stable[0][key] = found
+        return found
 
     def models(self) -> list[nn.Module]:
         """The tracked models whose calls reach the block."""
@@ -332,3 +349,28 @@ class Context:
             seen.update(map(id, params))
             groups.append((group, params))
         return groups
+
+
+def stable_names(models: list[nn.Module]) -> tuple[dict[tuple[int, str], str], dict[int, str]]:
+    """``(id(module), name) -> the parameter's stable name`` and ``id(module) -> its prefix``
+    (``"transformer.h.0."``) in ``models``: qualified names without the segments of wrappers
+    (:func:`jacmem.compat.wraps`: DDP's ``module.``, ``torch.compile``'s ``_orig_mod.``,
+    FSDP1's); a parameter held by several modules (tied) has the first name
+    ``named_parameters()`` gives it, whichever module's it is."""
+    names: dict[tuple[int, str], str] = {}
+    prefixes: dict[int, str] = {}
+    first: dict[int, str] = {}
+    for model in models:
+        todo = [(model, "")]
+        while todo:  # pre-order, children in order: named_modules()'s
+            module, prefix = todo.pop()
+            if id(module) in prefixes:
+                continue
+            prefixes[id(module)] = prefix
+            for pname, p in compat.parameter_slots(module).items():
+                if p is not None:
+                    names[(id(module), pname)] = first.setdefault(id(p), prefix + pname)
+            children = [(c, prefix if compat.wraps(module, n) else f"{prefix}{n}.")
+                        for n, c in compat.child_slots(module).items() if c is not None]  # fmt: skip
+            todo.extend(reversed(children))
+    return names, prefixes

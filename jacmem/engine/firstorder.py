@@ -19,7 +19,7 @@ from collections import Counter
 import torch
 from torch import Tensor, nn
 
-from jacmem.derivatives.quantities import as_quantity, derive
+from jacmem.derivatives.quantities import Quantity, as_quantity, derive
 from jacmem.engine import distributed, fsdp, hooks, notices, precision
 from jacmem.engine.base import Context, Engine, Write
 from jacmem.engine.notices import listing
@@ -44,6 +44,16 @@ class FirstOrderEngine(Engine):
         for ext in extensions:  # (a loop, not generators: an engine is made at every step)
             self.readers.update(ext.quantities)
         self.quantities = set(self.readers)
+        #: the quantities that add up over a parameter's calls: a shared parameter's calls
+        #: compute each of them, summed (a tied head's projection: by its own rule, never from
+        #: per-sample gradients), and the per-sample gradients only for the others
+        self.linear = set()
+        for q in self.quantities:  # (a loop, not a comprehension: an engine is made at every step)
+            if (q if isinstance(q, Quantity) else as_quantity(q)).linear:
+                self.linear.add(q)
+        #: what a shared parameter's calls compute: :attr:`linear`, and the per-sample
+        #: gradients where another quantity is asked (derived from their sum at the end)
+        self.per_call = self.linear | ({"batch_grad"} if self.linear != self.quantities else set())
         self.context, self.groups, self.shardings = context, context.groups, context.shardings
         self.stager = Stager(self, extensions, self.quantities, context, self._compute, self._unsupported, recipes=True)
         self.recorder = self.stager.recorder
@@ -92,7 +102,7 @@ class FirstOrderEngine(Engine):
             if kept and stager.first_dense(staged):
                 grads.update(stager.early(staged, rec, pname, dtype))
                 continue
-            wanted = set() if kept else {"batch_grad"} if staged.summed else self.quantities
+            wanted = set() if kept else self.per_call if staged.summed else self.quantities
             extra = {"grad"} - wanted if rec.once else set()
             if not wanted | extra:
                 continue
@@ -114,8 +124,11 @@ class FirstOrderEngine(Engine):
         staged = stager.settle(run)
         quantities, sizes, checksums, params, batch, seen = {}, {}, {}, {}, 0, set()
         for key, s in staged.items():  # (one loop, not five comprehensions)
-            summed = s.summed and "batch_grad" in s.quantities
-            quantities[key] = derive(s.quantities["batch_grad"], self.quantities) if summed else dict(s.quantities)
+            if s.summed and self.linear != self.quantities and "batch_grad" in s.quantities:
+                quantities[key] = {q: v for q, v in s.quantities.items() if q in self.linear}
+                quantities[key].update(derive(s.quantities["batch_grad"], self.quantities - self.linear))
+            else:
+                quantities[key] = dict(s.quantities)
             sizes[key], checksums[key], params[key] = s.batch_size, s.checksum, s.param
             batch = max(batch, s.batch_size)
             seen.add(s.batch_size)

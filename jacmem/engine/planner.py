@@ -143,10 +143,14 @@ def _estimate(strategy: Strategy, xs, gs, hp: dict) -> Cost | None:
     return Cost(0, 0) if strategy.cost is None else strategy.cost(xs, gs, **hp)
 
 
-def _keywords(q: Quantity, hp: dict) -> dict:
+def _keywords(q: Quantity, hp: dict, label: str | None = None) -> dict:
     """What a direct strategy of ``q`` takes by keyword: ``q``'s parameters and the
-    layer's hyper-parameters ``hp``."""
-    return {**q.arguments(), **hp} if q.parameters else hp
+    layer's hyper-parameters ``hp``; with ``label``, the parameter's stable name as ``name``
+    where ``q`` is :attr:`~jacmem.derivatives.quantities.Quantity.named` (its costs take
+    none: a plan does not depend on it)."""
+    if not q.parameters:
+        return hp
+    return {**q.arguments(), **hp, "name": label} if label is not None and q.named else {**q.arguments(), **hp}
 
 
 @dataclass(frozen=True)
@@ -241,6 +245,8 @@ def plan(
         }  # fmt: skip
         for name, step in along.items():  # the same work gives it: nothing more to pay
             options[name] = Option(0, 0, kind="along", reuses=(step[0],))
+        if q.exclusive and any(options.get(name) is not None for name in direct):
+            options = {name: options[name] for name in direct}  # its own rule, not the reduced one
         name = choose(q, options)
         if name in along:
             along[name][3].append(q)
@@ -314,18 +320,22 @@ def execute(
     param: Tensor,
     budget: float,
     module: str = "?",
+    label: str | None = None,
 ) -> dict[str, Tensor]:
     """The quantities of one parameter for one call of its module (named ``module``, for
     errors), as ``plan`` says, chunked over the batch so that temporary memory stays
-    under ``budget`` bytes. Each strategy's result is checked (:func:`check_result`);
+    under ``budget`` bytes. ``label``: the parameter's stable name, which the
+    :attr:`~jacmem.derivatives.quantities.Quantity.named` quantities read (None: the module's
+    name and ``param_name``). Each strategy's result is checked (:func:`check_result`);
     an exception a strategy raises carries its name as ``jacmem_strategy``."""
+    label = f"{module}.{param_name}" if label is None else label
     first = g if isinstance(g, Tensor) else _first(g)
     n, dtype = first.shape[0], first.dtype
     cap = min(budget, CPU_CHUNK_BYTES) if first.device.type == "cpu" else budget  # (chunk_budget)
     results: dict[str, Tensor] = {}
     for q, name, per_sample, riders in plan.direct:
         fn = entry.strategies[(param_name, q.name)][name].fn
-        where, kw = (module, param_name, name), {**q.arguments(), **hp} if q.parameters else hp  # (_keywords)
+        where, kw = (module, param_name, name), _keywords(q, hp, label) if q.parameters else hp
 
         def direct(xc, gc, _, n, fn=fn, q=q, riders=riders, where=where, kw=kw):
             out = fn(xc, gc, also=riders, **kw) if riders else {q: fn(xc, gc, **kw)}
@@ -351,7 +361,7 @@ def execute(
             bg = check_result(
                 fn(xc, gc, **hp) if out is None else fn(xc, gc, out=out, **hp), BATCH_GRAD, n, param, dtype, where
             )
-            return {BATCH_GRAD: bg} if qs == _BATCH_GRAD_ALONE else derive(bg, qs)  # (derive's answer, without a call)
+            return {BATCH_GRAD: bg} if qs == _BATCH_GRAD_ALONE else derive(bg, qs, label)  # (derive's, without a call)
 
         try:
             whole = per_sample * n <= cap
@@ -373,11 +383,12 @@ def compute(
     choose: Callable[[str, dict[str, Cost | None]], str],
     budget: float,
     module: str = "?",
+    label: str | None = None,
 ) -> dict[str, Tensor]:
     """The requested quantities of one parameter for one call of its module: :func:`plan`
-    on the shapes of ``x`` and ``g``, then :func:`execute`."""
+    on the shapes of ``x`` and ``g``, then :func:`execute` (``label``: see there)."""
     chosen = plan(entry, hp, shapes(x), shapes(g), itemsize(g), param_name, tuple(param.shape), quantities, choose)
-    return execute(chosen, entry, hp, x, g, param_name, param, budget, module)
+    return execute(chosen, entry, hp, x, g, param_name, param, budget, module, label)
 
 
 _NONE: dict = {}
@@ -397,7 +408,8 @@ class Step(NamedTuple):
     shape ``into`` (made by ``empty``, in ``g``'s dtype and on its device) where ``into``
     is not None, from which the quantities ``derived`` come. ``table``, ``name``,
     ``strategy``: where the strategy was found, ``entry.strategies[table][name]``, to tell
-    whether it still is."""
+    whether it still is. ``label``: the parameter's stable name, for the ``derived`` quantities
+    that read it."""
 
     fn: Callable
     kw: dict
@@ -409,14 +421,23 @@ class Step(NamedTuple):
     table: tuple[str, str]
     name: str
     strategy: Strategy
+    label: str | None = None
 
 
 def bind(
-    plan: Plan, entry: LayerDerivatives, hp: dict, param_name: str, param: Tensor, g: Tensor, budget: float
+    plan: Plan,
+    entry: LayerDerivatives,
+    hp: dict,
+    param_name: str,
+    param: Tensor,
+    g: Tensor,
+    budget: float,
+    label: str | None = None,
 ) -> tuple[Step, ...] | None:
     """``plan``'s steps for ``param``, bound to their strategies, for an output gradient of
     ``g``'s shape, dtype and device (:func:`execute_bound` runs them); None where a step
-    must be chunked to stay under ``budget`` bytes (then only :func:`execute` runs the plan)."""
+    must be chunked to stay under ``budget`` bytes (then only :func:`execute` runs the plan).
+    ``label``: the parameter's stable name (see :func:`execute`)."""
     n, cap, item = g.shape[0], chunk_budget(budget, g.device), g.element_size()
     steps = []
     for q, name, per_sample, riders in plan.direct:
@@ -424,7 +445,8 @@ def bind(
             return None
         table = (param_name, q.name)
         strategy = entry.strategies[table][name]
-        steps.append(Step(strategy.fn, _keywords(q, hp), q, riders, None, None, None, table, name, strategy))
+        kw = _keywords(q, hp, label)
+        steps.append(Step(strategy.fn, kw, q, riders, None, None, None, table, name, strategy, label))
     for name, qs, per_sample in plan.passes:
         table = (param_name, BATCH_GRAD.name)
         strategy = entry.strategies[table][name]
@@ -435,7 +457,7 @@ def bind(
         # here): no empty result to write into, one op less
         small = g.device.type != "cpu" or n * prod(param.shape) * item < alloc.HUGE_PAGE_MIN_BYTES
         into = (n, *param.shape) if writes and not small else None
-        steps.append(Step(strategy.fn, hp, BATCH_GRAD, (), qs, into, alloc.empty, table, name, strategy))
+        steps.append(Step(strategy.fn, hp, BATCH_GRAD, (), qs, into, alloc.empty, table, name, strategy, label))
     return tuple(steps)
 
 
@@ -448,7 +470,7 @@ def execute_bound(bound: tuple[tuple[Step, ...], ...], x, g) -> list[dict[Quanti
     results = []
     for steps in bound:
         values: dict[Quantity, Tensor] = {}
-        for fn, kw, q, riders, derived, into, empty, _, name, _ in steps:
+        for fn, kw, q, riders, derived, into, empty, _, name, _, label in steps:
             try:
                 if derived is None and riders:
                     got = fn(x, g, also=riders, **kw)
@@ -465,7 +487,7 @@ def execute_bound(bound: tuple[tuple[Step, ...], ...], x, g) -> list[dict[Quanti
                         if derived == _WITH_SUM:
                             values[GRAD] = bg.sum(0)
                     else:
-                        values.update(derive(bg, derived))
+                        values.update(derive(bg, derived, label))
             except Exception as err:
                 _blame(err, name)
                 raise

@@ -36,7 +36,7 @@ import torch
 from torch import Tensor, nn
 
 from jacmem import compat
-from jacmem.derivatives.quantities import GRAD, LINEAR_QUANTITIES, derive
+from jacmem.derivatives.quantities import GRAD, Quantity, as_quantity, derive
 from jacmem.derivatives.registry import VERSION, Cost, unarranged
 from jacmem.derivatives.tied import (
     FROM_FACTORS,
@@ -239,6 +239,12 @@ class Stager:
         self.passes, self.notices, self.name = context.passes, context.notices, context.name
         #: module -> its name, the context's (read without a call)
         self.names = context.names
+        #: ``(module, parameter name) -> the parameter's stable name`` (the context's), which
+        #: the quantities that are :attr:`~jacmem.derivatives.quantities.Quantity.named` read
+        self.stable_name = context.stable_name
+        self.named = False
+        for q in quantities:  # (a loop, not a generator: a stager is made at every step)
+            self.named = self.named or (q if isinstance(q, Quantity) else as_quantity(q)).named
         self.owner: int | None = context.owner
         self.batch_first = context.batch_first
         #: ``models()``: the tracked models whose calls reach the block
@@ -412,6 +418,8 @@ class Stager:
                     return None, None  # shared: its calls are summed or kept
                 params[pname] = p
                 meta.extend((pname, p.shape, p.dtype, p.device))
+                if self.named:  # (a recipe holds its stable name, as its steps do)
+                    meta.append(self.stable_name(rec.module, pname))
         if not params:
             return None, None  # (nothing to compute: the engine returns at once)
         strategies = self.strategies
@@ -462,7 +470,8 @@ class Stager:
                 self.strategies, rec.module, rec.name, rec.entry, rec.hp, xs, gs, size, pname, param,
                 wanted, x, g, self.chunk_bytes,
             )  # fmt: skip
-            steps = bind(chosen, rec.entry, rec.hp, pname, param, g, self.chunk_bytes)
+            label = self.stable_name(rec.module, pname) if self.named else None
+            steps = bind(chosen, rec.entry, rec.hp, pname, param, g, self.chunk_bytes, label)
             if steps is None:
                 return
             bound.append(steps)
@@ -496,7 +505,7 @@ class Stager:
                 "Micro-batches of different samples take one backward pass each (their results add up), not one "
                 "backward of their summed losses."
             )
-        elif not staged.summed or not all(q in LINEAR_QUANTITIES for q in staged.quantities):
+        elif not staged.summed or not all(as_quantity(q).linear for q in staged.quantities):
             raise RuntimeError(f"parameter {pname!r} received a second contribution after it was finalised")
         return staged
 
@@ -631,19 +640,21 @@ class Stager:
 
     def compute(self, rec: hooks.Record, pname: str, param: nn.Parameter, wanted: set, x, g, dtype) -> dict:
         """``wanted`` quantities of one parameter in one call, from its input ``x`` and
-        output gradient ``g`` (in ``dtype``), by the planned strategies."""
+        output gradient ``g`` (in ``dtype``), by the planned strategies (those that read the
+        parameter's stable name get it, :meth:`jacmem.engine.base.Context.stable_name`)."""
+        label = self.stable_name(rec.module, pname) if self.named else None
         first = g if isinstance(g, Tensor) else None  # (one tensor, most calls: read without a call)
         if (
             batch_size(g) if first is None else first.shape[0]
         ) == 0:  # an empty batch: empty per-sample quantities, zero sums
-            return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted)
+            return derive(param.new_zeros((0, *param.shape), dtype=dtype), wanted, label)
         gs, size = (shapes(g), itemsize(g)) if first is None else (tuple(first.shape), first.element_size())
         xs = tuple(x.shape) if isinstance(x, Tensor) else shapes(x)
         chosen = cached_plan(
             self.strategies, rec.module, rec.name, rec.entry, rec.hp, xs, gs, size, pname, param,
             wanted, x, g, self.chunk_bytes,
         )  # fmt: skip
-        return execute(chosen, rec.entry, rec.hp, x, g, pname, param, self.chunk_bytes, rec.name)
+        return execute(chosen, rec.entry, rec.hp, x, g, pname, param, self.chunk_bytes, rec.name, label)
 
     def _finish_partial(self, run: Staging) -> None:
         """The records whose outputs got only some gradients: zeros for the others."""

@@ -9,7 +9,7 @@ Imports nothing heavy: the docs' Sphinx extension imports it.
 
 from __future__ import annotations
 
-FIRST = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance")
+FIRST = ("BatchGrad", "BatchL2Grad", "SumGradSquared", "Variance", "BatchGradProjection", "BatchGradProjectionDense")
 CLIP = ("ClipGrad",)
 PRIVATE = ("PrivacyEngine",)
 SECOND = (

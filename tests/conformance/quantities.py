@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from tests.support.projection import rule
 from torch import Tensor
 
 import jacmem
@@ -106,6 +107,19 @@ def _ekfac(value) -> Tensor:
     return U @ torch.diag(lam.flatten()) @ U.T
 
 
+def _projection(kind: str) -> Quantity:
+    """``BatchGradProjection`` of ``kind`` (dim 6, seed 5): the oracle's per-sample gradients
+    projected by the rule built from the docs (``tests/support/projection.py``)."""
+    return Quantity(
+        "BatchGradProjection" + ("" if kind == "kronecker" else "Dense"),
+        "first",
+        lambda c: [jacmem.BatchGradProjection(6, kind=kind, seed=5)],
+        "grad_proj",
+        lambda e, n: rule(e.model, n, e.grad_batch[n], 5, 6, kind),
+        per_sample=True,
+    )
+
+
 def _kron_quantity(name, make, field, read=lambda v, n, e: _kron(v), expect=lambda e, n: e.curv.ggn[n]):
     return Quantity(name, "second", make, field, expect, read=read, one_sample=True, needs="kron_exact")
 
@@ -117,6 +131,8 @@ QUANTITIES: dict[str, Quantity] = {
         _first(jacmem.BatchL2Grad, "batch_l2", True),
         _first(jacmem.SumGradSquared, "sum_grad_squared", False),
         _first(jacmem.Variance, "variance", False),
+        _projection("kronecker"),
+        _projection("dense"),
         Quantity("ClipGrad", "clip", lambda c: [jacmem.ClipGrad(c)], "grad", lambda e, n: e.clipped[n]),
         Quantity("PrivacyEngine", "private", lambda c: [], "data", lambda e, n: e.private_step[n]),
         _diag(jacmem.DiagGGNExact, "diag_ggn_exact", False, False),

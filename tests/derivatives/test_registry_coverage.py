@@ -22,16 +22,20 @@ from dataclasses import replace
 
 import pytest
 import torch
+from tests.support.projection import kronecker_rule
 from tests.support.reference import assert_close
-from tests.support.registry_cases import CASES, Captured, applicable, capture
+from tests.support.registry_cases import CASES, NAME, PARAMETERS, Captured, applicable, arguments, capture
 from torch import Tensor, nn
 
 from jacmem.derivatives import REGISTRY, register
 
 
 def expected(quantity: str, grad_batch: Tensor) -> Tensor:
-    """The reference for one quantity, from the per-sample gradients."""
+    """The reference for one quantity, from the per-sample gradients (a projection's
+    strategies: its kronecker rule, built from the docs in tests/support/projection.py)."""
+    proj = PARAMETERS["grad_proj"]
     return {
+        "grad_proj": lambda: kronecker_rule(grad_batch, proj["seed"], NAME, proj["dim"]),
         "batch_grad": lambda: grad_batch,
         "batch_l2": lambda: grad_batch.flatten(1).square().sum(1),
         "sum_grad_squared": lambda: grad_batch.square().sum(0),
@@ -46,6 +50,7 @@ def mismatches(cap: Captured) -> list[str]:
     for param, quantity, name, strategy in applicable(cap):
         want = expected(quantity, cap.reference[param])
         x, g, hp = cap.call()
+        hp = {**hp, **arguments(quantity)}
         runs = [lambda: strategy.fn(x, g, **hp)]
         if strategy.writes_out:
             runs.append(lambda: strategy.fn(x, g, out=torch.empty_like(want), **hp))

@@ -113,7 +113,13 @@ def test_check_site_finds_each_failure(tmp_path):
 def test_api_lists_the_public_modules_only():
     """``jacmem.__all__``'s modules and the add-ons; not the engine, whatever ``__all__``
     an engine module declares (``jacmem.compat`` has one)."""
-    assert jacmem_docs.public_modules() == ["jacmem.memory", "jacmem.nn", "jacmem.privacy", "jacmem.laplace"]
+    assert jacmem_docs.public_modules() == [
+        "jacmem.memory",
+        "jacmem.nn",
+        "jacmem.privacy",
+        "jacmem.laplace",
+        "jacmem.attribution",
+    ]
     assert hasattr(importlib.import_module("jacmem.compat"), "__all__")
     assert not [name for name in jacmem_docs.api_entries() if name.startswith("jacmem.compat.")]
 

@@ -114,7 +114,14 @@ def test_each_listed_strategy_is_used(mtype, ext, param, name):
     make_model, make_input = CLAIM_CASES[mtype]
     model = make_model().double()
     X = make_input().double()
-    with jacmem.extend(ext(), strategy={mtype: name}, strict=True) as ctx:
+    # an extension with arguments: those under which the strategy serves it (a projection's
+    # kronecker strategy its kronecker kind, the per-sample gradients its dense one)
+    made = (
+        jacmem.BatchGradProjection(4, "kronecker" if name == "kronecker" else "dense")
+        if ext is jacmem.BatchGradProjection
+        else ext()
+    )
+    with jacmem.extend(made, strategy={mtype: name}, strict=True) as ctx:
         model(X).square().sum().backward()
     chosen = {d.chosen for d in ctx.plan.decisions.values() if d.param == param}
     assert name in chosen, f"{ext.__name__} on {mtype.__name__}.{param} asked for {name!r}: {ctx.explain()}"

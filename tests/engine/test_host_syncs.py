@@ -25,7 +25,7 @@ from tests.support.fallback_models import Model as FallbackModel
 from tests.support.hf_models import build
 from tests.support.host_reads import HostReads, backward_reads
 from tests.support.reference import trainable
-from tests.support.registry_cases import CASES, Case, applicable, capture, sample_loss
+from tests.support.registry_cases import CASES, Case, applicable, arguments, capture, sample_loss
 from torch import Tensor, nn
 
 import jacmem
@@ -170,7 +170,7 @@ def test_every_registered_strategy_without_host_reads(case):
     for param, quantity, name, strategy in applicable(cap):
         x, g, hp = cap.call()
         with HostReads() as reads:
-            strategy.fn(x, g, **hp)
+            strategy.fn(x, g, **hp, **arguments(quantity))
         reads.check(f"{case}: {param} {quantity} {name!r}")
 
 

@@ -192,6 +192,18 @@ def capture(case: Case) -> Captured:
     return Captured(module, module_type, entry, kept, grads[0] if len(grads) == 1 else tuple(grads), reference)
 
 
+#: the parameters of the quantities that take some, in these cases
+PARAMETERS = {"grad_proj": {"dim": 6, "kind": "kronecker", "seed": 0}}
+#: the stable name a named quantity's strategies get here
+NAME = "case.weight"
+
+
+def arguments(quantity: str) -> dict:
+    """What a strategy of ``quantity`` takes by keyword beside the layer's hyper-parameters:
+    its :data:`PARAMETERS`, and the parameter's name where it reads one (:data:`NAME`)."""
+    return {**PARAMETERS[quantity], "name": NAME} if quantity in PARAMETERS else {}
+
+
 def applicable(cap: Captured) -> list[tuple[str, str, str, Strategy]]:
     """(param, quantity, name, strategy) of every strategy whose cost applies here, for
     the parameters the module has (``bias=False`` leaves ``bias`` out, say)."""
@@ -201,6 +213,7 @@ def applicable(cap: Captured) -> list[tuple[str, str, str, Strategy]]:
         if param not in cap.reference:
             continue
         for name, strategy in table.items():
-            if strategy.cost is None or strategy.cost(shapes(x), shapes(g), **hp) is not None:
+            cost = strategy.cost
+            if cost is None or cost(shapes(x), shapes(g), **PARAMETERS.get(quantity, {}), **hp) is not None:
                 found.append((param, quantity, name, strategy))
     return found

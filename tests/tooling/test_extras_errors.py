@@ -13,14 +13,19 @@ import sys
 
 import pytest
 
-EXTRAS = [("jacmem.privacy", "opacus", "dp"), ("jacmem.laplace", "laplace", "laplace")]
+EXTRAS = [
+    ("jacmem.privacy", "opacus", "dp"),
+    ("jacmem.laplace", "laplace", "laplace"),
+    ("jacmem.attribution", "numpy", "attribution"),
+]
 
 
 @pytest.mark.parametrize(("module", "package", "extra"), EXTRAS, ids=[e for _, _, e in EXTRAS])
 def test_a_missing_extra_is_named_with_its_pip_install(monkeypatch, module, package, extra):
     for name in [package, *(m for m in sys.modules if m.startswith(package + "."))]:
         monkeypatch.setitem(sys.modules, name, None)
-    monkeypatch.delitem(sys.modules, module, raising=False)  # restored afterwards
+    for name in [module, *(m for m in sys.modules if m.startswith(module + "."))]:  # restored afterwards
+        monkeypatch.delitem(sys.modules, name, raising=False)
     with pytest.raises(ImportError, match=rf'pip install "jacmem\[{extra}\]"') as err:
         importlib.import_module(module)
     assert isinstance(err.value, ModuleNotFoundError) and err.value.name.partition(".")[0] == package

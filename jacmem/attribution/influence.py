@@ -1,0 +1,589 @@
+"""Influence functions on any model jacmem extends: ``g_qᵀ (C + λ)⁻¹ g_n``.
+
+``g_q`` and ``g_n`` are the gradients of a query's and of a training example's loss
+(:class:`jacmem.BatchGrad`, one backward per batch), ``C`` a block-diagonal curvature
+fitted on the training set, ``λ`` the damping. Scores are pairwise ``[n_query, n_train]``;
+a positive score says that training on example ``n`` lowered the query's loss.
+
+**jacmem's conventions** (the default). ``C`` is the Fisher of the *summed* training loss,
+``Σ_n``, not the mean, one block per parameter (a bias its own ``[O, 1]`` block). Then,
+for a model at a minimum of that loss, ``g_qᵀ C⁻¹ g_n`` is to first order the rise of the
+query's loss when example ``n`` is left out of training: a score reads in the units of the
+query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block.
+With ``projection=k``, all of this holds in the projected space (the class docstring).
+
+* ``"ekfac"``: KFAC's eigenbasis ``U_G ⊗ U_A`` of the factors summed over the training
+  batches (:class:`jacmem.KFACEF` for ``fisher="empirical"``, :class:`jacmem.KFAC` for
+  ``"mc"``; ``A`` averaged over the batches by their samples), and ``Λ = Σ_n (U_Gᵀ G_n
+  U_A)²`` over the training examples, ``G_n`` sample ``n``'s gradient (empirical) or a
+  Monte-Carlo square root of its GGN (:class:`jacmem.SqrtGGNMC`, ``"mc"``): two passes
+  over the training data, as kronfluence; the blocks of :class:`jacmem.EKFAC` otherwise
+  (a weight of HF's Conv1D or an Embedding as ``weight.T``, an Embedding's diagonal ``A``
+  with the identity for its basis, LayerNorm/RMSNorm their diagonal ``Σ_n g_n²``), and
+  convolutions too (``[C_out, C_in·prod(kernel)]``, KFAC's factors of
+  :doc:`/guide/curvature`; ``Λ`` from the per-sample gradients, which need no patches);
+  grouped convolutions are refused;
+* ``"kfac"``: the same factors, ``Λ = λ_G ⊗ λ_A`` (LayerNorm/RMSNorm: KFAC's diagonal);
+* ``"diag"``: ``Λ = Σ_n g_n²`` (the same vectors as ``"ekfac"``'s);
+* ``"identity"``: ``C + λ = I`` (TracIn at one checkpoint, gradient dot products).
+
+**kronfluence's conventions** (``conventions="kronfluence"``, kronfluence 1.0.1's
+pairwise scores): one Kronecker block per ``nn.Linear``, its bias a column of ones in the
+activations, ``A = Σ [x; 1][x; 1]ᵀ`` and ``G`` normalised by the number of rows (tokens),
+``Λ`` (EK-FAC and the diagonal) divided by the number of training examples, then the
+damping (``None``: 0.1 × the mean of the block's ``Λ``). Without biases and with one row
+per example, its scores are ``n_train`` times jacmem's (its ``C`` is the mean's).
+"""
+
+from __future__ import annotations
+
+import tempfile
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import jacmem
+from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh, identity
+from jacmem.attribution.progress import progress_bar
+from jacmem.attribution.store import GradientStore, allocate
+from jacmem.derivatives.registry import lookup
+
+CURVATURES = ("ekfac", "kfac", "diag", "identity")
+FISHERS = ("empirical", "mc")
+CONVENTIONS = ("jacmem", "kronfluence")
+
+#: what serves a parameter that has no Kronecker factors
+_NO_FACTORS = "or choose curvature='diag' or 'identity', which need no Kronecker factors"
+
+#: the parameter attributes the extensions used here write
+_FIELDS = ("grad_batch", "grad_proj", "sqrt_ggn_mc", "kfac", "kfac_ef")
+
+
+def _length(loader: Iterable) -> int | None:
+    try:
+        return len(loader)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def batch_size(batch: Any) -> int:
+    """The samples in ``batch``: axis 0 of its first tensor (the batch itself, or the first
+    of a tuple's, list's or mapping's values), as kronfluence counts them."""
+    if isinstance(batch, Tensor):
+        return batch.shape[0]
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, Sequence) else ()
+    for value in values:
+        if isinstance(value, (Tensor, Mapping)) or (isinstance(value, Sequence) and not isinstance(value, str)):
+            try:
+                return batch_size(value)
+            except TypeError:
+                continue
+    raise TypeError(f"jacmem.attribution: found no tensor in the batch {type(batch).__name__} to count its samples")
+
+
+class Influence:
+    """Influence scores of training examples on queries (the module docstring gives the math).
+
+    ``loss_fn(model, batch)`` returns the SUM of the batch's per-example losses (e.g.
+    ``F.cross_entropy(model(x), y, reduction="sum")``); the loaders yield batches it takes,
+    in a fixed order (no shuffling: rows are stored by position). ``store``: a directory
+    for the training gradients (kept across runs; a fill that stops resumes where it
+    stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
+    tqdm is installed).
+
+    ``projection=k`` (with ``seed``): LoGra's Kronecker projection of each weight's
+    gradient to ``k`` dimensions (``jacmem.BatchGradProjection(k, kind="kronecker", seed=seed)``,
+    which never forms ``[N, *p.shape]``), for the curvature and the scores alike: KFAC's
+    factors projected, ``P_out G P_outᵀ`` and ``P_in A P_inᵀ`` (``(P_out, P_in)`` the rule's
+    matrices of the weight's output and input sides), EK-FAC's ``Λ`` from the projected
+    gradients; a parameter the rule projects densely (a bias, a norm's scale) and a tied
+    weight (GPT-2's ``wte``/``lm_head``: its projection sums its uses, and it has no
+    Kronecker factors) get the whole ``[k, k]`` second moment of their projected
+    gradients (``"ekfac"``, ``"kfac"``) or its diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
+
+    The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
+    its trainable parameters are those scored (freeze the others)."""
+
+    #: the kind of ``BatchGradProjection`` that ``projection=`` asks for
+    projection_kind = "kronecker"
+
+    def __init__(
+        self,
+        model: nn.Module,
+        loss_fn: Callable[[nn.Module, Any], Tensor],
+        *,
+        curvature: str = "ekfac",
+        fisher: str = "empirical",
+        damping: float | None = None,
+        projection: int | None = None,
+        conventions: str = "jacmem",
+        store: str | Path | None = None,
+        progress: bool | None = None,
+        seed: int = 0,
+    ):
+        for what, value, valid in (
+            ("curvature", curvature, CURVATURES),
+            ("fisher", fisher, FISHERS),
+            ("conventions", conventions, CONVENTIONS),
+        ):
+            if value not in valid:
+                raise ValueError(f"jacmem.attribution.Influence: {what} must be one of {valid}, got {value!r}")
+        if curvature == "identity" and damping is not None:
+            raise ValueError(
+                "jacmem.attribution.Influence: curvature='identity' has no damping (its scores are gradient dot "
+                "products); leave damping=None, or choose curvature='diag', 'kfac' or 'ekfac'"
+            )
+        if damping is not None and damping < 0:
+            raise ValueError(f"jacmem.attribution.Influence: damping must be >= 0 or None, got {damping!r}")
+        if projection is not None:
+            _check_projection(projection, fisher, conventions)
+        self.model, self.loss_fn = model, loss_fn
+        self.curvature, self.fisher, self.damping = curvature, fisher, damping
+        self.conventions, self.progress = conventions, progress
+        self.projection, self.seed = projection, seed
+        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
+        #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
+        self.kronecker_projected = set() if projection is None else self._kronecker_projected()
+        #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
+        #: with a projection (tied weights: no Kronecker factors, one projected gradient)
+        self._whole = set() if projection is None else self._tied()
+        self.slots, start = [], 0
+        for i, p in enumerate(self.params):
+            shape = tuple(p.shape) if projection is None else (projection,)
+            if i in self.kronecker_projected and i not in self._whole:
+                from jacmem.derivatives.projection import factors
+
+                shape = factors(projection)
+            self.slots.append(Slot(start, shape))
+            start += Slot(start, shape).size
+        self.width = start
+        self._store_dir = store
+        self._store: GradientStore | None = None
+        self.blocks: list[Block] = []
+        self.preconditioners: list[Callable[[Tensor], Tensor]] = []
+        self.fitted = False
+        #: what the training store's rows are (its key)
+        self._stored = "per-sample gradients"
+
+    # -- one backward per batch ------------------------------------------------------
+
+    def _backward(
+        self, batch: Any, extension: Any, field: str, hint: str = "", skip: set[int] = frozenset()
+    ) -> list[Any]:
+        """One forward and backward of ``loss_fn`` on ``batch`` under ``extension``: its
+        attribute ``field`` of each trainable parameter (``None`` where the loss does not
+        use it, and for the parameters of ``skip``, frozen for this forward and backward);
+        ``.grad`` is untouched. ``hint``: added to what jacmem cannot compute (a
+        ``NotImplementedError``, which names the parameter and its module)."""
+        wanted = [p for i, p in enumerate(self.params) if i not in skip]
+        frozen = [self.params[i] for i in skip]
+        with jacmem.extend(extension):
+            try:
+                for p in frozen:  # (for this forward and backward only: jacmem leaves them out)
+                    p.requires_grad_(False)
+                loss = self.loss_fn(self.model, batch)
+                found = iter(torch.autograd.grad(loss, wanted, allow_unused=True))
+                grads = [None if i in skip else next(found) for i in range(len(self.params))]
+                got = [None if g is None else getattr(p, field, None) for p, g in zip(self.params, grads, strict=True)]
+            except NotImplementedError as err:
+                if not hint:
+                    raise
+                message = f"jacmem.attribution.Influence(curvature={self.curvature!r}): {err} ({hint})"
+                params = getattr(err, "params", None)
+                raise (type(err)(message) if params is None else type(err)(message, params)) from err
+            finally:
+                for p in frozen:
+                    p.requires_grad_(True)
+                for p in self.params:
+                    for name in _FIELDS:
+                        if hasattr(p, name):
+                            delattr(p, name)
+        for name, g, value in zip(self.names, grads, got, strict=True):
+            if g is not None and value is None:
+                raise ValueError(
+                    f"jacmem.attribution: jacmem gave no {field} for parameter {name!r}; freeze it "
+                    "(requires_grad=False) or make its module one jacmem supports"
+                )
+        return got
+
+    def _rows(self, batch: Any, role: str) -> Tensor:
+        """The batch's rows ``[N, D]`` for ``role``: ``"train"`` and ``"query"``, the
+        per-sample gradients; ``"curvature"``, the vectors whose second moments the
+        curvature is (the gradients, or for ``fisher="mc"`` a Monte-Carlo square root of
+        each sample's GGN)."""
+        if role == "curvature" and self.fisher == "mc":
+            got = [None if v is None else v[0] for v in self._backward(batch, jacmem.SqrtGGNMC(1), "sqrt_ggn_mc")]
+        elif self.projection is not None:
+            extension = jacmem.BatchGradProjection(self.projection, kind=self.projection_kind, seed=self.seed)
+            got = self._backward(batch, extension, "grad_proj")
+        else:
+            got = self._backward(batch, jacmem.BatchGrad(), "grad_batch")
+        return self._flat(got)
+
+    def _flat(self, got: list[Tensor | None]) -> Tensor:
+        """Per-parameter ``[N, *p.shape]`` (``None``: zeros) as rows ``[N, D]``."""
+        n = next((len(v) for v in got if v is not None), None)
+        if n is None:
+            raise ValueError("jacmem.attribution: the loss depends on no trainable parameter")
+        return torch.cat(
+            [p.new_zeros(n, p.numel()) if v is None else v.detach().reshape(n, -1) for p, v in zip(self.params, got)],
+            dim=1,
+        )
+
+    def _bar(self, loader: Iterable, desc: str) -> Iterable:
+        return progress_bar(loader, total=_length(loader), desc=desc, enabled=self.progress)
+
+    # -- fit ---------------------------------------------------------------------------
+
+    def fit(self, train_loader: Iterable) -> Influence:
+        """Fit the curvature on the training set (one pass; two for ``"ekfac"``)."""
+        if self.curvature == "identity":
+            self.blocks, self.preconditioners = [Block("all", vector=tuple(self.slots))], [identity]
+        elif self.curvature == "diag":
+            self._fit_diag(train_loader)
+        else:
+            self._fit_kronecker(train_loader)
+        self.fitted = True
+        return self
+
+    def _vector_blocks(self) -> list[Block]:
+        """One vector block per parameter, or (kronfluence) per module."""
+        if self.conventions == "jacmem":
+            return [Block(n, vector=(s,)) for n, s in zip(self.names, self.slots)]
+        return [Block(name, vector=tuple(s for s in (w, b) if s is not None)) for name, w, b in self._linears()]
+
+    def _fit_diag(self, loader: Iterable) -> None:
+        blocks = self._vector_blocks()
+        sums, n = torch.zeros(self.width, dtype=self.params[0].dtype, device=self.params[0].device), 0
+        for batch in self._bar(loader, "fitting the diagonal"):
+            rows = self._rows(batch, "curvature")
+            sums += rows.square().sum(0)
+            n += len(rows)
+        scale = n if self.conventions == "kronfluence" else 1
+        self.blocks = blocks
+        self.preconditioners = []
+        for block in blocks:
+            lam = block.matrix(sums[None])[0] / scale
+            self.preconditioners.append(Diagonal(lam, damped(lam, self.damping)))
+
+    def _linears(self) -> list[tuple[str, Slot | None, Slot | None]]:
+        """kronfluence's blocks: ``(module name, weight slot, bias slot)`` of each
+        ``nn.Linear``; a trainable parameter of any other module raises."""
+        slot_of = {id(p): s for p, s in zip(self.params, self.slots)}
+        out, covered = [], set()
+        for name, module in self.model.named_modules():
+            own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in slot_of}
+            if not own:
+                continue
+            if type(module) is not nn.Linear:
+                raise ValueError(
+                    f"jacmem.attribution.Influence(conventions='kronfluence'): module {name!r} is a "
+                    f"{type(module).__name__}; kronfluence's conventions cover nn.Linear only (its Conv2d's are not "
+                    "reproduced): freeze its parameters (requires_grad=False), or use conventions='jacmem'"
+                )
+            covered.update(id(p) for p in own.values())
+            w, b = own.get("weight"), own.get("bias")
+            out.append((name, None if w is None else slot_of[id(w)], None if b is None else slot_of[id(b)]))
+        if len(covered) != len(slot_of):
+            raise ValueError(
+                "jacmem.attribution.Influence(conventions='kronfluence'): a trainable parameter belongs to no module "
+                "of the model; freeze it, or use conventions='jacmem'"
+            )
+        return out
+
+    def _fit_kronecker(self, loader: Iterable) -> None:
+        """KFAC's factors over the training set (pass 1), their eigenbases, and for
+        EK-FAC ``Λ`` from the per-sample vectors (pass 2)."""
+        kron = self.conventions == "kronfluence"
+        extension, field = (jacmem.KFACEF(), "kfac_ef") if self.fisher == "empirical" else (jacmem.KFAC(1), "kfac")
+        G: dict[int, Tensor] = {}  # parameter index -> its summed factors
+        A: dict[int, Tensor] = {}
+        D: dict[int, Tensor] = {}  # a diagonal's (LayerNorm's)
+        inputs = _InputSums(self.model) if kron else None  # Σ x and the rows, per Linear
+        n = 0
+        try:
+            for batch in self._bar(loader, "fitting Kronecker factors"):
+                b = batch_size(batch)
+                if inputs:
+                    inputs.batch_rows.clear()
+                got = self._backward(batch, extension, field, hint=_NO_FACTORS, skip=self._whole)
+                for i, factors in enumerate(got):
+                    if factors is None:
+                        continue
+                    if len(factors) == 1 and factors[0].dim() == 1:
+                        D[i] = D.get(i, 0) + factors[0]  # a norm's diagonal [d]
+                        continue
+                    G[i] = G.get(i, 0) + factors[0]
+                    if len(factors) == 2:
+                        weight = inputs.batch_rows[id(self.params[i])] if inputs else b
+                        A[i] = A.get(i, 0) + weight * factors[1]
+                n += b
+        finally:
+            if inputs:
+                inputs.remove()
+        self.blocks, eigens = self._kronecker_blocks(G, A, D, n, inputs)
+        if self.curvature == "ekfac" or any(e is None for e in eigens):
+            lams = [_second_moments(e, block, self.params[0]) for e, block in zip(eigens, self.blocks)]
+            for batch in self._bar(loader, "fitting EK-FAC's eigenvalues"):
+                rows = self._rows(batch, "curvature")
+                for block, e, lam in zip(self.blocks, eigens, lams):
+                    X = block.matrix(rows)
+                    if e is None:  # a projected block's whole second moment
+                        lam.addmm_(X[..., 0].T, X[..., 0])
+                    elif self.curvature == "ekfac":
+                        lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
+            scale = n if kron else 1
+            for k, (e, lam) in enumerate(zip(eigens, lams)):
+                if e is None:
+                    values, vectors = eigh(lam)
+                    eigens[k] = Eigen(vectors, None, values[:, None], 0.0)
+                elif self.curvature == "ekfac":
+                    if isinstance(e, Eigen):
+                        e.lam = lam / scale
+                    else:
+                        eigens[k] = lam / scale
+        self.preconditioners = []
+        for e in eigens:
+            if isinstance(e, Eigen):
+                e.damping = damped(e.lam, self.damping)
+                self.preconditioners.append(e)
+            else:
+                self.preconditioners.append(Diagonal(e, damped(e, self.damping)))
+
+    def _kronecker_blocks(self, G, A, D, n, inputs) -> tuple[list[Block], list[Eigen | Tensor]]:
+        """The blocks and, per block, its :class:`Eigen` (``lam``: KFAC's ``λ_G ⊗ λ_A``)
+        or a vector block's diagonal."""
+        blocks, eigens = [], []
+        if self.conventions == "kronfluence":
+            for name, w, b in self._linears():
+                i = self.slots.index(w if w is not None else b)
+                rows = inputs.rows[name]
+                Gk = G[i] / rows
+                if w is None:  # a Linear with a frozen weight: its bias, with A = [[1]]
+                    Ak = torch.ones(1, 1, dtype=Gk.dtype, device=Gk.device)
+                else:
+                    xx, xs = A[i], inputs.sums[name]
+                    Ak = (
+                        xx
+                        if b is None
+                        else torch.cat([torch.cat([xx, xs[:, None]], 1), torch.cat([xs, xs.new_ones(1) * rows])[None]])
+                    )
+                    Ak = Ak / rows
+                blocks.append(Block(name, weight=w, bias=b))
+                eigens.append(_eigen(Gk, Ak))
+            return blocks, eigens
+        for i, (name, slot, p) in enumerate(zip(self.names, self.slots, self.params)):
+            if i in self._whole or (self.projection is not None and i not in self.kronecker_projected):
+                blocks.append(Block(name, bias=slot))
+                eigens.append(None)
+                continue
+            if i in D or i not in G:  # a diagonal (or a parameter the loss never used)
+                blocks.append(Block(name, vector=(slot,)))
+                eigens.append(D.get(i, torch.zeros(slot.size, dtype=p.dtype, device=p.device)).flatten())
+                continue
+            if i in A:
+                if A[i].dim() == 3:
+                    raise ValueError(
+                        f"jacmem.attribution.Influence(curvature={self.curvature!r}): parameter {name!r} is a grouped "
+                        "convolution's weight, whose Kronecker factors are block-diagonal; choose curvature='diag', "
+                        "or freeze it"
+                    )
+                transposed = self._transposed(p)
+                Gi, Ai = G[i], A[i] / n
+                if i in self.kronecker_projected:
+                    Gi, Ai = self._projected(name, p, Gi, Ai, transposed)
+                blocks.append(Block(name, weight=slot, transposed=transposed))
+                eigens.append(_eigen(Gi, Ai))
+            else:  # a bias alone: [O, 1]
+                blocks.append(Block(name, bias=slot))
+                eigens.append(_eigen(G[i], torch.ones(1, 1, dtype=G[i].dtype, device=G[i].device)))
+        return blocks, eigens
+
+    def _tied(self) -> set[int]:
+        """The parameters that several modules own (tied weights: GPT-2's ``wte`` and ``lm_head``)."""
+        owners: dict[int, int] = {}
+        for module in self.model.modules():
+            for q in module.parameters(recurse=False):
+                owners[id(q)] = owners.get(id(q), 0) + 1
+        return {i for i, p in enumerate(self.params) if owners.get(id(p), 0) > 1}
+
+    def _kronecker_projected(self) -> set[int]:
+        """The parameters whose layer projects them by the Kronecker rule (a registered
+        ``kronecker`` strategy of ``grad_proj``; the others take the dense rule)."""
+        out = set()
+        if self.projection_kind != "kronecker":
+            return out
+        for i, p in enumerate(self.params):
+            for module in self.model.modules():
+                own = [n for n, q in module.named_parameters(recurse=False) if q is p]
+                if own:
+                    entry = lookup(module)
+                    if entry is not None and "kronecker" in entry.strategies.get((own[0], "grad_proj"), {}):
+                        out.add(i)
+                    break
+        return out
+
+    def _projected(self, name: str, p: nn.Parameter, G: Tensor, A: Tensor, transposed: bool) -> tuple[Tensor, Tensor]:
+        """KFAC's factors of a weight in the space of its Kronecker projection: ``P_out G
+        P_outᵀ`` and ``P_in A P_inᵀ`` (``A [I]`` diagonal: ``P_in diag(A) P_inᵀ``), with
+        ``(P_rows, P_cols)`` the rule's matrices of the weight as stored (its input side on
+        the rows for a transposed layer: HF's Conv1D, an Embedding)."""
+        from jacmem.derivatives.projection import kronecker
+
+        rows, cols = p.shape[0], p[0].numel()
+        P_rows, P_cols = kronecker(self.seed, name, self.projection, rows, cols, dtype=G.dtype, device=G.device)
+        P_out, P_in = (P_cols, P_rows) if transposed else (P_rows, P_cols)
+        A = P_in @ A @ P_in.T if A.dim() == 2 else (P_in * A) @ P_in.T
+        return P_out @ G @ P_out.T, A
+
+    def _transposed(self, p: nn.Parameter) -> bool:
+        """Whether the Kronecker factors of ``p`` are of its dims 0 and 1 swapped (the
+        layer's registered rule: HF's Conv1D, Embedding, transposed convolutions)."""
+        for module in self.model.modules():
+            if any(q is p for q in module.parameters(recurse=False)):
+                entry = lookup(module)
+                return bool(entry is not None and entry.kronecker is not None and entry.kronecker.transposed)
+        return False
+
+    # -- scores ------------------------------------------------------------------------
+
+    def _train_store(self, train_loader: Iterable) -> GradientStore:
+        if self._store is None:
+            path = self._store_dir
+            if path is None:
+                tmp = tempfile.TemporaryDirectory(prefix="jacmem-attribution-")
+                weakref.finalize(self, tmp.cleanup)
+                path = tmp.name
+            self._store = GradientStore(path, self._key())
+        self._store.fill(
+            train_loader, lambda batch: self._rows(batch, "train"), total=_length(train_loader), progress=self.progress
+        )
+        return self._store
+
+    def _key(self) -> dict:
+        """What the stored rows are: the parameters (names, shapes, and a fingerprint of
+        their values, so that a store of another checkpoint raises) and the dtype."""
+        with torch.no_grad():
+            return {
+                "rows": self._stored,
+                "dtype": str(self.params[0].dtype),
+                "projection": None if self.projection is None else [self.projection, self.seed],
+                "params": [
+                    [n, list(p.shape), repr(float(p.double().sum())), repr(float(p.double().norm()))]
+                    for n, p in zip(self.names, self.params)
+                ],
+            }
+
+    def precondition(self, rows: Tensor) -> Tensor:
+        """``(C + λ)⁻¹`` of ``rows [n, D]``, block by block: ``[n, D]``."""
+        if not self.fitted:
+            raise RuntimeError("jacmem.attribution.Influence: call fit(train_loader) first")
+        out = torch.zeros_like(rows)
+        for block, inverse in zip(self.blocks, self.preconditioners):
+            block.put(inverse(block.matrix(rows)), out)
+        return out
+
+    def scores(self, query_loader: Iterable, train_loader: Iterable, *, out: str | Path | None = None) -> Tensor:
+        """Pairwise scores ``[n_query, n_train]``: ``g_qᵀ (C + λ)⁻¹ g_n``. The training
+        gradients come from the store (computed where missing); each query batch is
+        scored against one stored chunk at a time. ``out``: a ``.npy`` file to write the
+        scores to, returned memory-mapped, for score matrices larger than memory."""
+        train = self._train_store(train_loader)
+        sizes = train.sizes()
+        with tempfile.TemporaryDirectory(prefix="jacmem-queries-") as tmp:
+            queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})
+            queries.fill(
+                query_loader,
+                lambda batch: self.precondition(self._rows(batch, "query")),
+                total=_length(query_loader),
+                desc="query gradients",
+                progress=self.progress,
+            )
+            shape = (len(queries), sum(sizes))
+            result = allocate(shape, self.params[0].dtype, out)
+            q0 = 0
+            for q in self._bar(list(queries.chunks()), "scores"):
+                t0 = 0
+                for t in train.chunks():
+                    result[q0 : q0 + len(q), t0 : t0 + len(t)] = q @ t.T
+                    t0 += len(t)
+                q0 += len(q)
+            return result
+
+    def self_influence(self, train_loader: Iterable) -> Tensor:
+        """``g_nᵀ (C + λ)⁻¹ g_n`` of each training example: ``[n_train]``, the diagonal of
+        ``scores(train, train)``, from the store, one chunk at a time."""
+        train = self._train_store(train_loader)
+        return torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+
+
+def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
+    """What ``projection=`` needs: a positive int, jacmem's ``BatchGradProjection``, the
+    empirical Fisher and jacmem's conventions."""
+    if not isinstance(projection, int) or isinstance(projection, bool) or projection < 1:
+        raise ValueError(f"jacmem.attribution.Influence: projection must be a positive int or None, got {projection!r}")
+    if not hasattr(jacmem, "BatchGradProjection"):
+        raise NotImplementedError(
+            "jacmem.attribution.Influence: projection= needs jacmem.BatchGradProjection, which this build of "
+            "jacmem does not have; use projection=None (the full gradients)"
+        )
+    if fisher != "empirical":
+        raise ValueError(
+            "jacmem.attribution.Influence: projection= projects the gradients, not a Monte-Carlo root of the GGN; "
+            "use fisher='empirical' with a projection, or projection=None"
+        )
+    if conventions != "jacmem":
+        raise ValueError(
+            "jacmem.attribution.Influence: conventions='kronfluence' has no projection (kronfluence projects "
+            "nothing); use conventions='jacmem' with a projection, or projection=None"
+        )
+
+
+def _second_moments(e: Eigen | Tensor | None, block: Block, like: Tensor) -> Tensor:
+    """Zeros to sum a block's second moments into: ``Λ`` of an EK-FAC block, a diagonal's,
+    or (``e`` ``None``) a projected block's whole ``[k, k]`` (dtype and device of ``like``)."""
+    if e is None:
+        return like.new_zeros(block.bias.size, block.bias.size)
+    return torch.zeros_like(e.lam if isinstance(e, Eigen) else e)
+
+
+def _eigen(G: Tensor, A: Tensor) -> Eigen:
+    """KFAC's ``G ⊗ A`` in its eigenbasis: ``lam = λ_G ⊗ λ_A``; a diagonal ``A [I]`` has
+    the identity for its basis."""
+    lam_G, U_G = eigh(G)
+    if A.dim() == 1:
+        return Eigen(U_G, None, lam_G[:, None] * A[None, :], 0.0)
+    lam_A, U_A = eigh(A)
+    return Eigen(U_G, U_A, lam_G[:, None] * lam_A[None, :], 0.0)
+
+
+class _InputSums:
+    """kronfluence's bias column: ``Σ x`` over the rows (tokens) of each ``nn.Linear``'s
+    input and their count, by forward hooks (removed by :meth:`remove`)."""
+
+    def __init__(self, model: nn.Module):
+        self.sums: dict[str, Tensor] = {}
+        self.rows: dict[str, int] = {}
+        #: id(weight or bias) -> the rows of the current batch (cleared by the caller per batch)
+        self.batch_rows: dict[int, int] = {}
+        self._handles = [
+            m.register_forward_hook(self._hook(name, m)) for name, m in model.named_modules() if type(m) is nn.Linear
+        ]
+
+    def _hook(self, name: str, module: nn.Linear):
+        def hook(mod, args, output):
+            x = args[0].detach().reshape(-1, module.in_features)
+            self.sums[name] = self.sums.get(name, 0) + x.sum(0)
+            self.rows[name] = self.rows.get(name, 0) + len(x)
+            for p in module.parameters(recurse=False):
+                self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + len(x)
+
+        return hook
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()

@@ -1,0 +1,132 @@
+"""Per-sample gradient rows on disk: computed once, in chunks, read memory-mapped.
+
+A :class:`GradientStore` is a directory of ``.npy`` chunks ``[c, D]`` (``D`` the width of
+one sample's row: its flattened, concatenated gradients) and a ``meta.json`` that says
+what the rows are. A chunk is written to a temporary name and renamed when whole, so a
+fill that stops (an interrupted job, a crash) leaves only finished chunks; the next
+:meth:`GradientStore.fill` over the same loader skips them (no forward, no backward) and
+computes the rest. Reads map the chunks (``numpy.load(mmap_mode="c")``: copy on write, the files are never changed): what is in memory
+at once is one chunk, never the whole ``[n, D]``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+try:
+    import numpy as np
+except ModuleNotFoundError as err:
+    raise ModuleNotFoundError(
+        f'jacmem.attribution needs numpy for its store ({err}): pip install "jacmem[attribution]"', name=err.name
+    ) from err
+
+from jacmem.attribution.progress import progress_bar
+
+__all__ = ["GradientStore", "allocate"]
+
+_META = "meta.json"
+
+
+class GradientStore:
+    """Rows ``[n, D]`` in chunks under ``path`` (created if missing).
+
+    ``key``: what the rows are (JSON-serialisable: the width, the dtype, how they were
+    computed); a directory filled under another key raises, naming both and the fix, so
+    that rows of another model or setting are never read as these."""
+
+    def __init__(self, path: str | os.PathLike, key: dict[str, Any]):
+        self.path = Path(path)
+        self.path.mkdir(parents=True, exist_ok=True)
+        self.key = json.loads(json.dumps(key))  # as it reads back
+        meta = self.path / _META
+        if meta.exists():
+            found = json.loads(meta.read_text())
+            if found["key"] != self.key:
+                raise ValueError(
+                    f"jacmem.attribution: the store {str(self.path)!r} holds rows of {found['key']}, not of "
+                    f"{self.key}; pass a new directory (or delete this one) to compute them again"
+                )
+            self._chunks: int | None = found.get("chunks")
+        else:
+            self._chunks = None
+            self._write_meta()
+
+    def _write_meta(self) -> None:
+        tmp = self.path / (_META + ".tmp")
+        tmp.write_text(json.dumps({"key": self.key, "chunks": self._chunks}))
+        os.replace(tmp, self.path / _META)
+
+    def _chunk(self, i: int) -> Path:
+        return self.path / f"chunk_{i:07d}.npy"
+
+    @property
+    def complete(self) -> bool:
+        """Whether a fill has run to the end of its loader."""
+        return self._chunks is not None
+
+    def fill(
+        self,
+        batches: Iterable,
+        rows: Callable[[Any], Tensor],
+        *,
+        total: int | None = None,
+        desc: str = "training gradients",
+        progress: bool | None = None,
+    ) -> None:
+        """Compute ``rows(batch) -> [b, D]`` for each batch not stored yet, one chunk per
+        batch, in the loader's order (which must be the same on every fill: no shuffling).
+        A complete store is not iterated again."""
+        if self.complete:
+            return
+        count = 0
+        for i, batch in enumerate(progress_bar(batches, total=total, desc=desc, enabled=progress)):
+            count = i + 1
+            if self._chunk(i).exists():
+                continue
+            self.write(i, rows(batch))
+        self._chunks = count
+        self._write_meta()
+
+    def write(self, i: int, rows: Tensor) -> None:
+        """Chunk ``i`` := ``rows [b, D]`` (on the host, as a float type numpy holds),
+        renamed into place once written."""
+        rows = rows.detach().cpu()
+        if rows.dtype == torch.bfloat16:  # numpy has no bfloat16
+            rows = rows.float()
+        tmp = self.path / f"chunk_{i:07d}.tmp.npy"
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=rows.numpy().dtype, shape=tuple(rows.shape))
+        out[...] = rows.numpy()
+        out.flush()
+        del out
+        os.replace(tmp, self._chunk(i))
+
+    def chunks(self) -> Iterator[Tensor]:
+        """The chunks in order, each ``[c, D]``, memory-mapped (copy on write: the file stays as it is)."""
+        if not self.complete:
+            raise RuntimeError(
+                f"jacmem.attribution: the store {str(self.path)!r} is not complete; fill it from its loader first"
+            )
+        for i in range(self._chunks):
+            yield torch.from_numpy(np.load(self._chunk(i), mmap_mode="c"))
+
+    def sizes(self) -> list[int]:
+        """The rows of each chunk (from the files' headers; nothing is read)."""
+        return [chunk.shape[0] for chunk in self.chunks()]
+
+    def __len__(self) -> int:
+        return sum(self.sizes())
+
+
+def allocate(shape: tuple[int, ...], dtype: torch.dtype, out: str | os.PathLike | None) -> Tensor:
+    """Zeros of ``shape`` in memory (``out=None``), or memory-mapped in the ``.npy`` file ``out``."""
+    if out is None:
+        return torch.zeros(shape, dtype=dtype)
+    kind = torch.empty((), dtype=torch.float32 if dtype == torch.bfloat16 else dtype).numpy().dtype
+    return torch.from_numpy(np.lib.format.open_memmap(out, mode="w+", dtype=kind, shape=shape))

@@ -1,0 +1,336 @@
+"""jacmem.attribution.Influence against a dense float64 reference: per-sample gradients by
+a loop of autograd calls, the damped curvature built as an explicit matrix and inverted."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jacmem.attribution import Influence
+
+
+@pytest.fixture(autouse=True)
+def _float64():
+    """The references build their matrices in float64 (restored after each test)."""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(before)
+
+
+def _data(n: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def loss_fn(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
+
+
+def _loader(x, y, size):
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, len(x), size)]
+
+
+def _per_sample(model, x, y) -> torch.Tensor:
+    """``[n, P]`` by one autograd call per sample."""
+    rows = []
+    for i in range(len(x)):
+        params = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), params)
+        rows.append(torch.cat([g.flatten() for g in grads]))
+    return torch.stack(rows)
+
+
+def _layer_stats(model, x, y):
+    """Per Linear: its inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
+    linears = [m for m in model if isinstance(m, nn.Linear)]
+    xs, gs = {m: [] for m in linears}, {m: [] for m in linears}
+    for i in range(len(x)):
+        outs = {}
+        hooks = [m.register_forward_hook(lambda m, a, o: outs.__setitem__(m, (a[0], o))) for m in linears]
+        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
+        for h in hooks:
+            h.remove()
+        grads = torch.autograd.grad(loss, [outs[m][1] for m in linears])
+        for m, g in zip(linears, grads):
+            xs[m].append(outs[m][0].detach()[0])
+            gs[m].append(g[0])
+    return [(torch.stack(xs[m]), torch.stack(gs[m])) for m in linears]
+
+
+def _dense_curvature(model, x, y, curvature: str, damping: float | None) -> torch.Tensor:
+    """The damped curvature ``[P, P]`` (jacmem's conventions), block-diagonal by parameter."""
+    grads = _per_sample(model, x, y)
+    blocks, at = [], 0
+    for (a, g), linear in zip(_layer_stats(model, x, y), [m for m in model if isinstance(m, nn.Linear)]):
+        O, I = linear.weight.shape
+        Gw = grads[:, at : at + O * I]
+        Gb = grads[:, at + O * I : at + O * I + O]
+        at += O * I + O
+        G, A = g.T @ g, a.T @ a / len(a)
+        for vecs, basis in ((Gw, (G, A)), (Gb, (G,))):
+            if curvature == "identity":
+                blocks.append(torch.eye(vecs.shape[1]))
+                continue
+            if curvature == "diag":
+                U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
+            else:
+                (lg, Ug), *rest = [torch.linalg.eigh(M) for M in basis]
+                la, Ua = rest[0] if rest else (torch.ones(1), torch.ones(1, 1))
+                U = torch.kron(Ug, Ua)  # row-major vec(Ug^T W Ua) = U^T vec(W)
+                lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+            d = 0.1 * lam.mean() if damping is None else damping
+            blocks.append(U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam)))
+    return torch.block_diag(*blocks)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag", "identity"])
+@pytest.mark.parametrize("damping", [0.05, None])
+def test_scores_equal_the_dense_damped_inverse(curvature, damping):
+    if curvature == "identity" and damping is not None:
+        pytest.skip("identity has no damping")
+    model = _model()
+    x, y = _data(12, 0)
+    xq, yq = _data(5, 1)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=damping, progress=False)
+    inf.fit(_loader(x, y, 4))
+    got = inf.scores(_loader(xq, yq, 2), _loader(x, y, 4))
+    C = _dense_curvature(model, x, y, curvature, damping)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ _per_sample(model, x, y).T
+    assert got.shape == (5, 12)
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "diag"])
+def test_self_influence_is_the_diagonal_of_train_train_scores(curvature):
+    model = _model()
+    x, y = _data(10, 0)
+    inf = Influence(model, loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    scores = inf.scores(_loader(x, y, 3), _loader(x, y, 4))
+    torch.testing.assert_close(inf.self_influence(_loader(x, y, 4)), torch.diagonal(scores), rtol=1e-10, atol=1e-13)
+
+
+class _TinyLM(nn.Module):
+    """Token ids ``[N, T]`` -> logits ``[N, T, V]``: an Embedding (its factors of
+    ``weight.T``), a LayerNorm (a diagonal) and a Linear over the positions."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(2)
+        self.embed, self.norm, self.head = nn.Embedding(6, 4), nn.LayerNorm(4), nn.Linear(4, 6)
+
+    def forward(self, ids):
+        return self.head(torch.tanh(self.norm(self.embed(ids))))
+
+
+def lm_loss(model, batch):
+    ids, targets = batch
+    return F.cross_entropy(model(ids).flatten(0, 1), targets.flatten(), reduction="sum")
+
+
+def _lm_reference(model, ids, targets, curvature, damping):
+    """The damped EK-FAC/KFAC of the tiny LM as a dense ``[P, P]``, by per-sample autograd:
+    Embedding ``G = Σ g gᵀ`` over all positions, ``A`` the counts ``/ (N·T)`` (diagonal:
+    the identity basis), gradients of ``weight.T``; the Linear's ``A = Σ x xᵀ / (N·T)``;
+    the LayerNorm's parameters the diagonal ``Σ_n g_n²`` (EK-FAC)."""
+    params = [p for p in model.parameters() if p.requires_grad]
+    N, T = ids.shape
+    per, g_embed, g_head, x_head = [], [], [], []
+    for i in range(N):
+        out = {}
+        hooks = [
+            m.register_forward_hook(lambda m, a, o: out.__setitem__(m, (a[0], o))) for m in (model.embed, model.head)
+        ]
+        loss = lm_loss(model, (ids[i : i + 1], targets[i : i + 1]))
+        for h in hooks:
+            h.remove()
+        grads = torch.autograd.grad(loss, params + [out[model.embed][1], out[model.head][1]])
+        per.append(grads[: len(params)])
+        g_embed.append(grads[-2][0])
+        g_head.append(grads[-1][0])
+        x_head.append(out[model.head][0].detach()[0])
+    g_embed, g_head, x_head = torch.cat(g_embed), torch.cat(g_head), torch.cat(x_head)
+    counts = torch.bincount(ids.flatten(), minlength=6).double() / (N * T)
+    bases = {
+        "embed.weight": (g_embed.T @ g_embed, counts),
+        "head.weight": (g_head.T @ g_head, x_head.T @ x_head / (N * T)),
+        "head.bias": (g_head.T @ g_head, torch.ones(1, 1)),
+    }
+    names = [n for n, p in model.named_parameters() if p.requires_grad]
+    blocks, rows = [], []
+    for k, name in enumerate(names):
+        vecs = torch.stack([(g[k].T if name == "embed.weight" else g[k]).flatten() for g in per])
+        rows.append(torch.stack([g[k].flatten() for g in per]))
+        if name not in bases:
+            U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
+        else:
+            G, A = bases[name]
+            lg, Ug = torch.linalg.eigh(G)
+            la, Ua = (A, torch.eye(len(A))) if A.dim() == 1 else torch.linalg.eigh(A)
+            U = torch.kron(Ug.contiguous(), Ua.contiguous())
+            lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+        d = 0.1 * lam.mean() if damping is None else damping
+        C = U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam))
+        if name == "embed.weight":  # back to the layout of weight [V, D]
+            perm = torch.arange(vecs.shape[1]).reshape(4, 6).T.flatten()
+            C = C[perm][:, perm]
+        blocks.append(C)
+    return torch.block_diag(*blocks), torch.cat(rows, 1)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_embedding_layernorm_and_positions_equal_the_dense_reference(curvature):
+    model = _TinyLM().double()
+    if curvature == "kfac":  # (KFAC's own diagonal for a LayerNorm; the reference has EK-FAC's)
+        model.norm.requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    ids, targets = torch.randint(0, 6, (9, 3), generator=g), torch.randint(0, 6, (9, 3), generator=g)
+    train = [(ids[i : i + 3], targets[i : i + 3]) for i in range(0, 9, 3)]
+    qids, qt = torch.randint(0, 6, (2, 3), generator=g), torch.randint(0, 6, (2, 3), generator=g)
+    inf = Influence(model, lm_loss, curvature=curvature, progress=False).fit(train)
+    got = inf.scores([(qids, qt)], train)
+    C, train_rows = _lm_reference(model, ids, targets, curvature, None)
+    _, query_rows = _lm_reference(model, qids, qt, curvature, None)
+    torch.testing.assert_close(got, query_rows @ torch.linalg.inv(C) @ train_rows.T, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["diag", "ekfac"])
+def test_the_mc_fisher_is_the_ggn_in_expectation(curvature):
+    """A linear regression, MSE summed: the GGN is ``Σ_n 2 x_n x_nᵀ`` per output. The
+    Monte-Carlo curvature of many fits averages to its diagonal (``"diag"``), and to its
+    EK-FAC eigenvalues (``"ekfac"``, whose basis is exact here: the GGN is ``2 I ⊗ Σ x xᵀ``)."""
+    torch.manual_seed(0)
+    model = nn.Linear(3, 2, bias=False).double()
+    x, y = torch.randn(32, 3, dtype=torch.float64), torch.randn(32, 2, dtype=torch.float64)
+    train = [(x[:16], y[:16]), (x[16:], y[16:])]
+
+    def mse(model, batch):
+        return F.mse_loss(model(batch[0]), batch[1], reduction="sum")
+
+    fits = [Influence(model, mse, curvature=curvature, fisher="mc", progress=False).fit(train) for _ in range(200)]
+    mean = torch.stack([f.preconditioners[0].lam.flatten() for f in fits]).mean(0)
+    if curvature == "diag":
+        want = 2 * x.square().sum(0).repeat(2)
+    else:
+        la = torch.linalg.eigvalsh(x.T @ x)
+        want = 2 * la.repeat(2)
+        mean = mean.reshape(2, 3).sort(dim=1).values.flatten()
+    torch.testing.assert_close(mean, want, rtol=0.1, atol=0)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_a_convolution_equals_the_dense_reference(curvature):
+    """Conv2d's factors as jacmem's KFAC gives them (BackPACK's convention): ``G = Σ_n
+    (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and ``A = Σ_{n,t}
+    a_t a_tᵀ / N`` over the unfolded patches; the weight as ``[C_out, C_in·k·k]``."""
+    torch.manual_seed(5)
+    model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3, bias=False)).double()
+    model[3].requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    xq, yq = torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    train = _loader(x, y, 4)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(train)
+    got = inf.scores([(xq, yq)], train)
+    rows = _per_sample(model, x, y)
+    weight, bias = rows[:, :24], rows[:, 24:]
+    patches = F.unfold(x, 2)  # [N, C_in·k·k, T]
+    A = torch.einsum("nit,njt->ij", patches, patches) / len(x)
+    lg, Ug = torch.linalg.eigh(bias.T @ bias)
+    la, Ua = torch.linalg.eigh(A)
+    Ug, Ua = Ug.contiguous(), Ua.contiguous()
+    blocks = []
+    for vecs, U, kron in ((weight, torch.kron(Ug, Ua), torch.kron(lg, la)), (bias, Ug, lg)):
+        lam = kron if curvature == "kfac" else (vecs @ U).square().sum(0)
+        blocks.append(U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(len(lam)))
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows.T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag", "identity"])
+def test_kronfluence_conventions_are_n_train_times_jacmem_without_biases(curvature):
+    """One row per example and no bias: kronfluence's curvature is the mean's, jacmem's the
+    sum's, and the default damping scales with it, so its scores are ``n_train`` times."""
+    torch.manual_seed(6)
+    model = nn.Sequential(nn.Linear(4, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False)).double()
+    x, y = _data(12, 0)
+    xq, yq = _data(3, 1)
+    scores = [
+        Influence(model, loss_fn, curvature=curvature, conventions=c, progress=False)
+        .fit(_loader(x, y, 4))
+        .scores([(xq, yq)], _loader(x, y, 4))
+        for c in ("jacmem", "kronfluence")
+    ]
+    factor = 1 if curvature == "identity" else 12
+    torch.testing.assert_close(scores[1], factor * scores[0], rtol=1e-9, atol=1e-12)
+
+
+class _Unused(nn.Module):
+    """An MLP with a Linear the forward never calls: no gradient, no curvature."""
+
+    def __init__(self):
+        super().__init__()
+        self.mlp, self.spare = _model(), nn.Linear(2, 2).double()
+
+    def forward(self, x):
+        return self.mlp(x)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag"])
+def test_a_parameter_the_loss_never_uses_scores_nothing(curvature):
+    x, y = _data(8, 0)
+    xq, yq = _data(3, 1)
+    want = Influence(_model(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    got = Influence(_Unused(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    torch.testing.assert_close(
+        got.scores([(xq, yq)], _loader(x, y, 4)), want.scores([(xq, yq)], _loader(x, y, 4)), rtol=1e-12, atol=0
+    )
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_hf_conv1d_is_scored_as_its_transposed_weight(curvature):
+    """HF's Conv1D (GPT-2's linear layer, ``weight [I, O]``): its factors are of
+    ``weight.T``, so its block is ``[O, I]``; the reference builds it so and permutes back."""
+    pytorch_utils = pytest.importorskip("transformers.pytorch_utils")
+    torch.manual_seed(9)
+    model = nn.Sequential(pytorch_utils.Conv1D(5, 4), nn.Tanh(), nn.Linear(5, 3, bias=False)).double()
+    model[2].requires_grad_(False)
+    x, y = _data(10, 0)
+    xq, yq = _data(3, 1)
+    inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(_loader(x, y, 5))
+    got = inf.scores([(xq, yq)], _loader(x, y, 5))
+    (a, g), *_ = [s for s in _layer_stats_of(model, x, y, model[0])]
+    rows = _per_sample(model, x, y)
+    weight = rows[:, :20].reshape(-1, 4, 5).transpose(1, 2).flatten(1)  # as [O, I]
+    lg, Ug = torch.linalg.eigh(g.T @ g)
+    la, Ua = torch.linalg.eigh(a.T @ a / len(a))
+    U = torch.kron(Ug.contiguous(), Ua.contiguous())
+    lam = torch.kron(lg, la) if curvature == "kfac" else (weight @ U).square().sum(0)
+    Cw = U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(20)
+    perm = torch.arange(20).reshape(5, 4).T.flatten()  # [O, I] order -> the stored [I, O]
+    Cw = Cw[perm][:, perm]
+    lb = (rows[:, 20:] @ Ug).square().sum(0) if curvature == "ekfac" else lg
+    Cb = Ug @ torch.diag(lb) @ Ug.T + 0.01 * torch.eye(5)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(Cw, Cb)) @ rows.T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+def _layer_stats_of(model, x, y, layer):
+    """``layer``'s inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
+    xs, gs = [], []
+    for i in range(len(x)):
+        out = {}
+        h = layer.register_forward_hook(lambda m, a, o: out.update(x=a[0], o=o))
+        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
+        h.remove()
+        xs.append(out["x"].detach()[0])
+        gs.append(torch.autograd.grad(loss, out["o"])[0][0])
+    yield torch.stack(xs), torch.stack(gs)

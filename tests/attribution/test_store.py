@@ -1,0 +1,100 @@
+"""The store of training gradients: chunks on disk, resumable, scores in blocks."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from jacmem.attribution import GradientStore, Influence
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def _loader(n: int, size: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    x, y = torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    return [(x[i : i + size], y[i : i + size]) for i in range(0, n, size)]
+
+
+class _Counted:
+    """``F.cross_entropy`` summed, counting the batches it is called on."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def __call__(self, model, batch):
+        self.calls += 1
+        x, y = batch
+        return F.cross_entropy(model(x), y, reduction="sum")
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
+    train = _loader(10, 3, 0)  # 4 chunks: 3, 3, 3, 1
+    loss = _Counted()
+    inf = Influence(_model(), loss, curvature="identity", store=tmp_path / "g", progress=False).fit(train)
+
+    def stops_at_third(batch):
+        if loss.calls == 2:
+            raise _Stop
+        return inf._rows(batch, "train")
+
+    store = GradientStore(tmp_path / "g", inf._key())
+    with pytest.raises(_Stop):
+        store.fill(train, stops_at_third)
+    assert sorted(p.name for p in (tmp_path / "g").glob("chunk_*")) == ["chunk_0000000.npy", "chunk_0000001.npy"]
+    assert not store.complete
+
+    loss.calls = 0
+    queries = _loader(4, 2, 1)
+    got = inf.scores(queries, train)
+    assert loss.calls == 2 + 2  # the two missing training chunks, then the two query batches
+    fresh = Influence(_model(), _Counted(), curvature="identity", progress=False).fit(train)
+    torch.testing.assert_close(got, fresh.scores(queries, train), rtol=0, atol=0)
+
+    loss.calls = 0
+    inf.self_influence(train)  # a complete store: no training batch runs again
+    assert loss.calls == 0
+
+
+def test_scores_in_blocks_equal_scores_at_once_and_can_go_to_a_file(tmp_path):
+    train, queries = _loader(11, 3, 0), _loader(7, 2, 1)
+    inf = Influence(_model(), _Counted(), curvature="ekfac", progress=False).fit(train)
+    blocks = inf.scores(queries, train, out=tmp_path / "scores.npy")
+    grads_q = torch.cat([inf._rows(b, "query") for b in queries])
+    grads_t = torch.cat([inf._rows(b, "train") for b in train])
+    at_once = inf.precondition(grads_q) @ grads_t.T
+    torch.testing.assert_close(blocks, at_once, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(torch.from_numpy(np.load(tmp_path / "scores.npy")), at_once, rtol=1e-12, atol=1e-14)
+
+
+def test_a_store_of_another_checkpoint_raises(tmp_path):
+    train = _loader(6, 3, 0)
+    Influence(_model(), _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train).self_influence(
+        train
+    )
+    model = _model()
+    with torch.no_grad():
+        model[0].bias.add_(1.0)
+    later = Influence(model, _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train)
+    with pytest.raises(ValueError, match="pass a new directory"):
+        later.self_influence(train)
+
+
+def test_progress_bars_name_each_pass(capsys):
+    pytest.importorskip("tqdm")
+    train = _loader(6, 3, 0)
+    inf = Influence(_model(), _Counted(), curvature="ekfac", progress=True).fit(train)
+    inf.scores(_loader(2, 2, 1), train)
+    err = capsys.readouterr().err
+    for desc in ("fitting Kronecker factors", "fitting EK-FAC's eigenvalues", "training gradients", "query gradients"):
+        assert desc in err
