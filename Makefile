@@ -47,6 +47,7 @@ bench: $(STAMP)
 	$(PY) -m benchmarks.lm
 	$(PY) -m benchmarks.fsdp
 	$(PY) -m benchmarks.compile
+	$(PY) -m benchmarks.attribution
 
 # Offline, warnings as errors, every page read afresh (-E: the generated pages follow the
 # registry and the docstrings, which Sphinx does not track); the gallery runs examples/plot_*.py in quick mode

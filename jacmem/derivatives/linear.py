@@ -58,7 +58,9 @@ def _outer_cost(xs, gs) -> Cost:
 def weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
     """Per-sample gradients Σ_t g_t x_tᵀ: [N, *, I], [N, *, O] -> [N, O, I], written
     into ``out`` where given"""
-    gs, xs = g.shape, x.shape  # (:func:`_flat` inline: this runs for every Linear of every step)
+    if g.dim() == 2:  # [N, O, 1] @ [N, 1, I]: no reshape (this runs for every Linear of every step)
+        return torch.bmm(g.unsqueeze(2), x.unsqueeze(1), out=out)
+    gs, xs = g.shape, x.shape  # (:func:`_flat` inline)
     return torch.bmm(
         g.reshape(gs[0], prod(gs[1:-1]), gs[-1]).transpose(1, 2), x.reshape(xs[0], prod(xs[1:-1]), xs[-1]), out=out
     )
@@ -68,7 +70,9 @@ def weight_batch_grad(x: Tensor, g: Tensor, out=None) -> Tensor:
 def weight_grad(x: Tensor, g: Tensor) -> Tensor:
     """Summed gradient: [N, *, I], [N, *, O] -> [O, I], one matrix product over the
     ``N·T`` rows (a transposed operand is BLAS's, not a copy)"""
-    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (:func:`_rows` inline: as above)
+    if g.dim() == 2:
+        return g.t() @ x  # (no reshape: as above)
+    return g.reshape(-1, g.shape[-1]).T @ x.reshape(-1, x.shape[-1])  # (:func:`_rows` inline)
 
 
 def ghost_cost(xs, gs) -> Cost:
@@ -149,6 +153,8 @@ def weight_sum_grad_squared_outer(x: Tensor, g: Tensor, also=()) -> Tensor | dic
 @register(CONV1D, "bias", "batch_grad", "sum")
 def bias_batch_grad(x, g: Tensor) -> Tensor:
     """Per-sample bias gradients: [N, *, O] -> [N, O]"""
+    if g.dim() == 2:  # (g itself, copied: one op, where a sum over T = 1 takes two)
+        return g.clone(memory_format=torch.contiguous_format)
     gs = g.shape  # (:func:`_flat` inline: this runs for every Linear of every step)
     return g.reshape(gs[0], prod(gs[1:-1]), gs[-1]).sum(1)
 
@@ -263,8 +269,18 @@ def jac_t(xs, out, S: Tensor, *, weight: Tensor):
     return ((S.flatten(0, -2) @ weight).unflatten(0, S.shape[:-1]),)
 
 
-passthrough(nn.Linear, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()})
-passthrough(CONV1D, jac_t=jac_t, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T})
+def vjp(x, g: Tensor, *, weight: Tensor) -> Tensor:
+    """The input's gradient ``g W``: [N, *, O] -> [N, *, I]; one matrix product where ``g``
+    is ``[N, O]``, else :func:`jac_t`'s (on one vector)"""
+    return g @ weight if g.dim() == 2 else jac_t((x,), None, g.unsqueeze(0), weight=weight)[0][0]
+
+
+passthrough(
+    nn.Linear, jac_t=jac_t, vjp=vjp, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach()}
+)
+passthrough(
+    CONV1D, jac_t=jac_t, vjp=vjp, sample_independent=True, hyperparams=lambda m: {"weight": m.weight.detach().T}
+)
 # Conv1D's factors are the Linear's: G ⊗ A approximates the block of weight.T [O, I]
 layer(
     CONV1D,

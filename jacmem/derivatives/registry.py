@@ -610,6 +610,10 @@ class Passthrough:
     jac_t: ``(xs, out, S, **hp) -> tuple`` of ``[V, N, *in_i]`` (``None`` where input
         ``i`` needs nothing), from ``xs`` (the tensor inputs), ``out`` and
         ``S [V, N, *out]``. ``None``: the generic vjp of ``forward``.
+    vjp: ``(x, g, **hp) -> [N, *in]``, the gradient of the first input for one output
+        gradient ``g [N, *out]``, where the layer gives it in fewer ops than ``jac_t`` on
+        ``g[None]`` (a layer run through ComputeOnce computes it at every call); ``None``:
+        ``jac_t``'s.
     df, d2f: for elementwise functions, ``(x, out, **hp) -> [N, *]``, the first and
         second derivative; ``d2f=None`` where it is zero (piecewise linear). Every
         other module's second derivative w.r.t. its input is taken as zero (linear
@@ -627,6 +631,7 @@ class Passthrough:
 
     hyperparams: Callable[[nn.Module], dict[str, Any]] = no_hyperparams
     jac_t: Callable[..., tuple[Tensor | None, ...]] | None = None
+    vjp: Callable[..., Tensor] | None = None
     df: Callable[..., Tensor] | None = None
     d2f: Callable[..., Tensor] | None = None
     sample_independent: bool = False

@@ -186,10 +186,11 @@ class Block:
         earlier batch's, which would read as this one's."""
         ran, self._ran = list(self._ran), weakref.WeakSet()
         for model in ran if self.savefields else ():
-            for p in model.parameters():
-                if p.requires_grad and id(p) not in written:
-                    for field in self.savefields.intersection(vars(p)):
-                        delattr(p, field)
+            for module in model.modules():  # (each module's own slots: no walk of parameters, no tensor hashed)
+                for p in compat.own_slots(module)[0].values():
+                    if p is not None and p.requires_grad and id(p) not in written:
+                        for field in self.savefields.intersection(vars(p)):
+                            delattr(p, field)
         if self.notices.pending:
             self.notices.flush()
 

@@ -109,7 +109,8 @@ class FirstOrderEngine(Engine):
             values = stager.compute(rec, pname, param, wanted | extra, x, g, dtype)
             if rec.once:
                 grads[pname] = (values.pop("grad") if extra else values["grad"]).to(param.dtype)
-                staged.grad = grads[pname] if staged.grad is None else staged.grad + grads[pname]
+                checksum = grads[pname].sum()
+                staged.checksum = checksum if staged.checksum is None else staged.checksum + checksum
             if staged.quantities:
                 staged.add(values)
             else:  # (the first: nothing to add to)
@@ -121,14 +122,14 @@ class FirstOrderEngine(Engine):
         parameters, sum over the ranks what is global; the results, unwritten."""
         stager = self.stager
         staged = stager.settle(run)
-        quantities, sizes, grads, params, batch, seen = {}, {}, {}, {}, 0, set()
+        quantities, sizes, checksums, params, batch, seen = {}, {}, {}, {}, 0, set()
         for key, s in staged.items():  # (one loop, not five comprehensions)
             if s.summed and self.linear != self.quantities and "batch_grad" in s.quantities:
                 quantities[key] = {q: v for q, v in s.quantities.items() if q in self.linear}
                 quantities[key].update(derive(s.quantities["batch_grad"], self.quantities - self.linear))
             else:
                 quantities[key] = dict(s.quantities)
-            sizes[key], grads[key], params[key] = s.batch_size, s.grad, s.param
+            sizes[key], checksums[key], params[key] = s.batch_size, s.checksum, s.param
             batch = max(batch, s.batch_size)
             seen.add(s.batch_size)
         if len(seen) > 1 or 1 in seen:
@@ -136,7 +137,7 @@ class FirstOrderEngine(Engine):
             stager.check_one_row(run.names, sizes)
         else:  # one batch size, not one: what the two checks find, without their calls (the offers forgotten)
             stager.offered = {}
-        self._flag_nonfinite(run.names, quantities, grads)
+        self._flag_nonfinite(run.names, quantities, checksums)
         for group, members in self.groups():
             params.update(
                 (id(p), p) for p in distributed.synchronize(group, members, self.quantities, quantities, sizes, batch)
@@ -168,13 +169,14 @@ class FirstOrderEngine(Engine):
         return {**quantities, **{q: quantities[q].clone() for q in shared}} if shared else quantities
 
     def _flag_nonfinite(
-        self, names: dict[int, str], quantities: dict[int, dict[str, Tensor]], grads: dict[int, Tensor | None]
+        self, names: dict[int, str], quantities: dict[int, dict[str, Tensor]], checksums: dict[int, Tensor | None]
     ) -> None:
         """Flag, on the device, the modules whose quantities hold NaN or Inf (their input
         or output gradient did), for :meth:`_warn_nonfinite`. It costs one sum per
-        parameter, of its smallest quantity or of its summed gradient where ``grads``
-        has it (a sum over the samples holds NaN or Inf wherever a sample does), and
-        nothing on the host. Passes with the same modules share their flags."""
+        parameter: the sum of its summed gradient where ``checksums`` has it (taken at
+        its call: a sum over the samples holds NaN or Inf wherever a sample does), else
+        that of its smallest quantity; and nothing on the host. Passes with the same
+        modules share their flags."""
         by_device: dict[torch.device, list[int]] = {}
         for key in reversed(list(quantities)):  # forward order, about
             if quantities[key]:
@@ -182,10 +184,8 @@ class FirstOrderEngine(Engine):
         for keys in by_device.values():
             sums = []
             for k in keys:
-                candidates = list(quantities[k].values())
-                if grads.get(k) is not None:
-                    candidates.append(grads[k])
-                sums.append(min(candidates, key=Tensor.numel).sum())
+                checksum = checksums.get(k)
+                sums.append(checksum if checksum is not None else min(quantities[k].values(), key=Tensor.numel).sum())
             bad = torch.stack(sums).isfinite().logical_not_()
             flags = self.nonfinite.setdefault((bad.device, tuple(map(names.__getitem__, keys))), bad)
             if flags is not bad:

@@ -16,7 +16,7 @@ import functools
 import itertools
 import threading
 import weakref
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Callable, Collection
 from typing import Any
 
@@ -57,19 +57,31 @@ class Uses:
 
     def __init__(self):
         #: id(parameter) -> the number of records alive that will contribute to it
-        self.live: Counter = Counter()
+        self.live: dict[int, int] = {}  # (a dict, not a Counter: its update and del are Python calls)
         #: id(parameter) -> those records (while ``live`` counts any; a record released
-        #: early may still be listed until it is freed)
-        self.users: dict[int, weakref.WeakSet] = {}
+        #: early may still be listed until it is freed): a weak reference to the first, a
+        #: WeakSet from the second on (most parameters have one record: no set made)
+        self.users: dict[int, weakref.ref | weakref.WeakSet] = {}
+
+    def of(self, key: int) -> list:
+        """The records listed for the parameter ``key`` (``id(parameter)``) still alive."""
+        known = self.users.get(key)
+        if type(known) is weakref.ref:
+            rec = known()
+            return [] if rec is None else [rec]
+        return [] if known is None else list(known)
 
     # (A record counts itself in, in Record.__init__: a call less at every recorded call.)
 
     def release(self, keys: list[int]) -> None:
         """Take a record out: ``keys``, the ids of its parameters."""
+        live = self.live
         for key in keys:
-            self.live[key] -= 1
-            if self.live[key] <= 0:
-                del self.live[key]
+            n = live.get(key, 0) - 1
+            if n > 0:
+                live[key] = n
+            else:
+                live.pop(key, None)
                 self.users.pop(key, None)
 
 
@@ -112,7 +124,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 
     def traced(*args, **kwargs):  # torch.compile traces this; is_compiling() is then a constant True
         if not torch.compiler.is_compiling():
-            wrapper = WRAPPERS.get(type(args[0])) if args else False
+            wrapper = _WRAPPERS_BY_REF.get(weakref.ref(type(args[0]))) if args else False  # (WRAPPERS.get)
             if wrapper is None:
                 wrapper = _is_wrapper(args[0])
             # (the batch to reset is 1 outside compiled forwards: no need to ask)
@@ -128,7 +140,7 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
                         if len(args) == 2 or len(args) == 3 and args[2] is not None:  # (a forward that raised: on)
                             # (passes_inside(), inline: at every call of a layer)
                             cls = type(args[0])
-                            layer = _LAYERS.get(cls)
+                            layer = _LAYERS_BY_REF.get(weakref.ref(cls))  # (_LAYERS.get)
                             if layer is None or layer[0] != VERSION[0] or layer[1] is not cls.forward:
                                 layer = _layer(cls)
                             if layer[2]:
@@ -160,6 +172,9 @@ def eager(hook: Callable, target: list[Callable | None] | None = None, inside: l
 #: module type -> (the registry's version, the type's ``forward``, whether it is registered
 #: then), for :func:`passes_inside`
 _LAYERS: weakref.WeakKeyDictionary[type, tuple[int, Callable, bool]] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`_LAYERS`, by weak reference: ``_LAYERS_BY_REF.get(weakref.ref(cls))`` is
+#: ``_LAYERS.get(cls)`` with no Python frame (a hook reads it at every call)
+_LAYERS_BY_REF = _LAYERS.data
 
 
 def _layer(cls: type) -> tuple[int, Callable, bool]:
@@ -231,6 +246,8 @@ def _has_trainable(module: nn.Module) -> bool:
 #: never changes: kept, so that a module call asks once per type, not at each hook; the
 #: block reads it too, without a call)
 WRAPPERS: weakref.WeakKeyDictionary[type, bool] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`WRAPPERS`, read as :data:`_LAYERS_BY_REF` is
+_WRAPPERS_BY_REF = WRAPPERS.data
 
 
 def _is_wrapper(module: Any) -> bool:
@@ -483,7 +500,11 @@ class Recipe:
     call (its ``entry`` and trainable ``params``), the names its layer covers
     (``supported``) and, for a layer that may run through :class:`ComputeOnce` with each of
     them, its passthrough (``jac``, :func:`_layer_passthrough`), filled in at its first
-    recorded call (:meth:`find`).
+    recorded call (:meth:`find`); and ``plans``, the backward's: how the module's last call
+    that kept them computed its parameters' quantities, its plans bound to their strategies
+    (:class:`jacmem.engine.staging.BoundPlans`, which holds the key it holds for), None until
+    then. Forward and backward keep one recipe per module, in one cache; a recipe found
+    again takes over the plans of the one it replaces, which hold only while their key does.
 
     It holds while the registry (:data:`jacmem.derivatives.registry.VERSION`), the
     module's type and that type's ``forward``, its own parameters (which tensors, and
@@ -491,7 +512,7 @@ class Recipe:
 
     __slots__ = (
         "cls", "forward", "version", "slots", "grads", "children", "known", "reads", "whole", "entry", "params",
-        "supported", "jac",
+        "supported", "jac", "plans",
     )  # fmt: skip
 
     def __init__(self, module: nn.Module, own: dict, children: dict):
@@ -513,6 +534,7 @@ class Recipe:
         self.params: dict[str, nn.Parameter] | None = None
         self.supported: tuple[str, ...] = ()
         self.jac: Passthrough | None = None
+        self.plans: Any = None
 
     def find(self, module: nn.Module) -> None:
         """Fill in what :func:`counted` finds for a call of ``module`` (a :attr:`whole` one)."""
@@ -524,6 +546,8 @@ class Recipe:
 
 #: module -> its :class:`Recipe`
 _RECIPES: weakref.WeakKeyDictionary[nn.Module, Recipe] = weakref.WeakKeyDictionary()
+#: the dict behind :data:`_RECIPES`, read as :data:`_LAYERS_BY_REF` is
+_RECIPES_BY_REF = _RECIPES.data
 
 
 def recipe(module: nn.Module) -> Recipe:
@@ -531,7 +555,7 @@ def recipe(module: nn.Module) -> Recipe:
     at every call, without a call: the registry's version, the type, its ``forward``,
     the parameters and the submodules), else found now."""
     own, children = compat.own_slots(module)
-    found = _RECIPES.get(module)
+    found = _RECIPES_BY_REF.get(weakref.ref(module))  # (_RECIPES.get)
     cls = type(module)
     if (
         found is not None and found.version == VERSION[0] and found.cls is cls and found.forward is cls.forward
@@ -547,7 +571,10 @@ def recipe(module: nn.Module) -> Recipe:
                     break
             else:
                 return found
-    found = _RECIPES[module] = Recipe(module, own, children)
+    stale, found = found, Recipe(module, own, children)
+    if stale is not None:  # the backward's plans hold by their own key (a swapped parameter of one kind keeps them)
+        found.plans = stale.plans
+    _RECIPES[module] = found
     return found
 
 
@@ -556,11 +583,15 @@ class Record:
 
     __slots__ = (
         "module", "name", "entry", "hp", "params", "nodes", "x", "outputs", "grads", "missing", "task", "thread",
-        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "__weakref__",
+        "uses", "release", "once", "broadcast", "void", "batch_first", "autocast", "supported", "recipe",
+        "__weakref__",
     )  # fmt: skip
 
-    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None):
+    def __init__(self, module, name, entry, params, x, outputs: list[Tensor], uses: Uses, supported=None, recipe=None):
         self.module: nn.Module = module
+        #: the module's :class:`Recipe` as the call found it, where its recorder had it (the
+        #: backward keeps its bound plans there): None where not
+        self.recipe: Recipe | None = recipe
         self.name: str = name
         self.entry: LayerDerivatives | None = entry
         #: the names of the parameters the layer covers (``entry.params``, where not given: a
@@ -591,11 +622,18 @@ class Record:
         #: the live records of the recorder that made this one, by parameter
         self.uses = uses
         keys = []  # counted in ``uses`` for each of its parameters (a loop, not a comprehension: at every call)
+        users, live = uses.users, uses.live
         for p in params.values():
             key = id(p)
             keys.append(key)
-            uses.users.setdefault(key, weakref.WeakSet()).add(self)
-        uses.live.update(keys)
+            live[key] = live.get(key, 0) + 1
+            known = users.get(key)  # (no set at a parameter's first record: see Uses.users)
+            if known is None:
+                users[key] = weakref.ref(self)
+            elif type(known) is weakref.ref:
+                users[key] = weakref.WeakSet(uses.of(key) + [self])
+            else:
+                known.add(self)
         #: take this record out of ``uses`` now (it happens anyway when it is freed);
         #: whoever removes the hooks calls it, in case something else still holds it
         self.release = weakref.finalize(self, uses.release, keys)
@@ -630,12 +668,12 @@ class Record:
 
     def shared(self, param: nn.Parameter) -> bool:
         """Whether another live record of the same recorder will also contribute to ``param``."""
-        return self.uses.live[id(param)] > 1
+        return self.uses.live.get(id(param), 0) > 1
 
     def others(self, param: nn.Parameter) -> list[Record]:
         """The other live records of the same recorder that contribute to ``param`` (those
         of this pass's calls among them)."""
-        return [rec for rec in self.uses.users.get(id(param), ()) if rec is not self]
+        return [rec for rec in self.uses.of(id(param)) if rec is not self]
 
     def complete(self) -> None:
         """Zeros for the gradients that did not arrive."""
@@ -738,7 +776,7 @@ def record(
     first = args[0] if keeps is not None and n is None and keeps.keep is first_input and args else None
     # (kept(), inline where the layer keeps its first input, a tensor, as it is: most calls, one call less)
     x = first.detach() if isinstance(first, Tensor) else kept(keeps, n, args, kwargs)
-    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported)
+    rec = Record(module, name, entry, params, x, outputs, uses, None if jac is _LOOKED_UP else known.supported, known)
     rec.batch_first = batch_first
 
     if _DEFERRED:  # in a compiled graph (:func:`_tap`)
@@ -766,12 +804,15 @@ def record(
         _hook(rec, outputs, on_grad, handles, TappedHook(rec, on_grad, keep), jac)
         return rec, output
     if jac is not None:  # through ComputeOnce; its node's inputs: x, then the parameters
-        x = args[0]
+        # the input as the layer took it (``rec.x`` may be re-laid batch-first): ``x`` above where
+        # that detached it, as most calls do
+        kept_x = x if isinstance(first, Tensor) else args[0].detach()
         hp = jac.hyperparams(module)  # (Passthrough.params, without its call: with a jac_t, it adds nothing)
-        kept_x = x.detach()  # the input as the layer took it (``rec.x`` may be re-laid batch-first)
-        fused = ComputeOnce.apply(
-            rec, on_grad, lambda S: jac.backprop((kept_x,), None, S, hp), [output.detach()], x, *params.values()
-        )
+        vjp = (
+            functools.partial(jac.vjp, kept_x, **hp) if jac.vjp is not None
+            else lambda g: jac.backprop((kept_x,), None, g.unsqueeze(0), hp)[0][0]
+        )  # fmt: skip
+        fused = ComputeOnce.apply(rec, on_grad, vjp, [output.detach()], args[0], *params.values())
         rec.once = True
         nodes = fused.grad_fn.next_functions
         rec.nodes = {}
@@ -938,7 +979,8 @@ class ComputeOnce(torch.autograd.Function):
     autograd would compute the weight gradient, and the block the per-sample
     gradients, whose sum it is: twice the work. In this Function's backward,
     ``on_grad(record)`` computes the per-sample quantities and, from the same pass,
-    each parameter's summed gradient; the input gradient is the layer's ``jac_t``.
+    each parameter's summed gradient; the input gradient is ``vjp(g)``, the layer's
+    (:attr:`~jacmem.derivatives.registry.Passthrough.vjp`, else its ``jac_t``).
     The forward's result is reused (its own graph is dropped), so the forward runs once.
 
     Where ``on_grad`` gives no gradients (the block has ended, or another thread runs
@@ -947,8 +989,8 @@ class ComputeOnce(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, rec: Record, on_grad: OnGrad, jac_t: Callable, out: list, x: Tensor, *params: Tensor):
-        ctx.rec, ctx.on_grad, ctx.jac_t = rec, on_grad, jac_t
+    def forward(ctx, rec: Record, on_grad: OnGrad, vjp: Callable, out: list, x: Tensor, *params: Tensor):
+        ctx.rec, ctx.on_grad, ctx.vjp = rec, on_grad, vjp
         ctx.save_for_backward(x, *params)  # x is the record's input: no copy
         # the forward's result, detached; passed in a list, as an input tensor returned
         # as it is would become a view, which in-place ops (ReLU(inplace=True)) may not touch
@@ -967,7 +1009,7 @@ class ComputeOnce(torch.autograd.Function):
         grads = ctx.on_grad(rec)
         if grads is None or create_graph:
             return (None, None, None, None, *_recomputed(rec.module, list(rec.params), x, params, g, needs))
-        gx = ctx.jac_t(g.unsqueeze(0))[0][0] if needs[0] else None
+        gx = ctx.vjp(g) if needs[0] else None
         out = [None, None, None, None, gx]
         for name in rec.params:
             out.append(grads.get(name))

@@ -453,11 +453,11 @@ def bind(
         writes, per_sample = _pass_layout(strategy, qs, per_sample, param, item)
         if per_sample * n > cap:
             return None
-        into = (n, *param.shape) if writes else None
-        # torch's own where alloc.empty would leave the result to it (its test, made once here)
+        # the strategy's own result where alloc.empty would leave it to torch (its test, made once
+        # here): no empty result to write into, one op less
         small = g.device.type != "cpu" or n * prod(param.shape) * item < alloc.HUGE_PAGE_MIN_BYTES
-        empty = torch.empty if small else alloc.empty
-        steps.append(Step(strategy.fn, hp, BATCH_GRAD, (), qs, into, empty, table, name, strategy, label))
+        into = (n, *param.shape) if writes and not small else None
+        steps.append(Step(strategy.fn, hp, BATCH_GRAD, (), qs, into, alloc.empty, table, name, strategy, label))
     return tuple(steps)
 
 

@@ -96,7 +96,7 @@ class _Kept(NamedTuple):
 class _Staged:
     """What one backward pass has computed so far for one parameter."""
 
-    __slots__ = ("param", "batch_size", "quantities", "summed", "grad", "calls", "early", "gathered")
+    __slots__ = ("param", "batch_size", "quantities", "summed", "checksum", "calls", "early", "gathered")
 
     def __init__(self, param: nn.Parameter, batch_size: int, summed: bool):
         self.param, self.batch_size, self.summed = param, batch_size, summed
@@ -104,9 +104,11 @@ class _Staged:
         #: a parameter shared by several calls whose quantities may come from ghost
         #: factors: each call so far; ``None`` once its per-sample gradients are staged instead
         self.calls: list[_Kept] | None = []
-        #: the summed gradient, where this pass computed it (ComputeOnce): NaN or Inf in
-        #: any per-sample quantity puts NaN or Inf in it, so the check reads it instead
-        self.grad: Tensor | None = None
+        #: the sum of the summed gradient, where this pass computed it (ComputeOnce), a 0-dim
+        #: tensor: NaN or Inf in any per-sample quantity puts NaN or Inf in it, so the check
+        #: reads it instead. (Taken at the call: the block holds no reference to the gradient,
+        #: which autograd then moves into ``.grad`` without a copy.)
+        self.checksum: Tensor | None = None
         #: ``sum_grad_squared`` and ``grad`` of the first kept call whose ghost factor
         #: ``r`` is dense (an LM head's), computed at its call from its own per-sample
         #: products, which give the summed gradient that call returns too (ComputeOnce)
@@ -121,9 +123,12 @@ class _Staged:
             self.quantities[q] = v if q not in self.quantities else self.quantities[q] + v
 
 
-class _Recipe(NamedTuple):
+class BoundPlans(NamedTuple):
     """How one call of a module computed its parameters' quantities, kept for the module's
-    next call (:meth:`Stager.planned`): ``key``, everything that decided it (see there);
+    next call (:meth:`Stager.planned`) on the module's recipe (:attr:`jacmem.engine.hooks.Recipe.plans`:
+    kept past the block, so that the next step's call of the same kind runs its strategies
+    at once; a cache: it is used only where everything that made it holds, and gives what
+    planning afresh gives): ``key``, everything that decided it (see there);
     ``bound``, each parameter's planned steps bound to their strategies
     (:func:`jacmem.engine.planner.bind`); ``decisions``, the strategies' choices, as
     ``explain()`` reads them; ``extra``: whether the summed gradient was computed for
@@ -133,12 +138,6 @@ class _Recipe(NamedTuple):
     bound: tuple[tuple[Step, ...], ...]
     decisions: dict
     extra: bool
-
-
-#: module -> the recipe of its last call that kept one: kept past the block, so that the
-#: next step's call of the same kind runs its strategies at once (a cache: a recipe is
-#: used only where everything that made it holds, and gives what planning afresh gives)
-_RECIPES: weakref.WeakKeyDictionary[nn.Module, _Recipe] = weakref.WeakKeyDictionary()
 
 
 class Staging:
@@ -308,9 +307,10 @@ class Stager:
         known = hooks.recipe(module)
         if not known.reads and not known.known:
             return None  # a container, an activation, a loss: nothing to record (as the recorder would find)
-        if TRACKED and tracked_name(module) is not None:  # (none tracked: asked without a call)
+        if TRACKED.data and tracked_name(module) is not None:  # (none tracked: asked without a call, nor __len__'s)
             return None  # its tracker records it
-        name = self.names.get(module) or self.name(module)  # (Context.name, its first step inline: most calls)
+        # (Context.name, its first step inline, and names.get without a Python frame: most calls)
+        name = self.names.data.get(weakref.ref(module)) or self.name(module)
         return self.recorder.record(module, args, kwargs, output, name, known)
 
     @property
@@ -414,7 +414,7 @@ class Stager:
         params, meta = {}, []
         for pname, p in rec.params.items():
             if pname in supported and pname in executed:
-                if live[id(p)] > 1 or id(p) in staged:
+                if live.get(id(p), 0) > 1 or id(p) in staged:
                     return None, None  # shared: its calls are summed or kept
                 params[pname] = p
                 meta.extend((pname, p.shape, p.dtype, p.device))
@@ -428,7 +428,8 @@ class Stager:
             strategies.autotune, self.chunk_bytes, g.shape, g.dtype, g.device, tuple(hp.items()), tuple(meta),
             None if x is None else (x.shape, x.dtype, x.device),
         )  # fmt: skip
-        recipe = _RECIPES.get(rec.module)
+        known = rec.recipe if rec.recipe is not None else hooks.recipe(rec.module)
+        recipe = known.plans
         if recipe is None or recipe.key != key:
             return None, key
         for steps in recipe.bound:  # each still bound to the strategy its table holds (one replaced in place)
@@ -436,13 +437,17 @@ class Stager:
                 if entry.strategies.get(step.table, _NO_TABLE).get(step.name) is not step.strategy:
                     return None, key
         strategies.decisions.update(recipe.decisions)  # (the decisions taken then, as explain()'s)
-        values = execute_bound(recipe.bound, x if x is None else x.detach(), g.detach())
+        # (detached only where they need a gradient: outside create_graph, which plans afresh, neither does)
+        if x is not None and x.requires_grad:
+            x = x.detach()
+        values = execute_bound(recipe.bound, x, g.detach() if g.requires_grad else g)
         n, once, grads = g.shape[0], rec.once, {}
         for (pname, param), v in zip(params.items(), values):  # (as stage() makes a parameter's first staging)
             s = staged[id(param)] = _Staged(param, n, False)
             run.names[id(param)] = rec.name
             if once:
-                grads[pname] = s.grad = (v.pop(GRAD) if recipe.extra else v[GRAD]).to(param.dtype)
+                grads[pname] = grad = (v.pop(GRAD) if recipe.extra else v[GRAD]).to(param.dtype)
+                s.checksum = grad.sum()
             s.quantities = v
         return grads, key
 
@@ -472,7 +477,8 @@ class Stager:
             bound.append(steps)
         # the plans' decisions, in the order they were taken (explain()'s)
         decisions = {k: d for k, d in self.strategies.decisions.items() if k[0] == rec.name and k[1] in params}
-        _RECIPES[rec.module] = _Recipe(key, tuple(bound), decisions, bool(extra))
+        known = rec.recipe if rec.recipe is not None else hooks.recipe(rec.module)
+        known.plans = BoundPlans(key, tuple(bound), decisions, bool(extra))
 
     @staticmethod
     def params(rec: hooks.Record) -> dict[str, nn.Parameter]:
@@ -487,7 +493,7 @@ class Stager:
         """The parameter's staging in this pass, made on its first call; a parameter
         shared by several calls (``summed``) sums their per-sample gradients."""
         staged = run.staged.get(id(param))
-        summed = rec.uses.live[id(param)] > 1 or (staged is not None and staged.summed)  # (rec.shared, inline)
+        summed = rec.uses.live.get(id(param), 0) > 1 or (staged is not None and staged.summed)  # (rec.shared, inline)
         if staged is None:
             staged = run.staged[id(param)] = _Staged(param, n, summed)
             run.names[id(param)] = rec.name
@@ -545,7 +551,7 @@ class Stager:
         # gradient it gets while another reference lives is neither stolen into .grad nor
         # added to in place, so :func:`add_index_terms` may add to it at the end of the pass.
         grad = staged.early["grad"] if "grad" in self.quantities else staged.early.pop("grad")
-        staged.grad = grad if staged.grad is None else staged.grad + grad
+        staged.checksum = grad.sum() if staged.checksum is None else staged.checksum + grad.sum()
         return {pname: grad.to(staged.param.dtype)}
 
     def _materialise(self, staged: _Staged) -> None:

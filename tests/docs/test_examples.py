@@ -122,6 +122,22 @@ def test_plot_dp_gpt2_finetune_quick(monkeypatch, capsys):
     assert re.search(r"prompt \[3, 5, 7\] -> generated \[(\d+, ){5}\d+\]", out), out
 
 
+def test_plot_attribution_lm_quick(monkeypatch, capsys):
+    """A tiny GPT-2's training sequences scored against a count by 2 from 13: its twin in
+    the training set lowers its loss most, the corrupted sequence with the same first six
+    tokens raises it most, and counts by 2 score above counts by 3 on average."""
+    pytest.importorskip("jacmem.attribution")
+    _run_quick(monkeypatch, "plot_attribution_lm.py")
+    out = capsys.readouterr().out
+    twin = "[13, 15, 17, 19, 21, 23, 1, 3, 5, 7, 9, 11]"
+    lower = out[out.index("lower its loss most:") :].splitlines()[1]
+    assert re.fullmatch(r"\s+\+[\d.e+]+\s+counts by 2\s+" + re.escape(twin), lower), out
+    raise_ = out[out.index("raise its loss most:") :].splitlines()[1]
+    assert re.search(r"^\s+-[\d.e+]+\s+corrupted: by 2, then \+5\s+\[13, 15, 17, 19, 21, 23, 4,", raise_), out
+    means = dict(re.findall(r"mean score, (counts by \d): ([-+][\d.e+-]+)", out))
+    assert float(means["counts by 2"]) > float(means["counts by 3"]), out
+
+
 @pytest.mark.slow
 def test_plot_private_fsdp_quick(monkeypatch, capsys):
     """GPT-2 under FSDP2, two ranks started by torchrun: without noise, the loss curve is
