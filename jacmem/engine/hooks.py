@@ -375,13 +375,7 @@ class Tap(torch.autograd.Function):
     """The output of a call recorded in a compiled graph: a copy (later in-place ops may
     write it), whose gradient goes to the call's records (``jacmem::tapped``), with the
     call's inputs ``args``, which the graph keeps for its backward (saved, or recomputed
-    there) as it keeps its own tensors (:class:`TappedHook`).
-
-    The backward hands ``jacmem::tapped`` a copy of the gradient, and passes that copy on:
-    the op writes its argument (so that it runs), and where the gradient is a view (the
-    model viewed the output, ``h.view(-1, C, H, W)`` before a convolution), inductor
-    copies the view's base in a layout of its choice (channels-last) and gives the op the
-    view's strides on that copy: the records got values shuffled within each sample."""
+    there) as it keeps its own tensors (:class:`TappedHook`)."""
 
     @staticmethod
     def forward(ctx, output: Tensor, token: Tensor, *args: Tensor) -> Tensor:
@@ -391,7 +385,6 @@ class Tap(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         token, *args = ctx.saved_tensors
-        grad = grad.clone()  # (never a view: see above)
         torch.ops.jacmem.tapped(grad, token, args)
         return grad, None, *[None] * len(args)
 
