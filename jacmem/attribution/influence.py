@@ -375,9 +375,10 @@ class Influence:
                 blocks.append(Block(name, weight=w, bias=b))
                 eigens.append(_eigen(Gk, Ak))
             return blocks, eigens
-        #: a folded bias's index -> its weight's, where the weight's module folded it
-        folded = {j: i for name, (i, j) in self._folds().items() if name in inputs.folded and i in G}
-        weight_of = {i: (name, j) for name, (i, j) in self._folds().items() if j in folded}
+        #: the modules whose bias joins their weight's block (a weight the loss used)
+        folds = {name: ij for name, ij in self._folds().items() if name in inputs.folded and ij[0] in G}
+        folded = {j for _, j in folds.values()}
+        weight_of = {i: (name, j) for name, (i, j) in folds.items()}
         for i, (name, slot, p) in enumerate(zip(self.names, self.slots, self.params)):
             if i in folded:  # in its weight's block
                 continue
