@@ -8,11 +8,13 @@ a positive score says that training on example ``n`` lowered the query's loss.
 **jacmem's conventions** (the default). ``C`` is the Fisher of the *summed* training loss,
 ``Σ_n``, not the mean, one block per parameter, but a bias joins its weight's Kronecker
 block as a column of ones in the activations (``A = Σ [x; 1][x; 1]ᵀ``) where the layer's
-input factor is of channels-last inputs (``nn.Linear``, HF's Conv1D: ``Influence._folds``);
-elsewhere a bias is its own ``[O, 1]`` block (a convolution's, a frozen weight's, and every
-bias under a projection). The joint block keeps the weight-bias correlation, which
-separate blocks drop: on the LDS benchmark (``benchmarks/attribution.py``), EK-FAC reads
-0.624 folded against 0.601 with separate bias blocks (docs/guide/attribution.rst). Then,
+rule has that factor (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+``nn.Conv1d/2d/3d``, whose ``x`` is the unfolded patch at each output position, KFC's
+homogeneous coordinates; ``Influence._folds``); elsewhere a bias is its own ``[O, 1]``
+block (a transposed convolution's, a frozen weight's, and every bias under a
+projection). The joint block keeps the weight-bias correlation, which separate blocks
+drop: on the LDS benchmark (``benchmarks/attribution.py``), EK-FAC reads 0.624 folded
+against 0.601 with separate bias blocks (docs/guide/attribution.rst). Then,
 for a model at a minimum of that loss, ``g_qᵀ C⁻¹ g_n`` is to first order the rise of the
 query's loss when example ``n`` is left out of training: a score reads in the units of the
 query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block.
@@ -428,9 +430,8 @@ class Influence:
         in the activations: module name -> (weight index, bias index). kronfluence's: each
         module it tracks with a trainable weight and bias. jacmem's (unprojected): each
         module with a trainable weight and bias of its own whose layer's rule has an input
-        factor of ``[x, 1]`` (``Kronecker.with_bias``) of channels-last inputs
-        (``nn.Linear``, HF's Conv1D); not a tied weight.
-        Convolutions keep their bias apart (the column of ones would be one per patch)."""
+        factor of ``[x, 1]`` (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+        ``nn.Conv1d/2d/3d``, a one per patch position); not a tied weight."""
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.conventions == "kronfluence":
             return {
@@ -449,7 +450,7 @@ class Influence:
                 continue
             entry = lookup(module)
             rule = None if entry is None else entry.kronecker
-            if rule is not None and rule.with_bias is not None and rule.channels_last:
+            if rule is not None and rule.with_bias is not None:
                 out[name] = (index[id(w)], index[id(b)])
         return out
 
