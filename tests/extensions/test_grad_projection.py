@@ -216,3 +216,47 @@ def test_bad_arguments_are_refused():
         jacmem.BatchGradProjection(8, kind="lowrank")
     with pytest.raises(ValueError, match="dim must be a positive integer"):
         jacmem.BatchGradProjection(0)
+
+
+def drawn_in(step) -> int:
+    """How many times ``step()`` draws normal numbers (``aten::normal_``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::normal_")
+
+
+def deep_mlp() -> tuple[nn.Module, Tensor, Tensor]:
+    """30 Linear layers with biases: 90 matrices (two per weight, one per bias), more than
+    a cache of the last 64 holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(30) for m in (nn.Linear(3, 3), nn.Tanh())]).to(DT)
+    return model, torch.randn(4, 3, dtype=DT), torch.randn(4, 3, dtype=DT)
+
+
+def test_a_warm_step_draws_no_matrix():
+    """The matrices are drawn once and kept (the cost a GPT-2's step paid: 31 M float64
+    normals for its biases and norms alone), with more matrices than a step's LRU of 64."""
+    model, X, y = deep_mlp()
+    want = expected(model, X, y, mse, 4, "kronecker", seed=3)
+    projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=3))  # (a new extension each step)
+    got = {}
+    assert drawn_in(lambda: got.update(projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=3)))) == 0
+    assert_all_close(got, want, unwrapped_names(model))
+
+
+def test_matrices_past_the_cache_bound_are_drawn_again_the_same(monkeypatch):
+    """A cache too small for the model's matrices evicts the least recently used and
+    draws them again: the same numbers."""
+    from jacmem.derivatives import projection
+
+    model, X, y = deep_mlp()
+    want = expected(model, X, y, mse, 4, "dense", seed=3)
+    small = projection.Drawn(limit=10 * 4 * 3 * DT.itemsize)
+    monkeypatch.setattr(projection, "DRAWN", small)
+    for _ in range(2):
+        assert_all_close(
+            projected(model, X, y, mse, jacmem.BatchGradProjection(4, kind="dense", seed=3)),
+            want,
+            unwrapped_names(model),
+        )
+        assert 0 < small.bytes <= small.limit
