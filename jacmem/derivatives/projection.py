@@ -64,36 +64,57 @@ CACHE_BYTES = 256 * 2**20
 
 
 class Drawn:
-    """The matrices drawn lately, least recently used first, at most ``limit`` bytes: a
-    read-only cache of :func:`matrix` (the same arguments give the same matrix), so that a
-    warm step draws nothing where the model's matrices fit. Drawing is the cost it saves
-    (float64 normals, about 30 ns each on a CPU core: a GPT-2's biases and norms alone take
-    31 M of them at dim 256, a second per step), and a step asks for each matrix once or
-    twice (a tied weight), in the same order every step: kept by count rather than by bytes,
-    a model with more matrices than the count drew them all again at every step."""
+    """The matrices drawn lately, at most ``limit`` bytes: a read-only cache of
+    :func:`matrix` (the same arguments give the same matrix), so that a warm step draws
+    nothing where the model's matrices fit. Drawing is the cost it saves (float64 normals,
+    about 30 ns each on a CPU core: a GPT-2's biases and norms alone take 31 M of them at
+    dim 256, a second per step).
+
+    A step asks for every matrix once or twice (a tied weight), in the same order every
+    step: least recently used first out, a model with more than ``limit`` would let go of
+    each matrix just before it is asked again, and draw them all at every step. So an entry
+    is let go for a new one only when stale, not asked in the last ``STALE · len(kept)``
+    asks (another model's, another seed's); else the new one is not kept, and the cache
+    keeps serving the part of the model it holds."""
+
+    STALE = 4
 
     def __init__(self, limit: int):
-        self.limit, self.bytes = limit, 0
-        self.kept: OrderedDict[tuple, Tensor] = OrderedDict()
+        self.limit, self.bytes, self.asked = limit, 0, 0
+        #: key -> (matrix, the ask that last asked for it), least recently asked first
+        self.kept: OrderedDict[tuple, tuple[Tensor, int]] = OrderedDict()
         self.lock = threading.Lock()  # (backward hooks may run on autograd's device threads)
 
     def get(self, key: tuple) -> Tensor:
         with self.lock:
+            self.asked += 1
             found = self.kept.get(key)
             if found is not None:
+                self.kept[key] = (found[0], self.asked)
                 self.kept.move_to_end(key)
-                return found
+                return found[0]
         seed, name, rows, cols, dtype, device = key
         gen = torch.Generator().manual_seed(stable_seed(seed, name))
         drawn = torch.randn(rows, cols, generator=gen, dtype=torch.float64).div_(math.sqrt(rows))
         drawn = drawn.to(dtype=dtype, device=device)
-        size = drawn.nbytes
         with self.lock:
-            if size <= self.limit and key not in self.kept:
-                while self.bytes + size > self.limit:
-                    self.bytes -= self.kept.popitem(last=False)[1].nbytes
-                self.kept[key], self.bytes = drawn, self.bytes + size
+            if key not in self.kept:
+                self._keep(key, drawn)
         return drawn
+
+    def _keep(self, key: tuple, drawn: Tensor) -> None:
+        """Keep ``drawn`` where stale entries make room enough for it (then they go)."""
+        need, stale, gone = self.bytes + drawn.nbytes - self.limit, self.asked - self.STALE * len(self.kept), []
+        for k, (old, last) in self.kept.items():
+            if need <= 0 or last > stale:
+                break
+            gone.append(k)
+            need -= old.nbytes
+        if need > 0:
+            return
+        for k in gone:
+            self.bytes -= self.kept.pop(k)[0].nbytes
+        self.kept[key], self.bytes = (drawn, self.asked), self.bytes + drawn.nbytes
 
 
 #: the process's :class:`Drawn` (a cache of a pure function: it decides no result)

@@ -244,19 +244,24 @@ def test_a_warm_step_draws_no_matrix():
     assert_all_close(got, want, unwrapped_names(model))
 
 
-def test_matrices_past_the_cache_bound_are_drawn_again_the_same(monkeypatch):
-    """A cache too small for the model's matrices evicts the least recently used and
-    draws them again: the same numbers."""
+def test_past_the_cache_bound_it_keeps_what_it_holds_and_draws_the_same(monkeypatch):
+    """A cache too small for the model's matrices keeps serving those it holds (it lets
+    none go for a new one while it is asked every step) and draws the rest again, the
+    same numbers; another seed's matrices take the place of stale ones."""
     from jacmem.derivatives import projection
 
     model, X, y = deep_mlp()
-    want = expected(model, X, y, mse, 4, "dense", seed=3)
-    small = projection.Drawn(limit=10 * 4 * 3 * DT.itemsize)
+    names = unwrapped_names(model)
+    want = {seed: expected(model, X, y, mse, 4, "dense", seed) for seed in (3, 4)}
+    # each seed's 60 matrices (dense kind: 4 rows, 9 or 3 columns per parameter) take 11520 bytes
+    small = projection.Drawn(limit=6000)
     monkeypatch.setattr(projection, "DRAWN", small)
-    for _ in range(2):
-        assert_all_close(
-            projected(model, X, y, mse, jacmem.BatchGradProjection(4, kind="dense", seed=3)),
-            want,
-            unwrapped_names(model),
-        )
-        assert 0 < small.bytes <= small.limit
+    for seed, steps in ((3, 3), (4, 8)):
+        draws = []
+        for _ in range(steps):
+            got = {}
+            ext = jacmem.BatchGradProjection(4, kind="dense", seed=seed)
+            draws.append(drawn_in(lambda ext=ext: got.update(projected(model, X, y, mse, ext))))
+            assert_all_close(got, want[seed], names)
+            assert 0 < small.bytes <= small.limit
+        assert draws[-1] < 40, draws  # least recently used first out: all 60 at every step
