@@ -102,6 +102,12 @@ class Drawn:
                 self._keep(key, drawn)
         return drawn
 
+    def clear(self) -> None:
+        """Let go of every matrix kept (the next step draws them again, the same numbers)."""
+        with self.lock:
+            self.kept.clear()
+            self.bytes = 0
+
     def _keep(self, key: tuple, drawn: Tensor) -> None:
         """Keep ``drawn`` where stale entries make room enough for it (then they go)."""
         need, stale, gone = self.bytes + drawn.nbytes - self.limit, self.asked - self.STALE * len(self.kept), []

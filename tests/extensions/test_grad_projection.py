@@ -244,6 +244,22 @@ def test_a_warm_step_draws_no_matrix():
     assert_all_close(got, want, unwrapped_names(model))
 
 
+def test_clear_matrices_lets_every_matrix_go_and_the_next_step_draws_the_same():
+    """The kept matrices stay after ``extend`` exits (so that a warm step draws nothing);
+    ``clear_matrices`` is how a user takes that memory back."""
+    from jacmem.derivatives import projection
+
+    model, X, y = deep_mlp()
+    want = expected(model, X, y, mse, 4, "kronecker", seed=5)
+    projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=5))
+    assert projection.DRAWN.bytes > 0
+    jacmem.BatchGradProjection.clear_matrices()
+    assert projection.DRAWN.bytes == 0 and not projection.DRAWN.kept
+    got = {}
+    assert drawn_in(lambda: got.update(projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=5)))) > 0
+    assert_all_close(got, want, unwrapped_names(model))
+
+
 def test_past_the_cache_bound_it_keeps_what_it_holds_and_draws_the_same(monkeypatch):
     """A cache too small for the model's matrices keeps serving those it holds (it lets
     none go for a new one while it is asked every step) and draws the rest again, the
