@@ -8,11 +8,13 @@ a positive score says that training on example ``n`` lowered the query's loss.
 **jacmem's conventions** (the default). ``C`` is the Fisher of the *summed* training loss,
 ``Σ_n``, not the mean, one block per parameter, but a bias joins its weight's Kronecker
 block as a column of ones in the activations (``A = Σ [x; 1][x; 1]ᵀ``) where the layer's
-input factor is of channels-last inputs (``nn.Linear``, HF's Conv1D: ``Influence._folds``);
-elsewhere a bias is its own ``[O, 1]`` block (a convolution's, a frozen weight's, and every
-bias under a projection). The joint block keeps the weight-bias correlation, which
-separate blocks drop: on the LDS benchmark (``benchmarks/attribution.py``), EK-FAC reads
-0.624 folded against 0.601 with separate bias blocks (docs/guide/attribution.rst). Then,
+rule has that factor (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+``nn.Conv1d/2d/3d``, whose ``x`` is the unfolded patch at each output position, KFC's
+homogeneous coordinates; ``Influence._folds``); elsewhere a bias is its own ``[O, 1]``
+block (a transposed convolution's, a frozen weight's, and every bias under a
+projection). The joint block keeps the weight-bias correlation, which separate blocks
+drop: on the LDS benchmark (``benchmarks/attribution.py``), EK-FAC reads 0.624 folded
+against 0.601 with separate bias blocks (docs/guide/attribution.rst). Then,
 for a model at a minimum of that loss, ``g_qᵀ C⁻¹ g_n`` is to first order the rise of the
 query's loss when example ``n`` is left out of training: a score reads in the units of the
 query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block.
@@ -34,8 +36,10 @@ With ``projection=k``, all of this holds in the projected space (the class docst
 * ``"identity"``: ``C + λ = I`` (TracIn at one checkpoint, gradient dot products).
 
 **kronfluence's conventions** (``conventions="kronfluence"``, kronfluence 1.0.1's
-pairwise scores): one Kronecker block per ``nn.Linear``, its bias folded in as above,
-``A = Σ [x; 1][x; 1]ᵀ`` and ``G`` normalised by the number of rows (tokens),
+pairwise scores): one Kronecker block per ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
+zero padding), its bias folded in as above, ``A = Σ [x; 1][x; 1]ᵀ`` (a convolution's
+``x`` the unfolded patch at each output pixel) and ``G`` normalised by the number of rows
+(tokens, output pixels; KFAC-expand's factors),
 ``Λ`` (EK-FAC and the diagonal) divided by the number of training examples, then the
 damping (``None``: 0.1 × the mean of the block's ``Λ``). On ``nn.Linear`` layers with
 one row per example, its scores are ``n_train`` times jacmem's (its ``C`` is the mean's).
@@ -260,7 +264,7 @@ class Influence:
         """One vector block per parameter, or (kronfluence) per module."""
         if self.conventions == "jacmem":
             return [Block(n, vector=(s,)) for n, s in zip(self.names, self.slots)]
-        return [Block(name, vector=tuple(s for s in (w, b) if s is not None)) for name, w, b in self._linears()]
+        return [Block(name, vector=tuple(s for s in (w, b) if s is not None)) for name, w, b in self._tracked()]
 
     def _fit_diag(self, loader: Iterable) -> None:
         blocks = self._vector_blocks()
@@ -276,20 +280,23 @@ class Influence:
             lam = block.matrix(sums[None])[0] / scale
             self.preconditioners.append(Diagonal(lam, damped(lam, self.damping)))
 
-    def _linears(self) -> list[tuple[str, Slot | None, Slot | None]]:
-        """kronfluence's blocks: ``(module name, weight slot, bias slot)`` of each
-        ``nn.Linear``; a trainable parameter of any other module raises."""
+    def _tracked(self) -> list[tuple[str, Slot | None, Slot | None]]:
+        """kronfluence's blocks: ``(module name, weight slot, bias slot)`` of each module
+        kronfluence tracks (``nn.Linear``, ``nn.Conv2d``); a trainable parameter of any
+        other module, and a convolution kronfluence does not differentiate as torch does
+        (:func:`_kronfluence_refuses`), raise."""
         slot_of = {id(p): s for p, s in zip(self.params, self.slots)}
         out, covered = [], set()
         for name, module in self.model.named_modules():
             own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in slot_of}
             if not own:
                 continue
-            if type(module) is not nn.Linear:
+            why = _kronfluence_refuses(module)
+            if why:
                 raise ValueError(
                     f"jacmem.attribution.Influence(conventions='kronfluence'): module {name!r} is a "
-                    f"{type(module).__name__}; kronfluence's conventions cover nn.Linear only (its Conv2d's are not "
-                    "reproduced): freeze its parameters (requires_grad=False), or use conventions='jacmem'"
+                    f"{type(module).__name__}{why}: freeze its parameters (requires_grad=False), or use "
+                    "conventions='jacmem'"
                 )
             covered.update(id(p) for p in own.values())
             w, b = own.get("weight"), own.get("bias")
@@ -305,11 +312,16 @@ class Influence:
         """KFAC's factors over the training set (pass 1), their eigenbases, and for
         EK-FAC ``Λ`` from the per-sample vectors (pass 2)."""
         kron = self.conventions == "kronfluence"
-        extension, field = (jacmem.KFACEF(), "kfac_ef") if self.fisher == "empirical" else (jacmem.KFAC(1), "kfac")
+        approx = "expand" if kron else None  # kronfluence's: a factor per position (row), for convolutions too
+        if self.fisher == "empirical":
+            extension, field = jacmem.KFACEF(kfac_approx=approx), "kfac_ef"
+        else:
+            extension, field = jacmem.KFAC(1, kfac_approx=approx), "kfac"
         G: dict[int, Tensor] = {}  # parameter index -> its summed factors
         A: dict[int, Tensor] = {}
         D: dict[int, Tensor] = {}  # a diagonal's (LayerNorm's)
-        inputs = _Inputs(self.model, self._folds(), every_linear=kron)
+        tracked = {name for name, _, _ in self._tracked()} if kron else set()
+        inputs = _Inputs(self.model, self._folds(), tracked, approx)
         n = 0
         try:
             for batch in self._bar(loader, "fitting Kronecker factors"):
@@ -364,11 +376,11 @@ class Influence:
         or a vector block's diagonal."""
         blocks, eigens = [], []
         if self.conventions == "kronfluence":
-            for name, w, b in self._linears():
+            for name, w, b in self._tracked():
                 i = self.slots.index(w if w is not None else b)
                 rows = inputs.rows[name]
                 Gk = G[i] / rows
-                if w is None:  # a Linear with a frozen weight: its bias, with A = [[1]]
+                if w is None:  # a frozen weight: its bias, with A = [[1]]
                     Ak = torch.ones(1, 1, dtype=Gk.dtype, device=Gk.device)
                 else:
                     Ak = (A[i] if b is None else inputs.folded[name]) / rows
@@ -416,17 +428,15 @@ class Influence:
     def _folds(self) -> dict[str, tuple[int, int]]:
         """The modules whose bias joins their weight's Kronecker block as a column of ones
         in the activations: module name -> (weight index, bias index). kronfluence's: each
-        ``nn.Linear`` with a trainable weight and bias. jacmem's (unprojected): each module
-        with a trainable weight and bias of its own whose layer's rule has a full input
-        factor of channels-last inputs (``nn.Linear``, HF's Conv1D), so that the factor of
-        ``[x, 1]`` is the rule's on ``x`` with a column of ones; not a tied weight.
-        Convolutions keep their bias apart (the column of ones would be one per patch)."""
+        module it tracks with a trainable weight and bias. jacmem's (unprojected): each
+        module with a trainable weight and bias of its own whose layer's rule has an input
+        factor of ``[x, 1]`` (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+        ``nn.Conv1d/2d/3d``, a one per patch position); not a tied weight."""
         index = {id(p): i for i, p in enumerate(self.params)}
         if self.conventions == "kronfluence":
-            linears = self._linears()
             return {
                 name: (self.slots.index(w), self.slots.index(b))
-                for name, w, b in linears
+                for name, w, b in self._tracked()
                 if w is not None and b is not None
             }
         if self.projection is not None:
@@ -440,7 +450,7 @@ class Influence:
                 continue
             entry = lookup(module)
             rule = None if entry is None else entry.kronecker
-            if rule is not None and rule.input_factor is not None and rule.channels_last and not rule.diagonal:
+            if rule is not None and rule.with_bias is not None:
                 out[name] = (index[id(w)], index[id(b)])
         return out
 
@@ -584,6 +594,29 @@ def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
         )
 
 
+def _kronfluence_refuses(module: nn.Module) -> str:
+    """Why kronfluence 1.0.1's conventions cannot be reproduced on ``module`` (the rest of
+    the message after its type's name), or ``""``. It tracks ``nn.Linear`` and
+    ``nn.Conv2d`` (its covariances per row: a token, a pixel); it unfolds a convolution's
+    input with zero padding after averaging its channels over groups, which is not the
+    layer's gradient with ``groups > 1`` or another ``padding_mode``."""
+    if type(module) is nn.Linear:
+        return ""
+    if type(module) is not nn.Conv2d:
+        return "; kronfluence's conventions cover nn.Linear and nn.Conv2d only (its other modules are not tracked)"
+    if module.groups != 1:
+        return (
+            f" with groups={module.groups}; kronfluence averages a grouped convolution's input channels over its "
+            "groups, which is not the layer's gradient, so its scores are not reproduced"
+        )
+    if module.padding_mode != "zeros":
+        return (
+            f" with padding_mode={module.padding_mode!r}; kronfluence unfolds its input with zero padding, which is "
+            "not the layer's gradient, so its scores are not reproduced"
+        )
+    return ""
+
+
 def _second_moments(e: Eigen | Tensor | None, block: Block, like: Tensor) -> Tensor:
     """Zeros to sum a block's second moments into: ``Λ`` of an EK-FAC block, a diagonal's,
     or (``e`` ``None``) a projected block's whole ``[k, k]`` (dtype and device of ``like``)."""
@@ -605,38 +638,40 @@ def _eigen(G: Tensor, A: Tensor) -> Eigen:
 class _Inputs:
     """Forward hooks on a model's modules (removed by :meth:`remove`). For each module of
     ``folds`` (name -> its weight's and bias's indices): ``folded``, the input factor of
-    ``[x, 1]`` (a column of ones appended to the input's last axis) by the layer's own
-    Kronecker rule, summed over the batches weighted by their samples (``end_batch(b)``:
-    jacmem's, as KFAC's ``A`` is averaged) or by their rows (``end_batch(None)``:
-    kronfluence's, a sum over rows; jacmem's Kronecker factors refuse a module called more
-    than once per backward, so a batch has one call's). With ``every_linear``, each
-    ``nn.Linear``'s rows (tokens) in all (``rows``) and in the current batch, per parameter
-    (``batch_rows``), as kronfluence weighs its factors."""
+    ``[x, 1]`` (a one appended to each position's input) by the layer's own Kronecker
+    rule (``Kronecker.with_bias``, with ``approx``), summed over the batches weighted by
+    their samples (``end_batch(b)``: jacmem's, as KFAC's ``A`` is averaged) or by their
+    rows (``end_batch(None)``: kronfluence's, a sum over rows; jacmem's Kronecker factors
+    refuse a module called more than once per backward, so a batch has one call's). For
+    each module of ``tracked``, its rows (the positions its weight is applied at: tokens,
+    pixels) in all (``rows``) and in the current batch, per parameter (``batch_rows``),
+    as kronfluence weighs its factors."""
 
-    def __init__(self, model: nn.Module, folds: Mapping[str, tuple[int, int]], every_linear: bool):
+    def __init__(self, model: nn.Module, folds: Mapping[str, tuple[int, int]], tracked: set[str], approx: str | None):
         self.folded: dict[str, Tensor] = {}
         self.rows: dict[str, int] = {}
         #: id(weight or bias) -> the rows of the current batch
         self.batch_rows: dict[int, int] = {}
         self._batch: dict[str, list[tuple[Tensor, int]]] = {}  # module name -> this batch's (factor, rows)
+        self._approx = approx
         self._handles = [
             m.register_forward_hook(self._hook(name, m, name in folds), with_kwargs=True)
             for name, m in model.named_modules()
-            if name in folds or (every_linear and type(m) is nn.Linear)
+            if name in folds or name in tracked
         ]
 
     def _hook(self, name: str, module: nn.Module, fold: bool):
         entry = lookup(module)
+        rule = entry.kronecker
 
         def hook(mod, args, kwargs, output):
-            x = first_input(args, kwargs).detach()
-            rows = x.numel() // x.shape[-1]
+            rows = rule.positions(output.shape)
             self.rows[name] = self.rows.get(name, 0) + rows
             for p in module.parameters(recurse=False):
                 self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + rows
             if fold:
-                ones = torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1)
-                A = entry.kronecker.input_factor(ones, output.shape, x.dtype, None, **entry.hyperparams(module))
+                x = first_input(args, kwargs).detach()
+                A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
                 self._batch.setdefault(name, []).append((A, rows))
 
         return hook

@@ -31,6 +31,26 @@ def test_kronfluence_conventions_name_a_module_kronfluence_does_not_track():
     assert inf.self_influence(_batches()).shape == (6,)
 
 
+@pytest.mark.parametrize(
+    ("conv", "why"),
+    [
+        (nn.Conv2d(2, 4, 3, groups=2), "Conv2d with groups=2; kronfluence averages"),
+        (nn.Conv2d(2, 4, 3, padding=1, padding_mode="circular"), "Conv2d with padding_mode='circular'"),
+        (nn.Conv1d(2, 4, 3), "Conv1d; kronfluence's conventions cover nn.Linear and nn.Conv2d only"),
+    ],
+)
+def test_kronfluence_conventions_name_a_convolution_kronfluence_does_not_differentiate(conv, why):
+    """kronfluence unfolds a Conv2d's input with zero padding after averaging its channels over
+    groups (not the layer's gradient otherwise), and tracks no Conv1d."""
+    model = nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(3)).double()
+    shape = (2, 4) if isinstance(conv, nn.Conv1d) else (2, 4, 4)
+    model(_batches(shape)[0][0])
+    for curvature in ("ekfac", "diag"):
+        inf = Influence(model, loss_fn, curvature=curvature, conventions="kronfluence", progress=False)
+        with pytest.raises(ValueError, match=rf"module '0' is a {why}.*freeze its parameters.*conventions='jacmem'"):
+            inf.fit(_batches(shape))
+
+
 def test_a_grouped_convolution_is_named_with_the_fix():
     model = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 3)).double()
     inf = Influence(model, loss_fn, curvature="kfac", progress=False)

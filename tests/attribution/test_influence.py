@@ -188,32 +188,51 @@ def test_the_mc_fisher_is_the_ggn_in_expectation(curvature):
     torch.testing.assert_close(mean, want, rtol=0.1, atol=0)
 
 
+#: a convolution, its input ``[C_in, *S]`` and its unfolded patches ``[N, C_in·K, T]`` by
+#: F.unfold (after the layer's padding, by F.pad)
+CONVS = {
+    "conv2d": (lambda: nn.Conv2d(2, 3, 2), (2, 3, 3), lambda x: F.unfold(x, 2)),
+    "conv2d_reflect_strided": (
+        lambda: nn.Conv2d(2, 3, 2, stride=2, padding=1, padding_mode="reflect"),
+        (2, 3, 3),
+        lambda x: F.unfold(F.pad(x, (1, 1, 1, 1), mode="reflect"), 2, stride=2),
+    ),
+    "conv1d_dilated": (
+        lambda: nn.Conv1d(2, 3, 2, dilation=2),
+        (2, 5),
+        lambda x: F.unfold(x[:, :, None], (1, 2), dilation=(1, 2)),
+    ),
+}
+
+
+@pytest.mark.parametrize("conv", sorted(CONVS))
 @pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
-def test_a_convolution_equals_the_dense_reference(curvature):
-    """Conv2d's factors as jacmem's KFAC gives them (BackPACK's convention): ``G = Σ_n
-    (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and ``A = Σ_{n,t}
-    a_t a_tᵀ / N`` over the unfolded patches; the weight as ``[C_out, C_in·k·k]``."""
+def test_a_convolution_equals_the_dense_reference(curvature, conv):
+    """A convolution's block as jacmem's KFAC gives its factors (BackPACK's convention),
+    its bias folded in as a one appended to each patch (KFC's homogeneous coordinates):
+    ``G = Σ_n (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and
+    ``A = Σ_{n,t} [a_t; 1][a_t; 1]ᵀ / N`` over the unfolded patches; the block of
+    ``[C_out, C_in·prod(k) + 1]``, the weight's columns then the bias's."""
+    make, shape, patches_of = CONVS[conv]
     torch.manual_seed(5)
-    model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3, bias=False)).double()
-    model[3].requires_grad_(False)
+    layer = make().double()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
-    xq, yq = torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    x, y = torch.randn(8, *shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    xq, yq = torch.randn(3, *shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    width = layer(x[:1]).numel()
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(width, 3, bias=False)).double()
+    model[3].requires_grad_(False)
     train = _loader(x, y, 4)
     inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(train)
     got = inf.scores([(xq, yq)], train)
     rows = _per_sample(model, x, y)
-    weight, bias = rows[:, :24], rows[:, 24:]
-    patches = F.unfold(x, 2)  # [N, C_in·k·k, T]
-    A = torch.einsum("nit,njt->ij", patches, patches) / len(x)
-    lg, Ug = torch.linalg.eigh(bias.T @ bias)
-    la, Ua = torch.linalg.eigh(A)
-    Ug, Ua = Ug.contiguous(), Ua.contiguous()
-    blocks = []
-    for vecs, U, kron in ((weight, torch.kron(Ug, Ua), torch.kron(lg, la)), (bias, Ug, lg)):
-        lam = kron if curvature == "kfac" else (vecs @ U).square().sum(0)
-        blocks.append(U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(len(lam)))
-    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows.T
+    O, I = layer.weight.shape[0], layer.weight[0].numel()
+    bias = rows[:, O * I :]
+    patches = with_ones(patches_of(x).transpose(1, 2))  # [N, T, C_in·K + 1]
+    A = torch.einsum("nti,ntj->ij", patches, patches) / len(x)
+    order = folded_order(O, I)
+    C = unfold_order(kronecker_block(rows[:, order], bias.T @ bias, A, curvature, 0.01), order)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ rows.T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
