@@ -53,6 +53,7 @@ import torch
 from torch import Tensor, nn
 
 import jacmem
+from jacmem.attribution import ranks
 from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh, identity
 from jacmem.attribution.progress import progress_bar
 from jacmem.attribution.store import GradientStore, allocate
@@ -130,6 +131,7 @@ class Influence:
         store: str | Path | None = None,
         progress: bool | None = None,
         seed: int = 0,
+        process_group: Any = None,
     ):
         for what, value, valid in (
             ("curvature", curvature, CURVATURES),
@@ -147,11 +149,15 @@ class Influence:
             raise ValueError(f"jacmem.attribution.Influence: damping must be >= 0 or None, got {damping!r}")
         if projection is not None:
             _check_projection(projection, fisher, conventions)
-        self.model, self.loss_fn = model, loss_fn
+        #: the model run (a DDP model's module) and the group its ranks' shards are summed over
+        self.model, self.group = ranks.unwrapped(model, process_group)
+        self.loss_fn = loss_fn
         self.curvature, self.fisher, self.damping = curvature, fisher, damping
         self.conventions, self.progress = conventions, progress
         self.projection, self.seed = projection, seed
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
+        self.names, self.params = zip(
+            *[(n, p) for n, p in self.model.named_parameters() if p.requires_grad], strict=True
+        )
         #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
         self.kronecker_projected = set() if projection is None else self._kronecker_projected()
         #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
@@ -246,7 +252,9 @@ class Influence:
     # -- fit ---------------------------------------------------------------------------
 
     def fit(self, train_loader: Iterable) -> Influence:
-        """Fit the curvature on the training set (one pass; two for ``"ekfac"``)."""
+        """Fit the curvature on the training set (one pass; two for ``"ekfac"``); with a
+        process group, on this rank's shard, summed over the ranks."""
+        ranks.check_sharded(self.group, train_loader, "training")
         if self.curvature == "identity":
             self.blocks, self.preconditioners = [Block("all", vector=tuple(self.slots))], [identity]
         elif self.curvature == "diag":
@@ -269,6 +277,8 @@ class Influence:
             rows = self._rows(batch, "curvature")
             sums += rows.square().sum(0)
             n += len(rows)
+        total = ranks.summed(self.group, {"sums": sums, "n": torch.tensor(float(n), dtype=sums.dtype)})
+        sums, n = total["sums"], int(total["n"])
         scale = n if self.conventions == "kronfluence" else 1
         self.blocks = blocks
         self.preconditioners = []
@@ -330,6 +340,7 @@ class Influence:
                 n += b
         finally:
             inputs.remove()
+        G, A, D, n = self._summed_factors(G, A, D, n, inputs)
         self.blocks, eigens = self._kronecker_blocks(G, A, D, n, inputs)
         if self.curvature == "ekfac" or any(e is None for e in eigens):
             lams = [_second_moments(e, block, self.params[0]) for e, block in zip(eigens, self.blocks)]
@@ -341,6 +352,8 @@ class Influence:
                         lam.addmm_(X[..., 0].T, X[..., 0])
                     elif self.curvature == "ekfac":
                         lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
+            total = ranks.summed(self.group, dict(enumerate(lams)))
+            lams = [total[k] for k in range(len(lams))]
             scale = n if kron else 1
             for k, (e, lam) in enumerate(zip(eigens, lams)):
                 if e is None:
@@ -358,6 +371,27 @@ class Influence:
                 self.preconditioners.append(e)
             else:
                 self.preconditioners.append(Diagonal(e, damped(e, self.damping)))
+
+    def _summed_factors(self, G: dict, A: dict, D: dict, n: int, inputs: _Inputs) -> tuple[dict, dict, dict, int]:
+        """The factors ``G``, ``A``, ``D`` (parameter index -> summed factor), the number of
+        examples ``n`` and the inputs' folded factors and rows, summed over the ranks
+        (``inputs`` in place); as they are in one process."""
+        if self.group is None:
+            return G, A, D, n
+        like = self.params[0]
+        mine = {
+            **{("G", i): v for i, v in G.items()},
+            **{("A", i): v for i, v in A.items()},
+            **{("D", i): v for i, v in D.items()},
+            **{("folded", name): v for name, v in inputs.folded.items()},
+            **{("rows", name): like.new_tensor(float(r)) for name, r in inputs.rows.items()},
+            ("n", ""): like.new_tensor(float(n)),
+        }
+        total = ranks.summed(self.group, mine)
+        of = {kind: {k: v for (what, k), v in total.items() if what == kind} for kind in ("G", "A", "D")}
+        inputs.folded = {k: v for (what, k), v in total.items() if what == "folded"}
+        inputs.rows = {k: int(v) for (what, k), v in total.items() if what == "rows"}
+        return of["G"], of["A"], of["D"], int(total[("n", "")])
 
     def _kronecker_blocks(self, G, A, D, n, inputs) -> tuple[list[Block], list[Eigen | Tensor]]:
         """The blocks and, per block, its :class:`Eigen` (``lam``: KFAC's ``λ_G ⊗ λ_A``)
@@ -493,12 +527,17 @@ class Influence:
     # -- scores ------------------------------------------------------------------------
 
     def _train_store(self, train_loader: Iterable) -> GradientStore:
+        """The training rows of this rank's shard (with a process group, under the store's
+        ``rank_<r>``: ranks sharing one directory never read each other's chunks)."""
+        ranks.check_sharded(self.group, train_loader, "training")
         if self._store is None:
             path = self._store_dir
             if path is None:
                 tmp = tempfile.TemporaryDirectory(prefix="jacmem-attribution-")
                 weakref.finalize(self, tmp.cleanup)
                 path = tmp.name
+            if self.group is not None:
+                path = Path(path) / f"rank_{torch.distributed.get_rank(self.group)}"
             self._store = GradientStore(path, self._key())
         self._store.fill(
             train_loader, lambda batch: self._rows(batch, "train"), total=_length(train_loader), progress=self.progress
@@ -532,9 +571,14 @@ class Influence:
         """Pairwise scores ``[n_query, n_train]``: ``g_qᵀ (C + λ)⁻¹ g_n``. The training
         gradients come from the store (computed where missing); each query batch is
         scored against one stored chunk at a time. ``out``: a ``.npy`` file to write the
-        scores to, returned memory-mapped, for score matrices larger than memory."""
+        scores to, returned memory-mapped, for score matrices larger than memory.
+
+        With a process group, both loaders are this rank's shards: the preconditioned
+        query gradients are gathered from every rank, each rank scores them against its
+        own training shard, and every rank returns the whole matrix, rows and columns the
+        ranks' shards in rank order (rank 0's examples in its loaders' order, then rank 1's, ...)."""
+        ranks.check_sharded(self.group, query_loader, "query")
         train = self._train_store(train_loader)
-        sizes = train.sizes()
         with tempfile.TemporaryDirectory(prefix="jacmem-queries-") as tmp:
             queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})
             queries.fill(
@@ -544,22 +588,35 @@ class Influence:
                 desc="query gradients",
                 progress=self.progress,
             )
-            shape = (len(queries), sum(sizes))
-            result = allocate(shape, self.params[0].dtype, out)
+            chunks = list(queries.chunks())
+            if self.group is not None:
+                mine = torch.cat(chunks) if chunks else self.params[0].new_zeros(0, self.width).cpu()
+                chunks = [ranks.gathered(self.group, mine)]
+            shape = (sum(map(len, chunks)), len(train))
+            result = allocate(shape, self.params[0].dtype, out if self.group is None else None)
             q0 = 0
-            for q in self._bar(list(queries.chunks()), "scores"):
+            for q in self._bar(chunks, "scores"):
                 t0 = 0
                 for t in train.chunks():
                     result[q0 : q0 + len(q), t0 : t0 + len(t)] = q @ t.T
                     t0 += len(t)
                 q0 += len(q)
+        if self.group is None:
             return result
+        whole = ranks.gathered(self.group, result, dim=1)
+        if out is None:
+            return whole
+        written = allocate(tuple(whole.shape), whole.dtype, out)
+        written[...] = whole
+        return written
 
     def self_influence(self, train_loader: Iterable) -> Tensor:
         """``g_nᵀ (C + λ)⁻¹ g_n`` of each training example: ``[n_train]``, the diagonal of
-        ``scores(train, train)``, from the store, one chunk at a time."""
+        ``scores(train, train)``, from the store, one chunk at a time. With a process group:
+        this rank's shard's, gathered in rank order (as :meth:`scores`'s columns)."""
         train = self._train_store(train_loader)
-        return torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        mine = torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        return ranks.gathered(self.group, mine)
 
 
 def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
