@@ -43,9 +43,10 @@ one row per example, its scores are ``n_train`` times jacmem's (its ``C`` is the
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,8 +113,18 @@ class Influence:
     Kronecker factors) get the whole ``[k, k]`` second moment of their projected
     gradients (``"ekfac"``, ``"kfac"``) or its diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
 
-    The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
-    its trainable parameters are those scored (freeze the others)."""
+    The model is run in eval mode (dropout off, batch norm on its running statistics, as
+    kronfluence's ``prepare_model``), each module's training flag restored after every
+    forward: nothing of the model (running statistics, modes) nor torch's random state
+    (but for ``fisher="mc"``'s draws) changes. Its trainable parameters are those scored
+    (freeze the others).
+
+    ``process_group``: the group whose ranks each feed their own shard of the training
+    and query data (found from a ``DistributedDataParallel`` model, whose module is run:
+    the per-sample gradients its own, not scaled by DDP's averaging); the curvature is
+    summed over the ranks, and :meth:`scores` and :meth:`self_influence` return on every
+    rank those of the whole data, the ranks' shards in rank order (docs/guide/attribution.rst,
+    "Several processes")."""
 
     #: the kind of ``BatchGradProjection`` that ``projection=`` asks for
     projection_kind = "kronecker"
@@ -193,7 +204,7 @@ class Influence:
         ``NotImplementedError``, which names the parameter and its module)."""
         wanted = [p for i, p in enumerate(self.params) if i not in skip]
         frozen = [self.params[i] for i in skip]
-        with jacmem.extend(extension):
+        with jacmem.extend(extension), _evaluating(self.model):
             try:
                 for p in frozen:  # (for this forward and backward only: jacmem leaves them out)
                     p.requires_grad_(False)
@@ -617,6 +628,18 @@ class Influence:
         train = self._train_store(train_loader)
         mine = torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
         return ranks.gathered(self.group, mine)
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, each module's training flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
