@@ -83,14 +83,22 @@ def gathered(group: Any, local: Tensor, dim: int = 0) -> Tensor:
 
 
 def check_sharded(group: Any, loader: Iterable, what: str) -> None:
-    """Raise where ``loader`` draws from a ``DistributedSampler`` that repeats or drops
-    examples to give every rank as many (a dataset not divisible by the ranks): the
-    repeated ones would count twice in the curvature and the scores, the dropped ones
-    not at all."""
-    if group is None:
-        return
+    """Raise where ``loader`` draws from a ``DistributedSampler`` of several ranks with no
+    process group to sum over (each rank's curvature and scores would be its shard's
+    alone), or from one that repeats or drops examples to give every rank as many (a
+    dataset not divisible by the ranks): the repeated ones would count twice in the
+    curvature and the scores, the dropped ones not at all."""
     sampler = getattr(loader, "sampler", None)
     if not isinstance(sampler, torch.utils.data.DistributedSampler):
+        return
+    if group is None:
+        if sampler.num_replicas > 1:
+            raise ValueError(
+                f"jacmem.attribution.Influence: the {what} loader's DistributedSampler gives this process one of "
+                f"{sampler.num_replicas} shards, but the model is not DistributedDataParallel and no process_group= "
+                "was given, so the curvature and the scores would be this shard's alone; pass "
+                "process_group=torch.distributed.group.WORLD (or wrap the model in DistributedDataParallel)"
+            )
         return
     total, n = sampler.total_size, len(sampler.dataset)
     if total != n:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from tests.support.distributed import needs_gloo, run_ranks
 from torch import nn
@@ -36,6 +37,10 @@ SETTINGS = [
     ("trak", TRAK, {"damping": 0.1}),
     ("trak-projected", TRAK, {"damping": 0.1, "projection": 3}),
 ]  # fmt: skip
+
+
+#: the setting run on a plain model with ``process_group=``
+PLAIN = {"curvature": "ekfac", "damping": 0.1}
 
 
 def _model() -> nn.Module:
@@ -76,6 +81,8 @@ def _worker(rank: int, out: str) -> None:
     got = {}
     for name, cls, kwargs in SETTINGS:
         got[name] = _run(cls, ddp, kwargs, train, queries, store=f"{out}/store-{name}")
+    plain = _model()  # a plain model on each rank, its group given
+    got["ekfac-plain"] = _run(Influence, plain, {**PLAIN, "process_group": dist.group.WORLD}, train, queries)
     torch.save(got, f"{out}/rank{rank}.pt")
 
 
@@ -94,17 +101,23 @@ def test_ddp_scores_equal_one_process_on_the_whole_data(tmp_path):
             torch.testing.assert_close(got[name][0], scores, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}")
             if own is not None:
                 torch.testing.assert_close(got[name][1], own, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}")
+        torch.testing.assert_close(got["ekfac-plain"][0], got["ekfac"][0], rtol=1e-12, atol=1e-14)
 
 
 def test_a_padding_distributed_sampler_names_the_fix():
     """A DistributedSampler that repeats (or drops) examples to share 5 among 2 ranks
-    would count them twice (or not at all): refused, naming a shard without repeats."""
+    would count them twice (or not at all): refused, naming a shard without repeats; one
+    with no process group to sum over would give one shard's scores: refused, naming
+    ``process_group=``."""
     dataset = TensorDataset(torch.zeros(5, 4))
     for drop_last, how in ((False, "repeats 1"), (True, "drops 1")):
         sampler = DistributedSampler(dataset, num_replicas=2, rank=0, shuffle=False, drop_last=drop_last)
         loader = torch.utils.data.DataLoader(dataset, batch_size=2, sampler=sampler)
         with pytest.raises(ValueError, match=f"DistributedSampler {how}.*Subset"):
             ranks_module.check_sharded(object(), loader, "training")
+    sampler = DistributedSampler(TensorDataset(torch.zeros(4, 4)), num_replicas=2, rank=0, shuffle=False)
+    with pytest.raises(ValueError, match=r"one of 2 shards.*process_group=torch.distributed.group.WORLD"):
+        ranks_module.check_sharded(None, torch.utils.data.DataLoader(sampler.dataset, sampler=sampler), "training")
     even = TensorDataset(torch.zeros(4, 4))
     sampler = DistributedSampler(even, num_replicas=2, rank=0, shuffle=False)
     ranks_module.check_sharded(object(), torch.utils.data.DataLoader(even, sampler=sampler), "training")
