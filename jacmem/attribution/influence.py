@@ -59,6 +59,7 @@ from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh
 from jacmem.attribution.progress import progress_bar
 from jacmem.attribution.store import GradientStore, allocate
 from jacmem.derivatives.registry import first_input, lookup
+from jacmem.engine.base import stable_names
 
 CURVATURES = ("ekfac", "kfac", "diag", "identity")
 FISHERS = ("empirical", "mc")
@@ -166,9 +167,10 @@ class Influence:
         self.curvature, self.fisher, self.damping = curvature, fisher, damping
         self.conventions, self.progress = conventions, progress
         self.projection, self.seed = projection, seed
-        self.names, self.params = zip(
-            *[(n, p) for n, p in self.model.named_parameters() if p.requires_grad], strict=True
-        )
+        stable = _stable_names(self.model)
+        #: the trainable parameters and their stable names (as ``BatchGradProjection`` draws by)
+        self.params = tuple(p for p in self.model.parameters() if p.requires_grad)
+        self.names = tuple(stable[id(p)] for p in self.params)
         #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
         self.kronecker_projected = set() if projection is None else self._kronecker_projected()
         #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
@@ -628,6 +630,18 @@ class Influence:
         train = self._train_store(train_loader)
         mine = torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
         return ranks.gathered(self.group, mine)
+
+
+def _stable_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its stable name``: its qualified name without the segments of
+    wrappers (``nn.DataParallel``'s ``module.``, ``torch.compile``'s ``_orig_mod.``), the
+    name the projection's matrices are drawn from; a tied parameter's first name."""
+    names, _ = stable_names([model])
+    out: dict[int, str] = {}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            out.setdefault(id(p), names[(id(module), pname)])
+    return out
 
 
 @contextlib.contextmanager
