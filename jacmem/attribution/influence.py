@@ -99,7 +99,7 @@ class Influence:
 
     ``loss_fn(model, batch)`` returns the SUM of the batch's per-example losses (e.g.
     ``F.cross_entropy(model(x), y, reduction="sum")``); the loaders yield batches it takes,
-    in a fixed order (no shuffling: rows are stored by position). ``store``: a directory
+    in a fixed order (no shuffling: rows are stored by position; a shuffling loader raises). ``store``: a directory
     for the training gradients (kept across runs; a fill that stops resumes where it
     stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
     tqdm is installed).
@@ -543,6 +543,7 @@ class Influence:
         """The training rows of this rank's shard (with a process group, under the store's
         ``rank_<r>``: ranks sharing one directory never read each other's chunks)."""
         ranks.check_sharded(self.group, train_loader, "training")
+        ranks.check_ordered(train_loader, "training")
         if self._store is None:
             path = self._store_dir
             if path is None:
@@ -591,6 +592,7 @@ class Influence:
         own training shard, and every rank returns the whole matrix, rows and columns the
         ranks' shards in rank order (rank 0's examples in its loaders' order, then rank 1's, ...)."""
         ranks.check_sharded(self.group, query_loader, "query")
+        ranks.check_ordered(query_loader, "query")
         train = self._train_store(train_loader)
         with tempfile.TemporaryDirectory(prefix="jacmem-queries-") as tmp:
             queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})

@@ -1,4 +1,5 @@
-"""The training set sharded over the ranks of a process group (DDP): sums and gathers.
+"""The training set sharded over the ranks of a process group (DDP): sums and gathers,
+and the checks of the loaders that feed them.
 
 Each rank feeds its own shard of the training (and query) data to
 :class:`~jacmem.attribution.Influence`; the curvature is a sum over training examples, so
@@ -109,4 +110,18 @@ def check_sharded(group: Any, loader: Iterable, what: str) -> None:
             "them twice or not at all; give each rank a shard without repeats, e.g. "
             "torch.utils.data.Subset(dataset, range(rank, len(dataset), world)), or a dataset whose size the "
             "number of ranks divides"
+        )
+
+
+def check_ordered(loader: Iterable, what: str) -> None:
+    """Raise where ``loader`` shuffles (a ``RandomSampler``, a ``DistributedSampler`` with
+    ``shuffle=True``): rows are stored and scored by position, so the scores' columns (or
+    rows) would come in an order drawn at random, which the caller cannot know."""
+    sampler = getattr(loader, "sampler", None)
+    if isinstance(sampler, torch.utils.data.RandomSampler) or (
+        isinstance(sampler, torch.utils.data.DistributedSampler) and sampler.shuffle
+    ):
+        raise ValueError(
+            f"jacmem.attribution.Influence: the {what} loader shuffles ({type(sampler).__name__}), so the scores "
+            f"would follow an order drawn at random; build the {what} loader with shuffle=False"
         )

@@ -78,5 +78,7 @@ def test_trak_on_a_model_in_training_mode_is_trak_in_eval_mode():
         [torch.cat([g.flatten() for g in torch.autograd.grad(margin(model(x[i : i + 1]), y[i : i + 1]).sum(), list(model.parameters()))]) for i in range(8)]
     )  # fmt: skip
     Q = torch.sigmoid(-margin(model(x), y)).detach()
-    want = phi[:2] @ torch.linalg.solve(phi.T @ phi + 0.1 * torch.eye(phi.shape[1], dtype=torch.float64), (phi * Q[:, None]).T)
+    want = phi[:2] @ torch.linalg.solve(
+        phi.T @ phi + 0.1 * torch.eye(phi.shape[1], dtype=torch.float64), (phi * Q[:, None]).T
+    )
     torch.testing.assert_close(scores, want, rtol=1e-9, atol=1e-12)
