@@ -14,6 +14,7 @@ setting, as starting them is the slow part.
 
 from __future__ import annotations
 
+import numpy
 import pytest
 import torch
 import torch.distributed as dist
@@ -83,6 +84,8 @@ def _worker(rank: int, out: str) -> None:
         got[name] = _run(cls, ddp, kwargs, train, queries, store=f"{out}/store-{name}")
     plain = _model()  # a plain model on each rank, its group given
     got["ekfac-plain"] = _run(Influence, plain, {**PLAIN, "process_group": dist.group.WORLD}, train, queries)
+    inf = Influence(ddp, loss_fn, curvature="identity", progress=False).fit(train)
+    got["identity-out"] = inf.scores(queries, train, out=f"{out}/scores{rank}.npy").clone()  # a file per rank
     torch.save(got, f"{out}/rank{rank}.pt")
 
 
@@ -102,6 +105,9 @@ def test_ddp_scores_equal_one_process_on_the_whole_data(tmp_path):
             if own is not None:
                 torch.testing.assert_close(got[name][1], own, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}")
         torch.testing.assert_close(got["ekfac-plain"][0], got["ekfac"][0], rtol=1e-12, atol=1e-14)
+        written = torch.from_numpy(numpy.load(tmp_path / f"scores{rank}.npy"))
+        torch.testing.assert_close(written, got["identity"][0], rtol=0, atol=0)
+        torch.testing.assert_close(got["identity-out"], got["identity"][0], rtol=0, atol=0)
 
 
 def test_a_padding_distributed_sampler_names_the_fix():
