@@ -290,7 +290,7 @@ class Influence:
             rows = self._rows(batch, "curvature")
             sums += rows.square().sum(0)
             n += len(rows)
-        total = ranks.summed(self.group, {"sums": sums, "n": torch.tensor(float(n), dtype=sums.dtype)})
+        total = ranks.summed(self.group, {"sums": sums, "n": sums.new_tensor(float(n))})
         sums, n = total["sums"], int(total["n"])
         scale = n if self.conventions == "kronfluence" else 1
         self.blocks = blocks

@@ -47,12 +47,15 @@ def summed(group: Any, values: dict[Any, Tensor]) -> dict[Any, Tensor]:
     if not union:
         return {}
     like = next(iter(values.values()), None)
-    device = like.device if like is not None else torch.device("cpu")
+    home = like.device if like is not None else torch.device("cpu")
+    device = _device(group, home)
     dtype = torch.float64 if any(d == torch.float64 for _, d in union.values()) else torch.float32
     keys = sorted(union)
     buffer = torch.cat(
         [
-            (values[k].to(dtype) if k in values else torch.zeros(union[k][0], dtype=dtype, device=device)).flatten()
+            (
+                values[k].to(device, dtype) if k in values else torch.zeros(union[k][0], dtype=dtype, device=device)
+            ).flatten()
             for k in keys
         ]
     )
@@ -61,7 +64,7 @@ def summed(group: Any, values: dict[Any, Tensor]) -> dict[Any, Tensor]:
     for k in keys:
         shape, kind = union[k]
         size = torch.Size(shape).numel()
-        out[k] = buffer[at : at + size].view(shape).to(kind)
+        out[k] = buffer[at : at + size].view(shape).to(home, kind)
         at += size
     return out
 
@@ -77,10 +80,19 @@ def gathered(group: Any, local: Tensor, dim: int = 0) -> Tensor:
     most = max(sizes)
     pad = list(local.shape)
     pad[dim] = most - local.shape[dim]
-    padded = torch.cat([local.contiguous(), local.new_zeros(pad)], dim=dim)
+    mine = local.to(_device(group, local.device))
+    padded = torch.cat([mine.contiguous(), mine.new_zeros(pad)], dim=dim)
     parts = [torch.empty_like(padded) for _ in range(world)]
     torch.distributed.all_gather(parts, padded, group=group)
-    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim)
+    return torch.cat([part.narrow(dim, 0, size) for part, size in zip(parts, sizes)], dim=dim).to(local.device)
+
+
+def _device(group: Any, device: torch.device) -> torch.device:
+    """Where ``group``'s collectives run: NCCL's on the current CUDA device (the stored
+    rows are on the host), any other backend's on ``device``."""
+    if torch.distributed.get_backend(group) == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
 
 
 def check_sharded(group: Any, loader: Iterable, what: str) -> None:
