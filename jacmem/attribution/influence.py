@@ -47,9 +47,10 @@ one row per example, its scores are ``n_train`` times jacmem's (its ``C`` is the
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -57,10 +58,12 @@ import torch
 from torch import Tensor, nn
 
 import jacmem
+from jacmem.attribution import ranks
 from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh, identity
 from jacmem.attribution.progress import progress_bar
 from jacmem.attribution.store import GradientStore, allocate
 from jacmem.derivatives.registry import first_input, lookup
+from jacmem.engine.base import stable_names
 
 CURVATURES = ("ekfac", "kfac", "diag", "identity")
 FISHERS = ("empirical", "mc")
@@ -100,7 +103,7 @@ class Influence:
 
     ``loss_fn(model, batch)`` returns the SUM of the batch's per-example losses (e.g.
     ``F.cross_entropy(model(x), y, reduction="sum")``); the loaders yield batches it takes,
-    in a fixed order (no shuffling: rows are stored by position). ``store``: a directory
+    in a fixed order (no shuffling: rows are stored by position; a shuffling loader raises). ``store``: a directory
     for the training gradients (kept across runs; a fill that stops resumes where it
     stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
     tqdm is installed).
@@ -115,8 +118,18 @@ class Influence:
     Kronecker factors) get the whole ``[k, k]`` second moment of their projected
     gradients (``"ekfac"``, ``"kfac"``) or its diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
 
-    The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
-    its trainable parameters are those scored (freeze the others)."""
+    The model is run in eval mode (dropout off, batch norm on its running statistics, as
+    kronfluence's ``prepare_model``), each module's training flag restored after every
+    forward: nothing of the model (running statistics, modes) nor torch's random state
+    (but for ``fisher="mc"``'s draws) changes. Its trainable parameters are those scored
+    (freeze the others).
+
+    ``process_group``: the group whose ranks each feed their own shard of the training
+    and query data (found from a ``DistributedDataParallel`` model, whose module is run:
+    the per-sample gradients its own, not scaled by DDP's averaging); the curvature is
+    summed over the ranks, and :meth:`scores` and :meth:`self_influence` return on every
+    rank those of the whole data, the ranks' shards in rank order (docs/guide/attribution.rst,
+    "Several processes")."""
 
     #: the kind of ``BatchGradProjection`` that ``projection=`` asks for
     projection_kind = "kronecker"
@@ -134,6 +147,7 @@ class Influence:
         store: str | Path | None = None,
         progress: bool | None = None,
         seed: int = 0,
+        process_group: Any = None,
     ):
         for what, value, valid in (
             ("curvature", curvature, CURVATURES),
@@ -151,11 +165,16 @@ class Influence:
             raise ValueError(f"jacmem.attribution.Influence: damping must be >= 0 or None, got {damping!r}")
         if projection is not None:
             _check_projection(projection, fisher, conventions)
-        self.model, self.loss_fn = model, loss_fn
+        #: the model run (a DDP model's module) and the group its ranks' shards are summed over
+        self.model, self.group = ranks.unwrapped(model, process_group)
+        self.loss_fn = loss_fn
         self.curvature, self.fisher, self.damping = curvature, fisher, damping
         self.conventions, self.progress = conventions, progress
         self.projection, self.seed = projection, seed
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
+        stable = _stable_names(self.model)
+        #: the trainable parameters and their stable names (as ``BatchGradProjection`` draws by)
+        self.params = tuple(p for p in self.model.parameters() if p.requires_grad)
+        self.names = tuple(stable[id(p)] for p in self.params)
         #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
         self.kronecker_projected = set() if projection is None else self._kronecker_projected()
         #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
@@ -191,7 +210,7 @@ class Influence:
         ``NotImplementedError``, which names the parameter and its module)."""
         wanted = [p for i, p in enumerate(self.params) if i not in skip]
         frozen = [self.params[i] for i in skip]
-        with jacmem.extend(extension):
+        with jacmem.extend(extension), _evaluating(self.model):
             try:
                 for p in frozen:  # (for this forward and backward only: jacmem leaves them out)
                     p.requires_grad_(False)
@@ -250,7 +269,9 @@ class Influence:
     # -- fit ---------------------------------------------------------------------------
 
     def fit(self, train_loader: Iterable) -> Influence:
-        """Fit the curvature on the training set (one pass; two for ``"ekfac"``)."""
+        """Fit the curvature on the training set (one pass; two for ``"ekfac"``); with a
+        process group, on this rank's shard, summed over the ranks."""
+        ranks.check_sharded(self.group, train_loader, "training")
         if self.curvature == "identity":
             self.blocks, self.preconditioners = [Block("all", vector=tuple(self.slots))], [identity]
         elif self.curvature == "diag":
@@ -273,6 +294,8 @@ class Influence:
             rows = self._rows(batch, "curvature")
             sums += rows.square().sum(0)
             n += len(rows)
+        total = ranks.summed(self.group, {"sums": sums, "n": sums.new_tensor(float(n))})
+        sums, n = total["sums"], int(total["n"])
         scale = n if self.conventions == "kronfluence" else 1
         self.blocks = blocks
         self.preconditioners = []
@@ -342,6 +365,7 @@ class Influence:
                 n += b
         finally:
             inputs.remove()
+        G, A, D, n = self._summed_factors(G, A, D, n, inputs)
         self.blocks, eigens = self._kronecker_blocks(G, A, D, n, inputs)
         if self.curvature == "ekfac" or any(e is None for e in eigens):
             lams = [_second_moments(e, block, self.params[0]) for e, block in zip(eigens, self.blocks)]
@@ -353,6 +377,8 @@ class Influence:
                         lam.addmm_(X[..., 0].T, X[..., 0])
                     elif self.curvature == "ekfac":
                         lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
+            total = ranks.summed(self.group, dict(enumerate(lams)))
+            lams = [total[k] for k in range(len(lams))]
             scale = n if kron else 1
             for k, (e, lam) in enumerate(zip(eigens, lams)):
                 if e is None:
@@ -370,6 +396,27 @@ class Influence:
                 self.preconditioners.append(e)
             else:
                 self.preconditioners.append(Diagonal(e, damped(e, self.damping)))
+
+    def _summed_factors(self, G: dict, A: dict, D: dict, n: int, inputs: _Inputs) -> tuple[dict, dict, dict, int]:
+        """The factors ``G``, ``A``, ``D`` (parameter index -> summed factor), the number of
+        examples ``n`` and the inputs' folded factors and rows, summed over the ranks
+        (``inputs`` in place); as they are in one process."""
+        if self.group is None:
+            return G, A, D, n
+        like = self.params[0]
+        mine = {
+            **{("G", i): v for i, v in G.items()},
+            **{("A", i): v for i, v in A.items()},
+            **{("D", i): v for i, v in D.items()},
+            **{("folded", name): v for name, v in inputs.folded.items()},
+            **{("rows", name): like.new_tensor(float(r)) for name, r in inputs.rows.items()},
+            ("n", ""): like.new_tensor(float(n)),
+        }
+        total = ranks.summed(self.group, mine)
+        of = {kind: {k: v for (what, k), v in total.items() if what == kind} for kind in ("G", "A", "D")}
+        inputs.folded = {k: v for (what, k), v in total.items() if what == "folded"}
+        inputs.rows = {k: int(v) for (what, k), v in total.items() if what == "rows"}
+        return of["G"], of["A"], of["D"], int(total[("n", "")])
 
     def _kronecker_blocks(self, G, A, D, n, inputs) -> tuple[list[Block], list[Eigen | Tensor]]:
         """The blocks and, per block, its :class:`Eigen` (``lam``: KFAC's ``λ_G ⊗ λ_A``)
@@ -503,12 +550,18 @@ class Influence:
     # -- scores ------------------------------------------------------------------------
 
     def _train_store(self, train_loader: Iterable) -> GradientStore:
+        """The training rows of this rank's shard (with a process group, under the store's
+        ``rank_<r>``: ranks sharing one directory never read each other's chunks)."""
+        ranks.check_sharded(self.group, train_loader, "training")
+        ranks.check_ordered(train_loader, "training")
         if self._store is None:
             path = self._store_dir
             if path is None:
                 tmp = tempfile.TemporaryDirectory(prefix="jacmem-attribution-")
                 weakref.finalize(self, tmp.cleanup)
                 path = tmp.name
+            if self.group is not None:
+                path = Path(path) / f"rank_{torch.distributed.get_rank(self.group)}"
             self._store = GradientStore(path, self._key())
         self._store.fill(
             train_loader, lambda batch: self._rows(batch, "train"), total=_length(train_loader), progress=self.progress
@@ -542,9 +595,15 @@ class Influence:
         """Pairwise scores ``[n_query, n_train]``: ``g_qᵀ (C + λ)⁻¹ g_n``. The training
         gradients come from the store (computed where missing); each query batch is
         scored against one stored chunk at a time. ``out``: a ``.npy`` file to write the
-        scores to, returned memory-mapped, for score matrices larger than memory."""
+        scores to, returned memory-mapped, for score matrices larger than memory.
+
+        With a process group, both loaders are this rank's shards: the preconditioned
+        query gradients are gathered from every rank, each rank scores them against its
+        own training shard, and every rank returns the whole matrix, rows and columns the
+        ranks' shards in rank order (rank 0's examples in its loaders' order, then rank 1's, ...)."""
+        ranks.check_sharded(self.group, query_loader, "query")
+        ranks.check_ordered(query_loader, "query")
         train = self._train_store(train_loader)
-        sizes = train.sizes()
         with tempfile.TemporaryDirectory(prefix="jacmem-queries-") as tmp:
             queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})
             queries.fill(
@@ -554,22 +613,59 @@ class Influence:
                 desc="query gradients",
                 progress=self.progress,
             )
-            shape = (len(queries), sum(sizes))
-            result = allocate(shape, self.params[0].dtype, out)
+            chunks = list(queries.chunks())
+            if self.group is not None:
+                mine = torch.cat(chunks) if chunks else self.params[0].new_zeros(0, self.width).cpu()
+                chunks = [ranks.gathered(self.group, mine)]
+            shape = (sum(map(len, chunks)), len(train))
+            result = allocate(shape, self.params[0].dtype, out if self.group is None else None)
             q0 = 0
-            for q in self._bar(list(queries.chunks()), "scores"):
+            for q in self._bar(chunks, "scores"):
                 t0 = 0
                 for t in train.chunks():
                     result[q0 : q0 + len(q), t0 : t0 + len(t)] = q @ t.T
                     t0 += len(t)
                 q0 += len(q)
+        if self.group is None:
             return result
+        whole = ranks.gathered(self.group, result, dim=1)
+        if out is None:
+            return whole
+        written = allocate(tuple(whole.shape), whole.dtype, out)
+        written[...] = whole
+        return written
 
     def self_influence(self, train_loader: Iterable) -> Tensor:
         """``g_nᵀ (C + λ)⁻¹ g_n`` of each training example: ``[n_train]``, the diagonal of
-        ``scores(train, train)``, from the store, one chunk at a time."""
+        ``scores(train, train)``, from the store, one chunk at a time. With a process group:
+        this rank's shard's, gathered in rank order (as :meth:`scores`'s columns)."""
         train = self._train_store(train_loader)
-        return torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        mine = torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        return ranks.gathered(self.group, mine)
+
+
+def _stable_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its stable name``: its qualified name without the segments of
+    wrappers (``nn.DataParallel``'s ``module.``, ``torch.compile``'s ``_orig_mod.``), the
+    name the projection's matrices are drawn from; a tied parameter's first name."""
+    names, _ = stable_names([model])
+    out: dict[int, str] = {}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            out.setdefault(id(p), names[(id(module), pname)])
+    return out
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, each module's training flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _check_projection(projection: Any, fisher: str, conventions: str) -> None:

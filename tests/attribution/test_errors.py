@@ -101,3 +101,16 @@ def test_scores_before_fit_raise():
     inf = Influence(nn.Sequential(nn.Linear(4, 3)).double(), loss_fn, progress=False)
     with pytest.raises(RuntimeError, match=r"call fit\(train_loader\) first"):
         inf.scores(_batches(), _batches())
+
+
+@pytest.mark.parametrize("which", ["training", "query"])
+def test_a_shuffling_loader_names_the_fix(which):
+    """Rows are stored and scored by position: a shuffling loader would put the scores'
+    columns (or rows) in an order drawn at random, which the caller cannot know."""
+    data = torch.utils.data.TensorDataset(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
+    fixed = torch.utils.data.DataLoader(data, batch_size=3)
+    shuffled = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True)
+    inf = Influence(nn.Sequential(nn.Linear(4, 3)).double(), loss_fn, progress=False).fit(shuffled)
+    train, queries = (shuffled, fixed) if which == "training" else (fixed, shuffled)
+    with pytest.raises(ValueError, match=rf"the {which} loader shuffles.*shuffle=False"):
+        inf.scores(queries, train)
