@@ -5,15 +5,19 @@ one sample's row: its flattened, concatenated gradients) and a ``meta.json`` tha
 what the rows are. A chunk is written to a temporary name and renamed when whole, so a
 fill that stops (an interrupted job, a crash) leaves only finished chunks; the next
 :meth:`GradientStore.fill` over the same loader skips them (no forward, no backward) and
-computes the rest. Reads map the chunks (``numpy.load(mmap_mode="c")``: copy on write, the files are never changed): what is in memory
+computes the rest. The store fingerprints the loader's tensors as it goes (:class:`Fingerprint`):
+each chunk's batch, so that a resumed fill over other data raises, and the whole data, however
+batched, so that a complete store read through another loader (another training set, another
+order) raises rather than scoring the old rows. Reads map the chunks (``numpy.load(mmap_mode="c")``: copy on write, the files are never changed): what is in memory
 at once is one chunk, never the whole ``[n, D]``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -29,9 +33,55 @@ except ModuleNotFoundError as err:
 
 from jacmem.attribution.progress import progress_bar
 
-__all__ = ["GradientStore", "allocate"]
+__all__ = ["Fingerprint", "GradientStore", "allocate"]
 
 _META = "meta.json"
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors of ``batch`` in order: itself, or those of its tuple's, list's or
+    mapping's values, nested (other values are not fingerprinted)."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    values = batch.values() if isinstance(batch, Mapping) else batch if isinstance(batch, (list, tuple)) else ()
+    return [t for v in values for t in _tensors(v)]
+
+
+def _bytes(t: Tensor) -> memoryview:
+    """The bytes of ``t``'s values, row-major, on the host."""
+    return memoryview(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+
+class Fingerprint:
+    """A BLAKE2b digest of a loader's tensors that does not depend on how it batches them:
+    one digest per tensor position in a batch (``(x, y)``: two), fed each batch's rows in
+    order, and the rows' dtype and shape where they change; and :meth:`of_batch`, one
+    batch's."""
+
+    def __init__(self):
+        self.streams: list = []
+        self.rows: list[str] = []  # each stream's rows' dtype and shape, as last fed
+
+    def update(self, batch: Any) -> None:
+        tensors = _tensors(batch)
+        while len(self.streams) < len(tensors):
+            self.streams.append(hashlib.blake2b(digest_size=16))
+            self.rows.append("")
+        for i, t in enumerate(tensors):
+            rows = f"{t.dtype}{tuple(t.shape[1:])}"
+            if rows != self.rows[i]:
+                self.streams[i].update(rows.encode())
+                self.rows[i] = rows
+            self.streams[i].update(_bytes(t))
+
+    def hexdigest(self) -> str:
+        return "-".join(s.hexdigest() for s in self.streams)
+
+    @staticmethod
+    def of_batch(batch: Any) -> str:
+        one = Fingerprint()
+        one.update(batch)
+        return f"{[tuple(t.shape) for t in _tensors(batch)]}:{one.hexdigest()}"
 
 
 class GradientStore:
@@ -54,17 +104,28 @@ class GradientStore:
                     f"{self.key}; pass a new directory (or delete this one) to compute them again"
                 )
             self._chunks: int | None = found.get("chunks")
+            self._data: str | None = found.get("data")
         else:
-            self._chunks = None
+            self._chunks, self._data = None, None
             self._write_meta()
 
     def _write_meta(self) -> None:
         tmp = self.path / (_META + ".tmp")
-        tmp.write_text(json.dumps({"key": self.key, "chunks": self._chunks}))
+        tmp.write_text(json.dumps({"key": self.key, "chunks": self._chunks, "data": self._data}))
         os.replace(tmp, self.path / _META)
 
     def _chunk(self, i: int) -> Path:
         return self.path / f"chunk_{i:07d}.npy"
+
+    def _batch_print(self, i: int) -> Path:
+        return self.path / f"chunk_{i:07d}.batch"
+
+    def _other_data(self, what: str) -> ValueError:
+        return ValueError(
+            f"jacmem.attribution: the store {str(self.path)!r} holds the rows of other data than this loader's "
+            f"({what}); pass the loader it was filled from, in the same order, or a new directory (or delete "
+            f"this one) to compute the rows of this one"
+        )
 
     @property
     def complete(self) -> bool:
@@ -82,16 +143,26 @@ class GradientStore:
     ) -> None:
         """Compute ``rows(batch) -> [b, D]`` for each batch not stored yet, one chunk per
         batch, in the loader's order (which must be the same on every fill: no shuffling).
-        A complete store is not iterated again."""
+        A complete store computes nothing: it reads the loader through once to check that
+        its data are those stored (a :class:`Fingerprint`; any batching), else raises."""
+        data, count = Fingerprint(), 0
         if self.complete:
+            for batch in batches:
+                data.update(batch)
+            if data.hexdigest() != self._data:
+                raise self._other_data("their values, shapes or order differ")
             return
-        count = 0
         for i, batch in enumerate(progress_bar(batches, total=total, desc=desc, enabled=progress)):
             count = i + 1
+            data.update(batch)
+            printed = Fingerprint.of_batch(batch)
             if self._chunk(i).exists():
+                if self._batch_print(i).read_text() != printed:
+                    raise self._other_data(f"batch {i} differs from the one its stored chunk was computed from")
                 continue
+            self._batch_print(i).write_text(printed)
             self.write(i, rows(batch))
-        self._chunks = count
+        self._chunks, self._data = count, data.hexdigest()
         self._write_meta()
 
     def write(self, i: int, rows: Tensor) -> None:

@@ -51,7 +51,7 @@ def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
     store = GradientStore(tmp_path / "g", inf._key())
     with pytest.raises(_Stop):
         store.fill(train, stops_at_third)
-    assert sorted(p.name for p in (tmp_path / "g").glob("chunk_*")) == ["chunk_0000000.npy", "chunk_0000001.npy"]
+    assert sorted(p.name for p in (tmp_path / "g").glob("chunk_*.npy")) == ["chunk_0000000.npy", "chunk_0000001.npy"]
     assert not store.complete
 
     loss.calls = 0
@@ -98,3 +98,46 @@ def test_progress_bars_name_each_pass(capsys):
     err = capsys.readouterr().err
     for desc in ("fitting Kronecker factors", "fitting EK-FAC's eigenvalues", "training gradients", "query gradients"):
         assert desc in err
+
+
+def test_a_complete_store_read_through_other_data_raises_and_the_same_data_rebatched_does_not(tmp_path):
+    """A complete store computes nothing again; before, ``scores(q, other_train)`` read the
+    first training set's rows as the other's columns, silently."""
+    train, queries = _loader(10, 3, 0), _loader(4, 2, 1)
+    inf = Influence(_model(), _Counted(), curvature="identity", store=tmp_path / "g", progress=False).fit(train)
+    want = inf.scores(queries, train)
+    other = _loader(10, 3, 5)
+    with pytest.raises(ValueError, match="other data than this loader's.*pass the loader it was filled from"):
+        inf.scores(queries, other)
+    with pytest.raises(ValueError, match="other data"):
+        inf.self_influence(train[:2])  # a subset
+    with pytest.raises(ValueError, match="other data"):
+        inf.scores(queries, train[::-1])  # another order
+    x, y = torch.cat([b[0] for b in train]), torch.cat([b[1] for b in train])
+    rebatched = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 10, 4)]
+    torch.testing.assert_close(inf.scores(queries, rebatched), want, rtol=0, atol=0)
+    fresh = Influence(_model(), _Counted(), curvature="identity", progress=False).fit(other)
+    torch.testing.assert_close(
+        Influence(_model(), _Counted(), curvature="identity", store=tmp_path / "h", progress=False)
+        .fit(other)
+        .scores(queries, other),
+        fresh.scores(queries, other),
+        rtol=0,
+        atol=0,
+    )
+
+
+def test_a_stopped_fill_resumed_over_other_data_raises(tmp_path):
+    train = _loader(10, 3, 0)
+    loss = _Counted()
+    inf = Influence(_model(), loss, curvature="identity", store=tmp_path / "g", progress=False).fit(train)
+
+    def stops_at_second(batch):
+        if loss.calls == 1:
+            raise _Stop
+        return inf._rows(batch, "train")
+
+    with pytest.raises(_Stop):
+        GradientStore(tmp_path / "g", inf._key()).fill(train, stops_at_second)
+    with pytest.raises(ValueError, match="batch 0 differs from the one its stored chunk was computed from"):
+        inf.scores(_loader(4, 2, 1), _loader(10, 3, 7))
