@@ -583,13 +583,6 @@ class EmbeddedConv(nn.Module):
         return self.head(torch.tanh(h).flatten(1))
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="a silent wrong result, known and not fixed: inductor copies the convolution's input gradient "
-    "channels-last and hands jacmem::tapped the view's contiguous strides on that copy; handing the op a copy of "
-    "the gradient fixes this but makes inductor's scheduler fail on torchvision's ResNet-18 (KeyError, the "
-    "conformance matrix's resnet18 x compile cells), so it was taken back",
-)
 @pytest.mark.parametrize("norm", [True, False], ids=["layernorm", "embedding"])
 def test_the_default_backend_is_exact_where_a_recorded_output_is_viewed(norm):
     """Inductor lays the convolution's input gradient out channels-last and then reads the
