@@ -426,17 +426,7 @@ def speed_child(case: dict) -> dict:
     if plain:
         plain()
     gc.collect()
-    ratios, times = [], []
-    for _ in range(case["repeats"]):
-        if plain:
-            start = time.perf_counter()
-            plain()
-            reference = time.perf_counter() - start
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        if plain:
-            ratios.append(times[-1] / reference)
+    times, ratios = harness.paired_steps(step, plain, case["repeats"])
     return dict(case, time_s=statistics.median(times), ratios=ratios, peak_bytes=harness.peak_rss_bytes())
 
 
@@ -458,8 +448,7 @@ def run_case(case: dict, timeout: float) -> dict:
 
 def _failure(r: dict) -> str:
     """A failed case's cell: "not run: <why>" where the case declined, else "fails: <reason>"."""
-    error = r["error"].replace("|", "/").split(": ", 1)[-1]
-    return error if error.startswith("not run") else "fails: " + error
+    return harness.failure(r, declined=("not run",))
 
 
 def best(r: dict) -> tuple[float | None, float, float]:
@@ -510,7 +499,6 @@ def lds_table(results: list[dict], truth: dict, args) -> list[str]:
 
 
 def speed_table(results: list[dict], args) -> list[str]:
-    by = {(r["model"], r["method"], r["paired"]): r for r in results}
     lines = [
         f"**Projected gradients at LM size** (`python -m benchmarks.attribution{' --quick' if args.quick else ''}"
         f"`, {args.started}; {args.threads} threads). HF GPT-2 at its default config (12 layers, d=768, "
@@ -524,30 +512,15 @@ def speed_table(results: list[dict], args) -> list[str]:
         "| model | method | step (ms) | × plain time (min–max) | peak (MiB) | × plain peak | met |",
         "|---|---|---|---|---|---|---|",
     ]
-    for model in args.speed_models:
-        plain = by.get((model, "plain", False), {})
-        if "peak_bytes" in plain:
-            lines.append(f"| {model} | plain forward and backward | | 1 | {plain['peak_bytes'] / 2**20:.0f} | 1 | |")
-        for method in args.speed_methods:
-            t, m = by.get((model, method, True)), by.get((model, method, False))
-            if t is None:
-                continue
-            if "error" in t:
-                lines.append(f"| {model} | {SPEED_LABELS[method]} | {_failure(t)} | | | | |")
-                continue
-            ratio = statistics.median(t["ratios"])
-            spread = f"{ratio:.2f} ({min(t['ratios']):.2f}–{max(t['ratios']):.2f})"
-            mem, mem_ratio = "n/a", None
-            if m and "error" not in m:
-                mem = f"{m['peak_bytes'] / 2**20:.0f}"
-                mem_ratio = m["peak_bytes"] / plain["peak_bytes"] if "peak_bytes" in plain else None
-            met = ""
-            if method.startswith("jacmem"):
-                met = "yes" if ratio <= TARGET_TIME and (mem_ratio or 1e9) <= TARGET_PEAK else "no"
-            lines.append(
-                f"| {model} | {SPEED_LABELS[method]} | {t['time_s'] * 1e3:.0f} | {spread} | {mem} | "
-                f"{'n/a' if mem_ratio is None else f'{mem_ratio:.2f}'} | {met} |"
-            )
+
+    def met(model: str, method: str, ratio: float, peak: float | None) -> list[str]:
+        if not method.startswith("jacmem"):
+            return [""]
+        return ["yes" if ratio <= TARGET_TIME and (peak or 1e9) <= TARGET_PEAK else "no"]
+
+    lines += harness.timed_rows(
+        results, args.speed_models, args.speed_methods, SPEED_LABELS, "plain forward and backward", (1, met), _failure
+    )
     return [*lines, ""]
 
 

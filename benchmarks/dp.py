@@ -118,20 +118,7 @@ def child(case: dict) -> dict:
     gc.collect()
     setup = harness.rss_bytes()
     reset = harness.reset_peak()
-    times, ratios = [], []
-    begin = time.perf_counter()
-    while len(times) < case["repeats"] or (
-        time.perf_counter() - begin < case["seconds"] and len(times) < 10 * case["repeats"]
-    ):
-        if plain:
-            start = time.perf_counter()
-            plain()
-            reference = time.perf_counter() - start
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        if plain:
-            ratios.append(times[-1] / reference)
+    times, ratios = harness.paired_steps(step, plain, case["repeats"], case["seconds"])
     peak = harness.peak_rss_bytes()
     return dict(
         case,
@@ -147,10 +134,6 @@ def run_case(case: dict, timeout: float) -> dict:
     a memory case with glibc returning it (see :mod:`benchmarks.harness`)."""
     env = harness.TIME_MALLOC if case["paired"] else harness.MEMORY_MALLOC
     return harness.run_case(case, timeout, child=("-m", "benchmarks.dp", "--child"), env=env)
-
-
-def _failure(r: dict) -> str:
-    return "fails: " + r["error"].split(": ", 1)[-1].replace("|", "/")
 
 
 def table(results: list[dict], args) -> list[str]:
@@ -178,7 +161,7 @@ def table(results: list[dict], args) -> list[str]:
             if t is None:
                 continue
             if "error" in t:
-                lines.append(f"| {model} | {LABELS[engine]} | {_failure(t)} | | | | |")
+                lines.append(f"| {model} | {LABELS[engine]} | {harness.failure(t)} | | | | |")
                 continue
             mem, mem_ratio = "n/a", "n/a"
             if m and "error" not in m and m.get("extra_bytes") is not None:
@@ -230,7 +213,7 @@ def main(argv=None) -> None:
         results.append(r)
         kind = "paired" if case["paired"] else "memory"
         if "error" in r:
-            shown = _failure(r)
+            shown = harness.failure(r)
         elif case["paired"]:
             shown = f"{r['time_s'] * 1e3:.0f} ms, {r['ratio']:.2f}x an SGD step ({r['steps']} pairs)"
         else:

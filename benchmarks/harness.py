@@ -1,5 +1,6 @@
 """What every benchmark shares: one case in a process of its own, the glibc settings
-for timing and for memory, the resident set size, and writing a block of BENCHMARKS.md.
+for timing and for memory, the resident set size, a method's steps timed against plain
+ones, the cells of a table of such cases, and writing a block of BENCHMARKS.md.
 
 The driver (:mod:`benchmarks.run`) and each benchmark import this module; it imports no
 other module of ``benchmarks``.
@@ -11,8 +12,11 @@ import argparse
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -75,6 +79,84 @@ def measure(case: dict, timeout: float) -> dict:
     if "error" in memory:
         return dict(case, error=f"memory run: {memory['error']}"[:200])
     return dict(timed, **{k: memory[k] for k in ("rss_setup", "rss_peak", "extra_bytes")})
+
+
+def paired_steps(
+    step: Callable[[], object], plain: Callable[[], object] | None, repeats: int, seconds: float = 0.0
+) -> tuple[list[float], list[float]]:
+    """``step``'s times (s) and, where ``plain`` is given, each over a ``plain`` step timed
+    right before it (the two alternated, so that the machine's drift hits both): at least
+    ``repeats`` steps, more while under ``seconds`` from the start, at most ``10 × repeats``."""
+    times, ratios = [], []
+    begin = time.perf_counter()
+    while len(times) < repeats or (time.perf_counter() - begin < seconds and len(times) < 10 * repeats):
+        if plain:
+            start = time.perf_counter()
+            plain()
+            reference = time.perf_counter() - start
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+        if plain:
+            ratios.append(times[-1] / reference)
+    return times, ratios
+
+
+def failure(r: dict, declined: tuple[str, ...] = ()) -> str:
+    """A failed case's table cell: its error where the case declined (the error, or its
+    message after the exception's name, starts with one of ``declined``: ``"skipped"``,
+    ``"not run"``), else ``"fails: <the message>"``; ``|`` made ``/`` (a cell's bar)."""
+    error = r["error"].replace("|", "/")
+    message = error.split(": ", 1)[-1]
+    return next((e for e in (error, message) if declined and e.startswith(declined)), "fails: " + message)
+
+
+def timed_rows(
+    results: list[dict],
+    models: list[str],
+    methods: list[str],
+    labels: dict[str, str],
+    plain_label: str,
+    extra: tuple[int, Callable[[str, str, float, float | None], list[str]]],
+    failure: Callable[[dict], str],
+) -> list[str]:
+    """The rows of a table of methods each timed against a plain step (paired results,
+    ``ratios``: :func:`paired_steps`) and measured for peak memory (unpaired,
+    ``peak_bytes``), ``results`` keyed by ``(model, method, paired)``. Per model, the plain
+    step's row (where its peak was measured), then each method's ``| model | label | step
+    (ms) | median (min–max) | peak (MiB) | × plain peak | *extra |``: ``extra = (k, cells)``,
+    ``cells(model, method, median ratio, peak ratio or None)`` its last ``k`` cells; a
+    failed method's row is ``failure(result)`` and empty cells."""
+    k, cells = extra
+    by = {(r["model"], r["method"], r["paired"]): r for r in results}
+    lines = []
+    for model in models:
+        plain = by.get((model, "plain", False), {})
+        if "peak_bytes" in plain:
+            lines.append(f"| {model} | {plain_label} | | 1 | {plain['peak_bytes'] / 2**20:.0f} | 1 |" + " |" * k)
+        for method in methods:
+            t, m = by.get((model, method, True)), by.get((model, method, False))
+            if t is None:
+                continue
+            if "error" in t:
+                lines.append(f"| {model} | {labels[method]} | {failure(t)} | | | |" + " |" * k)
+                continue
+            ratio = statistics.median(t["ratios"])
+            mem, mem_ratio = "n/a", None
+            if m and "error" not in m:
+                mem = f"{m['peak_bytes'] / 2**20:.0f}"
+                mem_ratio = m["peak_bytes"] / plain["peak_bytes"] if "peak_bytes" in plain else None
+            row = [
+                model,
+                labels[method],
+                f"{t['time_s'] * 1e3:.0f}",
+                f"{ratio:.2f} ({min(t['ratios']):.2f}–{max(t['ratios']):.2f})",
+                mem,
+                "n/a" if mem_ratio is None else f"{mem_ratio:.2f}",
+                *cells(model, method, ratio, mem_ratio),
+            ]
+            lines.append("| " + " | ".join(row) + " |")
+    return lines
 
 
 def rss_bytes() -> int:

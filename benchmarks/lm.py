@@ -270,17 +270,7 @@ def child(case: dict) -> dict:
     if plain:
         plain()
     gc.collect()
-    ratios, times = [], []
-    for _ in range(case["repeats"]):
-        if plain:
-            start = time.perf_counter()
-            plain()
-            reference = time.perf_counter() - start
-        start = time.perf_counter()
-        step()
-        times.append(time.perf_counter() - start)
-        if plain:
-            ratios.append(times[-1] / reference)
+    times, ratios = harness.paired_steps(step, plain, case["repeats"])
     return dict(case, time_s=statistics.median(times), ratios=ratios, peak_bytes=harness.peak_rss_bytes())
 
 
@@ -292,8 +282,7 @@ def run_case(case: dict, timeout: float) -> dict:
 
 
 def _failure(r: dict) -> str:
-    error = r["error"].replace("|", "/")
-    return error if error.startswith("skipped") else "fails: " + error.split(": ", 1)[-1]
+    return harness.failure(r, declined=("skipped",))
 
 
 def _target(model: str, method: str) -> float | None:
@@ -303,7 +292,6 @@ def _target(model: str, method: str) -> float | None:
 
 
 def table(results: list[dict], args) -> list[str]:
-    by = {(r["model"], r["method"], r["paired"]): r for r in results}
     lines = [
         START,
         "## Language models at their real size (issue 25)",
@@ -329,31 +317,15 @@ def table(results: list[dict], args) -> list[str]:
         "| model | method | step (ms) | × plain time: median (min–max) | peak (MiB) | × plain peak | target | met |",
         "|---|---|---|---|---|---|---|---|",
     ]
-    for model in args.models:
-        plain = by.get((model, "plain", False), {})
-        if "peak_bytes" in plain:
-            lines.append(f"| {model} | plain SGD step | | 1 | {plain['peak_bytes'] / 2**20:.0f} | 1 | | |")
-        for method in args.methods:
-            t, m = by.get((model, method, True)), by.get((model, method, False))
-            if t is None:
-                continue
-            if "error" in t:
-                lines.append(f"| {model} | {LABELS[method]} | {_failure(t)} | | | | | |")
-                continue
-            ratio = statistics.median(t["ratios"])
-            spread = f"{ratio:.2f} ({min(t['ratios']):.2f}–{max(t['ratios']):.2f})"
-            mem, mem_ratio = "n/a", None
-            if m and "error" not in m:
-                mem = f"{m['peak_bytes'] / 2**20:.0f}"
-                if "peak_bytes" in plain:
-                    mem_ratio = m["peak_bytes"] / plain["peak_bytes"]
-            target = _target(model, method)
-            met = "" if target is None else "yes" if ratio <= target and (mem_ratio or 1e9) <= target else "no"
-            lines.append(
-                f"| {model} | {LABELS[method]} | {t['time_s'] * 1e3:.0f} | {spread} | {mem} | "
-                f"{'n/a' if mem_ratio is None else f'{mem_ratio:.2f}'} | {'' if target is None else f'≤ {target}'} "
-                f"| {met} |"
-            )
+
+    def target_and_met(model: str, method: str, ratio: float, peak: float | None) -> list[str]:
+        target = _target(model, method)
+        met = "" if target is None else "yes" if ratio <= target and (peak or 1e9) <= target else "no"
+        return ["" if target is None else f"≤ {target}", met]
+
+    lines += harness.timed_rows(
+        results, args.models, args.methods, LABELS, "plain SGD step", (2, target_and_met), _failure
+    )
     return [*lines, "", END]
 
 

@@ -7,8 +7,8 @@ says which parameters it covers and how their slices of a row make its matrix:
 * a Kronecker block, ``[O, I]``: a weight's gradient as the ``[O, I]`` its Kronecker
   factors approximate (``weight.T`` for HF's Conv1D and an Embedding, whose factors are
   of the transposed weight; a convolution's ``[C_out, C_in/g · prod(kernel)]``), with,
-  under kronfluence's conventions, the bias's gradient as one more column (the bias as a
-  column of ones in the activations); a bias alone is ``[O, 1]``;
+  where the layer folds it (``Influence._folds``), the bias's gradient as one more column
+  (the bias as a column of ones in the activations); a bias alone is ``[O, 1]``;
 * a vector block, ``[P]``: the parameters flattened (the diagonal and identity
   curvatures, and parameters whose Kronecker factors are a diagonal: LayerNorm, RMSNorm).
 
@@ -43,7 +43,7 @@ class Slot:
 
 @dataclass(frozen=True)
 class Block:
-    """``name`` (a parameter's, or a module's under kronfluence's conventions);
+    """``name`` (a parameter's, or a module's where its bias is folded into its weight's block);
     ``weight``: the slot of a weight whose Kronecker factors approximate its ``[O, I]``
     (``transposed``: of its dims 0 and 1 swapped), or ``None``; ``bias``: a bias's slot
     (a column of the matrix, or a bias alone), or ``None``; ``vector``: the slots of a

@@ -6,7 +6,15 @@ fitted on the training set, ``λ`` the damping. Scores are pairwise ``[n_query, 
 a positive score says that training on example ``n`` lowered the query's loss.
 
 **jacmem's conventions** (the default). ``C`` is the Fisher of the *summed* training loss,
-``Σ_n``, not the mean, one block per parameter (a bias its own ``[O, 1]`` block). Then,
+``Σ_n``, not the mean, one block per parameter, but a bias joins its weight's Kronecker
+block as a column of ones in the activations (``A = Σ [x; 1][x; 1]ᵀ``) where the layer's
+rule has that factor (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+``nn.Conv1d/2d/3d``, whose ``x`` is the unfolded patch at each output position, KFC's
+homogeneous coordinates; ``Influence._folds``); elsewhere a bias is its own ``[O, 1]``
+block (a transposed convolution's, a frozen weight's, and every bias under a
+projection). The joint block keeps the weight-bias correlation, which separate blocks
+drop: on the LDS benchmark (``benchmarks/attribution.py``), EK-FAC reads 0.624 folded
+against 0.601 with separate bias blocks (docs/guide/attribution.rst). Then,
 for a model at a minimum of that loss, ``g_qᵀ C⁻¹ g_n`` is to first order the rise of the
 query's loss when example ``n`` is left out of training: a score reads in the units of the
 query's loss. ``damping=None`` adds ``0.1 ×`` the mean eigenvalue of each block.
@@ -28,18 +36,21 @@ With ``projection=k``, all of this holds in the projected space (the class docst
 * ``"identity"``: ``C + λ = I`` (TracIn at one checkpoint, gradient dot products).
 
 **kronfluence's conventions** (``conventions="kronfluence"``, kronfluence 1.0.1's
-pairwise scores): one Kronecker block per ``nn.Linear``, its bias a column of ones in the
-activations, ``A = Σ [x; 1][x; 1]ᵀ`` and ``G`` normalised by the number of rows (tokens),
+pairwise scores): one Kronecker block per ``nn.Linear`` and ``nn.Conv2d`` (``groups=1``,
+zero padding), its bias folded in as above, ``A = Σ [x; 1][x; 1]ᵀ`` (a convolution's
+``x`` the unfolded patch at each output pixel) and ``G`` normalised by the number of rows
+(tokens, output pixels; KFAC-expand's factors),
 ``Λ`` (EK-FAC and the diagonal) divided by the number of training examples, then the
-damping (``None``: 0.1 × the mean of the block's ``Λ``). Without biases and with one row
-per example, its scores are ``n_train`` times jacmem's (its ``C`` is the mean's).
+damping (``None``: 0.1 × the mean of the block's ``Λ``). On ``nn.Linear`` layers with
+one row per example, its scores are ``n_train`` times jacmem's (its ``C`` is the mean's).
 """
 
 from __future__ import annotations
 
+import contextlib
 import tempfile
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -47,10 +58,12 @@ import torch
 from torch import Tensor, nn
 
 import jacmem
+from jacmem.attribution import ranks
 from jacmem.attribution.blocks import Block, Diagonal, Eigen, Slot, damped, eigh, identity
 from jacmem.attribution.progress import progress_bar
 from jacmem.attribution.store import GradientStore, allocate
-from jacmem.derivatives.registry import lookup
+from jacmem.derivatives.registry import first_input, lookup
+from jacmem.engine.base import stable_names
 
 CURVATURES = ("ekfac", "kfac", "diag", "identity")
 FISHERS = ("empirical", "mc")
@@ -90,7 +103,7 @@ class Influence:
 
     ``loss_fn(model, batch)`` returns the SUM of the batch's per-example losses (e.g.
     ``F.cross_entropy(model(x), y, reduction="sum")``); the loaders yield batches it takes,
-    in a fixed order (no shuffling: rows are stored by position). ``store``: a directory
+    in a fixed order (no shuffling: rows are stored by position; a shuffling loader raises). ``store``: a directory
     for the training gradients (kept across runs; a fill that stops resumes where it
     stopped), or ``None`` for a temporary one. ``progress``: tqdm bars (``None``: where
     tqdm is installed).
@@ -105,8 +118,18 @@ class Influence:
     Kronecker factors) get the whole ``[k, k]`` second moment of their projected
     gradients (``"ekfac"``, ``"kfac"``) or its diagonal (``"diag"``). The empirical Fisher and jacmem's conventions only.
 
-    The model is used as it is (call ``model.eval()`` first for dropout and batch norm);
-    its trainable parameters are those scored (freeze the others)."""
+    The model is run in eval mode (dropout off, batch norm on its running statistics, as
+    kronfluence's ``prepare_model``), each module's training flag restored after every
+    forward: nothing of the model (running statistics, modes) nor torch's random state
+    (but for ``fisher="mc"``'s draws) changes. Its trainable parameters are those scored
+    (freeze the others).
+
+    ``process_group``: the group whose ranks each feed their own shard of the training
+    and query data (found from a ``DistributedDataParallel`` model, whose module is run:
+    the per-sample gradients its own, not scaled by DDP's averaging); the curvature is
+    summed over the ranks, and :meth:`scores` and :meth:`self_influence` return on every
+    rank those of the whole data, the ranks' shards in rank order (docs/guide/attribution.rst,
+    "Several processes")."""
 
     #: the kind of ``BatchGradProjection`` that ``projection=`` asks for
     projection_kind = "kronecker"
@@ -124,6 +147,7 @@ class Influence:
         store: str | Path | None = None,
         progress: bool | None = None,
         seed: int = 0,
+        process_group: Any = None,
     ):
         for what, value, valid in (
             ("curvature", curvature, CURVATURES),
@@ -141,11 +165,16 @@ class Influence:
             raise ValueError(f"jacmem.attribution.Influence: damping must be >= 0 or None, got {damping!r}")
         if projection is not None:
             _check_projection(projection, fisher, conventions)
-        self.model, self.loss_fn = model, loss_fn
+        #: the model run (a DDP model's module) and the group its ranks' shards are summed over
+        self.model, self.group = ranks.unwrapped(model, process_group)
+        self.loss_fn = loss_fn
         self.curvature, self.fisher, self.damping = curvature, fisher, damping
         self.conventions, self.progress = conventions, progress
         self.projection, self.seed = projection, seed
-        self.names, self.params = zip(*[(n, p) for n, p in model.named_parameters() if p.requires_grad], strict=True)
+        stable = _stable_names(self.model)
+        #: the trainable parameters and their stable names (as ``BatchGradProjection`` draws by)
+        self.params = tuple(p for p in self.model.parameters() if p.requires_grad)
+        self.names = tuple(stable[id(p)] for p in self.params)
         #: the parameters (indices) whose rows are the Kronecker projection ``[k_rows, k_cols]``
         self.kronecker_projected = set() if projection is None else self._kronecker_projected()
         #: the parameters whose projected curvature is their whole ``[k, k]`` second moment
@@ -181,7 +210,7 @@ class Influence:
         ``NotImplementedError``, which names the parameter and its module)."""
         wanted = [p for i, p in enumerate(self.params) if i not in skip]
         frozen = [self.params[i] for i in skip]
-        with jacmem.extend(extension):
+        with jacmem.extend(extension), _evaluating(self.model):
             try:
                 for p in frozen:  # (for this forward and backward only: jacmem leaves them out)
                     p.requires_grad_(False)
@@ -240,7 +269,9 @@ class Influence:
     # -- fit ---------------------------------------------------------------------------
 
     def fit(self, train_loader: Iterable) -> Influence:
-        """Fit the curvature on the training set (one pass; two for ``"ekfac"``)."""
+        """Fit the curvature on the training set (one pass; two for ``"ekfac"``); with a
+        process group, on this rank's shard, summed over the ranks."""
+        ranks.check_sharded(self.group, train_loader, "training")
         if self.curvature == "identity":
             self.blocks, self.preconditioners = [Block("all", vector=tuple(self.slots))], [identity]
         elif self.curvature == "diag":
@@ -254,7 +285,7 @@ class Influence:
         """One vector block per parameter, or (kronfluence) per module."""
         if self.conventions == "jacmem":
             return [Block(n, vector=(s,)) for n, s in zip(self.names, self.slots)]
-        return [Block(name, vector=tuple(s for s in (w, b) if s is not None)) for name, w, b in self._linears()]
+        return [Block(name, vector=tuple(s for s in (w, b) if s is not None)) for name, w, b in self._tracked()]
 
     def _fit_diag(self, loader: Iterable) -> None:
         blocks = self._vector_blocks()
@@ -263,6 +294,8 @@ class Influence:
             rows = self._rows(batch, "curvature")
             sums += rows.square().sum(0)
             n += len(rows)
+        total = ranks.summed(self.group, {"sums": sums, "n": sums.new_tensor(float(n))})
+        sums, n = total["sums"], int(total["n"])
         scale = n if self.conventions == "kronfluence" else 1
         self.blocks = blocks
         self.preconditioners = []
@@ -270,20 +303,23 @@ class Influence:
             lam = block.matrix(sums[None])[0] / scale
             self.preconditioners.append(Diagonal(lam, damped(lam, self.damping)))
 
-    def _linears(self) -> list[tuple[str, Slot | None, Slot | None]]:
-        """kronfluence's blocks: ``(module name, weight slot, bias slot)`` of each
-        ``nn.Linear``; a trainable parameter of any other module raises."""
+    def _tracked(self) -> list[tuple[str, Slot | None, Slot | None]]:
+        """kronfluence's blocks: ``(module name, weight slot, bias slot)`` of each module
+        kronfluence tracks (``nn.Linear``, ``nn.Conv2d``); a trainable parameter of any
+        other module, and a convolution kronfluence does not differentiate as torch does
+        (:func:`_kronfluence_refuses`), raise."""
         slot_of = {id(p): s for p, s in zip(self.params, self.slots)}
         out, covered = [], set()
         for name, module in self.model.named_modules():
             own = {n: p for n, p in module.named_parameters(recurse=False) if id(p) in slot_of}
             if not own:
                 continue
-            if type(module) is not nn.Linear:
+            why = _kronfluence_refuses(module)
+            if why:
                 raise ValueError(
                     f"jacmem.attribution.Influence(conventions='kronfluence'): module {name!r} is a "
-                    f"{type(module).__name__}; kronfluence's conventions cover nn.Linear only (its Conv2d's are not "
-                    "reproduced): freeze its parameters (requires_grad=False), or use conventions='jacmem'"
+                    f"{type(module).__name__}{why}: freeze its parameters (requires_grad=False), or use "
+                    "conventions='jacmem'"
                 )
             covered.update(id(p) for p in own.values())
             w, b = own.get("weight"), own.get("bias")
@@ -299,17 +335,21 @@ class Influence:
         """KFAC's factors over the training set (pass 1), their eigenbases, and for
         EK-FAC ``Λ`` from the per-sample vectors (pass 2)."""
         kron = self.conventions == "kronfluence"
-        extension, field = (jacmem.KFACEF(), "kfac_ef") if self.fisher == "empirical" else (jacmem.KFAC(1), "kfac")
+        approx = "expand" if kron else None  # kronfluence's: a factor per position (row), for convolutions too
+        if self.fisher == "empirical":
+            extension, field = jacmem.KFACEF(kfac_approx=approx), "kfac_ef"
+        else:
+            extension, field = jacmem.KFAC(1, kfac_approx=approx), "kfac"
         G: dict[int, Tensor] = {}  # parameter index -> its summed factors
         A: dict[int, Tensor] = {}
         D: dict[int, Tensor] = {}  # a diagonal's (LayerNorm's)
-        inputs = _InputSums(self.model) if kron else None  # Σ x and the rows, per Linear
+        tracked = {name for name, _, _ in self._tracked()} if kron else set()
+        inputs = _Inputs(self.model, self._folds(), tracked, approx)
         n = 0
         try:
             for batch in self._bar(loader, "fitting Kronecker factors"):
                 b = batch_size(batch)
-                if inputs:
-                    inputs.batch_rows.clear()
+                inputs.start_batch()
                 got = self._backward(batch, extension, field, hint=_NO_FACTORS, skip=self._whole)
                 for i, factors in enumerate(got):
                     if factors is None:
@@ -319,12 +359,13 @@ class Influence:
                         continue
                     G[i] = G.get(i, 0) + factors[0]
                     if len(factors) == 2:
-                        weight = inputs.batch_rows[id(self.params[i])] if inputs else b
+                        weight = inputs.batch_rows[id(self.params[i])] if kron else b
                         A[i] = A.get(i, 0) + weight * factors[1]
+                inputs.end_batch(None if kron else b)
                 n += b
         finally:
-            if inputs:
-                inputs.remove()
+            inputs.remove()
+        G, A, D, n = self._summed_factors(G, A, D, n, inputs)
         self.blocks, eigens = self._kronecker_blocks(G, A, D, n, inputs)
         if self.curvature == "ekfac" or any(e is None for e in eigens):
             lams = [_second_moments(e, block, self.params[0]) for e, block in zip(eigens, self.blocks)]
@@ -336,6 +377,8 @@ class Influence:
                         lam.addmm_(X[..., 0].T, X[..., 0])
                     elif self.curvature == "ekfac":
                         lam += (e.rotate(X) if isinstance(e, Eigen) else X).square().sum(0)
+            total = ranks.summed(self.group, dict(enumerate(lams)))
+            lams = [total[k] for k in range(len(lams))]
             scale = n if kron else 1
             for k, (e, lam) in enumerate(zip(eigens, lams)):
                 if e is None:
@@ -354,29 +397,50 @@ class Influence:
             else:
                 self.preconditioners.append(Diagonal(e, damped(e, self.damping)))
 
+    def _summed_factors(self, G: dict, A: dict, D: dict, n: int, inputs: _Inputs) -> tuple[dict, dict, dict, int]:
+        """The factors ``G``, ``A``, ``D`` (parameter index -> summed factor), the number of
+        examples ``n`` and the inputs' folded factors and rows, summed over the ranks
+        (``inputs`` in place); as they are in one process."""
+        if self.group is None:
+            return G, A, D, n
+        like = self.params[0]
+        mine = {
+            **{("G", i): v for i, v in G.items()},
+            **{("A", i): v for i, v in A.items()},
+            **{("D", i): v for i, v in D.items()},
+            **{("folded", name): v for name, v in inputs.folded.items()},
+            **{("rows", name): like.new_tensor(float(r)) for name, r in inputs.rows.items()},
+            ("n", ""): like.new_tensor(float(n)),
+        }
+        total = ranks.summed(self.group, mine)
+        of = {kind: {k: v for (what, k), v in total.items() if what == kind} for kind in ("G", "A", "D")}
+        inputs.folded = {k: v for (what, k), v in total.items() if what == "folded"}
+        inputs.rows = {k: int(v) for (what, k), v in total.items() if what == "rows"}
+        return of["G"], of["A"], of["D"], int(total[("n", "")])
+
     def _kronecker_blocks(self, G, A, D, n, inputs) -> tuple[list[Block], list[Eigen | Tensor]]:
         """The blocks and, per block, its :class:`Eigen` (``lam``: KFAC's ``λ_G ⊗ λ_A``)
         or a vector block's diagonal."""
         blocks, eigens = [], []
         if self.conventions == "kronfluence":
-            for name, w, b in self._linears():
+            for name, w, b in self._tracked():
                 i = self.slots.index(w if w is not None else b)
                 rows = inputs.rows[name]
                 Gk = G[i] / rows
-                if w is None:  # a Linear with a frozen weight: its bias, with A = [[1]]
+                if w is None:  # a frozen weight: its bias, with A = [[1]]
                     Ak = torch.ones(1, 1, dtype=Gk.dtype, device=Gk.device)
                 else:
-                    xx, xs = A[i], inputs.sums[name]
-                    Ak = (
-                        xx
-                        if b is None
-                        else torch.cat([torch.cat([xx, xs[:, None]], 1), torch.cat([xs, xs.new_ones(1) * rows])[None]])
-                    )
-                    Ak = Ak / rows
+                    Ak = (A[i] if b is None else inputs.folded[name]) / rows
                 blocks.append(Block(name, weight=w, bias=b))
                 eigens.append(_eigen(Gk, Ak))
             return blocks, eigens
+        #: the modules whose bias joins their weight's block (a weight the loss used)
+        folds = {name: ij for name, ij in self._folds().items() if name in inputs.folded and ij[0] in G}
+        folded = {j for _, j in folds.values()}
+        weight_of = {i: (name, j) for name, (i, j) in folds.items()}
         for i, (name, slot, p) in enumerate(zip(self.names, self.slots, self.params)):
+            if i in folded:  # in its weight's block
+                continue
             if i in self._whole or (self.projection is not None and i not in self.kronecker_projected):
                 blocks.append(Block(name, bias=slot))
                 eigens.append(None)
@@ -393,6 +457,11 @@ class Influence:
                         "or freeze it"
                     )
                 transposed = self._transposed(p)
+                if i in weight_of:  # the bias as a column of ones in the activations
+                    module, j = weight_of[i]
+                    blocks.append(Block(module, weight=slot, bias=self.slots[j], transposed=transposed))
+                    eigens.append(_eigen(G[i], inputs.folded[module] / n))
+                    continue
                 Gi, Ai = G[i], A[i] / n
                 if i in self.kronecker_projected:
                     Gi, Ai = self._projected(name, p, Gi, Ai, transposed)
@@ -402,6 +471,35 @@ class Influence:
                 blocks.append(Block(name, bias=slot))
                 eigens.append(_eigen(G[i], torch.ones(1, 1, dtype=G[i].dtype, device=G[i].device)))
         return blocks, eigens
+
+    def _folds(self) -> dict[str, tuple[int, int]]:
+        """The modules whose bias joins their weight's Kronecker block as a column of ones
+        in the activations: module name -> (weight index, bias index). kronfluence's: each
+        module it tracks with a trainable weight and bias. jacmem's (unprojected): each
+        module with a trainable weight and bias of its own whose layer's rule has an input
+        factor of ``[x, 1]`` (``Kronecker.with_bias``: ``nn.Linear``, HF's Conv1D, and
+        ``nn.Conv1d/2d/3d``, a one per patch position); not a tied weight."""
+        index = {id(p): i for i, p in enumerate(self.params)}
+        if self.conventions == "kronfluence":
+            return {
+                name: (self.slots.index(w), self.slots.index(b))
+                for name, w, b in self._tracked()
+                if w is not None and b is not None
+            }
+        if self.projection is not None:
+            return {}
+        tied = self._tied()
+        out = {}
+        for name, module in self.model.named_modules():
+            own = dict(module.named_parameters(recurse=False))
+            w, b = own.get("weight"), own.get("bias")
+            if w is None or b is None or id(w) not in index or id(b) not in index or index[id(w)] in tied:
+                continue
+            entry = lookup(module)
+            rule = None if entry is None else entry.kronecker
+            if rule is not None and rule.with_bias is not None:
+                out[name] = (index[id(w)], index[id(b)])
+        return out
 
     def _tied(self) -> set[int]:
         """The parameters that several modules own (tied weights: GPT-2's ``wte`` and ``lm_head``)."""
@@ -452,12 +550,18 @@ class Influence:
     # -- scores ------------------------------------------------------------------------
 
     def _train_store(self, train_loader: Iterable) -> GradientStore:
+        """The training rows of this rank's shard (with a process group, under the store's
+        ``rank_<r>``: ranks sharing one directory never read each other's chunks)."""
+        ranks.check_sharded(self.group, train_loader, "training")
+        ranks.check_ordered(train_loader, "training")
         if self._store is None:
             path = self._store_dir
             if path is None:
                 tmp = tempfile.TemporaryDirectory(prefix="jacmem-attribution-")
                 weakref.finalize(self, tmp.cleanup)
                 path = tmp.name
+            if self.group is not None:
+                path = Path(path) / f"rank_{torch.distributed.get_rank(self.group)}"
             self._store = GradientStore(path, self._key())
         self._store.fill(
             train_loader, lambda batch: self._rows(batch, "train"), total=_length(train_loader), progress=self.progress
@@ -491,9 +595,15 @@ class Influence:
         """Pairwise scores ``[n_query, n_train]``: ``g_qᵀ (C + λ)⁻¹ g_n``. The training
         gradients come from the store (computed where missing); each query batch is
         scored against one stored chunk at a time. ``out``: a ``.npy`` file to write the
-        scores to, returned memory-mapped, for score matrices larger than memory."""
+        scores to, returned memory-mapped, for score matrices larger than memory.
+
+        With a process group, both loaders are this rank's shards: the preconditioned
+        query gradients are gathered from every rank, each rank scores them against its
+        own training shard, and every rank returns the whole matrix, rows and columns the
+        ranks' shards in rank order (rank 0's examples in its loaders' order, then rank 1's, ...)."""
+        ranks.check_sharded(self.group, query_loader, "query")
+        ranks.check_ordered(query_loader, "query")
         train = self._train_store(train_loader)
-        sizes = train.sizes()
         with tempfile.TemporaryDirectory(prefix="jacmem-queries-") as tmp:
             queries = GradientStore(tmp, {"rows": "preconditioned query gradients"})
             queries.fill(
@@ -503,22 +613,59 @@ class Influence:
                 desc="query gradients",
                 progress=self.progress,
             )
-            shape = (len(queries), sum(sizes))
-            result = allocate(shape, self.params[0].dtype, out)
+            chunks = list(queries.chunks())
+            if self.group is not None:
+                mine = torch.cat(chunks) if chunks else self.params[0].new_zeros(0, self.width).cpu()
+                chunks = [ranks.gathered(self.group, mine)]
+            shape = (sum(map(len, chunks)), len(train))
+            result = allocate(shape, self.params[0].dtype, out if self.group is None else None)
             q0 = 0
-            for q in self._bar(list(queries.chunks()), "scores"):
+            for q in self._bar(chunks, "scores"):
                 t0 = 0
                 for t in train.chunks():
                     result[q0 : q0 + len(q), t0 : t0 + len(t)] = q @ t.T
                     t0 += len(t)
                 q0 += len(q)
+        if self.group is None:
             return result
+        whole = ranks.gathered(self.group, result, dim=1)
+        if out is None:
+            return whole
+        written = allocate(tuple(whole.shape), whole.dtype, out)
+        written[...] = whole
+        return written
 
     def self_influence(self, train_loader: Iterable) -> Tensor:
         """``g_nᵀ (C + λ)⁻¹ g_n`` of each training example: ``[n_train]``, the diagonal of
-        ``scores(train, train)``, from the store, one chunk at a time."""
+        ``scores(train, train)``, from the store, one chunk at a time. With a process group:
+        this rank's shard's, gathered in rank order (as :meth:`scores`'s columns)."""
         train = self._train_store(train_loader)
-        return torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        mine = torch.cat([(self.precondition(t) * t).sum(1) for t in train.chunks()])
+        return ranks.gathered(self.group, mine)
+
+
+def _stable_names(model: nn.Module) -> dict[int, str]:
+    """``id(parameter) -> its stable name``: its qualified name without the segments of
+    wrappers (``nn.DataParallel``'s ``module.``, ``torch.compile``'s ``_orig_mod.``), the
+    name the projection's matrices are drawn from; a tied parameter's first name."""
+    names, _ = stable_names([model])
+    out: dict[int, str] = {}
+    for module in model.modules():
+        for pname, p in module.named_parameters(recurse=False):
+            out.setdefault(id(p), names[(id(module), pname)])
+    return out
+
+
+@contextlib.contextmanager
+def _evaluating(model: nn.Module) -> Iterator[None]:
+    """``model`` in eval mode inside, each module's training flag restored after."""
+    flags = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, flag in flags:
+            m.training = flag
 
 
 def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
@@ -543,6 +690,29 @@ def _check_projection(projection: Any, fisher: str, conventions: str) -> None:
         )
 
 
+def _kronfluence_refuses(module: nn.Module) -> str:
+    """Why kronfluence 1.0.1's conventions cannot be reproduced on ``module`` (the rest of
+    the message after its type's name), or ``""``. It tracks ``nn.Linear`` and
+    ``nn.Conv2d`` (its covariances per row: a token, a pixel); it unfolds a convolution's
+    input with zero padding after averaging its channels over groups, which is not the
+    layer's gradient with ``groups > 1`` or another ``padding_mode``."""
+    if type(module) is nn.Linear:
+        return ""
+    if type(module) is not nn.Conv2d:
+        return "; kronfluence's conventions cover nn.Linear and nn.Conv2d only (its other modules are not tracked)"
+    if module.groups != 1:
+        return (
+            f" with groups={module.groups}; kronfluence averages a grouped convolution's input channels over its "
+            "groups, which is not the layer's gradient, so its scores are not reproduced"
+        )
+    if module.padding_mode != "zeros":
+        return (
+            f" with padding_mode={module.padding_mode!r}; kronfluence unfolds its input with zero padding, which is "
+            "not the layer's gradient, so its scores are not reproduced"
+        )
+    return ""
+
+
 def _second_moments(e: Eigen | Tensor | None, block: Block, like: Tensor) -> Tensor:
     """Zeros to sum a block's second moments into: ``Λ`` of an EK-FAC block, a diagonal's,
     or (``e`` ``None``) a projected block's whole ``[k, k]`` (dtype and device of ``like``)."""
@@ -561,28 +731,56 @@ def _eigen(G: Tensor, A: Tensor) -> Eigen:
     return Eigen(U_G, U_A, lam_G[:, None] * lam_A[None, :], 0.0)
 
 
-class _InputSums:
-    """kronfluence's bias column: ``Σ x`` over the rows (tokens) of each ``nn.Linear``'s
-    input and their count, by forward hooks (removed by :meth:`remove`)."""
+class _Inputs:
+    """Forward hooks on a model's modules (removed by :meth:`remove`). For each module of
+    ``folds`` (name -> its weight's and bias's indices): ``folded``, the input factor of
+    ``[x, 1]`` (a one appended to each position's input) by the layer's own Kronecker
+    rule (``Kronecker.with_bias``, with ``approx``), summed over the batches weighted by
+    their samples (``end_batch(b)``: jacmem's, as KFAC's ``A`` is averaged) or by their
+    rows (``end_batch(None)``: kronfluence's, a sum over rows; jacmem's Kronecker factors
+    refuse a module called more than once per backward, so a batch has one call's). For
+    each module of ``tracked``, its rows (the positions its weight is applied at: tokens,
+    pixels) in all (``rows``) and in the current batch, per parameter (``batch_rows``),
+    as kronfluence weighs its factors."""
 
-    def __init__(self, model: nn.Module):
-        self.sums: dict[str, Tensor] = {}
+    def __init__(self, model: nn.Module, folds: Mapping[str, tuple[int, int]], tracked: set[str], approx: str | None):
+        self.folded: dict[str, Tensor] = {}
         self.rows: dict[str, int] = {}
-        #: id(weight or bias) -> the rows of the current batch (cleared by the caller per batch)
+        #: id(weight or bias) -> the rows of the current batch
         self.batch_rows: dict[int, int] = {}
+        self._batch: dict[str, list[tuple[Tensor, int]]] = {}  # module name -> this batch's (factor, rows)
+        self._approx = approx
         self._handles = [
-            m.register_forward_hook(self._hook(name, m)) for name, m in model.named_modules() if type(m) is nn.Linear
+            m.register_forward_hook(self._hook(name, m, name in folds), with_kwargs=True)
+            for name, m in model.named_modules()
+            if name in folds or name in tracked
         ]
 
-    def _hook(self, name: str, module: nn.Linear):
-        def hook(mod, args, output):
-            x = args[0].detach().reshape(-1, module.in_features)
-            self.sums[name] = self.sums.get(name, 0) + x.sum(0)
-            self.rows[name] = self.rows.get(name, 0) + len(x)
+    def _hook(self, name: str, module: nn.Module, fold: bool):
+        entry = lookup(module)
+        rule = entry.kronecker
+
+        def hook(mod, args, kwargs, output):
+            rows = rule.positions(output.shape)
+            self.rows[name] = self.rows.get(name, 0) + rows
             for p in module.parameters(recurse=False):
-                self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + len(x)
+                self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + rows
+            if fold:
+                x = first_input(args, kwargs).detach()
+                A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
+                self._batch.setdefault(name, []).append((A, rows))
 
         return hook
+
+    def start_batch(self) -> None:
+        self.batch_rows.clear()
+        self._batch.clear()
+
+    def end_batch(self, samples: int | None) -> None:
+        """Adds the batch's factors, each ``samples ×`` or (``None``) ``rows ×`` its own."""
+        for name, calls in self._batch.items():
+            for A, rows in calls:
+                self.folded[name] = self.folded.get(name, 0) + (samples or rows) * A
 
     def remove(self) -> None:
         for h in self._handles:

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from jacmem.attribution import ranks
 from jacmem.attribution.blocks import Block
 from jacmem.attribution.influence import Influence
 
@@ -65,9 +66,16 @@ class TRAK(Influence):
         projection: int | None = None,
         store: str | Path | None = None,
         progress: bool | None = None,
+        process_group: Any = None,
     ):
         super().__init__(
-            model, self._summed, curvature="identity", projection=projection, store=store, progress=progress
+            model,
+            self._summed,
+            curvature="identity",
+            projection=projection,
+            store=store,
+            progress=progress,
+            process_group=process_group,
         )
         if damping < 0:
             raise ValueError(f"jacmem.attribution.TRAK: damping must be >= 0, got {damping!r}")
@@ -91,12 +99,15 @@ class TRAK(Influence):
         return rows * self.out_to_loss(self._outputs)[:, None] if role == "train" else rows
 
     def fit(self, train_loader: Iterable) -> TRAK:
-        """``(ΦᵀΦ + λ)⁻¹`` over the training set, by its Cholesky factor."""
+        """``(ΦᵀΦ + λ)⁻¹`` over the training set (with a process group, this rank's shard's
+        ``ΦᵀΦ`` summed over the ranks), by its Cholesky factor."""
+        ranks.check_sharded(self.group, train_loader, "training")
         dtype, device = self.params[0].dtype, self.params[0].device
         K = torch.zeros(self.width, self.width, dtype=dtype, device=device)
         for batch in self._bar(train_loader, "fitting TRAK's kernel"):
             rows = self._rows(batch, "curvature")
             K.addmm_(rows.T, rows)
+        K = ranks.summed(self.group, {"K": K})["K"]
         K.diagonal().add_(self.trak_damping)
         L, info = torch.linalg.cholesky_ex(K)
         if info != 0:

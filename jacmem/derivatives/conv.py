@@ -349,6 +349,15 @@ def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
     return group_gram(flat_columns(x, **hp), approx)
 
 
+def kronecker_input_with_bias(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
+    """``A`` of :func:`group_gram` over the columns ``[a_t; 1]``, a one appended to each
+    patch (the bias as a column of ones, one per output position): ``[C_in·K + 1,
+    C_in·K + 1]``, or ``[G, C_in/G·K + 1, C_in/G·K + 1]`` with ``G > 1`` groups"""
+    cols = flat_columns(x, **hp)  # [N, G, C_in/G·K, T]
+    ones = cols.new_ones(*cols.shape[:2], 1, cols.shape[3])
+    return group_gram(torch.cat([cols, ones], dim=2), approx)
+
+
 def squared_vjps(x: Tensor, S: Tensor, params, batch: bool, budget: float, **hp) -> dict[str, Tensor]:
     """``Σ_v (J_θᵀ S[v])²`` with one im2col of the input shared by all ``V`` (BackPACK's
     contraction, in chunks of ``V`` under ``budget`` bytes): ``(J_Wᵀ S[v])[n] = Σ_t
@@ -382,7 +391,7 @@ for _module in (nn.Conv1d, nn.Conv2d, nn.Conv3d):
         input_free=("bias",),
         compute_once=True,
         own_layout=True,
-        kronecker=Kronecker(kronecker_input),
+        kronecker=Kronecker(kronecker_input, with_bias=kronecker_input_with_bias),
         squared_vjps=squared_vjps,
     )
     register(_module, "weight", "batch_grad", "unfold", cost=unfold_cost, writes_out=True)(weight_batch_grad_unfold)

@@ -228,6 +228,12 @@ def kronecker_input(x: Tensor, out_shape, dtype, approx=None, **_) -> Tensor:
     return (flat.T @ flat).div_(flat.shape[0])  # two operands: a matmul, without opt_einsum's planning
 
 
+def kronecker_input_with_bias(x: Tensor, out_shape, dtype, approx=None, **hp) -> Tensor:
+    """:func:`kronecker_input` of ``[x, 1]``, a one appended to each row (the bias as a
+    column of ones): ``[N, *, I] -> [I + 1, I + 1]``"""
+    return kronecker_input(torch.cat([x, x.new_ones(*x.shape[:-1], 1)], dim=-1), out_shape, dtype, approx, **hp)
+
+
 def squared_vjps(x, S: Tensor, params, batch: bool, budget: float, **_) -> dict[str, Tensor] | None:
     """Without middle axes, ``Σ_v (S[v] ⊗ x)² = (Σ_v S[v]²) ⊗ x²``: ``x [N, I]``,
     ``S [V, N, O]`` -> ``[(N,) O, I]`` and ``[(N,) O]``; ``None`` for other inputs"""
@@ -248,7 +254,7 @@ layer(
     nn.Linear,
     input_free=("bias",),
     compute_once=True,
-    kronecker=Kronecker(kronecker_input, channels_last=True),
+    kronecker=Kronecker(kronecker_input, channels_last=True, with_bias=kronecker_input_with_bias),
     squared_vjps=squared_vjps,
     ghost_factors={"weight": weight_ghost_factors},
 )
@@ -286,7 +292,7 @@ layer(
     CONV1D,
     input_free=("bias",),
     compute_once=True,
-    kronecker=Kronecker(kronecker_input, channels_last=True, transposed=True),
+    kronecker=Kronecker(kronecker_input, channels_last=True, transposed=True, with_bias=kronecker_input_with_bias),
     ghost_factors={"weight": conv1d_weight_ghost_factors},
 )
 # RNNLinear is nn.Linear, one time step at a time: its entry, but for the batch axis

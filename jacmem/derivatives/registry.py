@@ -37,8 +37,9 @@ This module imports torch, and no jacmem code but :func:`~jacmem.derivatives.jac
 
 from __future__ import annotations
 
+import math
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -108,6 +109,11 @@ class Kronecker:
         same factors instead, ``[d]`` with ``d.shape == param.shape``.
     transposed: ``G ⊗ A`` approximates the block of ``weight.T`` (HF's Conv1D
         ``[I, O]``, Embedding ``[V, D]``), not of ``weight``.
+    with_bias: ``input_factor``'s signature and rule, of the inputs with a 1 appended
+        to each position's input ``a_t`` (the bias as a column of ones in the
+        activations: ``[a_t; 1]``, one per patch position for a convolution), so
+        that ``G ⊗ A`` covers ``[weight | bias]``: ``[I + 1, I + 1]`` (``[g, m + 1,
+        m + 1]`` in groups); ``None``: the layer's bias cannot join its weight's block.
     """
 
     input_factor: Callable[..., Tensor] | None = None
@@ -116,6 +122,13 @@ class Kronecker:
     why_not: str = ""
     diagonal: bool = False
     transposed: bool = False
+    with_bias: Callable[..., Tensor] | None = None
+
+    def positions(self, out_shape: Sequence[int]) -> int:
+        """The rows ``N·T`` of an output ``out_shape``: the positions over the batch at
+        which the weight is applied (a token of ``[N, T, O]``, a pixel of ``[N, O, H, W]``)."""
+        channels = out_shape[-1] if self.channels_last else out_shape[1]
+        return math.prod(out_shape) // channels
 
 
 def first_input(args: tuple, kwargs: dict) -> Any:

@@ -3,7 +3,7 @@ training-data attribution (:mod:`jacmem.derivatives.projection` gives the rule).
 
 from __future__ import annotations
 
-from jacmem.derivatives.projection import GradProjection
+from jacmem.derivatives.projection import DRAWN, GradProjection
 from jacmem.extensions.firstorder import FirstOrderExtension
 
 
@@ -29,6 +29,13 @@ class BatchGradProjection(FirstOrderExtension):
     def __init__(self, dim: int, kind: str = "kronecker", seed: int = 0):
         self.quantity = GradProjection(dim=dim, kind=kind, seed=seed)
         self.quantities, self.as_is = (self.quantity,), self.quantity
+
+    @staticmethod
+    def clear_matrices() -> None:
+        """Let go of the matrices kept between steps (up to
+        ``jacmem.derivatives.projection.CACHE_BYTES``, on the devices they were asked on):
+        the next step draws them again, the same numbers."""
+        DRAWN.clear()
 
     def finalize(self, q, batch_size):
         return q[self.quantity]

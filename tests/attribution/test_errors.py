@@ -31,6 +31,26 @@ def test_kronfluence_conventions_name_a_module_kronfluence_does_not_track():
     assert inf.self_influence(_batches()).shape == (6,)
 
 
+@pytest.mark.parametrize(
+    ("conv", "why"),
+    [
+        (nn.Conv2d(2, 4, 3, groups=2), "Conv2d with groups=2; kronfluence averages"),
+        (nn.Conv2d(2, 4, 3, padding=1, padding_mode="circular"), "Conv2d with padding_mode='circular'"),
+        (nn.Conv1d(2, 4, 3), "Conv1d; kronfluence's conventions cover nn.Linear and nn.Conv2d only"),
+    ],
+)
+def test_kronfluence_conventions_name_a_convolution_kronfluence_does_not_differentiate(conv, why):
+    """kronfluence unfolds a Conv2d's input with zero padding after averaging its channels over
+    groups (not the layer's gradient otherwise), and tracks no Conv1d."""
+    model = nn.Sequential(conv, nn.Flatten(), nn.LazyLinear(3)).double()
+    shape = (2, 4) if isinstance(conv, nn.Conv1d) else (2, 4, 4)
+    model(_batches(shape)[0][0])
+    for curvature in ("ekfac", "diag"):
+        inf = Influence(model, loss_fn, curvature=curvature, conventions="kronfluence", progress=False)
+        with pytest.raises(ValueError, match=rf"module '0' is a {why}.*freeze its parameters.*conventions='jacmem'"):
+            inf.fit(_batches(shape))
+
+
 def test_a_grouped_convolution_is_named_with_the_fix():
     model = nn.Sequential(nn.Conv2d(2, 4, 3, groups=2), nn.Flatten(), nn.Linear(16, 3)).double()
     inf = Influence(model, loss_fn, curvature="kfac", progress=False)
@@ -81,3 +101,16 @@ def test_scores_before_fit_raise():
     inf = Influence(nn.Sequential(nn.Linear(4, 3)).double(), loss_fn, progress=False)
     with pytest.raises(RuntimeError, match=r"call fit\(train_loader\) first"):
         inf.scores(_batches(), _batches())
+
+
+@pytest.mark.parametrize("which", ["training", "query"])
+def test_a_shuffling_loader_names_the_fix(which):
+    """Rows are stored and scored by position: a shuffling loader would put the scores'
+    columns (or rows) in an order drawn at random, which the caller cannot know."""
+    data = torch.utils.data.TensorDataset(torch.randn(6, 4, dtype=torch.float64), torch.randint(0, 3, (6,)))
+    fixed = torch.utils.data.DataLoader(data, batch_size=3)
+    shuffled = torch.utils.data.DataLoader(data, batch_size=3, shuffle=True)
+    inf = Influence(nn.Sequential(nn.Linear(4, 3)).double(), loss_fn, progress=False).fit(shuffled)
+    train, queries = (shuffled, fixed) if which == "training" else (fixed, shuffled)
+    with pytest.raises(ValueError, match=rf"the {which} loader shuffles.*shuffle=False"):
+        inf.scores(queries, train)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.attribution import folded_order, kronecker_block, layer_stats_of, unfold_order, with_ones
 from torch import nn
 
 from jacmem.attribution import Influence
@@ -49,46 +50,28 @@ def _per_sample(model, x, y) -> torch.Tensor:
     return torch.stack(rows)
 
 
-def _layer_stats(model, x, y):
-    """Per Linear: its inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
-    linears = [m for m in model if isinstance(m, nn.Linear)]
-    xs, gs = {m: [] for m in linears}, {m: [] for m in linears}
-    for i in range(len(x)):
-        outs = {}
-        hooks = [m.register_forward_hook(lambda m, a, o: outs.__setitem__(m, (a[0], o))) for m in linears]
-        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
-        for h in hooks:
-            h.remove()
-        grads = torch.autograd.grad(loss, [outs[m][1] for m in linears])
-        for m, g in zip(linears, grads):
-            xs[m].append(outs[m][0].detach()[0])
-            gs[m].append(g[0])
-    return [(torch.stack(xs[m]), torch.stack(gs[m])) for m in linears]
-
-
 def _dense_curvature(model, x, y, curvature: str, damping: float | None) -> torch.Tensor:
-    """The damped curvature ``[P, P]`` (jacmem's conventions), block-diagonal by parameter."""
+    """The damped curvature ``[P, P]`` (jacmem's conventions), block-diagonal: per Linear,
+    EK-FAC/KFAC of ``[W | b]`` (the bias a column of ones in the activations, ``A = Σ [a; 1]
+    [a; 1]ᵀ / n``, ``G = Σ g gᵀ``); the diagonal and the identity per parameter."""
     grads = _per_sample(model, x, y)
     blocks, at = [], 0
-    for (a, g), linear in zip(_layer_stats(model, x, y), [m for m in model if isinstance(m, nn.Linear)]):
+    for linear in [m for m in model if isinstance(m, nn.Linear)]:
+        a, g = layer_stats_of(model, loss_fn, x, y, linear)
         O, I = linear.weight.shape
-        Gw = grads[:, at : at + O * I]
-        Gb = grads[:, at + O * I : at + O * I + O]
+        rows = grads[:, at : at + O * I + O]
         at += O * I + O
-        G, A = g.T @ g, a.T @ a / len(a)
-        for vecs, basis in ((Gw, (G, A)), (Gb, (G,))):
+        if curvature in ("ekfac", "kfac"):
+            order = folded_order(O, I)
+            A = with_ones(a).T @ with_ones(a) / len(a)
+            blocks.append(unfold_order(kronecker_block(rows[:, order], g.T @ g, A, curvature, damping), order))
+            continue
+        for vecs in (rows[:, : O * I], rows[:, O * I :]):
             if curvature == "identity":
                 blocks.append(torch.eye(vecs.shape[1]))
                 continue
-            if curvature == "diag":
-                U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
-            else:
-                (lg, Ug), *rest = [torch.linalg.eigh(M) for M in basis]
-                la, Ua = rest[0] if rest else (torch.ones(1), torch.ones(1, 1))
-                U = torch.kron(Ug, Ua)  # row-major vec(Ug^T W Ua) = U^T vec(W)
-                lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
-            d = 0.1 * lam.mean() if damping is None else damping
-            blocks.append(U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam)))
+            lam = vecs.square().sum(0)
+            blocks.append(torch.diag(lam) + (0.1 * lam.mean() if damping is None else damping) * torch.eye(len(lam)))
     return torch.block_diag(*blocks)
 
 
@@ -139,51 +122,30 @@ def lm_loss(model, batch):
 def _lm_reference(model, ids, targets, curvature, damping):
     """The damped EK-FAC/KFAC of the tiny LM as a dense ``[P, P]``, by per-sample autograd:
     Embedding ``G = Σ g gᵀ`` over all positions, ``A`` the counts ``/ (N·T)`` (diagonal:
-    the identity basis), gradients of ``weight.T``; the Linear's ``A = Σ x xᵀ / (N·T)``;
-    the LayerNorm's parameters the diagonal ``Σ_n g_n²`` (EK-FAC)."""
+    the identity basis), gradients of ``weight.T``; the head's ``[W | b]`` one block, ``A =
+    Σ [x; 1][x; 1]ᵀ / (N·T)``; the LayerNorm's parameters the diagonal ``Σ_n g_n²`` (EK-FAC)."""
     params = [p for p in model.parameters() if p.requires_grad]
-    N, T = ids.shape
-    per, g_embed, g_head, x_head = [], [], [], []
-    for i in range(N):
-        out = {}
-        hooks = [
-            m.register_forward_hook(lambda m, a, o: out.__setitem__(m, (a[0], o))) for m in (model.embed, model.head)
-        ]
-        loss = lm_loss(model, (ids[i : i + 1], targets[i : i + 1]))
-        for h in hooks:
-            h.remove()
-        grads = torch.autograd.grad(loss, params + [out[model.embed][1], out[model.head][1]])
-        per.append(grads[: len(params)])
-        g_embed.append(grads[-2][0])
-        g_head.append(grads[-1][0])
-        x_head.append(out[model.head][0].detach()[0])
-    g_embed, g_head, x_head = torch.cat(g_embed), torch.cat(g_head), torch.cat(x_head)
-    counts = torch.bincount(ids.flatten(), minlength=6).double() / (N * T)
-    bases = {
-        "embed.weight": (g_embed.T @ g_embed, counts),
-        "head.weight": (g_head.T @ g_head, x_head.T @ x_head / (N * T)),
-        "head.bias": (g_head.T @ g_head, torch.ones(1, 1)),
-    }
     names = [n for n, p in model.named_parameters() if p.requires_grad]
-    blocks, rows = [], []
-    for k, name in enumerate(names):
-        vecs = torch.stack([(g[k].T if name == "embed.weight" else g[k]).flatten() for g in per])
-        rows.append(torch.stack([g[k].flatten() for g in per]))
-        if name not in bases:
-            U, lam = torch.eye(vecs.shape[1]), vecs.square().sum(0)
-        else:
-            G, A = bases[name]
-            lg, Ug = torch.linalg.eigh(G)
-            la, Ua = (A, torch.eye(len(A))) if A.dim() == 1 else torch.linalg.eigh(A)
-            U = torch.kron(Ug.contiguous(), Ua.contiguous())
-            lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
-        d = 0.1 * lam.mean() if damping is None else damping
-        C = U @ torch.diag(lam) @ U.T + d * torch.eye(len(lam))
-        if name == "embed.weight":  # back to the layout of weight [V, D]
-            perm = torch.arange(vecs.shape[1]).reshape(4, 6).T.flatten()
-            C = C[perm][:, perm]
-        blocks.append(C)
-    return torch.block_diag(*blocks), torch.cat(rows, 1)
+    N, T = ids.shape
+    per = [torch.autograd.grad(lm_loss(model, (ids[i : i + 1], targets[i : i + 1])), params) for i in range(N)]
+    rows = {name: torch.stack([g[k].flatten() for g in per]) for k, name in enumerate(names)}
+    _, g_embed = layer_stats_of(model, lm_loss, ids, targets, model.embed)
+    x_head, g_head = layer_stats_of(model, lm_loss, ids, targets, model.head)
+    g_embed, x_head, g_head = g_embed.flatten(0, 1), with_ones(x_head.flatten(0, 1)), g_head.flatten(0, 1)
+    counts = torch.bincount(ids.flatten(), minlength=6).double() / (N * T)
+    vecs = rows["embed.weight"].reshape(N, 6, 4).transpose(1, 2).flatten(1)  # of weight.T [D, V]
+    C = kronecker_block(vecs, g_embed.T @ g_embed, counts, curvature, damping)
+    perm = torch.arange(24).reshape(4, 6).T.flatten()  # back to the layout of weight [V, D]
+    blocks = [C[perm][:, perm]]
+    for name in names:
+        if name.startswith("norm"):
+            lam = rows[name].square().sum(0)
+            blocks.append(torch.diag(lam) + (0.1 * lam.mean() if damping is None else damping) * torch.eye(len(lam)))
+    order = folded_order(6, 4)
+    head = torch.cat([rows["head.weight"], rows["head.bias"]], 1)[:, order]
+    A = x_head.T @ x_head / (N * T)
+    blocks.append(unfold_order(kronecker_block(head, g_head.T @ g_head, A, curvature, damping), order))
+    return torch.block_diag(*blocks), torch.cat([rows[name] for name in names], 1)
 
 
 @pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
@@ -226,41 +188,66 @@ def test_the_mc_fisher_is_the_ggn_in_expectation(curvature):
     torch.testing.assert_close(mean, want, rtol=0.1, atol=0)
 
 
+#: a convolution, its input ``[C_in, *S]`` and its unfolded patches ``[N, C_in·K, T]`` by
+#: F.unfold (after the layer's padding, by F.pad)
+CONVS = {
+    "conv2d": (lambda: nn.Conv2d(2, 3, 2), (2, 3, 3), lambda x: F.unfold(x, 2)),
+    "conv2d_reflect_strided": (
+        lambda: nn.Conv2d(2, 3, 2, stride=2, padding=1, padding_mode="reflect"),
+        (2, 3, 3),
+        lambda x: F.unfold(F.pad(x, (1, 1, 1, 1), mode="reflect"), 2, stride=2),
+    ),
+    "conv1d_dilated": (
+        lambda: nn.Conv1d(2, 3, 2, dilation=2),
+        (2, 5),
+        lambda x: F.unfold(x[:, :, None], (1, 2), dilation=(1, 2)),
+    ),
+}
+
+
+@pytest.mark.parametrize("conv", sorted(CONVS))
 @pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
-def test_a_convolution_equals_the_dense_reference(curvature):
-    """Conv2d's factors as jacmem's KFAC gives them (BackPACK's convention): ``G = Σ_n
-    (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and ``A = Σ_{n,t}
-    a_t a_tᵀ / N`` over the unfolded patches; the weight as ``[C_out, C_in·k·k]``."""
+def test_a_convolution_equals_the_dense_reference(curvature, conv):
+    """A convolution's block as jacmem's KFAC gives its factors (BackPACK's convention),
+    its bias folded in as a one appended to each patch (KFC's homogeneous coordinates):
+    ``G = Σ_n (Σ_t g_t)(Σ_t g_t)ᵀ``, the per-sample bias gradients' second moment, and
+    ``A = Σ_{n,t} [a_t; 1][a_t; 1]ᵀ / N`` over the unfolded patches; the block of
+    ``[C_out, C_in·prod(k) + 1]``, the weight's columns then the bias's."""
+    make, shape, patches_of = CONVS[conv]
     torch.manual_seed(5)
-    model = nn.Sequential(nn.Conv2d(2, 3, 2), nn.Tanh(), nn.Flatten(), nn.Linear(12, 3, bias=False)).double()
-    model[3].requires_grad_(False)
+    layer = make().double()
     g = torch.Generator().manual_seed(0)
-    x, y = torch.randn(8, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
-    xq, yq = torch.randn(3, 2, 3, 3, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    x, y = torch.randn(8, *shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
+    xq, yq = torch.randn(3, *shape, generator=g, dtype=torch.float64), torch.randint(0, 3, (3,), generator=g)
+    width = layer(x[:1]).numel()
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(width, 3, bias=False)).double()
+    model[3].requires_grad_(False)
     train = _loader(x, y, 4)
     inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(train)
     got = inf.scores([(xq, yq)], train)
     rows = _per_sample(model, x, y)
-    weight, bias = rows[:, :24], rows[:, 24:]
-    patches = F.unfold(x, 2)  # [N, C_in·k·k, T]
-    A = torch.einsum("nit,njt->ij", patches, patches) / len(x)
-    lg, Ug = torch.linalg.eigh(bias.T @ bias)
-    la, Ua = torch.linalg.eigh(A)
-    Ug, Ua = Ug.contiguous(), Ua.contiguous()
-    blocks = []
-    for vecs, U, kron in ((weight, torch.kron(Ug, Ua), torch.kron(lg, la)), (bias, Ug, lg)):
-        lam = kron if curvature == "kfac" else (vecs @ U).square().sum(0)
-        blocks.append(U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(len(lam)))
-    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(*blocks)) @ rows.T
+    O, I = layer.weight.shape[0], layer.weight[0].numel()
+    bias = rows[:, O * I :]
+    patches = with_ones(patches_of(x).transpose(1, 2))  # [N, T, C_in·K + 1]
+    A = torch.einsum("nti,ntj->ij", patches, patches) / len(x)
+    order = folded_order(O, I)
+    C = unfold_order(kronecker_block(rows[:, order], bias.T @ bias, A, curvature, 0.01), order)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ rows.T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
 
 
-@pytest.mark.parametrize("curvature", ["ekfac", "kfac", "diag", "identity"])
-def test_kronfluence_conventions_are_n_train_times_jacmem_without_biases(curvature):
-    """One row per example and no bias: kronfluence's curvature is the mean's, jacmem's the
-    sum's, and the default damping scales with it, so its scores are ``n_train`` times."""
+@pytest.mark.parametrize(
+    ("curvature", "bias"),
+    [("ekfac", False), ("kfac", False), ("diag", False), ("identity", False), ("ekfac", True), ("kfac", True)],
+)
+def test_kronfluence_conventions_are_n_train_times_jacmem(curvature, bias):
+    """One row per example: kronfluence's curvature is the mean's, jacmem's the sum's, and
+    the default damping scales with it, so its scores are ``n_train`` times. With biases,
+    both fold a Linear's bias into its weight's block (a column of ones in the activations);
+    the diagonal's default damping is per block, a parameter's in jacmem's conventions, a
+    module's in kronfluence's, so it is compared without biases."""
     torch.manual_seed(6)
-    model = nn.Sequential(nn.Linear(4, 5, bias=False), nn.Tanh(), nn.Linear(5, 3, bias=False)).double()
+    model = nn.Sequential(nn.Linear(4, 5, bias=bias), nn.Tanh(), nn.Linear(5, 3, bias=bias)).double()
     x, y = _data(12, 0)
     xq, yq = _data(3, 1)
     scores = [
@@ -307,30 +294,10 @@ def test_hf_conv1d_is_scored_as_its_transposed_weight(curvature):
     xq, yq = _data(3, 1)
     inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(_loader(x, y, 5))
     got = inf.scores([(xq, yq)], _loader(x, y, 5))
-    (a, g), *_ = [s for s in _layer_stats_of(model, x, y, model[0])]
+    a, g = layer_stats_of(model, loss_fn, x, y, model[0])
     rows = _per_sample(model, x, y)
-    weight = rows[:, :20].reshape(-1, 4, 5).transpose(1, 2).flatten(1)  # as [O, I]
-    lg, Ug = torch.linalg.eigh(g.T @ g)
-    la, Ua = torch.linalg.eigh(a.T @ a / len(a))
-    U = torch.kron(Ug.contiguous(), Ua.contiguous())
-    lam = torch.kron(lg, la) if curvature == "kfac" else (weight @ U).square().sum(0)
-    Cw = U @ torch.diag(lam) @ U.T + 0.01 * torch.eye(20)
-    perm = torch.arange(20).reshape(5, 4).T.flatten()  # [O, I] order -> the stored [I, O]
-    Cw = Cw[perm][:, perm]
-    lb = (rows[:, 20:] @ Ug).square().sum(0) if curvature == "ekfac" else lg
-    Cb = Ug @ torch.diag(lb) @ Ug.T + 0.01 * torch.eye(5)
-    want = _per_sample(model, xq, yq) @ torch.linalg.inv(torch.block_diag(Cw, Cb)) @ rows.T
+    order = folded_order(5, 4, transposed=True)  # [O, I + 1] of weight.T and the bias -> the stored [I, O], [O]
+    A = with_ones(a).T @ with_ones(a) / len(a)
+    C = unfold_order(kronecker_block(rows[:, order], g.T @ g, A, curvature, 0.01), order)
+    want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ rows.T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
-
-
-def _layer_stats_of(model, x, y, layer):
-    """``layer``'s inputs ``[n, I]`` and output gradients ``[n, O]``, sample by sample."""
-    xs, gs = [], []
-    for i in range(len(x)):
-        out = {}
-        h = layer.register_forward_hook(lambda m, a, o: out.update(x=a[0], o=o))
-        loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
-        h.remove()
-        xs.append(out["x"].detach()[0])
-        gs.append(torch.autograd.grad(loss, out["o"])[0][0])
-    yield torch.stack(xs), torch.stack(gs)

@@ -1,6 +1,6 @@
 """conventions="kronfluence" against kronfluence 1.0.1 itself, run on the same model and
 data in float64: its pairwise and self-influence scores (empirical Fisher) on an MLP with
-biases."""
+biases, and on a small CNN (nn.Conv2d: strided, padded, dilated, with and without bias)."""
 
 from __future__ import annotations
 
@@ -133,3 +133,59 @@ def test_positions_are_rows_of_the_covariances_as_in_kronfluence(tmp_path, strat
     got = inf.fit(train_loader).scores(data.DataLoader(queries, batch_size=3), train_loader)
     err = (got - want).abs().max() / want.abs().max()
     assert err < 1e-8, f"relative error {err:.2e}"
+
+
+class _CNN(nn.Module):
+    """Conv2d -> ReLU -> Conv2d -> flatten -> Linear on ``[N, 2, 7, 7]``: kronfluence's
+    covariances have a row per output pixel of each convolution."""
+
+    def __init__(self, first: dict, second: dict):
+        super().__init__()
+        torch.manual_seed(5)
+        self.conv1, self.conv2 = nn.Conv2d(2, 3, **first), nn.Conv2d(3, 4, **second)
+        with torch.no_grad():
+            width = self.conv2(self.conv1(torch.zeros(1, 2, 7, 7))).numel()
+        self.head = nn.Linear(width, 3)
+
+    def forward(self, x):
+        return self.head(self.conv2(torch.relu(self.conv1(x))).flatten(1))
+
+
+#: (first conv, second conv): strided and padded with a bias, then dilated without; a
+#: rectangular dilated kernel with "same" padding (symmetric: kronfluence refuses the
+#: other) without a bias, then strided unevenly with one
+CNNS = {
+    "strided": (dict(kernel_size=3, stride=2, padding=1), dict(kernel_size=2, dilation=2, bias=False)),
+    "same": (
+        dict(kernel_size=(3, 1), dilation=(2, 1), padding="same", bias=False),
+        dict(kernel_size=3, stride=(2, 1), padding=(1, 0)),
+    ),
+}
+
+
+def _images(n: int, seed: int) -> data.TensorDataset:
+    g = torch.Generator().manual_seed(seed)
+    return data.TensorDataset(
+        torch.randn(n, 2, 7, 7, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
+    )
+
+
+@pytest.mark.parametrize("cnn", sorted(CNNS))
+@pytest.mark.parametrize(
+    ("strategy", "damping"),
+    [("ekfac", None), ("ekfac", 1e-3), ("kfac", None), ("diagonal", 1e-3), ("identity", None)],
+)
+def test_conv2d_scores_equal_kronfluence(tmp_path, strategy, damping, cnn):
+    train, queries = _images(16, 0), _images(3, 1)
+    make = lambda: _CNN(*CNNS[cnn]).double()  # noqa: E731
+    want, want_self = _kronfluence(tmp_path, strategy, damping, train, queries, make)
+    curvature = {"diagonal": "diag"}.get(strategy, strategy)
+    inf = Influence(make(), loss_fn, curvature=curvature, damping=damping, conventions="kronfluence", progress=False)
+    train_loader = data.DataLoader(train, batch_size=8)
+    got = inf.fit(train_loader).scores(data.DataLoader(queries, batch_size=3), train_loader)
+    assert got.shape == want.shape == (3, 16)
+    err = (got - want).abs().max() / want.abs().max()
+    assert err < 1e-8, f"relative error {err:.2e}"
+    got_self = inf.self_influence(train_loader)
+    err = (got_self - want_self).abs().max() / want_self.abs().max()
+    assert err < 1e-8, f"self-influence: relative error {err:.2e}"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from tests.support.attribution import layer_stats_of
 from torch import nn
 
 import jacmem
@@ -52,15 +53,7 @@ def _reference(model, x, y, curvature, damping, seed):
         grads.append(torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), list(model.parameters())))
     stats, linears = [], [m for m in model if isinstance(m, nn.Linear)]
     for m in linears:  # inputs and output gradients, per sample
-        xs, gs = [], []
-        for i in range(len(x)):
-            out = {}
-            h = m.register_forward_hook(lambda mod, a, o: out.update(x=a[0], o=o))
-            loss = loss_fn(model, (x[i : i + 1], y[i : i + 1]))
-            h.remove()
-            xs.append(out["x"].detach()[0])
-            gs.append(torch.autograd.grad(loss, out["o"])[0][0])
-        stats += [(torch.stack(xs), torch.stack(gs))] * 2  # weight, bias
+        stats += [layer_stats_of(model, loss_fn, x, y, m)] * 2  # weight, bias
     rows, blocks = [], []
     for k, (name, p) in enumerate(model.named_parameters()):
         a, g = stats[k]

@@ -216,3 +216,68 @@ def test_bad_arguments_are_refused():
         jacmem.BatchGradProjection(8, kind="lowrank")
     with pytest.raises(ValueError, match="dim must be a positive integer"):
         jacmem.BatchGradProjection(0)
+
+
+def drawn_in(step) -> int:
+    """How many times ``step()`` draws normal numbers (``aten::normal_``)."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+        step()
+    return sum(e.count for e in prof.key_averages() if e.key == "aten::normal_")
+
+
+def deep_mlp() -> tuple[nn.Module, Tensor, Tensor]:
+    """30 Linear layers with biases: 90 matrices (two per weight, one per bias), more than
+    a cache of the last 64 holds."""
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(30) for m in (nn.Linear(3, 3), nn.Tanh())]).to(DT)
+    return model, torch.randn(4, 3, dtype=DT), torch.randn(4, 3, dtype=DT)
+
+
+def test_a_warm_step_draws_no_matrix():
+    """The matrices are drawn once and kept (the cost a GPT-2's step paid: 31 M float64
+    normals for its biases and norms alone), with more matrices than a step's LRU of 64."""
+    model, X, y = deep_mlp()
+    want = expected(model, X, y, mse, 4, "kronecker", seed=3)
+    projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=3))  # (a new extension each step)
+    got = {}
+    assert drawn_in(lambda: got.update(projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=3)))) == 0
+    assert_all_close(got, want, unwrapped_names(model))
+
+
+def test_clear_matrices_lets_every_matrix_go_and_the_next_step_draws_the_same():
+    """The kept matrices stay after ``extend`` exits (so that a warm step draws nothing);
+    ``clear_matrices`` is how a user takes that memory back."""
+    from jacmem.derivatives import projection
+
+    model, X, y = deep_mlp()
+    want = expected(model, X, y, mse, 4, "kronecker", seed=5)
+    projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=5))
+    assert projection.DRAWN.bytes > 0
+    jacmem.BatchGradProjection.clear_matrices()
+    assert projection.DRAWN.bytes == 0 and not projection.DRAWN.kept
+    got = {}
+    assert drawn_in(lambda: got.update(projected(model, X, y, mse, jacmem.BatchGradProjection(4, seed=5)))) > 0
+    assert_all_close(got, want, unwrapped_names(model))
+
+
+def test_past_the_cache_bound_it_keeps_what_it_holds_and_draws_the_same(monkeypatch):
+    """A cache too small for the model's matrices keeps serving those it holds (it lets
+    none go for a new one while it is asked every step) and draws the rest again, the
+    same numbers; another seed's matrices take the place of stale ones."""
+    from jacmem.derivatives import projection
+
+    model, X, y = deep_mlp()
+    names = unwrapped_names(model)
+    want = {seed: expected(model, X, y, mse, 4, "dense", seed) for seed in (3, 4)}
+    # each seed's 60 matrices (dense kind: 4 rows, 9 or 3 columns per parameter) take 11520 bytes
+    small = projection.Drawn(limit=6000)
+    monkeypatch.setattr(projection, "DRAWN", small)
+    for seed, steps in ((3, 3), (4, 8)):
+        draws = []
+        for _ in range(steps):
+            got = {}
+            ext = jacmem.BatchGradProjection(4, kind="dense", seed=seed)
+            draws.append(drawn_in(lambda ext=ext: got.update(projected(model, X, y, mse, ext))))
+            assert_all_close(got, want[seed], names)
+            assert 0 < small.bytes <= small.limit
+        assert draws[-1] < 40, draws  # least recently used first out: all 60 at every step

@@ -227,6 +227,53 @@ def test_grouped_convolutions_at_batch_size_one(transposed):
             torch.testing.assert_close(torch.kron(G[j], A[j]), ref[idx][:, idx], msg=f"{field} group {j}")
 
 
+def _columns_with_bias(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """``[g, N, I/g·K + 1, T]``: what group ``j``'s first output channel multiplies its
+    kernel row and its bias with, from autograd (d out[n, o, t] / d (weight[o], bias[o]))."""
+    o_per_group = layer.out_channels // layer.groups
+
+    def f(w, b):
+        return torch.func.functional_call(layer, {"weight": w, "bias": b}, (x,)).flatten(2)  # [N, O, T]
+
+    Jw, Jb = torch.func.jacrev(f, argnums=(0, 1))(layer.weight.detach(), layer.bias.detach())
+    cols = []
+    for j in range(layer.groups):
+        o = j * o_per_group
+        cols.append(torch.cat([Jw[:, o, :, o].flatten(2), Jb[:, o, :, o, None]], dim=2).transpose(1, 2))
+    return torch.stack(cols)
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        nn.Conv1d(3, 4, 3, stride=2, padding=2, dilation=2),
+        nn.Conv2d(2, 4, (2, 3), padding="same", padding_mode="reflect"),
+        nn.Conv2d(4, 6, 2, stride=(1, 2), padding=1, groups=2),
+        nn.Conv3d(2, 2, 2, padding=1, padding_mode="circular"),
+    ],
+    ids=["conv1d", "conv2d_reflect", "conv2d_groups", "conv3d_circular"],
+)
+@pytest.mark.parametrize("approx", [None, "expand", "reduce"])
+def test_a_convolutions_bias_joins_its_input_factor_as_a_column_of_ones(layer, approx):
+    """``Kronecker.with_bias``: the input factor of the patches ``[a_t; 1]``, a one per
+    output position (the bias as a column of ones), by the rule of ``input_factor``:
+    ``Σ_{n,t} / N`` (BackPACK's), ``/ (N·T)`` (expand), of the means over ``t`` (reduce);
+    and ``positions`` the rows ``N·T``."""
+    torch.manual_seed(2)
+    layer = layer.to(DT)
+    x = torch.randn(3, layer.in_channels, *[5] * (layer.weight.dim() - 2), dtype=DT)
+    out = layer(x)
+    cols = _columns_with_bias(layer, x)  # [g, N, I/g·K + 1, T]
+    n, t = cols.shape[1], cols.shape[3]
+    if approx == "reduce":
+        cols, t = cols.mean(3, keepdim=True), 1
+    ref = torch.einsum("gnit,gnjt->gij", cols, cols) / (n * t if approx == "expand" else n)
+    entry = jacmem.derivatives.REGISTRY[type(layer)]
+    got = entry.kronecker.with_bias(x, out.shape, DT, approx, **entry.hyperparams(layer))
+    torch.testing.assert_close(got, ref[0] if layer.groups == 1 else ref)
+    assert entry.kronecker.positions(out.shape) == n * out[0, 0].numel()
+
+
 def _positionwise(d_in=4):
     return nn.Sequential(nn.Linear(d_in, 5), nn.Tanh(), nn.Linear(5, 3)).to(DT)
 
