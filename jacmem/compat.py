@@ -42,6 +42,7 @@ __all__ = [
     "is_compiled_module",
     "never_compile_alone",
     "node_output_shape",
+    "ordered_op",
     "own_slots",
     "parameter_slots",
     "plain_torch_function",
@@ -228,6 +229,16 @@ def never_compile_alone(fn: Callable) -> None:
     while it still traces ``fn`` inline where a compiled frame calls it.
     ``torch._dynamo.eval_frame.skip_code``, since torch 2.0."""
     torch._dynamo.eval_frame.skip_code(fn.__code__)
+
+
+def ordered_op(op: torch._ops.OpOverload) -> None:
+    """Declare the custom op ``op`` (one that returns nothing) as having a side effect
+    that torch.compile keeps, in order: a graph never drops it, and threads a token
+    through its calls. ``torch._higher_order_ops.effects._register_effectful_op``, since
+    torch 2.4 (an op in a compiled backward: tested on torch 2.13)."""
+    from torch._higher_order_ops import effects
+
+    effects._register_effectful_op(op, effects._EffectType.ORDERED)
 
 
 def handle_alive(handle) -> bool:

@@ -356,11 +356,15 @@ def _hooks_of(token: Tensor):
             yield hook
 
 
-@torch.library.custom_op("jacmem::tapped", mutates_args=("grad",))
+@torch.library.custom_op("jacmem::tapped", mutates_args=())
 def _tapped(grad: Tensor, token: Tensor, args: list[Tensor]) -> None:
     """In a compiled backward: ``grad``, the gradient of a call's output, and ``args``, the
     call's inputs as the backward holds them, to the hooks of ``token`` (:func:`_tap`).
-    Declared as writing ``grad``, so that it runs in order."""
+    It writes nothing: declared effectful (:func:`~jacmem.compat.ordered_op`), the graph
+    keeps it though it returns nothing, and gives it ``grad`` as a plain input, laid out
+    as the traced graph had it. (Declared as writing ``grad``, a view of a convolution's
+    input gradient, which inductor lays out channels-last, it was handed the view's
+    traced strides on that buffer: values shuffled within each sample.)"""
     with compat.autograd_inside_op():
         for hook in _hooks_of(token):
             hook(grad, args)
@@ -369,6 +373,9 @@ def _tapped(grad: Tensor, token: Tensor, args: list[Tensor]) -> None:
 @_tapped.register_fake
 def _(grad, token, args):
     return None
+
+
+compat.ordered_op(torch.ops.jacmem.tapped.default)
 
 
 class Tap(torch.autograd.Function):

@@ -61,6 +61,7 @@ MODEL_ERRORS: dict[tuple[tuple[str, ...], tuple[str, ...]], tuple[str, str]] = {
     # GPT-2's tied wte/lm_head: the curvature's cross terms between the calls
     (("gpt2",), ("GGNMP", "KFLR", "KFACEF", "EKFAC", "KFAC")): ("NotImplementedError", "used by more than one call"),
     (("bert",), HESSIAN): ("NotImplementedError", "cannot pass curvature through module"),
+    (("embedded_conv",), ("EKFAC",)): ("UnsupportedCurvatureError", "no eigenvalue correction for Conv2d"),
 }
 
 #: models that lack a setting's prerequisite: (model, setting) -> reason
@@ -93,6 +94,16 @@ XFAIL: dict[tuple, str] = {
     (("transformer_encoder",), "fsdp2", CLIP + PRIVATE): (
         "new: ClipGrad under FSDP2 on nn.MultiheadAttention raises torch's 'aten.addmm.default got mixed "
         "torch.Tensor and DTensor': a refusal of valid input"
+    ),
+    # (autocast_bf16's tolerance, relative to the conv's larger products, lets it pass; track and fsdp2 refuse HMP)
+    (
+        ("embedded_conv",),
+        ("extend", "compile", "model_compile", "ddp", "process_group", "accumulate", "create_graph"),
+        ("HMP",),
+    ): (
+        "new: HMP of an Embedding with a padding_idx, where the padding id is in the batch and a later layer mixes "
+        "positions (the convolution): emb.weight's product is off (0.006 of 0.012; eager too); exact without the "
+        "padding id in the batch, or without the convolution"
     ),
     (("llama",), "autocast_bf16", HESSIAN + KRONECKER + ("GGNMP",)): (
         "new: under bfloat16 autocast LlamaRMSNorm's weight is not refused up front: the Kronecker kinds and GGNMP "

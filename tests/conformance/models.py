@@ -86,6 +86,22 @@ class Encoder(nn.Module):
         return self.head(h).mean(1 if self.batch_first else 0)
 
 
+class EmbeddedConv(nn.Module):
+    """Token embeddings viewed as images, into a grouped strided convolution: ids [N, 6] ->
+    [N, 3]. The embedding's output gradient is a view of the convolution's input gradient,
+    which inductor lays out channels-last."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(11, 4, padding_idx=0)
+        self.conv = nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2)
+        self.head = nn.Linear(16, 3)
+
+    def forward(self, ids: Tensor) -> Tensor:
+        h = self.conv(self.emb(ids).view(-1, 2, 3, 4))  # [N, 6, 4] -> [N, 2, 3, 4] -> [N, 4, 2, 2]
+        return self.head(torch.tanh(h).flatten(1))
+
+
 def _classes(n: int = N, c: int = 3) -> Tensor:
     return torch.randint(0, c, (n,))
 
@@ -145,6 +161,10 @@ def lora_gpt2(batch_first: bool):
     return hf_models.build_lora("gpt2")
 
 
+def embedded_conv(batch_first: bool):
+    return EmbeddedConv(), torch.randint(0, 11, (N, 6)), _classes()
+
+
 def zero_dim(batch_first: bool):
     model = nn.Sequential(nn.Linear(6, 5), ZeroDimScale(), nn.Tanh(), nn.Linear(5, 3))
     return model, torch.randn(N, 6), _classes()
@@ -193,5 +213,6 @@ MODELS: dict[str, Model] = {
         Model("transformer_encoder", transformer_encoder, batch_first=True),
         Model("lora_gpt2", lora_gpt2, token=True),
         Model("zero_dim", zero_dim, kron_exact=False),
+        Model("embedded_conv", embedded_conv, token=True),
     ]
 }

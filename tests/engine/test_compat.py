@@ -396,6 +396,43 @@ def test_never_compile_alone_still_traces_inline():
     assert len(graphs) == 1 and torch.sin in graphs[0], "a compiled frame traces it inline"
 
 
+@torch.library.custom_op("jacmem_test::noted", mutates_args=())
+def _noted(grad: torch.Tensor) -> None:
+    _NOTED.append(grad.clone())
+
+
+@_noted.register_fake
+def _(grad):
+    return None
+
+
+_NOTED: list[torch.Tensor] = []
+compat.ordered_op(torch.ops.jacmem_test.noted.default)
+
+
+class _NoteGrad(torch.autograd.Function):
+    """The identity, whose backward hands the output's gradient to ``jacmem_test::noted``."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        torch.ops.jacmem_test.noted(grad)
+        return grad
+
+
+def test_ordered_op_keeps_an_op_that_returns_nothing_in_a_compiled_backward():
+    """Without the declaration, the compiled backward drops the op: nothing is noted."""
+    _NOTED.clear()
+    x = torch.ones(3, requires_grad=True)
+    compiled = torch.compile(lambda x: _NoteGrad.apply(x * 2).sum(), backend="aot_eager", fullgraph=True)
+    compiled(x).backward()
+    assert len(_NOTED) == 1
+    torch.testing.assert_close(_NOTED[0], torch.ones(3))
+
+
 def test_holds_parameters_asks_the_own_slots_and_the_children_of_the_given_types():
     lin, act = nn.Linear(2, 2), nn.ReLU()
     assert compat.holds_parameters(lin, ()) and not compat.holds_parameters(act, (nn.ParameterList,))
