@@ -95,16 +95,6 @@ XFAIL: dict[tuple, str] = {
         "new: ClipGrad under FSDP2 on nn.MultiheadAttention raises torch's 'aten.addmm.default got mixed "
         "torch.Tensor and DTensor': a refusal of valid input"
     ),
-    # (autocast_bf16's tolerance, relative to the conv's larger products, lets it pass; track and fsdp2 refuse HMP)
-    (
-        ("embedded_conv",),
-        ("extend", "compile", "model_compile", "ddp", "process_group", "accumulate", "create_graph"),
-        ("HMP",),
-    ): (
-        "new: HMP of an Embedding with a padding_idx, where the padding id is in the batch and a later layer mixes "
-        "positions (the convolution): emb.weight's product is off (0.006 of 0.012; eager too); exact without the "
-        "padding id in the batch, or without the convolution"
-    ),
     (("llama",), "autocast_bf16", HESSIAN + KRONECKER + ("GGNMP",)): (
         "new: under bfloat16 autocast LlamaRMSNorm's weight is not refused up front: the Kronecker kinds and GGNMP "
         "give it a result (checked against the oracle for GGNMP only), and the Hessian kinds raise ChainError at "

@@ -147,6 +147,37 @@ def test_embedding_products_give_the_padding_row_no_curvature():
         torch.testing.assert_close(got.flatten(1), mat.flatten(1) @ ggn["0.weight"], msg=field)
 
 
+def test_embedding_hmp_with_the_padding_id_in_the_batch_is_the_hessian():
+    """HMP of an Embedding whose padding id is in the batch, viewed into a convolution that
+    mixes positions (the conformance matrix's ``embedded_conv``): the Hessian of the loss
+    with the padding row held constant, as autograd holds it; built here over the other
+    rows alone, the padding row spliced in as a constant (no padding convention involved).
+    ``torch.func.hessian`` of the whole weight is not that: forward mode reads the padding
+    row that reverse mode gives no gradient, so its block had non-zero padding columns under
+    zero padding rows (not symmetric; the matrix's HMP cells 0.006 off of 0.012 against it). The shared
+    reference, ``secondorder_ref.dense``, holds the row constant; this failed before it did."""
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        nn.Embedding(11, 4, padding_idx=0), nn.Unflatten(1, (2, 3)), nn.Conv2d(2, 4, 3, stride=2, padding=1, groups=2),
+        nn.Tanh(), nn.Flatten(), nn.Linear(16, 3),
+    ).to(DT)  # fmt: skip
+    X, y = torch.tensor([[1, 0, 2, 7, 0, 5], [0, 4, 4, 10, 3, 9], [8, 2, 6, 0, 1, 3]]), torch.tensor([0, 2, 1])
+    lossf = nn.CrossEntropyLoss()
+    run(model, lossf, X, y, HMP())
+    weight = model[0].weight.detach()
+
+    def loss_of_rows(rows):  # [10, 4]: every row but the padding one
+        return lossf(functional_call(model, {"0.weight": torch.cat([weight[:1], rows])}, (X,)), y)
+
+    inner = torch.func.hessian(loss_of_rows)(weight[1:]).reshape(40, 40)
+    want = torch.zeros(44, 44, dtype=DT)
+    want[4:, 4:] = inner
+    shared = blocks(model, dense(model, lossf, X, y)[1])["0.weight"]
+    torch.testing.assert_close(shared, want, msg="the shared reference holds the padding row constant")
+    mat = torch.randn(2, 11, 4, dtype=DT)
+    torch.testing.assert_close(model[0].weight.hmp(mat).flatten(1), mat.flatten(1) @ want)
+
+
 ACTIVATIONS = (nn.Sigmoid, nn.Tanh, nn.ELU, nn.SiLU, nn.GELU)
 
 

@@ -4,6 +4,13 @@ For a model ``f(θ, X)`` and a loss module: the GGN ``Jᵀ H J`` and the Hessian
 loss w.r.t. all parameters, whole-batch and per sample (sample ``n``'s term of the
 loss as reduced: its ``reduction="sum"`` loss times the mean's normalisation), and
 their blocks per parameter.
+
+An ``nn.Embedding``'s ``padding_idx`` row is held constant, as autograd holds it (its
+gradient is zero, so training never moves it): its rows and columns of both matrices
+are zero. ``torch.func.hessian`` (forward mode over reverse) alone would mix two
+conventions: reverse mode zeroes the padding row's gradient, but forward mode's tangent
+of the lookup reads the padding row, so the Hessian got non-zero padding columns under
+zero padding rows, a matrix that is not symmetric (the Hessian of no function).
 """
 
 from __future__ import annotations
@@ -24,11 +31,29 @@ def _split(model: nn.Module):
     shapes = [params[n].shape for n in names]
     theta = torch.cat([params[n].detach().flatten() for n in names])
     sizes = [s.numel() for s in shapes]
+    pads = _padding_rows(model)
 
     def unflat(t: Tensor) -> dict[str, Tensor]:
-        return {n: c.reshape(s) for n, c, s in zip(names, t.split(sizes), shapes)}
+        split = {n: c.reshape(s) for n, c, s in zip(names, t.split(sizes), shapes)}
+        return {n: _hold_row(w, pads[n]) if n in pads else w for n, w in split.items()}
 
     return names, shapes, sizes, theta, unflat
+
+
+def _padding_rows(model: nn.Module) -> dict[str, int]:
+    """weight's name -> its padding row, for each ``nn.Embedding`` with a ``padding_idx``."""
+    return {
+        f"{name}.weight".removeprefix("."): m.padding_idx
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Embedding) and m.padding_idx is not None
+    }
+
+
+def _hold_row(w: Tensor, row: int) -> Tensor:
+    """``w [V, D]`` with row ``row`` a constant to every transform (forward mode included)."""
+    keep = torch.ones(len(w), 1, dtype=w.dtype, device=w.device)
+    keep[row] = 0
+    return w * keep + (w * (1 - keep)).detach()
 
 
 def _sum_loss(lossf: nn.Module) -> nn.Module:
