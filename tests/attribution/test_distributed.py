@@ -18,7 +18,8 @@ import numpy
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
+from tests.support.attribution import summed_cross_entropy as loss_fn
+from tests.support.attribution import tiny_mlp
 from tests.support.distributed import needs_gloo, run_ranks
 from torch import nn
 from torch.utils.data import DistributedSampler, TensorDataset
@@ -44,19 +45,9 @@ SETTINGS = [
 PLAIN = {"curvature": "ekfac", "damping": 0.1}
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-
-
 def _data():
     g = torch.Generator().manual_seed(0)
     return torch.randn(8, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (8,), generator=g)
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def output_fn(model, batch):
@@ -76,13 +67,13 @@ def _run(cls, model, kwargs, train, queries, store=None):
 def _worker(rank: int, out: str) -> None:
     torch.set_num_threads(1)
     x, y = _data()
-    ddp = nn.parallel.DistributedDataParallel(_model())
+    ddp = nn.parallel.DistributedDataParallel(tiny_mlp())
     train = [(x[s], y[s]) for s in TRAIN[rank]]
     queries = [(x[s], y[s]) for s in QUERIES[rank]]
     got = {}
     for name, cls, kwargs in SETTINGS:
         got[name] = _run(cls, ddp, kwargs, train, queries, store=f"{out}/store-{name}")
-    plain = _model()  # a plain model on each rank, its group given
+    plain = tiny_mlp()  # a plain model on each rank, its group given
     got["ekfac-plain"] = _run(Influence, plain, {**PLAIN, "process_group": dist.group.WORLD}, train, queries)
     inf = Influence(ddp, loss_fn, curvature="identity", progress=False).fit(train)
     got["identity-out"] = inf.scores(queries, train, out=f"{out}/scores{rank}.npy").clone()  # a file per rank
@@ -99,7 +90,7 @@ def test_ddp_scores_equal_one_process_on_the_whole_data(tmp_path):
         got = torch.load(tmp_path / f"rank{rank}.pt")
         assert (tmp_path / "store-ekfac" / f"rank_{rank}").is_dir()  # one shared directory, a store per rank
         for name, cls, kwargs in SETTINGS:
-            scores, own = _run(cls, _model(), kwargs, train, queries)
+            scores, own = _run(cls, tiny_mlp(), kwargs, train, queries)
             assert got[name][0].shape == (3, 8), name
             torch.testing.assert_close(got[name][0], scores, rtol=1e-10, atol=1e-12, msg=f"{name} rank {rank}")
             if own is not None:

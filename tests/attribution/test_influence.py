@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-from tests.support.attribution import folded_order, kronecker_block, layer_stats_of, unfold_order, with_ones
+from tests.support.attribution import folded_order, kronecker_block, layer_stats_of, tiny_mlp, unfold_order, with_ones
+from tests.support.attribution import summed_cross_entropy as loss_fn
 from torch import nn
 
 from jacmem.attribution import Influence
@@ -24,16 +25,6 @@ def _float64():
 def _data(n: int, seed: int):
     g = torch.Generator().manual_seed(seed)
     return torch.randn(n, 4, generator=g, dtype=torch.float64), torch.randint(0, 3, (n,), generator=g)
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def _loader(x, y, size):
@@ -80,7 +71,7 @@ def _dense_curvature(model, x, y, curvature: str, damping: float | None) -> torc
 def test_scores_equal_the_dense_damped_inverse(curvature, damping):
     if curvature == "identity" and damping is not None:
         pytest.skip("identity has no damping")
-    model = _model()
+    model = tiny_mlp()
     x, y = _data(12, 0)
     xq, yq = _data(5, 1)
     inf = Influence(model, loss_fn, curvature=curvature, damping=damping, progress=False)
@@ -94,7 +85,7 @@ def test_scores_equal_the_dense_damped_inverse(curvature, damping):
 
 @pytest.mark.parametrize("curvature", ["ekfac", "diag"])
 def test_self_influence_is_the_diagonal_of_train_train_scores(curvature):
-    model = _model()
+    model = tiny_mlp()
     x, y = _data(10, 0)
     inf = Influence(model, loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
     scores = inf.scores(_loader(x, y, 3), _loader(x, y, 4))
@@ -265,7 +256,7 @@ class _Unused(nn.Module):
 
     def __init__(self):
         super().__init__()
-        self.mlp, self.spare = _model(), nn.Linear(2, 2).double()
+        self.mlp, self.spare = tiny_mlp(), nn.Linear(2, 2).double()
 
     def forward(self, x):
         return self.mlp(x)
@@ -275,7 +266,7 @@ class _Unused(nn.Module):
 def test_a_parameter_the_loss_never_uses_scores_nothing(curvature):
     x, y = _data(8, 0)
     xq, yq = _data(3, 1)
-    want = Influence(_model(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
+    want = Influence(tiny_mlp(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
     got = Influence(_Unused(), loss_fn, curvature=curvature, progress=False).fit(_loader(x, y, 4))
     torch.testing.assert_close(
         got.scores([(xq, yq)], _loader(x, y, 4)), want.scores([(xq, yq)], _loader(x, y, 4)), rtol=1e-12, atol=0

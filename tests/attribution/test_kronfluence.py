@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tests.support.attribution import summed_cross_entropy as loss_fn
 from torch import nn
 from torch.utils import data
 
@@ -16,11 +16,6 @@ kronfluence = pytest.importorskip("kronfluence")
 from kronfluence import Analyzer, FactorArguments, ScoreArguments, prepare_model  # noqa: E402
 from kronfluence.task import Task  # noqa: E402
 from kronfluence.utils.constants import ALL_MODULE_NAME  # noqa: E402
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 class _Task(Task):

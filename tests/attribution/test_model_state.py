@@ -8,7 +8,7 @@ running statistics moved on every fit."""
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+from tests.support.attribution import summed_cross_entropy as loss_fn
 from torch import nn
 
 from jacmem.attribution import TRAK, Influence, margin
@@ -21,11 +21,6 @@ def _model() -> nn.Module:
         model[1].running_mean.uniform_(-0.5, 0.5)
         model[1].running_var.uniform_(0.5, 2.0)
     return model
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def _data(n: int, seed: int):

@@ -6,14 +6,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from torch import nn
+from tests.support.attribution import tiny_mlp
 
 from jacmem.attribution import GradientStore, Influence
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
 
 
 def _loader(n: int, size: int, seed: int):
@@ -38,19 +33,25 @@ class _Stop(Exception):
     pass
 
 
-def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
-    train = _loader(10, 3, 0)  # 4 chunks: 3, 3, 3, 1
+def _stopped_fill(path, train, batches: int) -> tuple[Influence, _Counted, GradientStore]:
+    """An Influence whose training store under ``path`` stopped after ``batches`` batches."""
     loss = _Counted()
-    inf = Influence(_model(), loss, curvature="identity", store=tmp_path / "g", progress=False).fit(train)
+    inf = Influence(tiny_mlp(), loss, curvature="identity", store=path, progress=False).fit(train)
 
-    def stops_at_third(batch):
-        if loss.calls == 2:
+    def stops(batch):
+        if loss.calls == batches:
             raise _Stop
         return inf._rows(batch, "train")
 
-    store = GradientStore(tmp_path / "g", inf._key())
+    store = GradientStore(path, inf._key())
     with pytest.raises(_Stop):
-        store.fill(train, stops_at_third)
+        store.fill(train, stops)
+    return inf, loss, store
+
+
+def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
+    train = _loader(10, 3, 0)  # 4 chunks: 3, 3, 3, 1
+    inf, loss, store = _stopped_fill(tmp_path / "g", train, 2)
     assert sorted(p.name for p in (tmp_path / "g").glob("chunk_*.npy")) == ["chunk_0000000.npy", "chunk_0000001.npy"]
     assert not store.complete
 
@@ -58,7 +59,7 @@ def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
     queries = _loader(4, 2, 1)
     got = inf.scores(queries, train)
     assert loss.calls == 2 + 2  # the two missing training chunks, then the two query batches
-    fresh = Influence(_model(), _Counted(), curvature="identity", progress=False).fit(train)
+    fresh = Influence(tiny_mlp(), _Counted(), curvature="identity", progress=False).fit(train)
     torch.testing.assert_close(got, fresh.scores(queries, train), rtol=0, atol=0)
 
     loss.calls = 0
@@ -68,7 +69,7 @@ def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
 
 def test_scores_in_blocks_equal_scores_at_once_and_can_go_to_a_file(tmp_path):
     train, queries = _loader(11, 3, 0), _loader(7, 2, 1)
-    inf = Influence(_model(), _Counted(), curvature="ekfac", progress=False).fit(train)
+    inf = Influence(tiny_mlp(), _Counted(), curvature="ekfac", progress=False).fit(train)
     blocks = inf.scores(queries, train, out=tmp_path / "scores.npy")
     grads_q = torch.cat([inf._rows(b, "query") for b in queries])
     grads_t = torch.cat([inf._rows(b, "train") for b in train])
@@ -79,10 +80,10 @@ def test_scores_in_blocks_equal_scores_at_once_and_can_go_to_a_file(tmp_path):
 
 def test_a_store_of_another_checkpoint_raises(tmp_path):
     train = _loader(6, 3, 0)
-    Influence(_model(), _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train).self_influence(
+    Influence(tiny_mlp(), _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train).self_influence(
         train
     )
-    model = _model()
+    model = tiny_mlp()
     with torch.no_grad():
         model[0].bias.add_(1.0)
     later = Influence(model, _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train)
@@ -93,7 +94,7 @@ def test_a_store_of_another_checkpoint_raises(tmp_path):
 def test_progress_bars_name_each_pass(capsys):
     pytest.importorskip("tqdm")
     train = _loader(6, 3, 0)
-    inf = Influence(_model(), _Counted(), curvature="ekfac", progress=True).fit(train)
+    inf = Influence(tiny_mlp(), _Counted(), curvature="ekfac", progress=True).fit(train)
     inf.scores(_loader(2, 2, 1), train)
     err = capsys.readouterr().err
     for desc in ("fitting Kronecker factors", "fitting EK-FAC's eigenvalues", "training gradients", "query gradients"):
@@ -104,7 +105,7 @@ def test_a_complete_store_read_through_other_data_raises_and_the_same_data_rebat
     """A complete store computes nothing again; before, ``scores(q, other_train)`` read the
     first training set's rows as the other's columns, silently."""
     train, queries = _loader(10, 3, 0), _loader(4, 2, 1)
-    inf = Influence(_model(), _Counted(), curvature="identity", store=tmp_path / "g", progress=False).fit(train)
+    inf = Influence(tiny_mlp(), _Counted(), curvature="identity", store=tmp_path / "g", progress=False).fit(train)
     want = inf.scores(queries, train)
     other = _loader(10, 3, 5)
     with pytest.raises(ValueError, match="other data than this loader's.*pass the loader it was filled from"):
@@ -116,9 +117,9 @@ def test_a_complete_store_read_through_other_data_raises_and_the_same_data_rebat
     x, y = torch.cat([b[0] for b in train]), torch.cat([b[1] for b in train])
     rebatched = [(x[i : i + 4], y[i : i + 4]) for i in range(0, 10, 4)]
     torch.testing.assert_close(inf.scores(queries, rebatched), want, rtol=0, atol=0)
-    fresh = Influence(_model(), _Counted(), curvature="identity", progress=False).fit(other)
+    fresh = Influence(tiny_mlp(), _Counted(), curvature="identity", progress=False).fit(other)
     torch.testing.assert_close(
-        Influence(_model(), _Counted(), curvature="identity", store=tmp_path / "h", progress=False)
+        Influence(tiny_mlp(), _Counted(), curvature="identity", store=tmp_path / "h", progress=False)
         .fit(other)
         .scores(queries, other),
         fresh.scores(queries, other),
@@ -128,16 +129,6 @@ def test_a_complete_store_read_through_other_data_raises_and_the_same_data_rebat
 
 
 def test_a_stopped_fill_resumed_over_other_data_raises(tmp_path):
-    train = _loader(10, 3, 0)
-    loss = _Counted()
-    inf = Influence(_model(), loss, curvature="identity", store=tmp_path / "g", progress=False).fit(train)
-
-    def stops_at_second(batch):
-        if loss.calls == 1:
-            raise _Stop
-        return inf._rows(batch, "train")
-
-    with pytest.raises(_Stop):
-        GradientStore(tmp_path / "g", inf._key()).fill(train, stops_at_second)
+    inf, _, _ = _stopped_fill(tmp_path / "g", _loader(10, 3, 0), 1)
     with pytest.raises(ValueError, match="batch 0 differs from the one its stored chunk was computed from"):
         inf.scores(_loader(4, 2, 1), _loader(10, 3, 7))

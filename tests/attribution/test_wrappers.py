@@ -9,20 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
+from tests.support.attribution import summed_cross_entropy as loss_fn
+from tests.support.attribution import tiny_mlp
 from torch import nn
 
 from jacmem.attribution import Influence
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(1)
-    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
-
-
-def loss_fn(model, batch):
-    x, y = batch
-    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def _scores(model) -> torch.Tensor:
@@ -34,11 +25,11 @@ def _scores(model) -> torch.Tensor:
 
 
 def test_a_data_parallel_model_scores_as_the_bare_one():
-    inf = Influence(nn.DataParallel(_model()), loss_fn, projection=4, progress=False)
+    inf = Influence(nn.DataParallel(tiny_mlp()), loss_fn, projection=4, progress=False)
     assert inf.names == ("0.weight", "0.bias", "2.weight", "2.bias")
-    torch.testing.assert_close(_scores(nn.DataParallel(_model())), _scores(_model()), rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(_scores(nn.DataParallel(tiny_mlp())), _scores(tiny_mlp()), rtol=1e-12, atol=1e-14)
 
 
 @pytest.mark.slow
 def test_a_compiled_model_scores_as_the_bare_one():
-    torch.testing.assert_close(_scores(torch.compile(_model())), _scores(_model()), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(_scores(torch.compile(tiny_mlp())), _scores(tiny_mlp()), rtol=1e-10, atol=1e-12)

@@ -5,7 +5,20 @@ from them (explicit ``[P, P]`` matrices, never jacmem's code)."""
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
+
+
+def tiny_mlp() -> nn.Module:
+    """``Linear(4, 5) -> Tanh -> Linear(5, 3)``, float64, seeded: the attribution tests' model."""
+    torch.manual_seed(1)
+    return nn.Sequential(nn.Linear(4, 5), nn.Tanh(), nn.Linear(5, 3)).double()
+
+
+def summed_cross_entropy(model: nn.Module, batch) -> Tensor:
+    """The ``loss_fn(model, batch)`` Influence takes: the batch's cross-entropies summed."""
+    x, y = batch
+    return F.cross_entropy(model(x), y, reduction="sum")
 
 
 def layer_stats_of(model: nn.Module, loss_fn, x: Tensor, y: Tensor, layer: nn.Module) -> tuple[Tensor, Tensor]:
