@@ -254,12 +254,16 @@ class Influence:
         return self._flat(got)
 
     def _flat(self, got: list[Tensor | None]) -> Tensor:
-        """Per-parameter ``[N, *p.shape]`` (``None``: zeros) as rows ``[N, D]``."""
+        """Per-parameter rows ``[N, *slot.shape]`` (``None``: zeros of the slot's width, the
+        projected one with a projection) as rows ``[N, D]``."""
         n = next((len(v) for v in got if v is not None), None)
         if n is None:
             raise ValueError("jacmem.attribution: the loss depends on no trainable parameter")
         return torch.cat(
-            [p.new_zeros(n, p.numel()) if v is None else v.detach().reshape(n, -1) for p, v in zip(self.params, got)],
+            [
+                p.new_zeros(n, s.size) if v is None else v.detach().reshape(n, -1)
+                for p, s, v in zip(self.params, self.slots, got, strict=True)
+            ],
             dim=1,
         )
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.support.attribution import layer_stats_of
+from tests.support.projection import rule
 from torch import nn
 
 import jacmem
@@ -249,3 +250,51 @@ def test_hf_gpt2_projected_runs_whole(curvature):
     assert [inf.names[i] for i in inf._whole] == ["model.transformer.wte.weight"]
     assert torch.isfinite(scores).all()
     torch.testing.assert_close(inf.self_influence(train), torch.diagonal(scores), rtol=1e-10, atol=0)
+
+
+class _UnusedHead(nn.Module):
+    """A trunk, a head the loss never reads (``unused``, before ``head`` in the parameter
+    order), and the head it reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.trunk, self.unused, self.head = nn.Linear(4, 5), nn.Linear(5, 7), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.head(h), self.unused(h)
+
+
+def _first_output_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x)[0], y, reduction="sum")
+
+
+@pytest.mark.parametrize("dim", [4, 6])
+def test_a_parameter_the_loss_does_not_use_takes_its_projected_width(dim):
+    """A trainable parameter the loss never reaches has zero rows of the *projected* width
+    (``dim``), not of ``p.numel()``: otherwise the later parameters' columns shift (the
+    scores were 97% off at dim=4) or the widths do not match."""
+    model = _UnusedHead().double()
+    x, y = _data(6, 0)
+    train = [(x[:3], y[:3]), (x[3:], y[3:])]
+    got = Influence(model, _first_output_loss, curvature="identity", projection=dim, progress=False)
+    got = got.fit(train).scores([(x[:2], y[:2])], train)
+    names = dict(model.named_parameters())
+    rows = []
+    for i in range(len(x)):
+        grads = torch.autograd.grad(
+            _first_output_loss(model, (x[i : i + 1], y[i : i + 1])), list(names.values()), allow_unused=True
+        )
+        rows.append(
+            torch.cat(
+                [
+                    rule(model, n, torch.zeros_like(p)[None] if g is None else g[None], 0, dim, "kronecker")
+                    for (n, p), g in zip(names.items(), grads)
+                ],
+                1,
+            )
+        )
+    rows = torch.cat(rows)
+    torch.testing.assert_close(got, rows[:2] @ rows.T, rtol=1e-10, atol=1e-12)
