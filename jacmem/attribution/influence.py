@@ -349,12 +349,16 @@ class Influence:
         D: dict[int, Tensor] = {}  # a diagonal's (LayerNorm's)
         tracked = {name for name, _, _ in self._tracked()} if kron else set()
         inputs = _Inputs(self.model, self._folds(), tracked, approx)
-        n = 0
+        n, skip = 0, self._factorless()
         try:
             for batch in self._bar(loader, "fitting Kronecker factors"):
                 b = batch_size(batch)
                 inputs.start_batch()
-                got = self._backward(batch, extension, field, hint=_NO_FACTORS, skip=self._whole)
+                got = (
+                    [None] * len(self.params)  # (no parameter needs factors: no backward)
+                    if len(skip) == len(self.params)
+                    else self._backward(batch, extension, field, hint=_NO_FACTORS, skip=skip)
+                )
                 for i, factors in enumerate(got):
                     if factors is None:
                         continue
@@ -504,6 +508,14 @@ class Influence:
             if rule is not None and rule.with_bias is not None:
                 out[name] = (index[id(w)], index[id(b)])
         return out
+
+    def _factorless(self) -> set[int]:
+        """The parameters whose curvature needs no Kronecker factors: with a projection,
+        every one but those the Kronecker rule projects (tied weights, biases, norms, layers
+        KFAC has no rule for: the second moment of their projected gradients)."""
+        if self.projection is None:
+            return set()
+        return self._whole | (set(range(len(self.params))) - self.kronecker_projected)
 
     def _tied(self) -> set[int]:
         """The parameters that several modules own (tied weights: GPT-2's ``wte`` and ``lm_head``)."""
