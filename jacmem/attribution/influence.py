@@ -782,8 +782,9 @@ class _Inputs:
             for p in module.parameters(recurse=False):
                 self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + rows
             if fold:
-                x = first_input(args, kwargs).detach()
-                A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
+                x = first_input(args, kwargs).detach().to(module.weight.dtype)
+                with torch.autocast(x.device.type, enabled=False):  # in the weight's dtype, not autocast's
+                    A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
                 self._batch.setdefault(name, []).append((A, rows))
 
         return hook

@@ -328,3 +328,28 @@ def test_a_transposed_convolution_equals_the_dense_reference(curvature):
     wq, bq = as_matrix(_per_sample(model, xq, yq))
     want = torch.cat([wq, bq], 1) @ torch.linalg.inv(C) @ torch.cat([weight, bias], 1).T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_under_bf16_autocast_the_folded_factor_is_in_the_weights_dtype(curvature):
+    """A float32 model whose ``loss_fn`` runs under ``torch.autocast`` (bfloat16): the
+    folded input factor (the bias as a column of ones), computed in a forward hook under
+    autocast, came in bfloat16, on which ``eigh`` does not run (the fit raised
+    ``"linalg_eigh_cpu" not implemented for 'BFloat16'``). It is computed in the weight's
+    dtype; the scores are the float64 dense reference's, to bfloat16's precision."""
+    model = tiny_mlp().float()
+    x, y = _data(12, 0)
+
+    def amp_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch[0].float())
+        return F.cross_entropy(logits.float(), batch[1], reduction="sum")
+
+    inf = Influence(model, amp_loss, curvature=curvature, damping=0.05, progress=False).fit(_loader(x, y, 4))
+    got = inf.scores(_loader(x[:3], y[:3], 3), _loader(x, y, 4))
+    assert got.dtype == torch.float32
+    reference = tiny_mlp()  # the same weights, float64, no autocast
+    C = _dense_curvature(reference, x, y, curvature, 0.05)
+    rows = _per_sample(reference, x, y)
+    want = rows[:3] @ torch.linalg.inv(C) @ rows.T
+    assert ((got.double() - want).norm() / want.norm()) < 3e-2
