@@ -254,12 +254,16 @@ class Influence:
         return self._flat(got)
 
     def _flat(self, got: list[Tensor | None]) -> Tensor:
-        """Per-parameter ``[N, *p.shape]`` (``None``: zeros) as rows ``[N, D]``."""
+        """Per-parameter rows ``[N, *slot.shape]`` (``None``: zeros of the slot's width, the
+        projected one with a projection) as rows ``[N, D]``."""
         n = next((len(v) for v in got if v is not None), None)
         if n is None:
             raise ValueError("jacmem.attribution: the loss depends on no trainable parameter")
         return torch.cat(
-            [p.new_zeros(n, p.numel()) if v is None else v.detach().reshape(n, -1) for p, v in zip(self.params, got)],
+            [
+                p.new_zeros(n, s.size) if v is None else v.detach().reshape(n, -1)
+                for p, s, v in zip(self.params, self.slots, got, strict=True)
+            ],
             dim=1,
         )
 
@@ -345,12 +349,16 @@ class Influence:
         D: dict[int, Tensor] = {}  # a diagonal's (LayerNorm's)
         tracked = {name for name, _, _ in self._tracked()} if kron else set()
         inputs = _Inputs(self.model, self._folds(), tracked, approx)
-        n = 0
+        n, skip = 0, self._factorless()
         try:
             for batch in self._bar(loader, "fitting Kronecker factors"):
                 b = batch_size(batch)
                 inputs.start_batch()
-                got = self._backward(batch, extension, field, hint=_NO_FACTORS, skip=self._whole)
+                got = (
+                    [None] * len(self.params)  # (no parameter needs factors: no backward)
+                    if len(skip) == len(self.params)
+                    else self._backward(batch, extension, field, hint=_NO_FACTORS, skip=skip)
+                )
                 for i, factors in enumerate(got):
                     if factors is None:
                         continue
@@ -500,6 +508,14 @@ class Influence:
             if rule is not None and rule.with_bias is not None:
                 out[name] = (index[id(w)], index[id(b)])
         return out
+
+    def _factorless(self) -> set[int]:
+        """The parameters whose curvature needs no Kronecker factors: with a projection,
+        every one but those the Kronecker rule projects (tied weights, biases, norms, layers
+        KFAC has no rule for: the second moment of their projected gradients)."""
+        if self.projection is None:
+            return set()
+        return self._whole | (set(range(len(self.params))) - self.kronecker_projected)
 
     def _tied(self) -> set[int]:
         """The parameters that several modules own (tied weights: GPT-2's ``wte`` and ``lm_head``)."""
@@ -766,8 +782,9 @@ class _Inputs:
             for p in module.parameters(recurse=False):
                 self.batch_rows[id(p)] = self.batch_rows.get(id(p), 0) + rows
             if fold:
-                x = first_input(args, kwargs).detach()
-                A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
+                x = first_input(args, kwargs).detach().to(module.weight.dtype)
+                with torch.autocast(x.device.type, enabled=False):  # in the weight's dtype, not autocast's
+                    A = rule.with_bias(x, output.shape, x.dtype, self._approx, **entry.hyperparams(module))
                 self._batch.setdefault(name, []).append((A, rows))
 
         return hook

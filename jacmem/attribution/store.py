@@ -8,7 +8,8 @@ fill that stops (an interrupted job, a crash) leaves only finished chunks; the n
 computes the rest. The store fingerprints the loader's tensors as it goes (:class:`Fingerprint`):
 each chunk's batch, so that a resumed fill over other data raises, and the whole data, however
 batched, so that a complete store read through another loader (another training set, another
-order) raises rather than scoring the old rows. Reads map the chunks (``numpy.load(mmap_mode="c")``: copy on write, the files are never changed): what is in memory
+order) raises rather than scoring the old rows; and the first batch's rows are computed again
+and compared with the stored ones, so that another ``loss_fn`` or forward raises too. Reads map the chunks (``numpy.load(mmap_mode="c")``: copy on write, the files are never changed): what is in memory
 at once is one chunk, never the whole ``[n, D]``.
 """
 
@@ -108,6 +109,9 @@ class GradientStore:
         else:
             self._chunks, self._data = None, None
             self._write_meta()
+        #: whether this object's rows are known to be those ``fill``'s ``rows`` gives
+        #: (it wrote them, or checked its first chunk)
+        self._rows_checked = False
 
     def _write_meta(self) -> None:
         tmp = self.path / (_META + ".tmp")
@@ -143,12 +147,15 @@ class GradientStore:
     ) -> None:
         """Compute ``rows(batch) -> [b, D]`` for each batch not stored yet, one chunk per
         batch, in the loader's order (which must be the same on every fill: no shuffling).
-        A complete store computes nothing: it reads the loader through once to check that
-        its data are those stored (a :class:`Fingerprint`; any batching), else raises."""
+        A complete store computes only its first batch's rows again (once per object), to
+        check them against the stored ones, and reads the loader through once to check that its data are those
+        stored (a :class:`Fingerprint`; any batching), else raises."""
         data, count = Fingerprint(), 0
         if self.complete:
-            for batch in batches:
+            for i, batch in enumerate(batches):
                 data.update(batch)
+                if i == 0 and not self._rows_checked:
+                    self._check_rows(batch, rows)
             if data.hexdigest() != self._data:
                 raise self._other_data("their values, shapes or order differ")
             return
@@ -159,11 +166,29 @@ class GradientStore:
             if self._chunk(i).exists():
                 if self._batch_print(i).read_text() != printed:
                     raise self._other_data(f"batch {i} differs from the one its stored chunk was computed from")
+                if i == 0 and not self._rows_checked:
+                    self._check_rows(batch, rows)
                 continue
             self._batch_print(i).write_text(printed)
             self.write(i, rows(batch))
         self._chunks, self._data = count, data.hexdigest()
+        self._rows_checked = True
         self._write_meta()
+
+    def _check_rows(self, batch: Any, rows: Callable[[Any], Tensor]) -> None:
+        """Raise unless ``rows(batch)`` (the loader's first batch) equals the stored chunk 0
+        to ``max(1e-4, 10 eps)`` of its norm: the key and the data's fingerprint cannot see a
+        changed ``loss_fn`` or forward (a loss scaled by 2 read the old rows, scores 50% off)."""
+        stored = torch.from_numpy(np.load(self._chunk(0), mmap_mode="c"))
+        now = rows(batch).detach().cpu()
+        tol = max(1e-4, 10 * torch.finfo(now.dtype).eps)
+        if now.shape != stored.shape or (now.double() - stored.double()).norm() > tol * stored.double().norm():
+            raise ValueError(
+                f"jacmem.attribution: the store {str(self.path)!r} holds rows that the loss function and model "
+                "give no more (its first batch's rows, computed again, differ: another loss_fn, or the model's "
+                "code changed); pass a new directory (or delete this one) to compute them again"
+            )
+        self._rows_checked = True
 
     def write(self, i: int, rows: Tensor) -> None:
         """Chunk ``i`` := ``rows [b, D]`` (on the host, as a float type numpy holds),

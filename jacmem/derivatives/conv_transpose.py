@@ -129,7 +129,8 @@ for _module in (nn.ConvTranspose1d, nn.ConvTranspose2d, nn.ConvTranspose3d):
         hyperparams=conv_transpose_hyperparams,
         input_free=("bias",),
         own_layout=True,
-        kronecker=Kronecker(kronecker_input),
+        # its factors are of weight.transpose(0, 1), [C_out, C_in·K] (kronecker_input)
+        kronecker=Kronecker(kronecker_input, transposed=True),
     )
     for _param, _quantity, _name, _fn, _cost in _STRATEGIES:
         register(_module, _param, _quantity, _name, cost=transposed_cost(_cost))(transposed(_fn))

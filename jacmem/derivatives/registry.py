@@ -107,8 +107,9 @@ class Kronecker:
     diagonal: the layer's parameters are scaled elementwise (LayerNorm, RMSNorm):
         no Kronecker form; KFAC and KFLR give each parameter its GGN diagonal from the
         same factors instead, ``[d]`` with ``d.shape == param.shape``.
-    transposed: ``G ⊗ A`` approximates the block of ``weight.T`` (HF's Conv1D
-        ``[I, O]``, Embedding ``[V, D]``), not of ``weight``.
+    transposed: ``G ⊗ A`` approximates the block of ``weight`` with its dims 0 and 1
+        swapped (HF's Conv1D ``[I, O]``, Embedding ``[V, D]``, a transposed
+        convolution's ``[C_in, C_out/g, *K]``), not of ``weight``.
     with_bias: ``input_factor``'s signature and rule, of the inputs with a 1 appended
         to each position's input ``a_t`` (the bias as a column of ones in the
         activations: ``[a_t; 1]``, one per patch position for a convolution), so

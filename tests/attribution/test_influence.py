@@ -292,3 +292,64 @@ def test_hf_conv1d_is_scored_as_its_transposed_weight(curvature):
     C = unfold_order(kronecker_block(rows[:, order], g.T @ g, A, curvature, 0.01), order)
     want = _per_sample(model, xq, yq) @ torch.linalg.inv(C) @ rows.T
     torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_a_transposed_convolution_equals_the_dense_reference(curvature):
+    """nn.ConvTranspose2d (stride 1, no padding): its weight ``[C_in, C_out, k, k]`` is
+    scored as the ``[C_out, C_in·k·k]`` its factors are of (the Influence took it as
+    stored and failed in a shape mismatch), its bias in a block of its own. The patch at
+    output position ``p`` is ``x[p - κ]`` over kernel entries ``κ``: the unfold of ``x``
+    padded by ``k - 1``, its kernel axes flipped. ``G = Σ_n (Σ_t g_t)(Σ_t g_t)ᵀ``, ``A =
+    Σ_{n,t} a_t a_tᵀ / N``."""
+    torch.manual_seed(5)
+    C_in, C_out, k = 2, 3, 2
+    layer = nn.ConvTranspose2d(C_in, C_out, k).double()
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, C_in, 3, 3, generator=g), torch.randint(0, 3, (8,), generator=g)
+    xq, yq = torch.randn(3, C_in, 3, 3, generator=g), torch.randint(0, 3, (3,), generator=g)
+    model = nn.Sequential(layer, nn.Tanh(), nn.Flatten(), nn.Linear(C_out * 16, 3, bias=False)).double()
+    model[3].requires_grad_(False)
+    train = _loader(x, y, 4)
+    got = Influence(model, loss_fn, curvature=curvature, damping=0.01, progress=False).fit(train)
+    got = got.scores([(xq, yq)], train)
+
+    def as_matrix(rows):  # weight [C_in, C_out, k, k] -> [C_out, C_in·k·k] (row-major), then the bias
+        w = rows[:, : C_in * C_out * k * k].reshape(-1, C_in, C_out, k * k).transpose(1, 2).flatten(1)
+        return w, rows[:, C_in * C_out * k * k :]
+
+    weight, bias = as_matrix(_per_sample(model, x, y))
+    patches = F.unfold(F.pad(x, (k - 1,) * 4), k).unflatten(1, (C_in, k, k)).flip(2, 3).flatten(1, 3)
+    A = torch.einsum("nit,njt->ij", patches, patches) / len(x)
+    G = bias.T @ bias
+    C = torch.block_diag(
+        kronecker_block(weight, G, A, curvature, 0.01), kronecker_block(bias, G, torch.ones(1), curvature, 0.01)
+    )
+    wq, bq = as_matrix(_per_sample(model, xq, yq))
+    want = torch.cat([wq, bq], 1) @ torch.linalg.inv(C) @ torch.cat([weight, bias], 1).T
+    torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_under_bf16_autocast_the_folded_factor_is_in_the_weights_dtype(curvature):
+    """A float32 model whose ``loss_fn`` runs under ``torch.autocast`` (bfloat16): the
+    folded input factor (the bias as a column of ones), computed in a forward hook under
+    autocast, came in bfloat16, on which ``eigh`` does not run (the fit raised
+    ``"linalg_eigh_cpu" not implemented for 'BFloat16'``). It is computed in the weight's
+    dtype; the scores are the float64 dense reference's, to bfloat16's precision."""
+    model = tiny_mlp().float()
+    x, y = _data(12, 0)
+
+    def amp_loss(model, batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = model(batch[0].float())
+        return F.cross_entropy(logits.float(), batch[1], reduction="sum")
+
+    inf = Influence(model, amp_loss, curvature=curvature, damping=0.05, progress=False).fit(_loader(x, y, 4))
+    got = inf.scores(_loader(x[:3], y[:3], 3), _loader(x, y, 4))
+    assert got.dtype == torch.float32
+    reference = tiny_mlp()  # the same weights, float64, no autocast
+    C = _dense_curvature(reference, x, y, curvature, 0.05)
+    rows = _per_sample(reference, x, y)
+    want = rows[:3] @ torch.linalg.inv(C) @ rows.T
+    assert ((got.double() - want).norm() / want.norm()) < 3e-2

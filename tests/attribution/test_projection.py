@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from tests.support.attribution import layer_stats_of
+from tests.support.projection import rule
 from torch import nn
 
 import jacmem
@@ -249,3 +250,85 @@ def test_hf_gpt2_projected_runs_whole(curvature):
     assert [inf.names[i] for i in inf._whole] == ["model.transformer.wte.weight"]
     assert torch.isfinite(scores).all()
     torch.testing.assert_close(inf.self_influence(train), torch.diagonal(scores), rtol=1e-10, atol=0)
+
+
+class _UnusedHead(nn.Module):
+    """A trunk, a head the loss never reads (``unused``, before ``head`` in the parameter
+    order), and the head it reads."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.trunk, self.unused, self.head = nn.Linear(4, 5), nn.Linear(5, 7), nn.Linear(5, 3)
+
+    def forward(self, x):
+        h = torch.tanh(self.trunk(x))
+        return self.head(h), self.unused(h)
+
+
+def _first_output_loss(model, batch):
+    x, y = batch
+    return F.cross_entropy(model(x)[0], y, reduction="sum")
+
+
+@pytest.mark.parametrize("dim", [4, 6])
+def test_a_parameter_the_loss_does_not_use_takes_its_projected_width(dim):
+    """A trainable parameter the loss never reaches has zero rows of the *projected* width
+    (``dim``), not of ``p.numel()``: otherwise the later parameters' columns shift (the
+    scores were 97% off at dim=4) or the widths do not match."""
+    model = _UnusedHead().double()
+    x, y = _data(6, 0)
+    train = [(x[:3], y[:3]), (x[3:], y[3:])]
+    got = Influence(model, _first_output_loss, curvature="identity", projection=dim, progress=False)
+    got = got.fit(train).scores([(x[:2], y[:2])], train)
+    names = dict(model.named_parameters())
+    rows = []
+    for i in range(len(x)):
+        grads = torch.autograd.grad(
+            _first_output_loss(model, (x[i : i + 1], y[i : i + 1])), list(names.values()), allow_unused=True
+        )
+        rows.append(
+            torch.cat(
+                [
+                    rule(model, n, torch.zeros_like(p)[None] if g is None else g[None], 0, dim, "kronecker")
+                    for (n, p), g in zip(names.items(), grads)
+                ],
+                1,
+            )
+        )
+    rows = torch.cat(rows)
+    torch.testing.assert_close(got, rows[:2] @ rows.T, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize("curvature", ["ekfac", "kfac"])
+def test_a_densely_projected_norm_needs_no_kronecker_factors(curvature):
+    """With a projection, a parameter the rule projects densely (here a BatchNorm's scale
+    and shift, in eval mode) is documented to get the whole second moment of its projected
+    gradients: it needs no Kronecker factors, so a module KFAC has no rule for must not
+    stop the fit (it raised UnsupportedCurvatureError for the BatchNorm)."""
+    torch.manual_seed(1)
+    model = nn.Sequential(nn.Linear(4, 5), nn.BatchNorm1d(5), nn.Tanh(), nn.Linear(5, 3)).double()
+    model(torch.randn(16, 4))  # running statistics
+    model.eval()
+    x, y = _data(8, 0)
+    train = [(x[:4], y[:4]), (x[4:], y[4:])]
+    inf = Influence(model, loss_fn, curvature=curvature, damping=0.01, projection=K, progress=False)
+    got = inf.fit(train).scores([(x[:2], y[:2])], train)
+    names = dict(model.named_parameters())
+    grads = [torch.autograd.grad(loss_fn(model, (x[i : i + 1], y[i : i + 1])), list(names.values())) for i in range(8)]
+    rows, blocks = [], []
+    for k, (name, p) in enumerate(names.items()):
+        vecs = torch.cat([rule(model, name, g[k][None], 0, K, "kronecker") for g in grads])
+        if name.endswith("weight") and p.dim() == 2:  # a Linear's: KFAC's factors projected
+            a, g = layer_stats_of(model, loss_fn, x, y, model[int(name[0])])
+            P_rows, P_cols = kronecker(0, name, K, *p.shape, dtype=torch.float64, device="cpu")
+            lg, Ug = torch.linalg.eigh(P_rows @ g.T @ g @ P_rows.T)
+            la, Ua = torch.linalg.eigh(P_cols @ (a.T @ a / len(a)) @ P_cols.T)
+            U = torch.kron(Ug.contiguous(), Ua.contiguous())
+            lam = torch.kron(lg, la) if curvature == "kfac" else (vecs @ U).square().sum(0)
+            blocks.append(U @ torch.diag(lam) @ U.T)
+        else:  # dense: the whole second moment
+            blocks.append(vecs.T @ vecs)
+        rows.append(vecs)
+    rows, C = torch.cat(rows, 1), torch.block_diag(*blocks) + 0.01 * torch.eye(K * len(names))
+    torch.testing.assert_close(got, rows[:2] @ torch.linalg.inv(C) @ rows.T, rtol=1e-9, atol=1e-12)

@@ -58,12 +58,12 @@ def test_a_stopped_fill_resumes_without_recomputing_finished_chunks(tmp_path):
     loss.calls = 0
     queries = _loader(4, 2, 1)
     got = inf.scores(queries, train)
-    assert loss.calls == 2 + 2  # the two missing training chunks, then the two query batches
+    assert loss.calls == 1 + 2 + 2  # the first chunk checked, the two missing ones, then the two query batches
     fresh = Influence(tiny_mlp(), _Counted(), curvature="identity", progress=False).fit(train)
     torch.testing.assert_close(got, fresh.scores(queries, train), rtol=0, atol=0)
 
     loss.calls = 0
-    inf.self_influence(train)  # a complete store: no training batch runs again
+    inf.self_influence(train)  # a complete store, checked: no training batch runs again
     assert loss.calls == 0
 
 
@@ -132,3 +132,21 @@ def test_a_stopped_fill_resumed_over_other_data_raises(tmp_path):
     inf, _, _ = _stopped_fill(tmp_path / "g", _loader(10, 3, 0), 1)
     with pytest.raises(ValueError, match="batch 0 differs from the one its stored chunk was computed from"):
         inf.scores(_loader(4, 2, 1), _loader(10, 3, 7))
+
+
+def test_a_complete_store_read_through_another_loss_raises(tmp_path):
+    """The key and the data's fingerprint cannot see ``loss_fn``: a store filled under the
+    summed cross-entropy was read as the rows of twice it (scores 50% off, silently)."""
+    train = _loader(6, 3, 0)
+    Influence(tiny_mlp(), _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train).self_influence(
+        train
+    )
+
+    def doubled(model, batch):
+        return 2 * F.cross_entropy(model(batch[0]), batch[1], reduction="sum")
+
+    later = Influence(tiny_mlp(), doubled, curvature="identity", store=tmp_path, progress=False).fit(train)
+    with pytest.raises(ValueError, match="loss function and model give no more"):
+        later.self_influence(train)
+    again = Influence(tiny_mlp(), _Counted(), curvature="identity", store=tmp_path, progress=False).fit(train)
+    torch.testing.assert_close(again.self_influence(train), again.scores(train, train).diagonal(), rtol=1e-12, atol=0)

@@ -49,14 +49,15 @@ def dense_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
 
 def kronecker_layer(model: nn.Module, name: str) -> bool:
     """Whether the documented kronecker rule applies to parameter ``name`` of ``model``:
-    the weight of a Linear, HF Conv1D, Embedding(Bag) or convolution that is called as a
+    the weight of a Linear, HF Conv1D, Embedding(Bag) or nn.Conv1d/2d/3d (not a transposed
+    one, which takes the dense rule) that is called as a
     module (not a MultiheadAttention's ``out_proj``, which it calls functionally)."""
     owner, _, pname = name.rpartition(".")
     modules = dict(model.named_modules())
     module, parent = modules[owner], modules[owner.rpartition(".")[0]]
     if pname != "weight" or isinstance(parent, nn.MultiheadAttention):
         return False
-    layers = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.modules.conv._ConvNd)
+    layers = (nn.Linear, nn.Embedding, nn.EmbeddingBag, nn.Conv1d, nn.Conv2d, nn.Conv3d)
     return isinstance(module, layers) or type(module).__name__ == "Conv1D"
 
 
