@@ -137,17 +137,18 @@ def _projection_slack(e: oracle.Expected, name: str, tol: float, kind: str) -> T
     rounding errors do not depend on the matrix (drawn from the seed after the fact), so
     that is a sum of ``P`` terms of random sign, of standard deviation ``‖r_i‖₂ ·
     rms(δ_n)``: the slack takes ``rms(δ_n) <= tol · max_j |G_nj|`` (the gradient's
-    error, in norm, within ``tol`` of its largest entry) and one standard deviation; the
-    absolute floor ``tol · scale`` stays above it. The projection thus answers for the
+    error, in norm, within ``tol`` of its largest entry: resnet18's convolutions 0.57 to
+    0.63 of it; its BatchNorm vectors, of 64 to 512 entries, up to 1.45, far below the
+    floor) and one standard deviation; the absolute floor ``tol · scale`` stays above it. The projection thus answers for the
     per-sample gradients' error in norm, which BatchGrad's per-entry check (against the
     largest entry of any parameter) lets through at a larger size: resnet18's
     ``conv1.weight`` under autocast, per-sample gradients 17 % off the float64 oracle in
     norm (torch's own per-sample loop under the same autocast: the same 17 %, jacmem 0.2 %
-    from it), ``rms(δ_n)`` 1.7e-3 against ``tol · max|G_n|`` 3.6e-3, its projection's
+    from it), ``rms(δ_n)`` at most 0.63 of ``tol · max|G_n|``, its projection's
     entries off by up to 0.158 (``‖δ_n‖ / √dim`` = 0.065 a standard deviation), beyond
     ``tol · scale`` (0.086); the slack there is 0.14. A wrong matrix moves an entry by
     about ``‖G_n‖ / √dim`` (0.44), far beyond it (``test_can_fail.py``)."""
-    G = e.grad_batch[name].flatten(1)
+    G = e.grad_batch[name].reshape(e.n, -1)  # (a 0-dim parameter's are [N])
     norms = row_norms(e.model, name, G.shape[1], SEED, DIM, kind)
     return tol * G.abs().amax(1, keepdim=True) * norms
 
