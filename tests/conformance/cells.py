@@ -178,7 +178,12 @@ def _check_values(spec: Model, s: Setting, q: Quantity, rows: slice, out: Outcom
             _check_accumulated(spec, q, e, out, name, where)
             if q.savefield == "grad":  # ClipGrad's result is .grad: the sum of both passes, checked above
                 continue
-        slack = _clip_slack(e, name) if q.kind == "clip" and s.name == "autocast_bf16" else None
+        slack = None
+        if s.name == "autocast_bf16" and q.kind == "clip":
+            slack = _clip_slack(e, name)
+        elif s.name == "autocast_bf16" and q.autocast_slack is not None:
+            slack = q.autocast_slack(e, name, tol)
+            slack = slack[held] if q.per_sample else slack
         _close(got, want, tol, f"{where} {name} {q.savefield}", scale, slack)
     return "exact" if exact else "structural"
 

@@ -5,7 +5,10 @@ it, after showing that the same cell passes without it (so the failure is the fa
 - a registered derivative off by 0.1 % (Linear's weight ``batch_grad``, every strategy);
 - one module's call not recorded (its hook dropped): a missing result, never a pass;
 - the compile setting compiled with ``aot_eager``, or not compiled at all: inductor,
-  the default backend, compiled no graph.
+  the default backend, compiled no graph;
+- under bfloat16 autocast, whose projections take a slack (``quantities._projection_slack``),
+  a projection drawn from another seed, or from another parameter's matrices: resnet18,
+  where the slack is the largest (``conformance_full``: ``make conformance`` runs it).
 """
 
 from __future__ import annotations
@@ -13,12 +16,14 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 from torch import nn
 
-from jacmem.derivatives import REGISTRY
+import jacmem
+from jacmem.derivatives import REGISTRY, projection
 from jacmem.engine.recorder import Recorder
 
-from . import cells
+from . import cells, quantities
 from .settings import SETTINGS, single
 
 pytestmark = [pytest.mark.usefixtures("float64_default"), pytest.mark.conformance]
@@ -66,3 +71,35 @@ def test_another_backend_fails_the_compile_cell(monkeypatch, backend):
     monkeypatch.setitem(SETTINGS, "compile", dataclasses.replace(setting, runner=runner))
     with pytest.raises(AssertionError, match="inductor compiled no graph"):
         cells.check("mlp", "compile", "BatchL2Grad", fresh=True)
+
+
+# resnet18 (about 25 s a fault): with the matrix's resnet18 x autocast cells, on their worker
+@pytest.mark.conformance_full
+@pytest.mark.xdist_group("resnet18-autocast_bf16")
+@pytest.mark.parametrize("fault", ["seed", "matrix"])
+def test_a_wrong_projection_fails_the_autocast_cell(monkeypatch, fault):
+    cell = ("resnet18", "autocast_bf16", "BatchGradProjectionDense")
+    assert cells.check(*cell, fresh=True) == "exact"
+    if fault == "seed":
+        wrong = [jacmem.BatchGradProjection(quantities.DIM, kind="dense", seed=quantities.SEED + 1)]
+        q = quantities.QUANTITIES[cell[2]]
+        monkeypatch.setitem(quantities.QUANTITIES, cell[2], dataclasses.replace(q, make=lambda c: wrong))
+    else:  # each parameter projected by the matrices of another name
+        matrix = projection.matrix
+        monkeypatch.setattr(projection, "matrix", lambda seed, name, *a, **k: matrix(seed, name + "'", *a, **k))
+    with pytest.raises(AssertionError, match="grad_proj"):
+        cells.check(*cell, fresh=True)
+
+
+@pytest.mark.parametrize("kind", ["kronecker", "dense"])
+def test_the_slack_takes_the_norms_of_the_rules_rows(kind):
+    """``row_norms``, which the projection's slack scales by, against the rows of the
+    rule's matrix read off the rule applied to each basis vector (a weight of 5000
+    entries: two blocks of the dense rule)."""
+    from tests.support.projection import row_norms, rule
+
+    model = nn.Sequential(nn.Linear(50, 100))
+    for name, p in model.named_parameters():
+        basis = torch.eye(p.numel()).reshape(p.numel(), *p.shape)
+        rows = rule(model, name, basis, 5, 6, kind).T  # [dim, P]: the matrix
+        torch.testing.assert_close(row_norms(model, name, p.numel(), 5, 6, kind), rows.norm(dim=1))

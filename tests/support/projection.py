@@ -47,6 +47,21 @@ def dense_rule(grads: Tensor, seed: int, name: str, dim: int) -> Tensor:
     return flat @ R.T
 
 
+def row_norms(model: nn.Module, name: str, numel: int, seed: int, dim: int, kind: str) -> Tensor:
+    """``[dim]``: the Euclidean norm of each row of the matrix that :func:`rule` applies to
+    parameter ``name``'s flattened per-sample gradient (``numel`` entries): the dense
+    rule's ``R``, or the kronecker rule's ``P_rows ⊗ P_cols`` (row ``(k, l)``'s norm is
+    ``‖P_rows[k]‖ ‖P_cols[l]‖``)."""
+    if kind == "kronecker" and kronecker_layer(model, name):
+        shape = dict(model.named_parameters())[name].shape
+        k_rows, k_cols = balanced(dim)
+        rows = drawn(seed, name + ":rows", k_rows, shape[0]).norm(dim=1)
+        return torch.outer(rows, drawn(seed, name + ":cols", k_cols, numel // shape[0]).norm(dim=1)).flatten()
+    starts = range(0, numel, BLOCK)
+    squares = [drawn(seed, f"{name}:{b}", dim, min(BLOCK, numel - s)).square().sum(1) for b, s in enumerate(starts)]
+    return torch.stack(squares).sum(0).sqrt()
+
+
 def kronecker_layer(model: nn.Module, name: str) -> bool:
     """Whether the documented kronecker rule applies to parameter ``name`` of ``model``:
     the weight of a Linear, HF Conv1D, Embedding(Bag) or nn.Conv1d/2d/3d (not a transposed
