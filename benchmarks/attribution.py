@@ -643,12 +643,7 @@ def main(argv=None) -> None:
             r = run_case(case, args.timeout)
             speed_results.append(r)
             kind = "paired" if case["paired"] else "memory"
-            if "error" in r:
-                shown = _failure(r)
-            elif case["paired"]:
-                shown = f"{r['time_s'] * 1e3:.0f} ms, {statistics.median(r['ratios']):.2f}x plain"
-            else:
-                shown = f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
+            shown = harness.progress(r, case["paired"], _failure)
             print(f"[speed] {case['model']} {case['method']} {kind}: {shown}", file=sys.stderr, flush=True)
             report("speed")
     print(details.read_text())

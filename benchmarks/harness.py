@@ -111,6 +111,16 @@ def failure(r: dict, declined: tuple[str, ...] = ()) -> str:
     return next((e for e in (error, message) if declined and e.startswith(declined)), "fails: " + message)
 
 
+def progress(r: dict, paired: bool, failure: Callable[[dict], str]) -> str:
+    """A timed case's progress line (stderr): ``failure(r)`` where it failed; else, paired,
+    its step time and median ratio over the plain step (:func:`paired_steps`), or its peak."""
+    if "error" in r:
+        return failure(r)
+    if paired:
+        return f"{r['time_s'] * 1e3:.0f} ms, {statistics.median(r['ratios']):.2f}x plain ({len(r['ratios'])} pairs)"
+    return f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
+
+
 def timed_rows(
     results: list[dict],
     models: list[str],

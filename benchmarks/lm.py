@@ -365,12 +365,7 @@ def main(argv=None) -> None:
         r = run_case(case, args.timeout)
         results.append(r)
         kind = "paired" if case["paired"] else "memory"
-        if "error" in r:
-            shown = _failure(r)
-        elif case["paired"]:
-            shown = f"{r['time_s'] * 1e3:.0f} ms, {statistics.median(r['ratios']):.2f}x plain ({r['repeats']} pairs)"
-        else:
-            shown = f"peak {r['peak_bytes'] / 2**20:.0f} MiB"
+        shown = harness.progress(r, case["paired"], _failure)
         print(f"[{i}/{len(todo)}] {case['model']} {case['method']} {kind}: {shown}", file=sys.stderr, flush=True)
         # the block after every case: a run cut short leaves what it measured
         harness.write_block(markdown, "\n".join(table(results, args)), START, END)

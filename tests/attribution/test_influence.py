@@ -12,14 +12,8 @@ from torch import nn
 
 from jacmem.attribution import Influence
 
-
-@pytest.fixture(autouse=True)
-def _float64():
-    """The references build their matrices in float64 (restored after each test)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+#: the references build their matrices in float64 (restored after each test)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _data(n: int, seed: int):

@@ -21,13 +21,8 @@ from jacmem.derivatives.projection import dense, kronecker  # noqa: E402
 K = 4  # (k_rows, k_cols) = (2, 2)
 
 
-@pytest.fixture(autouse=True)
-def _float64():
-    """The references build their matrices in float64 (restored after each test)."""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(before)
+#: the references build their matrices in float64 (restored after each test)
+pytestmark = pytest.mark.usefixtures("float64_default")
 
 
 def _model():
