@@ -39,7 +39,6 @@ under ``out/`` (it checks the harness).
 from __future__ import annotations
 
 import copy
-import gc
 import math
 import statistics
 import sys
@@ -422,12 +421,7 @@ def speed_child(case: dict) -> dict:
     model, X, y = speed_build(case["model"], case["quick"])
     plain = _plain_step(copy.deepcopy(model), X, y) if case["paired"] else None
     step = speed_prepare(case["method"], model, X, y, case["dim"])
-    step()
-    if plain:
-        plain()
-    gc.collect()
-    times, ratios = harness.paired_steps(step, plain, case["repeats"])
-    return dict(case, time_s=statistics.median(times), ratios=ratios, peak_bytes=harness.peak_rss_bytes())
+    return harness.timed_case(case, step, plain)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ other module of ``benchmarks``.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import re
@@ -109,6 +110,18 @@ def failure(r: dict, declined: tuple[str, ...] = ()) -> str:
     error = r["error"].replace("|", "/")
     message = error.split(": ", 1)[-1]
     return next((e for e in (error, message) if declined and e.startswith(declined)), "fails: " + message)
+
+
+def timed_case(case: dict, step: Callable[[], object], plain: Callable[[], object] | None) -> dict:
+    """``case`` with its measurements: one warm-up of ``step`` (and ``plain``), then
+    :func:`paired_steps` over ``case["repeats"]``: the median step time (s), the ratios over
+    ``plain`` (where given), and the process's peak resident set."""
+    step()
+    if plain:
+        plain()
+    gc.collect()
+    times, ratios = paired_steps(step, plain, case["repeats"])
+    return dict(case, time_s=statistics.median(times), ratios=ratios, peak_bytes=peak_rss_bytes())
 
 
 def progress(r: dict, paired: bool, failure: Callable[[dict], str]) -> str:

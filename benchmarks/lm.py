@@ -35,8 +35,6 @@ The table goes to BENCHMARKS.md between ``<!-- lm:start -->`` and ``<!-- lm:end 
 from __future__ import annotations
 
 import copy
-import gc
-import statistics
 import sys
 import time
 import warnings
@@ -266,12 +264,7 @@ def child(case: dict) -> dict:
         return dict(case, error=f"skipped: needs {func_bytes(model, X.shape[0]) / 2**30:.1f} GiB")
     plain = prepare("plain", copy.deepcopy(model), X, y) if case["paired"] else None
     step = prepare(case["method"], model, X, y)
-    step()
-    if plain:
-        plain()
-    gc.collect()
-    times, ratios = harness.paired_steps(step, plain, case["repeats"])
-    return dict(case, time_s=statistics.median(times), ratios=ratios, peak_bytes=harness.peak_rss_bytes())
+    return harness.timed_case(case, step, plain)
 
 
 def run_case(case: dict, timeout: float) -> dict:
